@@ -1,0 +1,95 @@
+"""Torch reference for the segmented multi-LoRA delta read from the page arena.
+
+Semantics, for every segment s (a run of tokens that share one adapter slot) and every module m
+in `module_ids` with rank r = ranks[slot, m] > 0:
+
+    A = arena[a_offsets[slot, m] : + r * K].view(r, K)              # PEFT lora_A.weight layout
+    B = arena[b_offsets[slot, m] : + N_m * r].view(N_m, r)          # PEFT lora_B.weight layout
+    y[tokens of s, out_slices[m]] += scales[slot, m] * (x[tokens of s] @ A.T) @ B.T
+
+Shapes: y [T, N_total] (updated in place), x [T, K], arena 1-D (the flattened page arena),
+a_offsets/b_offsets [num_slots, num_modules] int64 element offsets, ranks [num_slots,
+num_modules] int32, scales [num_slots, num_modules] float32 (the tables of one layer).
+Tokens of no segment (base-model requests) are left untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraMeta:
+    """Per-step segment metadata, built once per step and shared by every layer."""
+
+    seg_starts: torch.Tensor  # [S] int32: first token of each segment
+    seg_lens: torch.Tensor  # [S] int32
+    seg_slots: torch.Tensor  # [S] int32: adapter slot of each segment
+    token_slots: torch.Tensor  # [T] int32: adapter slot of each token, -1 = none
+    max_seg_len: int  # host-side, sizes kernel grids
+    num_segments: int  # host-side
+
+    @staticmethod
+    def from_token_slots(token_slots: list[int], device: torch.device | str = "cpu") -> LoraMeta:
+        """Segments are maximal runs of equal slots >= 0 in `token_slots`."""
+        starts: list[int] = []
+        lens: list[int] = []
+        slots: list[int] = []
+        for i, s in enumerate(token_slots):
+            if s < 0:
+                continue
+            if slots and slots[-1] == s and starts[-1] + lens[-1] == i:
+                lens[-1] += 1
+            else:
+                starts.append(i)
+                lens.append(1)
+                slots.append(s)
+
+        def t(v: list[int]) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int32, device=device)
+
+        return LoraMeta(
+            seg_starts=t(starts),
+            seg_lens=t(lens),
+            seg_slots=t(slots),
+            token_slots=t(token_slots),
+            max_seg_len=max(lens, default=0),
+            num_segments=len(starts),
+        )
+
+
+def add_lora_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    arena: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    module_ids: tuple[int, ...],
+    out_slices: tuple[tuple[int, int], ...],
+    meta: LoraMeta,
+) -> None:
+    """y += the multi-LoRA delta of x (see module docstring). Computes in float32."""
+    if meta.num_segments == 0:
+        return
+    k = x.shape[1]
+    starts = meta.seg_starts.tolist()
+    lens = meta.seg_lens.tolist()
+    slots = meta.seg_slots.tolist()
+    ranks_h = ranks.tolist()
+    a_off = a_offsets.tolist()
+    b_off = b_offsets.tolist()
+    scales_h = scales.tolist()
+    for start, n, slot in zip(starts, lens, slots, strict=True):
+        xs = x[start : start + n].float()
+        for m, (o_start, o_size) in zip(module_ids, out_slices, strict=True):
+            r = ranks_h[slot][m]
+            if r == 0:
+                continue
+            a = arena[a_off[slot][m] : a_off[slot][m] + r * k].view(r, k).float()
+            b = arena[b_off[slot][m] : b_off[slot][m] + o_size * r].view(o_size, r).float()
+            delta = (xs @ a.T) @ b.T * scales_h[slot][m]
+            y[start : start + n, o_start : o_start + o_size] += delta.to(y.dtype)

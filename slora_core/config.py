@@ -1,0 +1,190 @@
+"""Frozen configuration objects: the base model's shapes and the engine's limits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# The base linear layers a LoRA adapter may target, in the order used by every offset table
+# (`module index`). Fused projections (qkv, gate_up) carry several of these indices.
+LORA_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+MODULE_INDEX: dict[str, int] = {name: i for i, name in enumerate(LORA_MODULES)}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map 'fp16'/'float16'/'bf16'/... (or a torch dtype) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+class ConfigError(ValueError):
+    """A model or engine configuration that cannot be served."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes of a Llama-family decoder, read from a Hugging Face `config.json`."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    model_type: str = "llama"
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ConfigError(f"unsupported model_type {model_type!r} (llama, mistral, qwen2)")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            eos = cfg.get("eos_token_id")
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=int(cfg["vocab_size"]),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_scaling=cfg.get("rope_scaling"),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                model_type=model_type,
+                torch_dtype=str(cfg.get("torch_dtype") or "float32"),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+                raw=dict(cfg),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        p = Path(path) / "config.json"
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"{p} not found: not a Hugging Face model directory") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a base linear layer named in LORA_MODULES."""
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        h, i = self.hidden_size, self.intermediate_size
+        shapes = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        try:
+            return shapes[module]
+        except KeyError:
+            raise ConfigError(f"unknown module {module!r}; expected one of {LORA_MODULES}") from None
+
+    @property
+    def max_module_dim(self) -> int:
+        return max(max(self.module_shape(m)) for m in LORA_MODULES)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of one engine. `block_size=None` picks the smallest power of two >= 16 whose page
+    holds the largest LoRA matrix that `max_rank` allows (DESIGN section 3)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_pages: int = 256
+    block_size: int | None = None
+    max_rank: int = 64
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_adapters_per_batch: int = 8
+    max_model_len: int = 2048
+    host_cache_bytes: int = 1 << 30
+    max_queue: int = 1024
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        for name in ("num_pages", "max_rank", "max_num_seqs", "max_num_batched_tokens",
+                     "max_adapters_per_batch", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+    def resolve_block_size(self, model: ModelConfig) -> int:
+        """The KV block size whose page fits the largest A or B matrix at `max_rank`."""
+        per_token = model.num_hidden_layers * 2 * model.num_key_value_heads * model.head_dim
+        need = self.max_rank * model.max_module_dim
+        if self.block_size is not None:
+            if self.block_size * per_token < need:
+                raise ConfigError(
+                    f"block_size={self.block_size} gives pages of {self.block_size * per_token} "
+                    f"elements, but a rank-{self.max_rank} matrix needs {need}"
+                )
+            return self.block_size
+        bs = 16
+        while bs * per_token < need:
+            bs *= 2
+        return bs

@@ -1,0 +1,66 @@
+"""Per-step batch metadata, built once per engine step and read by every layer.
+
+The flattened batch holds T tokens from B sequences (prefill chunks and decode tokens alike),
+ordered so that sequences sharing an adapter are adjacent (LoRA segments). Layers read the
+current step's context through `get_context()` (the nano-vllm pattern), so model code keeps a
+plain `forward(input_ids, positions)` signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kernels.lora_reference import LoraMeta
+
+
+@dataclass(frozen=True)
+class LoraTables:
+    """Offset tables of resident adapters, laid out [num_layers, num_slots, num_modules]."""
+
+    arena: torch.Tensor  # 1-D view of the whole page arena
+    a_offsets: torch.Tensor  # int64
+    b_offsets: torch.Tensor  # int64
+    ranks: torch.Tensor  # int32, 0 = module not targeted / slot empty
+    scales: torch.Tensor  # float32
+
+
+@dataclass(frozen=True)
+class StepContext:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: arena KV row (page * block_size + offset)
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step's tokens
+    query_starts: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    logits_indices: torch.Tensor  # [n] int64: tokens whose next-token logits are needed
+    kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v) arena views
+    lora: LoraMeta | None = None
+    lora_tables: LoraTables | None = None
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+_CONTEXT: StepContext | None = None
+
+
+def get_context() -> StepContext:
+    if _CONTEXT is None:
+        raise RuntimeError("no step context is set: call the model inside `step_context(...)`")
+    return _CONTEXT
+
+
+@contextmanager
+def step_context(ctx: StepContext) -> Iterator[StepContext]:
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev
