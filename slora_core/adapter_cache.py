@@ -1,0 +1,124 @@
+"""Host tiers of the adapter cache: registered adapters (files on disk) and an LRU of parsed,
+validated adapters in (pinned) host memory, ready to be copied into arena pages."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from slora_core.adapters import LoraAdapter, load_adapter
+from slora_core.arena import AdapterLayout, plan_adapter_layout
+from slora_core.config import ModelConfig
+
+
+class UnknownAdapterError(KeyError):
+    """A request named an adapter that was never registered with the engine."""
+
+    def __str__(self) -> str:
+        return f"unknown adapter {self.args[0]!r}"
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    path: str
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class HostAdapter:
+    """A validated adapter in host memory plus where its matrices go inside arena pages."""
+
+    adapter: LoraAdapter
+    layout: AdapterLayout
+    matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    nbytes: int
+
+
+class AdapterStore:
+    """Registered adapters and the host-memory LRU tier (bounded by `capacity_bytes`)."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        max_rank: int,
+        dtype: torch.dtype,
+        page_numel: int,
+        capacity_bytes: int,
+        pin_memory: bool = False,
+    ) -> None:
+        self.model_config = model_config
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.page_numel = page_numel
+        self.capacity_bytes = capacity_bytes
+        self.pin_memory = pin_memory
+        self._specs: dict[str, AdapterSpec] = {}
+        self._cache: OrderedDict[str, HostAdapter] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.loads = 0
+
+    def register(self, name: str, path: str | Path, sha256: str | None = None) -> None:
+        if not name:
+            raise ValueError("adapter name must be non-empty")
+        self._specs[name] = AdapterSpec(name=name, path=str(path), sha256=sha256)
+
+    def unregister(self, name: str) -> None:
+        self._specs.pop(name, None)
+        with self._lock:
+            host = self._cache.pop(name, None)
+            if host is not None:
+                self._bytes -= host.nbytes
+
+    def is_registered(self, name: str) -> bool:
+        return name in self._specs
+
+    def is_cached(self, name: str) -> bool:
+        return name in self._cache
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def get(self, name: str) -> HostAdapter:
+        """The adapter in host memory, loading and validating it from disk on a miss.
+        Raises UnknownAdapterError or an AdapterError that names the problem."""
+        with self._lock:
+            host = self._cache.get(name)
+            if host is not None:
+                self._cache.move_to_end(name)
+                return host
+        spec = self._specs.get(name)
+        if spec is None:
+            raise UnknownAdapterError(name)
+        host = self._load(spec)
+        with self._lock:
+            self._cache[name] = host
+            self._bytes += host.nbytes
+            while self._bytes > self.capacity_bytes and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._bytes -= old.nbytes
+        return host
+
+    def _load(self, spec: AdapterSpec) -> HostAdapter:
+        adapter = load_adapter(
+            spec.path, self.model_config, max_rank=self.max_rank, dtype=self.dtype,
+            expected_sha256=spec.sha256,
+        )
+        self.loads += 1
+        shapes = {}
+        matrices = {}
+        for key, w in adapter.weights.items():
+            a, b = w.a.contiguous(), w.b.contiguous()
+            if self.pin_memory:
+                a, b = a.pin_memory(), b.pin_memory()
+            matrices[key] = (a, b)
+            shapes[key] = (a.shape[0], a.shape[1], b.shape[0], w.scale)
+        layout = plan_adapter_layout(shapes, self.page_numel)
+        nbytes = sum(a.nbytes + b.nbytes for a, b in matrices.values())
+        return HostAdapter(adapter=adapter, layout=layout, matrices=matrices, nbytes=nbytes)

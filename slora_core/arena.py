@@ -1,0 +1,115 @@
+"""The page arena's tensors: one [num_pages, page_numel] tensor holding KV blocks and adapter
+weights, the per-layer KV views the attention kernels read, and the LoRA offset tables.
+
+Which page holds what is decided by `PagePool`; this module only moves data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slora_core.config import LORA_MODULES, MODULE_INDEX, ModelConfig
+from slora_core.context import LoraTables
+from slora_core.page_pool import pack_matrices
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """Where each (layer, module) A and B matrix of one adapter goes, relative to its pages."""
+
+    num_pages: int
+    # (layer, module) -> (rank, scale, (page_idx, offset) of A, (page_idx, offset) of B)
+    entries: dict[tuple[int, str], tuple[int, float, tuple[int, int], tuple[int, int]]]
+
+
+def plan_adapter_layout(
+    weights: dict[tuple[int, str], tuple[int, int, int, float]], page_numel: int
+) -> AdapterLayout:
+    """weights: (layer, module) -> (rank, in_features, out_features, scale)."""
+    keys = sorted(weights)
+    sizes: list[int] = []
+    for key in keys:
+        r, fan_in, fan_out, _ = weights[key]
+        sizes += [r * fan_in, fan_out * r]
+    num_pages, placements = pack_matrices(sizes, page_numel)
+    entries = {
+        key: (weights[key][0], weights[key][3], placements[2 * i], placements[2 * i + 1])
+        for i, key in enumerate(keys)
+    }
+    return AdapterLayout(num_pages=num_pages, entries=entries)
+
+
+class PageArena:
+    """The arena tensor plus offset tables; see DESIGN section 3 for the layout."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        block_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.config = config
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.num_slots = num_slots
+        L, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        self.page_numel = block_size * L * 2 * hkv * d
+        self.pages = torch.zeros(num_pages, self.page_numel, dtype=dtype, device=device)
+        kv = self.pages.view(num_pages, L, 2, block_size, hkv, d)
+        self.kv_caches = tuple((kv[:, layer, 0], kv[:, layer, 1]) for layer in range(L))
+        shape = (L, num_slots, len(LORA_MODULES))
+        self.tables = LoraTables(
+            arena=self.pages.view(-1),
+            a_offsets=torch.zeros(shape, dtype=torch.int64, device=device),
+            b_offsets=torch.zeros(shape, dtype=torch.int64, device=device),
+            ranks=torch.zeros(shape, dtype=torch.int32, device=device),
+            scales=torch.zeros(shape, dtype=torch.float32, device=device),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.numel() * self.pages.element_size()
+
+    def write_adapter(
+        self,
+        slot: int,
+        pages: list[int],
+        layout: AdapterLayout,
+        matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Copy an adapter's A/B matrices into its pages and fill its rows of the tables.
+        Copies are non-blocking from pinned host memory."""
+        flat = self.tables.arena
+        a_off, b_off, ranks, scales = [], [], [], []
+        layers, mods = [], []
+        for (layer, module), (r, scale, (pa, oa), (pb, ob)) in layout.entries.items():
+            a, b = matrices[(layer, module)]
+            start_a = pages[pa] * self.page_numel + oa
+            start_b = pages[pb] * self.page_numel + ob
+            flat[start_a : start_a + a.numel()].copy_(a.reshape(-1), non_blocking=True)
+            flat[start_b : start_b + b.numel()].copy_(b.reshape(-1), non_blocking=True)
+            layers.append(layer)
+            mods.append(MODULE_INDEX[module])
+            a_off.append(start_a)
+            b_off.append(start_b)
+            ranks.append(r)
+            scales.append(scale)
+        self.clear_slot(slot)
+        if not layers:
+            return
+        dev = self.pages.device
+        idx = (torch.tensor(layers, device=dev), slot, torch.tensor(mods, device=dev))
+        self.tables.a_offsets[idx] = torch.tensor(a_off, dtype=torch.int64, device=dev)
+        self.tables.b_offsets[idx] = torch.tensor(b_off, dtype=torch.int64, device=dev)
+        self.tables.ranks[idx] = torch.tensor(ranks, dtype=torch.int32, device=dev)
+        self.tables.scales[idx] = torch.tensor(scales, dtype=torch.float32, device=dev)
+
+    def clear_slot(self, slot: int) -> None:
+        """Mark a slot empty (rank 0 everywhere) so no kernel reads its stale pages."""
+        self.tables.ranks[:, slot].zero_()
+        self.tables.scales[:, slot].zero_()

@@ -1,0 +1,64 @@
+"""LoRA wraps the base model's linear layers; the model file never mentions LoRA.
+
+`wrap_lora(model, config)` replaces each fused base projection by a `LoraLinear` that runs the
+base layer, then adds the multi-LoRA delta of the current step's adapter segments, read from the
+page arena through the step context's offset tables.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slora_core import ops
+from slora_core.config import MODULE_INDEX, ModelConfig
+from slora_core.context import get_context
+
+
+class LoraLinear(nn.Module):
+    def __init__(
+        self,
+        base: nn.Linear,
+        layer: int,
+        modules: tuple[str, ...],
+        out_sizes: tuple[int, ...],
+    ) -> None:
+        super().__init__()
+        if sum(out_sizes) != base.out_features:
+            raise ValueError(f"slices {out_sizes} do not cover {base.out_features} outputs")
+        self.base = base
+        self.layer = layer
+        self.module_ids = tuple(MODULE_INDEX[m] for m in modules)
+        starts = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.out_slices = tuple(zip(starts, out_sizes, strict=True))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        ctx = get_context()
+        if ctx.lora is None or ctx.lora_tables is None or ctx.lora.num_segments == 0:
+            return y
+        t = ctx.lora_tables
+        layer = self.layer
+        ops.add_lora(
+            y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), t.arena, t.a_offsets[layer],
+            t.b_offsets[layer], t.ranks[layer], t.scales[layer], self.module_ids,
+            self.out_slices, ctx.lora,
+        )
+        return y
+
+
+def wrap_lora(model: nn.Module, config: ModelConfig) -> None:
+    """Replace qkv_proj, o_proj, gate_up_proj and down_proj of every layer by LoraLinear."""
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    inter, hidden = config.intermediate_size, config.hidden_size
+    for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = LoraLinear(attn.qkv_proj, i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv))
+        attn.o_proj = LoraLinear(attn.o_proj, i, ("o_proj",), (hidden,))
+        mlp.gate_up_proj = LoraLinear(mlp.gate_up_proj, i, ("gate_proj", "up_proj"), (inter, inter))
+        mlp.down_proj = LoraLinear(mlp.down_proj, i, ("down_proj",), (hidden,))

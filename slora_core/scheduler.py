@@ -1,0 +1,174 @@
+"""Continuous batching with adapter grouping, chunked prefill, page-aware admission and
+preemption by recomputation. Pure Python: no torch, testable in milliseconds."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from slora_core.page_pool import OutOfPages, PagePool, ResidentAdapter
+from slora_core.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_adapters_per_batch: int
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # grouped by adapter slot
+    new_adapters: list[ResidentAdapter] = field(default_factory=list)  # to be written now
+    evicted: list[ResidentAdapter] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def distinct_adapters(self) -> int:
+        return len({s.seq.adapter for s in self.scheduled if s.seq.adapter is not None})
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, pool: PagePool) -> None:
+        self.limits = limits
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # ---- queue management ----------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (finished or aborted) and give back its pages and adapter ref."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.limits.block_size)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        slot_of = {a: r.slot for a in self._adapters_running() if (r := self.pool.resident(a))}
+        # Group by adapter so each adapter's tokens form one contiguous LoRA segment.
+        out.scheduled.sort(key=lambda s: (s.seq.adapter is None, slot_of.get(s.seq.adapter, -1)))
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            need = self.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+            if need > 0 and not self._grow(seq, need, out):
+                # The youngest running sequence was preempted; if that was `seq`, we are done.
+                if seq.status is not SeqStatus.RUNNING:
+                    break
+                continue
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _grow(self, seq: Sequence, need: int, out: SchedulerOutput) -> bool:
+        """Give `seq` `need` more KV blocks, preempting the youngest running sequence if the
+        arena cannot; returns False when a preemption happened instead."""
+        try:
+            pages, evicted = self.pool.allocate(need)
+        except OutOfPages:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            return False
+        seq.block_table.extend(pages)
+        out.evicted.extend(evicted)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        if seq.adapter is not None and self.pool.is_resident(seq.adapter):
+            self.pool.release_adapter(seq.adapter)
+
+    def _adapters_running(self) -> set[Hashable]:
+        return {s.adapter for s in self.running if s.adapter is not None}
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        adapters = self._adapters_running()
+        admitted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
+            if not seq.adapter_ready:
+                continue
+            new_adapter = seq.adapter is not None and seq.adapter not in adapters
+            if new_adapter and len(adapters) >= self.limits.max_adapters_per_batch:
+                continue  # grouping: let requests for adapters already in the batch go first
+            n = min(seq.num_uncomputed, budget)
+            blocks = self.blocks_for(n)
+            if seq.adapter is not None:
+                if not self.pool.can_admit_adapter(seq.adapter, seq.adapter_pages, blocks):
+                    break  # first come, first served on memory: do not starve big requests
+            elif not self.pool.can_allocate(blocks):
+                break
+            self._admit(seq, n, blocks, out)
+            admitted.append(seq)
+            if seq.adapter is not None:
+                adapters.add(seq.adapter)
+            budget -= n
+        for seq in admitted:
+            self.waiting.remove(seq)
+
+    def _admit(self, seq: Sequence, n: int, blocks: int, out: SchedulerOutput) -> None:
+        if seq.adapter is not None:
+            rec, is_new, evicted = self.pool.acquire_adapter(seq.adapter, seq.adapter_pages)
+            out.evicted.extend(evicted)
+            if is_new:
+                out.new_adapters.append(rec)
+        pages, evicted = self.pool.allocate(blocks)
+        out.evicted.extend(evicted)
+        seq.block_table = pages
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, n))
