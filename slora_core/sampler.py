@@ -1,0 +1,223 @@
+"""Batched token sampling: logits of B sequences in, one token (plus logprobs) per sequence out.
+
+Order as Hugging Face `generate`: repetition penalty, min-new-tokens mask, temperature, top-k,
+top-p, then sampling. Every step works on the whole [B, V] batch at once; the only per-row Python
+work is the random draw of rows that own a seeded generator, and the final unpacking of one host
+transfer into `SampledToken`s.
+
+Sampling uses the exponential race: token = argmax(p_i / q_i) with q_i ~ Exp(1) i.i.d., which picks
+token i with probability exactly p_i, and needs one random vector per row whatever the support.
+A seeded row's vector comes from its own generator alone, so its tokens do not depend on the
+rest of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from slora_core.sampling_params import SamplingParams
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token. Logprobs are log-softmax of the raw model logits (before any penalty,
+    temperature or truncation), so they describe the model, not the sampling settings."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]  # best `top_logprobs` (token, logprob), best first
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The per-request generator for a seeded request (None when `params.seed` is None).
+
+    Create it once per request and pass it to every `Sampler.sample` call of that request."""
+    if params.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed)
+    return gen
+
+
+def token_mask(rows: Sequence[Sequence[int]], vocab_size: int,
+               device: torch.device) -> torch.Tensor:
+    """[B, V] bool, True where row b lists the token. Ids outside [0, V) are ignored, as HF does
+    for ids the output layer cannot produce."""
+    width = max((len(r) for r in rows), default=0)
+    # Padding and out-of-range ids land in an extra column V that is dropped afterwards.
+    padded = [list(r) + [vocab_size] * (width - len(r)) for r in rows]
+    ids = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width).to(device)
+    ids = torch.where((ids < 0) | (ids > vocab_size), vocab_size, ids)
+    mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
+    mask.scatter_(1, ids, True)
+    return mask[:, :vocab_size]
+
+
+def apply_repetition_penalty(scores: torch.Tensor, penalties: Sequence[float],
+                             seen: torch.Tensor) -> torch.Tensor:
+    """HF `RepetitionPenaltyLogitsProcessor` with a per-row penalty: the logits of seen tokens
+    ([B, V] bool) are divided by the penalty when positive, multiplied when negative."""
+    p = torch.tensor(penalties, dtype=scores.dtype, device=scores.device)[:, None]
+    penalised = torch.where(scores < 0, scores * p, scores / p)
+    return torch.where(seen, penalised, scores)
+
+
+def apply_top_k(scores: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+    """HF `TopKLogitsWarper` with a per-row k (0 = off): keeps every token whose score is at
+    least the k-th largest (ties at the boundary stay), sets the rest to -inf."""
+    vocab = scores.shape[-1]
+    # k comes from the host, so the width of topk needs no device sync.
+    ks = [vocab if k <= 0 else min(k, vocab) for k in top_k]
+    k = torch.tensor(ks, device=scores.device)
+    kth = scores.topk(max(ks), dim=-1).values.gather(1, (k - 1)[:, None])
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def apply_top_p(scores: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
+    """HF `TopPLogitsWarper` with a per-row p in (0, 1]: drops the least likely tokens whose
+    cumulative probability is <= 1 - p, always keeping the most likely token."""
+    p = torch.tensor(top_p, dtype=scores.dtype, device=scores.device)
+    sorted_scores, sorted_idx = scores.sort(dim=-1, descending=False)
+    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cum <= (1 - p)[:, None]
+    remove_sorted[:, -1] = False
+    # Rows with p == 1 are untouched even if rounding makes a cumsum entry <= 0.
+    remove_sorted &= (p < 1)[:, None]
+    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+class Sampler:
+    """Turns a batch of logits into tokens. Holds only the default generator for unseeded rows;
+    everything per request (params, generator, history) is passed to `sample`."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._default: dict[torch.device, torch.Generator] = {}
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._default.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._default[device] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None],
+               token_history: Sequence[Sequence[int]], num_generated: Sequence[int],
+               eos_token_ids: Sequence[int]) -> list[SampledToken]:
+        """Sample one token per row of `logits` [B, V].
+
+        `generators[b]` is the request's own generator (see `make_generator`) or None for an
+        unseeded request; `token_history[b]` is prompt + generated ids (for the repetition
+        penalty); `num_generated[b]` counts generated tokens (for `min_new_tokens`). Greedy rows
+        (temperature 0) take the argmax of the penalised, masked logits and draw nothing. Makes
+        one device-to-host transfer."""
+        _check_batch(logits, params, generators, token_history, num_generated)
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        scores = self._penalise(logits, params, token_history)
+        scores = _mask_min_tokens(scores, params, num_generated, eos_token_ids)
+        chosen = scores.argmax(dim=-1)
+        if not all(p.is_greedy for p in params):
+            sampled = self._sample_rows(_warp(scores, params), params, generators)
+            greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+            chosen = torch.where(greedy, chosen, sampled)
+        return _to_host(chosen, raw_logprobs, params)
+
+    @staticmethod
+    def _penalise(scores: torch.Tensor, params: Sequence[SamplingParams],
+                  token_history: Sequence[Sequence[int]]) -> torch.Tensor:
+        if all(p.repetition_penalty == 1.0 for p in params):
+            return scores
+        # Rows without a penalty contribute no ids: less to pad and copy to the device.
+        rows = [h if p.repetition_penalty != 1.0 else () for p, h in
+                zip(params, token_history, strict=True)]
+        seen = token_mask(rows, scores.shape[-1], scores.device)
+        return apply_repetition_penalty(scores, [p.repetition_penalty for p in params], seen)
+
+    def _sample_rows(self, scores: torch.Tensor, params: Sequence[SamplingParams],
+                     generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        probs = scores.softmax(dim=-1)
+        q = torch.ones_like(probs)
+        unseeded = [b for b, (p, g) in enumerate(zip(params, generators, strict=True))
+                    if g is None and not p.is_greedy]
+        if unseeded:
+            gen = self._default_generator(probs.device)
+            q[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device
+                                      ).exponential_(generator=gen)
+        for b, (p, g) in enumerate(zip(params, generators, strict=True)):
+            if g is not None and not p.is_greedy:
+                q[b].exponential_(generator=g)
+        # exponential_ may return exactly 0 in float32; clamping keeps p/q finite at no
+        # measurable cost to the distribution.
+        return (probs / q.clamp_min_(_TINY)).argmax(dim=-1)
+
+
+def _check_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None],
+                 token_history: Sequence[Sequence[int]], num_generated: Sequence[int]) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+    batch = logits.shape[0]
+    lengths = {"params": len(params), "generators": len(generators),
+               "token_history": len(token_history), "num_generated": len(num_generated)}
+    bad = {name: n for name, n in lengths.items() if n != batch}
+    if bad:
+        raise ValueError(f"batch of {batch} logits rows but {bad}")
+
+
+def _mask_min_tokens(scores: torch.Tensor, params: Sequence[SamplingParams],
+                     num_generated: Sequence[int], eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """Set the logits of stopping tokens (EOS unless ignored, and `stop_token_ids`) to -inf in
+    rows that have not yet generated `min_new_tokens`."""
+    rows: list[tuple[int, ...]] = []
+    for p, n in zip(params, num_generated, strict=True):
+        if n >= p.min_new_tokens:
+            rows.append(())
+        else:
+            rows.append(p.stop_token_ids + (() if p.ignore_eos else tuple(eos_token_ids)))
+    if not any(rows):
+        return scores
+    return scores.masked_fill(token_mask(rows, scores.shape[-1], scores.device), float("-inf"))
+
+
+def _warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, each skipped when no row uses it."""
+    # Greedy rows divide by 1: their sampled token is discarded anyway.
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         dtype=scores.dtype, device=scores.device)
+    scores = scores / temps[:, None]
+    if any(p.top_k > 0 for p in params):
+        scores = apply_top_k(scores, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        scores = apply_top_p(scores, [p.top_p for p in params])
+    return scores
+
+
+def _to_host(chosen: torch.Tensor, raw_logprobs: torch.Tensor,
+             params: Sequence[SamplingParams]) -> list[SampledToken]:
+    """Pack tokens, their logprobs and the top-k logprobs into one float64 tensor (exact for
+    token ids below 2**53) so the batch costs a single device-to-host copy."""
+    k = max((p.top_logprobs for p in params), default=0)
+    parts = [chosen[:, None].double(), raw_logprobs.gather(1, chosen[:, None]).double()]
+    if k:
+        top = raw_logprobs.topk(k, dim=-1)
+        parts += [top.indices.double(), top.values.double()]
+    rows = torch.cat(parts, dim=1).cpu().tolist()
+    out: list[SampledToken] = []
+    for row, p in zip(rows, params, strict=True):
+        n = p.top_logprobs
+        top_ids, top_vals = row[2:2 + k], row[2 + k:]
+        pairs = tuple((int(top_ids[i]), top_vals[i]) for i in range(n))
+        out.append(SampledToken(token_id=int(row[0]), logprob=row[1], top_logprobs=pairs))
+    return out
