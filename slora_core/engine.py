@@ -1,0 +1,282 @@
+"""The engine loop: requests in, one batched step at a time, streaming deltas out.
+
+    engine = LLMEngine.from_model_dir(model_dir, EngineConfig(...))
+    engine.register_adapter("support", "/adapters/support")
+    engine.add_request("r1", "Hello", SamplingParams(temperature=0), adapter="support")
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
+from slora_core.adapters import AdapterError
+from slora_core.arena import PageArena
+from slora_core.config import ConfigError, EngineConfig, ModelConfig
+from slora_core.detokenizer import TextStream
+from slora_core.lora import wrap_lora
+from slora_core.model_runner import ModelRunner
+from slora_core.outputs import RequestOutput, TokenLogprob
+from slora_core.page_pool import PagePool
+from slora_core.sampler import SampledToken, Sampler, make_generator
+from slora_core.sampling_params import SamplingParams
+from slora_core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from slora_core.sequence import Sequence
+from slora_core.tokenizer import Tokenizer
+from slora_core.weights import load_model
+
+
+class RequestError(ValueError):
+    """A request that can never be served as asked (too long, bad ids, duplicate id)."""
+
+
+class QueueFullError(RuntimeError):
+    """The engine's waiting queue is at its limit; retry later."""
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    stream: TextStream
+    generator: torch.Generator | None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens: int = 0
+    preemptions: int = 0
+    adapter_loads: int = 0
+    adapter_evictions: int = 0
+    last_distinct_adapters: int = 0
+
+
+class LLMEngine:
+    def __init__(
+        self, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
+        config: EngineConfig,
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.config = config
+        block_size = config.resolve_block_size(model_config)
+        device = torch.device(config.device)
+        self.arena = PageArena(model_config, config.num_pages, block_size, config.num_pages,
+                               config.torch_dtype, device)
+        self.pool = PagePool(config.num_pages, num_slots=config.num_pages)
+        self.scheduler = Scheduler(
+            SchedulerLimits(block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                            config.max_adapters_per_batch),
+            self.pool,
+        )
+        self.adapters = AdapterStore(
+            model_config, max_rank=config.max_rank, dtype=config.torch_dtype,
+            page_numel=self.arena.page_numel, capacity_bytes=config.host_cache_bytes,
+            pin_memory=device.type == "cuda",
+        )
+        wrap_lora(model, model_config)
+        self.runner = ModelRunner(model, self.arena, self.pool)
+        self.sampler = Sampler()
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) or model_config.eos_token_ids
+        self._requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
+        model_config = ModelConfig.from_hf_dir(model_dir)
+        model = load_model(model_dir, config.torch_dtype, config.device)
+        return cls(model, model_config, Tokenizer.from_dir(model_dir), config)
+
+    # ---- adapters --------------------------------------------------------------------------
+    def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
+                         *, preload: bool = True) -> None:
+        """Register an adapter by name. With `preload`, parse and validate it now (raising an
+        AdapterError that names the problem) and keep it in host memory."""
+        self.adapters.register(name, path, sha256)
+        if preload:
+            try:
+                self.adapters.get(name)
+            except AdapterError:
+                self.adapters.unregister(name)
+                raise
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        adapter: str | None = None, tenant: str = "",
+    ) -> None:
+        """Queue a request. Raises RequestError, UnknownAdapterError, an AdapterError, or
+        QueueFullError; a refused request leaves the engine unchanged."""
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting")
+        pages = 0
+        if adapter:
+            if not self.adapters.is_registered(adapter):
+                raise UnknownAdapterError(adapter)
+            pages = self.adapters.get(adapter).layout.num_pages
+        self._check_fits(len(ids) + params.max_new_tokens, pages)
+        seq = Sequence(request_id, ids, params, adapter=adapter or None, adapter_pages=pages,
+                       tenant=tenant, arrival=time.monotonic())
+        stream = TextStream(self.tokenizer, ids, params.stop)
+        self._requests[request_id] = _Request(seq, stream, make_generator(params, self.config.device))
+        self.scheduler.add(seq)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        total = len(ids) + params.max_new_tokens
+        if total > self.config.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"max_model_len {self.config.max_model_len}"
+            )
+
+    def _check_fits(self, total_tokens: int, adapter_pages: int) -> None:
+        need = self.scheduler.blocks_for(total_tokens) + adapter_pages
+        if need > self.config.num_pages:
+            raise RequestError(
+                f"the request needs {need} arena pages at its longest, the arena has "
+                f"{self.config.num_pages}"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages; None if it is unknown or already done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq)
+        return self._final(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; returns the outputs of requests that made progress."""
+        sched = self.scheduler.schedule()
+        outputs = self._apply_memory_changes(sched)
+        if not sched.scheduled:
+            return outputs
+        self.stats.steps += 1
+        self.stats.tokens += sched.num_tokens
+        self.stats.last_distinct_adapters = sched.distinct_adapters()
+        logits = self.runner.run(sched.scheduled)
+        sampling = [s.seq for s in sched.scheduled if s.samples]
+        for item in sched.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        if not sampling:
+            return outputs
+        reqs = [self._requests[s.request_id] for s in sampling]
+        sampled = self.sampler.sample(
+            logits, [s.params for s in sampling], [r.generator for r in reqs],
+            [s.token_ids() for s in sampling], [len(s.output_token_ids) for s in sampling],
+            self.eos_token_ids,
+        )
+        for req, tok in zip(reqs, sampled, strict=True):
+            outputs.append(self._append_token(req, tok))
+        return outputs
+
+    def _apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        self.stats.preemptions += len(sched.preempted)
+        self.stats.adapter_evictions += len(sched.evicted)
+        for rec in sched.evicted:
+            self.arena.clear_slot(rec.slot)
+        failed: list[RequestOutput] = []
+        for rec in sched.new_adapters:
+            try:
+                host = self.adapters.get(str(rec.key))
+            except (AdapterError, UnknownAdapterError) as e:
+                failed += self._fail_adapter(str(rec.key), sched, str(e))
+                continue
+            self.arena.write_adapter(rec.slot, rec.pages, host.layout, host.matrices)
+            self.stats.adapter_loads += 1
+        return failed
+
+    def _fail_adapter(self, name: str, sched: SchedulerOutput, error: str) -> list[RequestOutput]:
+        """An adapter that can no longer be loaded fails its requests; the rest go on."""
+        victims = [r for r in self._requests.values() if r.seq.adapter == name]
+        sched.scheduled = [s for s in sched.scheduled if s.seq.adapter != name]
+        outs = []
+        for req in victims:
+            self.scheduler.finish(req.seq)
+            del self._requests[req.seq.request_id]
+            out = self._final(req, "error")
+            out.error = f"adapter {name!r} could not be loaded: {error}"
+            outs.append(out)
+        if self.pool.is_resident(name):
+            self.arena.clear_slot(self.pool.evict_adapter(name).slot)
+        return outs
+
+    def _append_token(self, req: _Request, tok: SampledToken) -> RequestOutput:
+        seq = req.seq
+        seq.output_token_ids.append(tok.token_id)
+        text = req.stream.append(tok.token_id)
+        out = RequestOutput(
+            request_id=seq.request_id, token_ids=[tok.token_id], text=text,
+            logprobs=[TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs)],
+            prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
+        )
+        reason = self._finish_reason(req, tok.token_id)
+        if reason is not None:
+            self.scheduler.finish(seq)
+            del self._requests[seq.request_id]
+            out.text += req.stream.flush()
+            out.finished, out.finish_reason = True, reason
+        return out
+
+    def _finish_reason(self, req: _Request, token_id: int) -> str | None:
+        seq, p = req.seq, req.seq.params
+        n = len(seq.output_token_ids)
+        if n >= p.min_new_tokens:
+            if token_id in p.stop_token_ids:
+                return "stop"
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if req.stream.stopped:
+                return "stop"
+        if n >= p.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _final(self, req: _Request, reason: str) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.request_id, text=req.stream.flush() if reason != "error" else "",
+            finished=True, finish_reason=reason, prompt_tokens=len(seq.prompt_token_ids),
+            completion_tokens=len(seq.output_token_ids),
+        )
+
+    # ---- convenience -----------------------------------------------------------------------
+    def run_to_completion(self) -> dict[str, list[RequestOutput]]:
+        """Step until every request is done; returns each request's outputs in order."""
+        results: dict[str, list[RequestOutput]] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                results.setdefault(out.request_id, []).append(out)
+        return results
+
+
+__all__ = ["ConfigError", "LLMEngine", "QueueFullError", "RequestError"]
