@@ -1,0 +1,113 @@
+from slora_core.page_pool import PagePool
+from slora_core.sampling_params import SamplingParams
+from slora_core.scheduler import Scheduler, SchedulerLimits
+from slora_core.sequence import SeqStatus, Sequence
+
+
+def make(num_pages=32, max_seqs=8, budget=64, max_adapters=2, bs=4):
+    pool = PagePool(num_pages, num_slots=num_pages)
+    return Scheduler(SchedulerLimits(bs, max_seqs, budget, max_adapters), pool), pool
+
+
+def seq(rid, n=6, adapter=None, pages=2, max_new=4):
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new),
+                    adapter=adapter, adapter_pages=pages if adapter else 0)
+
+
+def advance(out):
+    """What the engine does after a forward: count computed tokens, sample where due."""
+    for s in out.scheduled:
+        done = s.samples
+        s.seq.num_computed_tokens += s.num_new_tokens
+        if done:
+            s.seq.output_token_ids.append(7)
+
+
+def test_prefill_and_decode_share_a_step():
+    sched, _ = make()
+    a = seq("a")
+    sched.add(a)
+    advance(sched.schedule())
+    b = seq("b")
+    sched.add(b)
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 6)]
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    sched, _ = make(budget=4)
+    a = seq("a", n=10)
+    sched.add(a)
+    chunks = []
+    for _ in range(3):
+        out = sched.schedule()
+        chunks.append([(s.num_new_tokens, s.samples) for s in out.scheduled])
+        advance(out)
+    assert chunks == [[(4, False)], [(4, False)], [(2, True)]]
+    assert a.output_token_ids == [7]
+
+
+def test_batch_is_grouped_by_adapter_and_capped_at_max_adapters():
+    sched, pool = make(max_adapters=2)
+    for rid, ad in [("1", "x"), ("2", "y"), ("3", "x"), ("4", "z"), ("5", None), ("6", "y")]:
+        sched.add(seq(rid, adapter=ad))
+    out = sched.schedule()
+    got = [(s.seq.request_id, s.seq.adapter) for s in out.scheduled]
+    assert {a for _, a in got if a} == {"x", "y"}  # z waits: two adapters per batch
+    assert "4" not in [r for r, _ in got]
+    adapters = [a for _, a in got]
+    # each adapter's requests are adjacent, base-model requests last
+    assert adapters[-1] is None
+    firsts = [adapters.index(a) for a in ("x", "y")]
+    for a, f in zip(("x", "y"), firsts, strict=True):
+        assert adapters[f : f + adapters.count(a)] == [a] * adapters.count(a)
+    assert out.distinct_adapters() == 2 and len(out.new_adapters) == 2
+    assert pool.resident("x").refcount == 2
+
+
+def test_admission_counts_kv_and_adapter_pages():
+    sched, pool = make(num_pages=6, bs=4)
+    sched.add(seq("a", n=8, adapter="x", pages=3))  # 2 KV blocks + 3 adapter pages
+    sched.add(seq("b", n=8, adapter="y", pages=3))  # would need 5 more pages: only 1 left
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["a"]
+    assert pool.num_free == 1 and len(sched.waiting) == 1
+
+
+def test_preemption_instead_of_failure_and_resume():
+    sched, pool = make(num_pages=4, bs=2, budget=64)
+    a, b = seq("a", n=4, max_new=8), seq("b", n=4, max_new=8)
+    sched.add(a)
+    sched.add(b)
+    advance(sched.schedule())  # each holds 2 blocks: arena full
+    assert pool.num_free == 0
+    out = sched.schedule()  # a's next token needs a third block -> preempt youngest (b)
+    assert [s.seq.request_id for s in out.scheduled] == ["a"]
+    assert out.preempted == [b] and b.status is SeqStatus.WAITING and b.num_computed_tokens == 0
+    assert b.output_token_ids == [7]  # generated tokens are kept and recomputed
+    advance(out)
+    sched.finish(a)
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 5)]
+
+
+def test_finish_frees_pages_and_adapter_reference():
+    sched, pool = make()
+    a = seq("a", adapter="x")
+    sched.add(a)
+    advance(sched.schedule())
+    sched.finish(a)
+    assert pool.num_kv_pages == 0 and pool.resident("x").refcount == 0
+    assert a.status is SeqStatus.FINISHED and not sched.has_work()
+
+
+def test_unready_adapter_does_not_block_others():
+    sched, _ = make()
+    a = seq("a", adapter="x")
+    a.adapter_ready = False
+    sched.add(a)
+    sched.add(seq("b"))
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["b"]
+    a.adapter_ready = True
+    assert "a" in [s.seq.request_id for s in sched.schedule().scheduled]
