@@ -1,0 +1,100 @@
+"""Shared fixtures: the seeded demo assets, and a paged-KV harness that drives our model one
+engine step at a time through a hand-built StepContext (torch reference ops on CPU)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from slora_core.config import ModelConfig
+from slora_core.context import StepContext, step_context
+from slora_core.demo_assets import write_demo_assets
+from slora_core.model import LlamaForCausalLM
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo assets (seed 0) generated once per session: model/, adapters/, manifest.json."""
+    root = tmp_path_factory.mktemp("demo")
+    write_demo_assets(root, seed=0)
+    return root
+
+
+class PagedKV:
+    """A page arena in the DESIGN section 3 layout plus block tables for a few sequences.
+
+    Pages are handed out in a shuffled order, so every block table is non-contiguous. The arena
+    starts as NaN (float dtypes): reading a KV row that was never written poisons the output.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 num_pages: int = 64, block_size: int = 4, seed: int = 0) -> None:
+        self.block_size = block_size
+        layers, kv_heads, head_dim = (config.num_hidden_layers, config.num_key_value_heads,
+                                      config.head_dim)
+        page_numel = block_size * layers * 2 * kv_heads * head_dim
+        self.arena = torch.full((num_pages, page_numel), float("nan"), dtype=dtype)
+        pages = self.arena.view(num_pages, layers, 2, block_size, kv_heads, head_dim)
+        self.kv_caches = tuple((pages[:, i, 0], pages[:, i, 1]) for i in range(layers))
+        self.free = list(range(num_pages))
+        random.Random(seed).shuffle(self.free)
+        self.tables: list[list[int]] = []
+        self.lens: list[int] = []
+
+    def add_sequence(self) -> int:
+        self.tables.append([])
+        self.lens.append(0)
+        return len(self.tables) - 1
+
+    def build_context(self, chunks: dict[int, list[int]]) -> tuple[StepContext, torch.Tensor]:
+        """Append chunks[seq] to each listed sequence; return the step's context and input ids."""
+        ids, positions, slots, seq_lens, starts, tables = [], [], [], [], [0], []
+        for seq, tokens in chunks.items():
+            start = self.lens[seq]
+            end = start + len(tokens)
+            while len(self.tables[seq]) * self.block_size < end:
+                self.tables[seq].append(self.free.pop())
+            for pos in range(start, end):
+                page = self.tables[seq][pos // self.block_size]
+                slots.append(page * self.block_size + pos % self.block_size)
+            ids += tokens
+            positions += range(start, end)
+            seq_lens.append(end)
+            starts.append(starts[-1] + len(tokens))
+            tables.append(self.tables[seq])
+            self.lens[seq] = end
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        ctx = StepContext(
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(padded, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_starts=torch.tensor(starts, dtype=torch.int32),
+            max_query_len=max(len(t) for t in chunks.values()),
+            max_seq_len=max(seq_lens),
+            logits_indices=torch.arange(len(ids), dtype=torch.int64),
+            kv_caches=self.kv_caches,
+        )
+        return ctx, torch.tensor(ids, dtype=torch.int64)
+
+    @torch.no_grad()
+    def step(self, model: LlamaForCausalLM, chunks: dict[int, list[int]]
+             ) -> dict[int, torch.Tensor]:
+        """Run one engine step; return each listed sequence's logits [len(chunk), vocab]."""
+        ctx, ids = self.build_context(chunks)
+        with step_context(ctx):
+            hidden = model(ids, ctx.positions)
+        logits = model.compute_logits(hidden[ctx.logits_indices])
+        bounds = ctx.query_starts.tolist()
+        return {seq: logits[bounds[i]:bounds[i + 1]] for i, seq in enumerate(chunks)}
+
+
+@pytest.fixture
+def paged_kv() -> Callable[..., PagedKV]:
+    """Factory: paged_kv(config, dtype=..., num_pages=..., block_size=..., seed=...)."""
+    return PagedKV
