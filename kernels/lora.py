@@ -1,0 +1,120 @@
+"""`add_lora_triton`: the multi-LoRA delta as a shrink and an expand launch per module group.
+
+Same signature and semantics as `kernels.lora_reference.add_lora_reference` (y += the delta of
+x for every adapter segment, several modules in one launch, output added in place into y's
+column slices), plus keyword-only tuning knobs. The float32 intermediate holds x @ A.T for each
+token and module, split along K when there are too few segments to fill the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+
+from kernels.lora_common import MAX_MODULES_PER_LAUNCH
+from kernels.lora_expand import lora_expand
+from kernels.lora_reference import LoraMeta
+from kernels.lora_shrink import lora_shrink
+
+
+@dataclass(frozen=True)
+class LoraTiles:
+    """Block sizes of one shrink+expand pair (powers of two, >= 16 where they feed tl.dot)."""
+
+    shrink_block_m: int
+    shrink_block_k: int
+    expand_block_m: int
+    expand_block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
+# decode requests on one adapter) use taller tiles so A and B are re-read less often.
+DECODE_TILES = LoraTiles(shrink_block_m=16, shrink_block_k=256, expand_block_m=16,
+                         expand_block_n=256)
+PREFILL_TILES = LoraTiles(shrink_block_m=64, shrink_block_k=128, expand_block_m=64,
+                          expand_block_n=128)
+# A K split shorter than this reads too little per program to hide memory latency.
+MIN_K_PER_SPLIT = 256
+MAX_SPLIT_K = 16
+# Programs per multiprocessor the shrink aims for before it starts splitting K.
+PROGRAMS_PER_SM = 4
+
+
+def pick_tiles(max_seg_len: int) -> LoraTiles:
+    """The tile table entry for a step whose longest segment has `max_seg_len` tokens."""
+    return DECODE_TILES if max_seg_len <= DECODE_TILES.shrink_block_m else PREFILL_TILES
+
+
+def rank_block(max_rank: int) -> int:
+    """Rank tile: the real rank is looped over in tiles of this size, masked at the end."""
+    return min(max(16, triton.next_power_of_2(max_rank)), 64)
+
+
+@lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_split_k(programs: int, k: int, device: torch.device) -> int:
+    """How many K splits the shrink needs to give every multiprocessor a few programs."""
+    want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(programs, 1))
+    return max(1, min(want, MAX_SPLIT_K, k // MIN_K_PER_SPLIT))
+
+
+def add_lora_triton(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    arena: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    module_ids: tuple[int, ...],
+    out_slices: tuple[tuple[int, int], ...],
+    meta: LoraMeta,
+    *,
+    max_rank: int | None = None,
+    split_k: int | None = None,
+    tiles: LoraTiles | None = None,
+) -> None:
+    """y += the multi-LoRA delta of x, as `add_lora_reference` defines it.
+
+    `max_rank` must bound every rank in the tables (the engine's `max_rank`); without it the
+    launcher reads `ranks.max()`, a host sync that CUDA-graph capture forbids. `split_k` and
+    `tiles` override the tuned choices (tests use them to reach every code path).
+    """
+    if len(module_ids) != len(out_slices):
+        raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
+    if meta.num_segments == 0 or x.shape[0] == 0:
+        return
+    if x.shape[0] != y.shape[0] or meta.token_slots.shape[0] != x.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)} and the segment metadata "
+                         "disagree on the token count")
+    if max_rank is None:
+        max_rank = int(ranks.max())
+    if max_rank <= 0:
+        return
+    tiles = tiles or pick_tiles(meta.max_seg_len)
+    block_r = rank_block(max_rank)
+    k = x.shape[1]
+    for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
+        mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
+        slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
+        programs = meta.num_segments * triton.cdiv(meta.max_seg_len, tiles.shrink_block_m)
+        splits = split_k or pick_split_k(programs * len(mods), k, x.device)
+        buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
+                          device=x.device)
+        lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta,
+                    block_m=tiles.shrink_block_m, block_r=block_r,
+                    block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
+                    num_stages=tiles.num_stages)
+        lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
+                    block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
+                    block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

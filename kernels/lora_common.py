@@ -1,0 +1,39 @@
+"""Pieces shared by the LoRA shrink and expand kernels."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The kernels take module ids and output slices as scalar arguments (no per-call host-to-device
+# copy, so launches can be captured in CUDA graphs); three covers q,k,v and gate,up.
+MAX_MODULES_PER_LAUNCH = 3
+
+
+@triton.jit
+def select3(i, v0, v1, v2):
+    """v_i for a program-uniform index i in {0, 1, 2}."""
+    return tl.where(i == 0, v0, tl.where(i == 1, v1, v2))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 models get exact float32 dots. With 16-bit models the shrink's operands are exact
+    in any mode and the expand's float32 intermediate goes through tf32, whose 10-bit mantissa
+    matches fp16's, so the delta keeps the output dtype's precision."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_tables(arena: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                 ranks: torch.Tensor) -> None:
+    """Raise ValueError unless the arena and one layer's offset/rank tables fit the kernels."""
+    if arena.dim() != 1 or arena.dtype != x.dtype:
+        raise ValueError(f"arena must be 1-D of dtype {x.dtype}, got {arena.dtype} "
+                         f"{tuple(arena.shape)}")
+    if offsets.dtype != torch.int64 or ranks.dtype != torch.int32:
+        raise ValueError("offset tables must be int64 and ranks int32")
+    if (offsets.shape != ranks.shape or not offsets.is_contiguous()
+            or not ranks.is_contiguous()):
+        raise ValueError("offset and rank tables must be contiguous [num_slots, num_modules]")
+    if arena.device != x.device or offsets.device != x.device:
+        raise ValueError("arena, tables and activations must be on one device")

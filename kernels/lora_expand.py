@@ -1,0 +1,148 @@
+"""Segmented multi-LoRA expand: y[:, slice] += scale * buf @ B.T per segment, B from the arena.
+
+Semantics, for every segment s, every module index i < len(module_ids) with m = module_ids[i],
+(o_start, N) = out_slices[i] and r = min(ranks[slot_s, m], max_rank) > 0:
+
+    h = sum_j buf[j, tokens of s, i, :r]                           # the shrink's K splits
+    B = arena[b_offsets[slot_s, m] : + N * r].view(N, r)
+    y[tokens of s, o_start : o_start + N] += scales[slot_s, m] * h @ B.T   (float32 math)
+
+Tokens of no segment and modules of rank 0 are left untouched, so several launches (one per
+group of modules) may target slices of the same y.
+
+Shapes: y [T, N_total] (any strides, updated in place); buf [split_k, T, num_modules, max_rank]
+float32; b_offsets [num_slots, num_modules] int64, ranks int32, scales float32 (contiguous).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_tables, dot_precision, select3
+from kernels.lora_reference import LoraMeta
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
+    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
+    n_tiles, stride_ym, stride_yn, table_stride,
+    stride_bs, stride_bt, stride_bm,
+    MAX_RANK: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    mod_i = tl.program_id(2) // n_tiles
+    n0 = (tl.program_id(2) % n_tiles) * BLOCK_N
+    seg_len = tl.load(seg_lens_ptr + seg)
+    out_size = select3(mod_i, size0, size1, size2)
+    if m0 >= seg_len:
+        return
+    if n0 >= out_size:
+        return
+    start = tl.load(seg_starts_ptr + seg)
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    mod = select3(mod_i, mod0, mod1, mod2)
+    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod), MAX_RANK)
+    if rank <= 0:
+        return
+    b_base = arena_ptr + tl.load(b_off_ptr + slot * table_stride + mod)
+    scale = tl.load(scales_ptr + slot * table_stride + mod)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_len
+    tokens = (start + offs_m).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < out_size
+    buf_rows = buf_ptr + tokens * stride_bt + mod_i * stride_bm
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        h_mask = mask_m[:, None] & mask_r[None, :]
+        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for j in tl.static_range(SPLIT_K):
+            h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
+                         other=0.0)
+        # B is [N, r] row-major; this tile is B.T[r0:r0+BLOCK_R, n0:n0+BLOCK_N].
+        b_tile = tl.load(b_base + offs_n[None, :] * rank + offs_r[:, None],
+                         mask=mask_n[None, :] & mask_r[:, None], other=0.0)
+        acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
+
+    o_start = select3(mod_i, start0, start1, start2)
+    y_ptrs = y_ptr + tokens[:, None] * stride_ym + (o_start + offs_n)[None, :] * stride_yn
+    y_mask = mask_m[:, None] & mask_n[None, :]
+    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    arena: torch.Tensor,
+    b_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    module_ids: tuple[int, ...],
+    out_slices: tuple[tuple[int, int], ...],
+    meta: LoraMeta,
+    *,
+    block_m: int,
+    block_n: int,
+    block_r: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    """Add the expand of `buf` into y's column slices (see module docstring)."""
+    split_k, num_tokens, num_mods, max_rank = buf.shape
+    _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
+    if meta.num_segments == 0 or num_tokens == 0:
+        return
+    max_n = max(size for _, size in out_slices)
+    n_tiles = triton.cdiv(max_n, block_n)
+    pad = (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
+    mods = tuple(module_ids) + pad
+    starts = tuple(s for s, _ in out_slices) + pad
+    sizes = tuple(n for _, n in out_slices) + pad
+    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_mods * n_tiles)
+    _lora_expand_kernel[grid](
+        y, buf, arena, b_offsets, ranks, scales,
+        meta.seg_starts, meta.seg_lens, meta.seg_slots,
+        mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1], sizes[2],
+        n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0),
+        buf.stride(0), buf.stride(1), buf.stride(2),
+        MAX_RANK=max_rank, SPLIT_K=split_k, DOT_PRECISION=dot_precision(y.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def _check_expand_inputs(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    arena: torch.Tensor,
+    b_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    module_ids: tuple[int, ...],
+    out_slices: tuple[tuple[int, int], ...],
+) -> None:
+    if buf.dim() != 4 or buf.dtype != torch.float32 or not buf.is_contiguous():
+        raise ValueError("buf must be a contiguous float32 [split_k, T, num_modules, max_rank]")
+    if buf.shape[1] != y.shape[0] or buf.shape[2] != len(module_ids):
+        raise ValueError(f"buf {tuple(buf.shape)} does not match y {tuple(y.shape)} and "
+                         f"{len(module_ids)} modules")
+    if len(out_slices) != len(module_ids) or not 1 <= len(module_ids) <= MAX_MODULES_PER_LAUNCH:
+        raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules with one slice each, got "
+                         f"{module_ids} and {out_slices}")
+    for start, size in out_slices:
+        if start < 0 or size <= 0 or start + size > y.shape[1]:
+            raise ValueError(f"slice ({start}, {size}) outside y's {y.shape[1]} columns")
+    check_tables(arena, y, b_offsets, ranks)
+    if scales.dtype != torch.float32 or scales.shape != ranks.shape or not scales.is_contiguous():
+        raise ValueError("scales must be a contiguous float32 table shaped like ranks")

@@ -1,0 +1,133 @@
+"""Segmented multi-LoRA shrink: buf = x @ A.T per adapter segment, A read from the page arena.
+
+Semantics, for every segment s, every module index i < len(module_ids) with m = module_ids[i]
+and r = min(ranks[slot_s, m], max_rank) > 0, and every split j < split_k:
+
+    A = arena[a_offsets[slot_s, m] : + r * K].view(r, K)
+    buf[j, tokens of s, i, :r] = x[tokens of s, K-chunk j] @ A[:, K-chunk j].T     (float32)
+
+so that sum_j buf[j, t, i, :r] = x[t] @ A.T. Entries with ranks >= r, tokens of no segment and
+modules of rank 0 are not written. Splitting K across programs keeps the chip busy when a
+decode step has few segments; the partial sums are added by the expand kernel, so no atomics
+and no zero-fill are needed.
+
+Shapes: x [T, K] (any strides); arena 1-D; a_offsets [num_slots, num_modules] int64, ranks the
+same shape int32 (both contiguous); buf [split_k, T, len(module_ids), max_rank] float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_tables, dot_precision, select3
+from kernels.lora_reference import LoraMeta
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
+    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    mod0, mod1, mod2,
+    K, k_chunk, stride_xm, stride_xk, table_stride,
+    stride_bs, stride_bt, stride_bm,
+    MAX_RANK: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    mod_i = tl.program_id(2) // SPLIT_K
+    split = tl.program_id(2) % SPLIT_K
+    seg_len = tl.load(seg_lens_ptr + seg)
+    if m0 >= seg_len:
+        return
+    start = tl.load(seg_starts_ptr + seg)
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    mod = select3(mod_i, mod0, mod1, mod2)
+    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod), MAX_RANK)
+    if rank <= 0:
+        return
+    a_base = arena_ptr + tl.load(a_off_ptr + slot * table_stride + mod)
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < seg_len
+    tokens = (start + offs_m).to(tl.int64)
+    k_lo = split * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, K)
+    buf_rows = buf_ptr + split * stride_bs + tokens * stride_bt + mod_i * stride_bm
+
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_hi
+            x_tile = tl.load(
+                x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+            )
+            # A is [r, K] row-major; this tile is A.T[k0:k0+BLOCK_K, r0:r0+BLOCK_R].
+            a_tile = tl.load(
+                a_base + offs_r[None, :] * K + offs_k[:, None],
+                mask=mask_r[None, :] & mask_k[:, None], other=0.0,
+            )
+            acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
+        tl.store(buf_rows[:, None] + offs_r[None, :], acc, mask=mask_m[:, None] & mask_r[None, :])
+
+
+def lora_shrink(
+    buf: torch.Tensor,
+    x: torch.Tensor,
+    arena: torch.Tensor,
+    a_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    module_ids: tuple[int, ...],
+    meta: LoraMeta,
+    *,
+    block_m: int,
+    block_r: int,
+    block_k: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
+    K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it."""
+    split_k, num_tokens, num_mods, max_rank = buf.shape
+    _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
+    if meta.num_segments == 0 or num_tokens == 0:
+        return
+    k = x.shape[1]
+    k_chunk = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    mods = tuple(module_ids) + (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
+    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_mods * split_k)
+    _lora_shrink_kernel[grid](
+        x, arena, buf, a_offsets, ranks,
+        meta.seg_starts, meta.seg_lens, meta.seg_slots,
+        mods[0], mods[1], mods[2],
+        k, k_chunk, x.stride(0), x.stride(1), a_offsets.stride(0),
+        buf.stride(0), buf.stride(1), buf.stride(2),
+        MAX_RANK=max_rank, SPLIT_K=split_k, DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def _check_shrink_inputs(
+    buf: torch.Tensor,
+    x: torch.Tensor,
+    arena: torch.Tensor,
+    a_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    module_ids: tuple[int, ...],
+) -> None:
+    if buf.dim() != 4 or buf.dtype != torch.float32 or not buf.is_contiguous():
+        raise ValueError("buf must be a contiguous float32 [split_k, T, num_modules, max_rank]")
+    if buf.shape[1] != x.shape[0] or buf.shape[2] != len(module_ids):
+        raise ValueError(f"buf {tuple(buf.shape)} does not match x {tuple(x.shape)} and "
+                         f"{len(module_ids)} modules")
+    if not 1 <= len(module_ids) <= MAX_MODULES_PER_LAUNCH:
+        raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules per launch, got {module_ids}")
+    check_tables(arena, x, a_offsets, ranks)
+

@@ -1,0 +1,168 @@
+"""add_lora_triton and the shrink kernel against the float64 reference, on a poisoned arena."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.lora import DECODE_TILES, PREFILL_TILES, add_lora_triton
+from kernels.lora_reference import add_lora_reference
+from kernels.lora_shrink import lora_shrink
+from tests.kernels.helpers import (
+    DEVICE,
+    DTYPES,
+    ON_GPU,
+    TOLERANCE,
+    build_lora_case,
+    generator,
+    randn,
+    rel_err,
+)
+
+QKV, O_PROJ, GATE_UP, DOWN = (0, 1, 2), (3,), (4, 5), (6,)
+
+
+def _run(
+    token_slots: list[int],
+    num_slots: int,
+    in_features: int,
+    module_ids: tuple[int, ...],
+    out_sizes: tuple[int, ...],
+    rank_choices: list[int],
+    dtype: torch.dtype,
+    seed: int,
+    **knobs: object,
+) -> None:
+    """Run add_lora_triton on a random case and compare y with the float64 reference."""
+    gen = generator(seed)
+    sizes = dict(zip(module_ids, out_sizes, strict=True))
+    rank_of = {
+        (s, m): rank_choices[int(torch.randint(len(rank_choices), (1,), generator=gen))]
+        for s in range(num_slots) for m in module_ids
+    }
+    case = build_lora_case(token_slots, num_slots, in_features, sizes, rank_of, dtype, gen)
+    starts = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+    slices = tuple(zip(starts, out_sizes, strict=True))
+    t = len(token_slots)
+    x = randn(t, in_features, dtype=dtype, gen=gen)
+    y0 = randn(t, sum(out_sizes), dtype=dtype, gen=gen)
+    y = y0.clone()
+    args = (case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales, module_ids,
+            slices, case.meta)
+    add_lora_triton(y, x, *args, **knobs)  # type: ignore[arg-type]
+    y_ref = y0.double()
+    add_lora_reference(y_ref, x.double(), case.arena.double(), *args[1:])
+
+    # Rows and slices nothing targets must be bit-for-bit untouched.
+    untouched = y_ref == y0.double()
+    assert torch.equal(y[untouched], y0[untouched])
+    delta, delta_ref = y.double() - y0.double(), y_ref - y0.double()
+    if delta_ref.abs().sum() > 0:
+        err = rel_err(delta, delta_ref)
+        assert err < TOLERANCE[dtype] * 4, f"delta error {err:.2e}"
+        assert rel_err(y, y_ref) < TOLERANCE[dtype], f"y error {rel_err(y, y_ref):.2e}"
+
+
+def _decode_slots(n: int, num_slots: int, seed: int, none_every: int = 5) -> list[int]:
+    gen = generator(seed)
+    slots = torch.randint(num_slots, (n,), generator=gen).tolist()
+    return [-1 if i % none_every == none_every - 1 else s for i, s in enumerate(slots)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [None, 1, 3])
+def test_decode_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None) -> None:
+    slots = _decode_slots(12, 6, seed=1)
+    _run(slots, 6, 64, QKV, (64, 32, 32), [1, 8, 16, 33, 64, 128], dtype, seed=2,
+         split_k=split_k, max_rank=128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_adapter_decode_segments(dtype: torch.dtype) -> None:
+    # Requests sharing an adapter sit next to each other: segments of several decode tokens.
+    slots = [0, 0, 0, 2, 2, -1, 1, 1, 1, 1, 1, 3, -1, -1, 0]
+    _run(slots, 4, 96, GATE_UP, (80, 80), [0, 4, 16, 24], dtype, seed=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_segments_hundreds_of_tokens(dtype: torch.dtype) -> None:
+    slots = [0] * 1 + [1] * 130 + [-1] * 5 + [2] * 300 + [3] * 7
+    _run(slots, 4, 48, DOWN, (64,), [2, 16, 64, 128], dtype, seed=4, split_k=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_untargeted_modules_and_many_modules_in_one_call(dtype: torch.dtype) -> None:
+    # Four modules exceed one launch's three; rank 0 marks modules an adapter does not target.
+    slots = _decode_slots(9, 5, seed=5, none_every=4)
+    _run(slots, 5, 32, (0, 1, 2, 3), (32, 16, 16, 48), [0, 0, 8, 16], dtype, seed=6)
+
+
+@pytest.mark.parametrize("tiles", [DECODE_TILES, PREFILL_TILES])
+def test_tile_tables_on_mixed_batch(tiles: object) -> None:
+    slots = [3] * 20 + _decode_slots(6, 4, seed=7) + [1] * 17
+    _run(slots, 4, 40, QKV, (40, 24, 24), [1, 17, 32], torch.float16, seed=8, tiles=tiles)
+
+
+def test_no_segments_and_all_base_tokens_leave_y_untouched() -> None:
+    _run([-1, -1, -1], 2, 32, O_PROJ, (32,), [8], torch.float32, seed=9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shrink_writes_only_real_ranks_and_segment_tokens(dtype: torch.dtype) -> None:
+    gen = generator(10)
+    k, max_rank, split = 64, 32, 2
+    slots = [0, 0, -1, 1, 2, 2, 2]
+    rank_of = {(0, 0): 5, (1, 0): 32, (2, 0): 17, (0, 1): 0, (1, 1): 9, (2, 1): 1}
+    case = build_lora_case(slots, 3, k, {0: 16, 1: 16}, rank_of, dtype, gen)
+    x = randn(len(slots), k, dtype=dtype, gen=gen)
+    buf = torch.full((split, len(slots), 2, max_rank), float("nan"), device=DEVICE)
+    lora_shrink(buf, x, case.arena, case.a_offsets, case.ranks, (0, 1), case.meta,
+                block_m=16, block_r=16, block_k=16)
+    for t, slot in enumerate(slots):
+        for i in range(2):
+            r = rank_of[(slot, i)] if slot >= 0 else 0
+            assert torch.isnan(buf[:, t, i, r:]).all(), "wrote past the rank or a base token"
+            if r == 0:
+                continue
+            off = int(case.a_offsets[slot, i])
+            a = case.arena[off : off + r * k].view(r, k).double()
+            ref = x[t].double() @ a.T
+            assert rel_err(buf[:, t, i, :r].sum(0), ref) < TOLERANCE[torch.float32] * 10
+
+
+def test_bad_inputs_are_refused() -> None:
+    gen = generator(11)
+    case = build_lora_case([0], 1, 16, {0: 16}, {(0, 0): 4}, torch.float32, gen)
+    x = randn(1, 16, dtype=torch.float32, gen=gen)
+    y = randn(1, 16, dtype=torch.float32, gen=gen)
+    args = (case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales)
+    with pytest.raises(ValueError, match="output slices"):
+        add_lora_triton(y, x, *args, (0,), (), case.meta)
+    with pytest.raises(ValueError, match="outside"):
+        add_lora_triton(y, x, *args, (0,), ((8, 16),), case.meta)
+    with pytest.raises(ValueError, match="1-D"):
+        add_lora_triton(y, x, case.arena.half(), *args[1:], (0,), ((0, 16),), case.meta)
+
+
+# Full model shapes, run only on a GPU (TRITON_INTERPRET=0): Llama-2-7B (hidden 4096, MHA) and
+# Llama-3-8B (GQA: k/v 1024 wide, MLP 14336).
+FULL_SHAPES = [
+    ("llama2-qkv", 4096, QKV, (4096, 4096, 4096)),
+    ("llama3-qkv", 4096, QKV, (4096, 1024, 1024)),
+    ("llama3-o", 4096, O_PROJ, (4096,)),
+    ("llama3-gate_up", 4096, GATE_UP, (14336, 14336)),
+    ("llama3-down", 14336, DOWN, (4096,)),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="full-size shapes need the GPU (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("name", "k", "mods", "outs"), FULL_SHAPES, ids=[s[0] for s in FULL_SHAPES])
+@pytest.mark.parametrize("batch", ["decode", "prefill"])
+def test_full_size_on_gpu(dtype: torch.dtype, name: str, k: int, mods: tuple[int, ...],
+                          outs: tuple[int, ...], batch: str) -> None:
+    if batch == "decode":
+        slots = _decode_slots(256, 64, seed=12)
+    else:
+        slots = [0] * 700 + [5] * 1 + [-1] * 30 + [9] * 260 + [63] * 33
+    _run(slots, 64, k, mods, outs, [0, 8, 16, 64, 128], dtype, seed=13)
