@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from slora_core.detokenizer import REPLACEMENT_CHAR, TextStream
 from slora_core.tokenizer import Tokenizer, TokenizerError
@@ -140,6 +140,39 @@ def test_held_stop_prefix_is_released_by_flush(tok: Tokenizer) -> None:
     stream, deltas = _stream(tok, ids, [], ("世界",))
     assert "".join(deltas[:-1]) == "the end "
     assert deltas[-1] == "世" and stream.text == "the end 世" and not stream.stopped
+
+
+def _sentencepiece_style() -> Tokenizer:
+    """A Llama-2-style tokenizer: `▁` for spaces, byte fallback, a decoder that strips the
+    leading space of every decode."""
+    backend = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, min_frequency=1, special_tokens=["<unk>", "<s>", "</s>"]))
+    # Byte tokens are ordinary vocabulary entries (not special tokens) as in Llama 2's file.
+    spec = json.loads(backend.to_str())
+    vocab = spec["model"]["vocab"]
+    for i in range(256):
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    backend = HFTokenizer.from_str(json.dumps(spec))
+    return Tokenizer(backend, bos_token_id=1, eos_token_ids=[2], add_bos_token=True)
+
+
+def test_sentencepiece_continuation_keeps_its_leading_space() -> None:
+    # A decode of the output alone drops the space before "time"; the prompt context keeps it,
+    # as a client appending the stream to its prompt expects. 🦀 is not in the corpus, so it
+    # arrives as four byte-fallback tokens.
+    tok = _sentencepiece_style()
+    ids = tok.encode("Once upon a time 🦀 世界", add_special_tokens=False)
+    assert sum(tok.decode([t]) == REPLACEMENT_CHAR for t in ids) == 4
+    cut = next(i for i, t in enumerate(ids) if tok.decode(ids[:i + 1]).endswith("a"))
+    stream, deltas = _stream(tok, ids[cut + 1:], [1] + ids[:cut + 1])
+    assert all(REPLACEMENT_CHAR not in d for d in deltas)
+    assert "".join(deltas) == stream.text == " time 🦀 世界"
+    assert tok.decode(ids[cut + 1:]) == "time 🦀 世界"
 
 
 def test_empty_stop_string_is_rejected(tok: Tokenizer) -> None:
