@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,3 +99,54 @@ class PagedKV:
 def paged_kv() -> Callable[..., PagedKV]:
     """Factory: paged_kv(config, dtype=..., num_pages=..., block_size=..., seed=...)."""
     return PagedKV
+
+
+# Small shapes that still exercise GQA (4 query heads over 2 KV heads) and a head_dim whose
+# RoPE frequencies span all three llama3 bands.
+_TINY: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+    "max_position_embeddings": 256,
+}
+
+
+def _randomize_(model: torch.nn.Module, seed: int) -> None:
+    # HF's default init (std 0.02, zero biases, unit norms) would hide bias and norm bugs and
+    # give near-uniform logits; unit-scale weights make every parameter matter.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 2 and "embed_tokens" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, Any]]:
+    """Factory: hf_checkpoint(model_type="llama", max_shard_size=None, seed=0, **config) saves a
+    seeded random HF model (transformers' own classes) and returns (directory, HF model)."""
+
+    def make(model_type: str = "llama", max_shard_size: str | None = None, seed: int = 0,
+             **overrides: Any) -> tuple[Path, Any]:
+        import transformers
+
+        config_cls, model_cls = {
+            "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        }[model_type]
+        config = config_cls(**{**_TINY, **overrides})
+        torch.manual_seed(seed)
+        model = model_cls(config).eval()
+        _randomize_(model, seed)
+        out = tmp_path / f"{model_type}-{seed}-{len(list(tmp_path.iterdir()))}"
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(out, **kwargs)
+        return out, model
+
+    return make
