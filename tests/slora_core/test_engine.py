@@ -1,0 +1,181 @@
+"""The engine against Hugging Face transformers + peft: one mixed multi-LoRA batch, greedy tokens
+request by request, and next-token logits; then the same with a tiny arena (eviction and
+preemption), and bad adapters that must not disturb the others."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from slora_core.adapters import AdapterError
+from slora_core.config import EngineConfig
+from slora_core.engine import LLMEngine, RequestError
+from slora_core.sampling_params import SamplingParams
+
+NEW_TOKENS = 8
+PROMPTS = [
+    [5, 17, 42, 99, 7],
+    [300, 12, 8, 77, 150, 151, 152, 3, 9, 11, 64, 65, 66],
+    [400],
+    list(range(20, 80)),  # crosses a 64-token block while decoding
+]
+
+
+def _requests(adapters: list[str]) -> list[tuple[list[int], str | None]]:
+    names: list[str | None] = [None, *adapters, None]
+    return [(PROMPTS[i % len(PROMPTS)], name) for i, name in enumerate(names)]
+
+
+@torch.no_grad()
+def hf_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], n: int
+              ) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by full forward passes; also the logits after the prompt."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    ids = list(prompt)
+    first = None
+    for _ in range(n):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        if first is None:
+            first = logits
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):], first
+
+
+@pytest.fixture(scope="module")
+def adapter_names(demo_dir: Path) -> list[str]:
+    return sorted(p.name for p in (demo_dir / "adapters").iterdir())
+
+
+@pytest.fixture(scope="module")
+def hf_reference(demo_dir: Path, adapter_names: list[str]):
+    refs = {}
+    for prompt, name in _requests(adapter_names):
+        adir = demo_dir / "adapters" / name if name else None
+        refs[(tuple(prompt), name)] = hf_greedy(demo_dir / "model", adir, prompt, NEW_TOKENS)
+    return refs
+
+
+def make_engine(demo_dir: Path, adapter_names: list[str], **kw) -> LLMEngine:
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(**kw))
+    for name in adapter_names:
+        engine.register_adapter(name, demo_dir / "adapters" / name)
+    return engine
+
+
+def run_all(engine: LLMEngine, reqs, capture_logits: bool = False):
+    """Run every request to completion; returns tokens per request and first-step logits."""
+    first_logits: dict[str, torch.Tensor] = {}
+    if capture_logits:
+        run = engine.runner.run
+
+        def spy(scheduled):
+            logits = run(scheduled)
+            sampling = [s.seq for s in scheduled if s.samples]
+            for seq, row in zip(sampling, logits, strict=True):
+                first_logits.setdefault(seq.request_id, row.clone())
+            return logits
+
+        engine.runner.run = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, (prompt, name) in enumerate(reqs):
+        engine.add_request(str(i), prompt, params, adapter=name)
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert set(reasons.values()) == {"length"}
+    return tokens, first_logits
+
+
+def test_mixed_batch_matches_transformers_peft(demo_dir, adapter_names, hf_reference):
+    reqs = _requests(adapter_names)
+    engine = make_engine(demo_dir, adapter_names, max_adapters_per_batch=16)
+    tokens, logits = run_all(engine, reqs, capture_logits=True)
+    distinct_outputs = set()
+    for i, (prompt, name) in enumerate(reqs):
+        ref_tokens, ref_logits = hf_reference[(tuple(prompt), name)]
+        assert tokens[str(i)] == ref_tokens, f"request {i} adapter {name}"
+        rel = (logits[str(i)] - ref_logits).norm() / ref_logits.norm()
+        assert rel < 1e-4, f"request {i} adapter {name}: logits rel err {rel:.2e}"
+        distinct_outputs.add((tuple(prompt), tuple(ref_tokens)))
+    # The adapters really change the outputs (else this test could not fail on LoRA bugs).
+    assert len(distinct_outputs) > len(PROMPTS)
+
+
+def test_tiny_arena_evicts_and_preempts_with_same_outputs(demo_dir, adapter_names, hf_reference):
+    reqs = _requests(adapter_names) * 2
+    # Room for a few adapters and KV blocks only: adapters are evicted, sequences preempted.
+    engine = make_engine(demo_dir, adapter_names, num_pages=20, block_size=64, max_num_seqs=8,
+                         max_num_batched_tokens=48, max_adapters_per_batch=3)
+    tokens, _ = run_all(engine, reqs)
+    for i, (prompt, name) in enumerate(reqs):
+        assert tokens[str(i)] == hf_reference[(tuple(prompt), name)][0], f"request {i} {name}"
+    assert engine.stats.adapter_evictions > 0
+    assert engine.stats.preemptions > 0
+    assert engine.pool.num_kv_pages == 0  # everything given back
+
+
+def _broken_copies(demo_dir: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
+    src = demo_dir / "adapters" / "attn-r8"
+    cases: dict[str, tuple[Path, str]] = {}
+
+    def copy(name: str) -> Path:
+        dst = tmp / name
+        shutil.copytree(src, dst)
+        return dst
+
+    d = copy("dora")
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg["use_dora"] = True
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    cases["dora"] = (d, "dora")
+    d = copy("truncated")
+    data = (d / "adapter_model.safetensors").read_bytes()
+    (d / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    cases["truncated"] = (d, "safetensors")
+    d = copy("badjson")
+    (d / "adapter_config.json").write_text("{not json")
+    cases["badjson"] = (d, "adapter_config.json")
+    cases["missing"] = (tmp / "nope", "nope")
+    return cases
+
+
+def test_bad_adapters_are_refused_and_the_engine_keeps_serving(demo_dir, adapter_names,
+                                                               hf_reference, tmp_path):
+    engine = make_engine(demo_dir, adapter_names[:2])
+    for name, (path, needle) in _broken_copies(demo_dir, tmp_path).items():
+        with pytest.raises(AdapterError) as err:
+            engine.register_adapter(name, path)
+        assert needle.lower() in str(err.value).lower(), str(err.value)
+        assert not engine.adapters.is_registered(name)
+    with pytest.raises(KeyError, match="unknown adapter"):
+        engine.add_request("x", [1, 2], SamplingParams(), adapter="dora")
+    with pytest.raises(RequestError, match="max_model_len"):
+        engine.add_request("y", [1, 2], SamplingParams(max_new_tokens=10**6))
+    reqs = [(PROMPTS[1], adapter_names[0]), (PROMPTS[0], None)]
+    tokens, _ = run_all(engine, reqs)
+    for i, (prompt, name) in enumerate(reqs):
+        assert tokens[str(i)] == hf_reference[(tuple(prompt), name)][0]
+
+
+def test_abort_frees_pages(demo_dir, adapter_names):
+    engine = make_engine(demo_dir, adapter_names[:1])
+    engine.add_request("a", PROMPTS[3], SamplingParams(max_new_tokens=50), adapter=adapter_names[0])
+    engine.step()
+    assert engine.pool.num_kv_pages > 0
+    out = engine.abort_request("a")
+    assert out is not None and out.finish_reason == "abort"
+    assert engine.pool.num_kv_pages == 0 and not engine.has_unfinished()
+    assert engine.pool.resident(adapter_names[0]).refcount == 0
