@@ -1,0 +1,100 @@
+"""Conversions between registry records and `slora.v1` admin messages (the service edge)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from services.control_plane.errors import InvalidArgument
+from services.control_plane.keys import ADMIN, TENANT
+from services.control_plane.lifecycle import VersionState
+from services.control_plane.records import (
+    AdapterRecord,
+    EventRecord,
+    KeyRecord,
+    TenantRecord,
+    VersionRecord,
+    etag_of,
+)
+from slora.v1 import admin_pb2 as pb
+
+_STATE_TO_PB = {state: pb.VersionState.Value(f"VERSION_STATE_{state.name}") for state in VersionState}
+_PB_TO_STATE = {number: state for state, number in _STATE_TO_PB.items()}
+_SCOPE_TO_PB = {ADMIN: pb.KEY_SCOPE_ADMIN, TENANT: pb.KEY_SCOPE_TENANT}
+_PB_TO_SCOPE = {number: scope for scope, number in _SCOPE_TO_PB.items()}
+
+
+def timestamp(value: dt.datetime | None) -> Timestamp | None:
+    if value is None:
+        return None
+    ts = Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def state_to_pb(state: VersionState) -> int:
+    return _STATE_TO_PB[state]
+
+
+def state_from_pb(number: int) -> VersionState | None:
+    """None for UNSPECIFIED (no filter); InvalidArgument for numbers this server does not know."""
+    if number == pb.VERSION_STATE_UNSPECIFIED:
+        return None
+    try:
+        return _PB_TO_STATE[number]
+    except KeyError:
+        raise InvalidArgument(f"unknown version state {number}") from None
+
+
+def scope_from_pb(number: int) -> str:
+    try:
+        return _PB_TO_SCOPE[number]
+    except KeyError:
+        raise InvalidArgument("scope must be KEY_SCOPE_ADMIN or KEY_SCOPE_TENANT") from None
+
+
+def version_to_pb(v: VersionRecord) -> pb.AdapterVersionInfo:
+    return pb.AdapterVersionInfo(
+        adapter_id=v.adapter_id, version=v.version, state=state_to_pb(v.state), rank=v.rank,
+        lora_alpha=v.lora_alpha, use_rslora=v.use_rslora, target_modules=list(v.target_modules),
+        num_bytes=v.num_bytes, sha256=v.sha256, storage_uri=v.storage_uri,
+        created_at=timestamp(v.created_at), created_by=v.created_by, labels=v.labels,
+    )
+
+
+def adapter_to_pb(a: AdapterRecord) -> pb.AdapterInfo:
+    r = a.route
+    route = pb.AdapterRoute(
+        stable_version=r.stable_version or "", canary_version=r.canary_version or "",
+        traffic_ratio=r.traffic_ratio, fallback_version=r.fallback_version or "", etag=r.etag,
+        updated_at=timestamp(r.updated_at),
+    )
+    return pb.AdapterInfo(
+        adapter_id=a.adapter_id, tenant=a.tenant, base_model=a.base_model,
+        created_at=timestamp(a.created_at), created_by=a.created_by, route=route,
+        versions=[version_to_pb(v) for v in a.versions],
+    )
+
+
+def event_to_pb(e: EventRecord) -> pb.AuditEvent:
+    return pb.AuditEvent(
+        id=e.id, at=timestamp(e.at), actor=e.actor, action=e.action, tenant=e.tenant or "",
+        adapter_id=e.adapter_id or "", version=e.version or "", reason=e.reason,
+        details_json=json.dumps(e.details, sort_keys=True),
+        etag_before=etag_of(e.revision_before) if e.revision_before else "",
+        etag_after=etag_of(e.revision_after) if e.revision_after else "",
+    )
+
+
+def tenant_to_pb(t: TenantRecord) -> pb.TenantInfo:
+    return pb.TenantInfo(name=t.name, created_at=timestamp(t.created_at), created_by=t.created_by)
+
+
+def key_to_pb(k: KeyRecord) -> pb.ApiKeyInfo:
+    return pb.ApiKeyInfo(
+        key_id=k.key_id, scope=_SCOPE_TO_PB[k.scope], tenant=k.tenant or "", name=k.name,
+        created_at=timestamp(k.created_at), created_by=k.created_by,
+        revoked_at=timestamp(k.revoked_at),
+    )

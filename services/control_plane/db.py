@@ -1,0 +1,80 @@
+"""Engines and sessions for the registry database (SQLite embedded, PostgreSQL in production)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+from services.control_plane.models import AuditEvent
+
+ROOT = Path(__file__).resolve().parents[2]
+MIGRATIONS_DIR = ROOT / "migrations"
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine for `url` with the settings the registry relies on.
+
+    SQLite: foreign keys on, WAL for file databases, and every transaction opened with
+    `BEGIN IMMEDIATE`, so that a read-then-write transaction holds the write lock from its first
+    read and concurrent writers wait (busy timeout) instead of failing on a stale snapshot.
+    """
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True, **kwargs)
+    connect_args = {"timeout": 30.0, "check_same_thread": False}
+    if url in ("sqlite://", "sqlite:///:memory:"):
+        kwargs.setdefault("poolclass", StaticPool)
+    engine = create_engine(url, connect_args=connect_args, **kwargs)
+    file_db = engine.url.database not in (None, "", ":memory:")
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take transaction control away from pysqlite so the "begin" hook below decides.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA foreign_keys=ON")
+        if file_db:
+            cur.execute("PRAGMA journal_mode=WAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def forbid_audit_changes(session: Session, _flush_context: Any, _instances: Any) -> None:
+    """Session hook: audit events are append-only; updating or deleting one is a bug."""
+    for obj in (*session.dirty, *session.deleted):
+        if isinstance(obj, AuditEvent):
+            raise RuntimeError("audit events are append-only")
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions that keep loaded objects usable after commit (they are converted to plain
+    records right away) and refuse changes to the audit log."""
+    factory = sessionmaker(engine, expire_on_commit=False)
+    event.listen(factory, "before_flush", forbid_audit_changes)
+    return factory
+
+
+def alembic_config(url: str) -> Any:
+    """An Alembic `Config` for the migrations of this repository, targeting `url`."""
+    from alembic.config import Config
+
+    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # ConfigParser interpolation would choke on '%' in URL-encoded passwords.
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Apply migrations up to `revision` (the only way the schema changes)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)

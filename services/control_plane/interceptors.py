@@ -1,0 +1,141 @@
+"""Server interceptors (grpc.aio): error mapping and bearer-token auth, each in one place.
+
+`ErrorInterceptor` turns the exceptions the registry raises into status codes (errors.status_for)
+so servicers never call `context.abort` themselves. `AuthInterceptor` checks the bearer token of
+every call except health and reflection, enforces the method's scope, and makes the caller's
+`Principal` available to the servicer through `current_principal()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+
+from services.control_plane.errors import PermissionDenied, Unauthenticated, status_for
+from services.control_plane.keys import ADMIN, KeyStore, Principal
+
+log = logging.getLogger(__name__)
+
+OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.", "/grpc.reflection.")
+ANY_SCOPE = "any"
+Guard = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
+
+_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "slora_principal", default=None
+)
+
+
+def current_principal() -> Principal:
+    """The authenticated caller of the RPC being served (set by AuthInterceptor)."""
+    principal = _principal.get()
+    if principal is None:
+        raise Unauthenticated("no authenticated caller (is the AuthInterceptor installed?)")
+    return principal
+
+
+def bearer_token(metadata: Any) -> str:
+    """The token of an `authorization: Bearer <token>` metadata entry, or ''."""
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+def wrap_handler(handler: grpc.RpcMethodHandler, guard: Guard) -> grpc.RpcMethodHandler:
+    """The same handler with every call run inside `guard(context)`, for all four RPC kinds."""
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(_value(handler.unary_unary, guard), **kwargs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(_value(handler.stream_unary, guard), **kwargs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(_stream(handler.unary_stream, guard), **kwargs)
+    return grpc.stream_stream_rpc_method_handler(_stream(handler.stream_stream, guard), **kwargs)
+
+
+def _value(behavior: Callable[..., Awaitable[Any]], guard: Guard) -> Callable[..., Awaitable[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with guard(context):
+            return await behavior(request, context)
+
+    return call
+
+
+def _stream(behavior: Callable[..., Any], guard: Guard) -> Callable[..., AsyncIterator[Any]]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async with guard(context):
+            async for item in behavior(request, context):
+                yield item
+
+    return call
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes; unexpected ones are logged and reported as INTERNAL."""
+
+    async def intercept_service(
+        self, continuation: Callable[..., Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        return wrap_handler(handler, lambda context: _mapped_errors(context, details.method))
+
+
+@contextlib.asynccontextmanager
+async def _mapped_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except (grpc.aio.AbortError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        code = status_for(exc)
+        if code is None:
+            log.exception("unexpected error in %s", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        await context.abort(code, str(exc))
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticates every non-open call and checks the method's scope.
+
+    `method_scopes` maps full method names ('/slora.v1.AdapterAdminService/GetAdapter') to
+    ADMIN or ANY_SCOPE; a guarded method it does not name needs an admin key.
+    """
+
+    def __init__(self, keys: KeyStore, method_scopes: Mapping[str, str]) -> None:
+        self._keys = keys
+        self._scopes = dict(method_scopes)
+
+    async def intercept_service(
+        self, continuation: Callable[..., Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIXES):
+            return handler
+        token = bearer_token(details.invocation_metadata)
+        scope = self._scopes.get(details.method, ADMIN)
+        return wrap_handler(handler, lambda _context: self._authenticated(token, scope))
+
+    @contextlib.asynccontextmanager
+    async def _authenticated(self, token: str, scope: str) -> AsyncIterator[None]:
+        # The key lookup is a database read: keep it off the event loop.
+        principal = await asyncio.to_thread(self._keys.authenticate, token)
+        if scope == ADMIN and not principal.is_admin:
+            raise PermissionDenied(f"key {principal.key_id} has scope {principal.scope!r}; admin needed")
+        reset = _principal.set(principal)
+        try:
+            yield
+        finally:
+            _principal.reset(reset)

@@ -1,0 +1,166 @@
+"""The registry schema (SQLAlchemy 2, typed). Alembic migrations in `migrations/` create it;
+`alembic check` compares them against these classes."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from services.control_plane.lifecycle import VersionState
+
+# Stable constraint names, so that migrations on SQLite (batch mode) and PostgreSQL agree.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+ID_LENGTH = 128
+# BigInteger ids that still autoincrement on SQLite, where only INTEGER PRIMARY KEY does.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(ID_LENGTH))
+
+
+class ApiKey(Base):
+    """An API key; only the sha256 of its token is stored."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (
+        CheckConstraint("scope IN ('admin', 'tenant')", name="scope"),
+        CheckConstraint("(scope = 'admin') = (tenant IS NULL)", name="tenant_iff_tenant_scope"),
+    )
+
+    key_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    scope: Mapped[str] = mapped_column(String(16))
+    tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.name"), index=True)
+    name: Mapped[str] = mapped_column(String(ID_LENGTH), default="")
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(ID_LENGTH))
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+
+    adapter_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), index=True)
+    base_model: Mapped[str] = mapped_column(String(ID_LENGTH))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(ID_LENGTH))
+
+    route: Mapped[Route] = relationship(back_populates="adapter", lazy="joined")
+    versions: Mapped[list[AdapterVersion]] = relationship(
+        back_populates="adapter", order_by="AdapterVersion.id", lazy="selectin"
+    )
+
+
+class AdapterVersion(Base):
+    __tablename__ = "adapter_versions"
+    __table_args__ = (
+        UniqueConstraint("adapter_id", "version", name="uq_adapter_versions_adapter_version"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.adapter_id"))
+    version: Mapped[str] = mapped_column(String(64))
+    state: Mapped[VersionState] = mapped_column(
+        Enum(
+            VersionState,
+            name="version_state",
+            native_enum=False,
+            create_constraint=True,
+            length=16,
+            values_callable=lambda e: [m.value for m in e],
+            validate_strings=True,
+        )
+    )
+    rank: Mapped[int] = mapped_column(Integer)
+    lora_alpha: Mapped[float] = mapped_column(Float)
+    use_rslora: Mapped[bool] = mapped_column(default=False)
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    num_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    storage_uri: Mapped[str] = mapped_column(Text)
+    labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(ID_LENGTH))
+
+    adapter: Mapped[Adapter] = relationship(back_populates="versions")
+
+
+class Route(Base):
+    """Where an adapter's traffic goes. `revision` rises by one with every change; the etag
+    handed to clients is derived from it and compared-and-swapped on update."""
+
+    __tablename__ = "routes"
+    __table_args__ = (
+        CheckConstraint("traffic_ratio >= 0 AND traffic_ratio <= 1", name="traffic_ratio"),
+    )
+
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.adapter_id"), primary_key=True)
+    stable_version: Mapped[str | None] = mapped_column(String(64))
+    canary_version: Mapped[str | None] = mapped_column(String(64))
+    traffic_ratio: Mapped[float] = mapped_column(Float, default=0.0)
+    fallback_version: Mapped[str | None] = mapped_column(String(64))
+    revision: Mapped[int] = mapped_column(BigInteger, default=1)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="route")
+
+    # The ORM adds `WHERE revision = <read value>` to every UPDATE and raises StaleDataError
+    # when no row matched: the database-side half of the etag compare-and-swap.
+    __mapper_args__ = {"version_id_col": revision}
+
+
+class AuditEvent(Base):
+    """Append-only: the registry only ever inserts rows here (see `db.forbid_audit_changes`)."""
+
+    __tablename__ = "audit_events"
+    __table_args__ = (Index("ix_audit_events_adapter_id_id", "adapter_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    actor: Mapped[str] = mapped_column(String(ID_LENGTH))
+    action: Mapped[str] = mapped_column(String(32))
+    tenant: Mapped[str | None] = mapped_column(String(ID_LENGTH), index=True)
+    adapter_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    version: Mapped[str | None] = mapped_column(String(64))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    revision_before: Mapped[int | None] = mapped_column(BigInteger)
+    revision_after: Mapped[int | None] = mapped_column(BigInteger)

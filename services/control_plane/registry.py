@@ -1,0 +1,260 @@
+"""The adapter registry: verified publishing, route changes under an etag, reads, audit log.
+
+A plain class over a SQLAlchemy session factory, free of gRPC, so that the admin servicer and
+the later placement/routing services share it. Every change is one transaction that leaves an
+audit event; every route change compares the caller's etag with the stored revision and then
+updates with `WHERE revision = <read>` (the ORM's version counter), so two racing changes cannot
+both win even if both read the same etag.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sqlalchemy import exists, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
+
+from services.control_plane import lifecycle
+from services.control_plane.audit import record_event
+from services.control_plane.errors import Aborted, InvalidArgument, NotFound
+from services.control_plane.keys import Principal
+from services.control_plane.lifecycle import AdapterState, VersionState
+from services.control_plane.models import Adapter, AdapterVersion, AuditEvent, Tenant
+from services.control_plane.publish import (
+    RegisterRequest,
+    check_request,
+    existing_version,
+    fetch_and_validate,
+    insert_version,
+)
+from services.control_plane.records import (
+    AdapterRecord,
+    EventRecord,
+    VersionRecord,
+    etag_of,
+    state_of,
+)
+from services.control_plane.storage import StorageConfig
+from slora_core.config import ModelConfig
+
+DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 50, 500
+Transition = Callable[[AdapterState], AdapterState]
+
+
+class Registry:
+    """Adapters, versions, routes and the audit log of one control plane.
+
+    `base_models` maps the names clients use to the configs adapters are validated against;
+    `max_rank` is the engine's rank limit.
+    """
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        base_models: Mapping[str, ModelConfig],
+        storage: StorageConfig,
+        max_rank: int,
+    ) -> None:
+        self._sessions = sessions
+        self._base_models = dict(base_models)
+        self._storage = storage
+        self._max_rank = max_rank
+
+    @property
+    def base_models(self) -> Mapping[str, ModelConfig]:
+        return self._base_models
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    def register_version(self, req: RegisterRequest, actor: Principal) -> VersionRecord:
+        """Fetch, verify and record a version as VALIDATED; see `publish`.
+
+        Idempotent: the same (adapter, version, sha256) returns the stored record unchanged.
+        """
+        actor.require_admin()
+        check_request(req, self._base_models)
+        with self._sessions() as s:
+            if s.get(Tenant, req.tenant) is None:
+                raise NotFound(f"tenant {req.tenant!r} does not exist")
+            found = existing_version(s, req)
+            if found is not None:
+                return VersionRecord.from_row(found)
+        adapter = fetch_and_validate(req, self._base_models[req.base_model], self._storage,
+                                     self._max_rank)
+        try:
+            with self._sessions.begin() as s:
+                # Re-check inside the transaction: another caller may have won meanwhile.
+                found = existing_version(s, req)
+                row = found or insert_version(s, req, adapter, actor)
+                return VersionRecord.from_row(row)
+        except IntegrityError:
+            # A concurrent registration of the same adapter or version committed first.
+            with self._sessions() as s:
+                found = existing_version(s, req)
+            if found is None:
+                raise Aborted(f"concurrent change to {req.adapter_id}; retry") from None
+            return VersionRecord.from_row(found)
+
+    # -- route changes ------------------------------------------------------------------------
+
+    def start_canary(self, adapter_id: str, version: str, ratio: float, etag: str,
+                     actor: Principal, reason: str = "") -> AdapterRecord:
+        if not 0.0 < ratio <= 1.0:
+            raise InvalidArgument(f"traffic_ratio must lie in (0, 1], got {ratio}")
+        return self._change(adapter_id, etag, actor, "canary", reason, version,
+                            lambda st: lifecycle.start_canary(st, version, ratio),
+                            {"traffic_ratio": ratio})
+
+    def promote(self, adapter_id: str, version: str, etag: str, actor: Principal,
+                reason: str = "") -> AdapterRecord:
+        return self._change(adapter_id, etag, actor, "promote", reason, version,
+                            lambda st: lifecycle.promote(st, version))
+
+    def rollback(self, adapter_id: str, etag: str, actor: Principal,
+                 reason: str = "") -> AdapterRecord:
+        return self._change(adapter_id, etag, actor, "rollback", reason, None, lifecycle.rollback)
+
+    def retire(self, adapter_id: str, version: str, etag: str, actor: Principal,
+               reason: str = "") -> AdapterRecord:
+        return self._change(adapter_id, etag, actor, "retire", reason, version,
+                            lambda st: lifecycle.retire(st, version))
+
+    def _change(self, adapter_id: str, etag: str, actor: Principal, action: str, reason: str,
+                version: str | None, transition: Transition,
+                args: dict[str, Any] | None = None) -> AdapterRecord:
+        actor.require_admin()
+        if not etag:
+            raise InvalidArgument("etag is required: read the adapter first and pass its etag")
+        try:
+            with self._sessions.begin() as s:
+                adapter = self._load(s, adapter_id)
+                route = adapter.route
+                if etag != etag_of(route.revision):
+                    raise Aborted(f"stale etag {etag!r}: {adapter_id} is now at {etag_of(route.revision)}")
+                rows = {v.version: v for v in adapter.versions}
+                before = state_of(route, {name: VersionState(r.state) for name, r in rows.items()})
+                after = transition(before)
+                revision_before = route.revision
+                route.stable_version, route.canary_version = after.stable, after.canary
+                route.traffic_ratio, route.fallback_version = after.traffic_ratio, after.fallback
+                route.updated_at = dt.datetime.now(dt.UTC)
+                # Route first (takes the row lock, checks the revision), then versions and event.
+                s.flush()
+                for name, state in after.states.items():
+                    if rows[name].state != state:
+                        rows[name].state = state
+                record_event(
+                    s, actor, action, tenant=adapter.tenant, adapter_id=adapter_id,
+                    version=version, reason=reason,
+                    details={"args": args or {}, "before": before.route_dict(),
+                             "after": after.route_dict()},
+                    revision_before=revision_before, revision_after=route.revision,
+                )
+                return AdapterRecord.from_row(adapter)
+        except StaleDataError:
+            raise Aborted(f"{adapter_id} was changed concurrently; read it again") from None
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def get_adapter(self, adapter_id: str, viewer: Principal) -> AdapterRecord:
+        with self._sessions() as s:
+            adapter = self._load(s, adapter_id)
+            viewer.check_tenant(adapter.tenant)
+            return AdapterRecord.from_row(adapter)
+
+    def list_adapters(
+        self,
+        viewer: Principal,
+        *,
+        tenant: str | None = None,
+        state: VersionState | None = None,
+        base_model: str | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> tuple[list[AdapterRecord], str]:
+        """One page of adapters ordered by id, and the token of the next page ('' at the end).
+        A tenant key sees its own tenant only."""
+        tenant = self._visible_tenant(viewer, tenant)
+        limit = _page_size(page_size)
+        query = select(Adapter).order_by(Adapter.adapter_id).limit(limit + 1)
+        if page_token:
+            query = query.where(Adapter.adapter_id > _decode_token(page_token))
+        if tenant:
+            query = query.where(Adapter.tenant == tenant)
+        if base_model:
+            query = query.where(Adapter.base_model == base_model)
+        if state is not None:
+            query = query.where(exists().where(
+                AdapterVersion.adapter_id == Adapter.adapter_id, AdapterVersion.state == state))
+        with self._sessions() as s:
+            rows = list(s.scalars(query).unique())
+        page = [AdapterRecord.from_row(r) for r in rows[:limit]]
+        more = len(rows) > limit
+        return page, _encode_token(page[-1].adapter_id) if more else ""
+
+    def list_events(
+        self,
+        viewer: Principal,
+        *,
+        adapter_id: str | None = None,
+        tenant: str | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+    ) -> tuple[list[EventRecord], str]:
+        """One page of audit events, oldest first; a tenant key sees its tenant's events only."""
+        tenant = self._visible_tenant(viewer, tenant)
+        limit = _page_size(page_size)
+        query = select(AuditEvent).order_by(AuditEvent.id).limit(limit + 1)
+        if page_token:
+            query = query.where(AuditEvent.id > _decode_int_token(page_token))
+        if adapter_id:
+            query = query.where(AuditEvent.adapter_id == adapter_id)
+        if tenant:
+            query = query.where(AuditEvent.tenant == tenant)
+        with self._sessions() as s:
+            rows = list(s.scalars(query))
+        page = [EventRecord.from_row(r) for r in rows[:limit]]
+        more = len(rows) > limit
+        return page, _encode_token(str(page[-1].id)) if more else ""
+
+    def _visible_tenant(self, viewer: Principal, tenant: str | None) -> str | None:
+        if viewer.is_admin:
+            return tenant or None
+        viewer.check_tenant(tenant or viewer.tenant)
+        return viewer.tenant
+
+    @staticmethod
+    def _load(session: Session, adapter_id: str) -> Adapter:
+        adapter = session.get(Adapter, adapter_id)
+        if adapter is None:
+            raise NotFound(f"adapter {adapter_id!r} is not registered")
+        return adapter
+
+
+def _page_size(requested: int) -> int:
+    if requested < 0:
+        raise InvalidArgument(f"page_size must not be negative, got {requested}")
+    return min(requested or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+
+
+def _encode_token(value: str) -> str:
+    return base64.urlsafe_b64encode(value.encode("utf-8")).decode("ascii")
+
+
+def _decode_token(token: str) -> str:
+    try:
+        return base64.urlsafe_b64decode(token.encode("ascii")).decode("utf-8")
+    except (ValueError, UnicodeError):
+        raise InvalidArgument("malformed page_token") from None
+
+
+def _decode_int_token(token: str) -> int:
+    value = _decode_token(token)
+    if not value.isdigit():
+        raise InvalidArgument("malformed page_token")
+    return int(value)

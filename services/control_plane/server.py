@@ -1,0 +1,102 @@
+"""Assembling and running the control-plane gRPC server (admin API, health, reflection)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.control_plane.db import make_engine, make_session_factory, upgrade
+from services.control_plane.interceptors import AuthInterceptor, ErrorInterceptor
+from services.control_plane.keys import KeyStore
+from services.control_plane.registry import Registry
+from services.control_plane.servicer import METHOD_SCOPES, SERVICE_NAME, AdapterAdminServicer
+from services.control_plane.storage import StorageConfig
+from slora.v1 import admin_pb2_grpc as pb_grpc
+from slora_core.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    """Everything `slora control-plane` needs. `base_models` maps names to HF directories."""
+
+    db_url: str
+    listen: str = "127.0.0.1:50051"
+    base_models: Mapping[str, Path] = field(default_factory=dict)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    max_rank: int = 64
+    bootstrap_admin_key: str | None = None
+    migrate: bool = False
+    grace_s: float = 5.0
+
+
+@dataclass
+class ControlPlane:
+    """A built but not yet started server, with the parts tests and other services reuse."""
+
+    server: grpc.aio.Server
+    port: int
+    registry: Registry
+    keys: KeyStore
+    health: Any
+
+    async def stop(self, grace_s: float) -> None:
+        """Report NOT_SERVING first so load balancers move away, then drain."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+def build_registry(config: ControlPlaneConfig, sessions: sessionmaker[Session]) -> Registry:
+    models = {name: ModelConfig.from_hf_dir(path) for name, path in config.base_models.items()}
+    return Registry(sessions, models, config.storage, config.max_rank)
+
+
+async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Session]) -> ControlPlane:
+    """Wire registry, key store, interceptors, health and reflection; bind `config.listen`."""
+    registry = build_registry(config, sessions)
+    keys = KeyStore(sessions)
+    if config.bootstrap_admin_key:
+        await asyncio.to_thread(keys.ensure_bootstrap_key, config.bootstrap_admin_key)
+    server = grpc.aio.server(
+        interceptors=[ErrorInterceptor(), AuthInterceptor(keys, METHOD_SCOPES)]
+    )
+    pb_grpc.add_AdapterAdminServiceServicer_to_server(AdapterAdminServicer(registry, keys), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"cannot listen on {config.listen}")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return ControlPlane(server, port, registry, keys, health_servicer)
+
+
+async def serve(config: ControlPlaneConfig) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully."""
+    if config.migrate:
+        await asyncio.to_thread(upgrade, config.db_url)
+    engine = make_engine(config.db_url)
+    plane = await build_server(config, make_session_factory(engine))
+    await plane.server.start()
+    log.info("control plane listening on port %d", plane.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await plane.stop(config.grace_s)
+    engine.dispose()
