@@ -13,9 +13,11 @@ rest of the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from slora_core.sampling_params import SamplingParams
@@ -48,13 +50,15 @@ def token_mask(rows: Sequence[Sequence[int]], vocab_size: int,
                device: torch.device) -> torch.Tensor:
     """[B, V] bool, True where row b lists the token. Ids outside [0, V) are ignored, as HF does
     for ids the output layer cannot produce."""
-    width = max((len(r) for r in rows), default=0)
-    # Padding and out-of-range ids land in an extra column V that is dropped afterwards.
-    padded = [list(r) + [vocab_size] * (width - len(r)) for r in rows]
-    ids = torch.tensor(padded, dtype=torch.long).reshape(len(rows), width).to(device)
-    ids = torch.where((ids < 0) | (ids > vocab_size), vocab_size, ids)
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    # np.fromiter over a flat chain is several times faster than torch.tensor on nested lists;
+    # histories of thousands of ids per row go through here every step.
+    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    row_of = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+    # Out-of-range ids land in an extra column V that is dropped afterwards.
+    ids = np.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
     mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
-    mask.scatter_(1, ids, True)
+    mask[torch.from_numpy(row_of).to(device), torch.from_numpy(ids).to(device)] = True
     return mask[:, :vocab_size]
 
 
@@ -67,29 +71,54 @@ def apply_repetition_penalty(scores: torch.Tensor, penalties: Sequence[float],
     return torch.where(seen, penalised, scores)
 
 
+def _on_rows(scores: torch.Tensor, rows: list[int],
+             warp: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`warp` applied to the listed rows only; the whole batch when every row is listed."""
+    if len(rows) == scores.shape[0]:
+        return warp(scores)
+    out = scores.clone()
+    out[rows] = warp(scores[rows])
+    return out
+
+
 def apply_top_k(scores: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     """HF `TopKLogitsWarper` with a per-row k (0 = off): keeps every token whose score is at
     least the k-th largest (ties at the boundary stay), sets the rest to -inf."""
     vocab = scores.shape[-1]
-    # k comes from the host, so the width of topk needs no device sync.
-    ks = [vocab if k <= 0 else min(k, vocab) for k in top_k]
-    k = torch.tensor(ks, device=scores.device)
-    kth = scores.topk(max(ks), dim=-1).values.gather(1, (k - 1)[:, None])
-    return scores.masked_fill(scores < kth, float("-inf"))
+    # Rows with k off are left out, so one such row does not turn topk(k) into a full sort.
+    rows = [b for b, k in enumerate(top_k) if 0 < k < vocab]
+    if not rows:
+        return scores
+    ks = [top_k[b] for b in rows]
+
+    def warp(x: torch.Tensor) -> torch.Tensor:
+        # The ks come from the host, so the width of topk needs no device sync.
+        k = torch.tensor(ks, device=x.device)
+        kth = x.topk(max(ks), dim=-1).values.gather(1, (k - 1)[:, None])
+        return x.masked_fill(x < kth, float("-inf"))
+
+    return _on_rows(scores, rows, warp)
 
 
 def apply_top_p(scores: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
     """HF `TopPLogitsWarper` with a per-row p in (0, 1]: drops the least likely tokens whose
-    cumulative probability is <= 1 - p, always keeping the most likely token."""
-    p = torch.tensor(top_p, dtype=scores.dtype, device=scores.device)
-    sorted_scores, sorted_idx = scores.sort(dim=-1, descending=False)
-    cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cum <= (1 - p)[:, None]
-    remove_sorted[:, -1] = False
-    # Rows with p == 1 are untouched even if rounding makes a cumsum entry <= 0.
-    remove_sorted &= (p < 1)[:, None]
-    remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
-    return scores.masked_fill(remove, float("-inf"))
+    cumulative probability is <= 1 - p, always keeping the most likely token. Rows with p = 1
+    are untouched."""
+    rows = [b for b, p in enumerate(top_p) if p < 1.0]
+    if not rows:
+        return scores
+    ps = [top_p[b] for b in rows]
+
+    def warp(x: torch.Tensor) -> torch.Tensor:
+        p = torch.tensor(ps, dtype=x.dtype, device=x.device)
+        sorted_x, sorted_idx = x.sort(dim=-1, descending=False)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1 - p)[:, None]
+        remove_sorted[:, -1] = False
+        remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+        return x.masked_fill(remove, float("-inf"))
+
+    return _on_rows(scores, rows, warp)
 
 
 class Sampler:
@@ -192,16 +221,14 @@ def _mask_min_tokens(scores: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def _warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, each skipped when no row uses it."""
+    """Temperature, then top-k, then top-p; a row that does not use a step skips it."""
     # Greedy rows divide by 1: their sampled token is discarded anyway.
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                          dtype=scores.dtype, device=scores.device)
     scores = scores / temps[:, None]
-    if any(p.top_k > 0 for p in params):
-        scores = apply_top_k(scores, [p.top_k for p in params])
-    if any(p.top_p < 1.0 for p in params):
-        scores = apply_top_p(scores, [p.top_p for p in params])
-    return scores
+    # Greedy rows skip truncation too (k = 0, p = 1): no sort is spent on them.
+    scores = apply_top_k(scores, [0 if p.is_greedy else p.top_k for p in params])
+    return apply_top_p(scores, [1.0 if p.is_greedy else p.top_p for p in params])
 
 
 def _to_host(chosen: torch.Tensor, raw_logprobs: torch.Tensor,
