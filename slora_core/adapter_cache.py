@@ -60,6 +60,7 @@ class AdapterStore:
         self.pin_memory = pin_memory
         self._specs: dict[str, AdapterSpec] = {}
         self._cache: OrderedDict[str, HostAdapter] = OrderedDict()
+        self._in_memory: dict[str, HostAdapter] = {}  # no files behind them: never evicted
         self._bytes = 0
         self._lock = threading.Lock()
         self.loads = 0
@@ -69,25 +70,34 @@ class AdapterStore:
             raise ValueError("adapter name must be non-empty")
         self._specs[name] = AdapterSpec(name=name, path=str(path), sha256=sha256)
 
+    def add_loaded(self, name: str, adapter: LoraAdapter) -> None:
+        """Register an adapter built in memory (benchmarks, tests); kept in host memory."""
+        if not name:
+            raise ValueError("adapter name must be non-empty")
+        self._in_memory[name] = self._prepare(adapter)
+
     def unregister(self, name: str) -> None:
         self._specs.pop(name, None)
+        self._in_memory.pop(name, None)
         with self._lock:
             host = self._cache.pop(name, None)
             if host is not None:
                 self._bytes -= host.nbytes
 
     def is_registered(self, name: str) -> bool:
-        return name in self._specs
+        return name in self._specs or name in self._in_memory
 
     def is_cached(self, name: str) -> bool:
         return name in self._cache
 
     def names(self) -> list[str]:
-        return list(self._specs)
+        return [*self._specs, *self._in_memory]
 
     def get(self, name: str) -> HostAdapter:
         """The adapter in host memory, loading and validating it from disk on a miss.
         Raises UnknownAdapterError or an AdapterError that names the problem."""
+        if name in self._in_memory:
+            return self._in_memory[name]
         with self._lock:
             host = self._cache.get(name)
             if host is not None:
@@ -111,6 +121,9 @@ class AdapterStore:
             expected_sha256=spec.sha256,
         )
         self.loads += 1
+        return self._prepare(adapter)
+
+    def _prepare(self, adapter: LoraAdapter) -> HostAdapter:
         shapes = {}
         matrices = {}
         for key, w in adapter.weights.items():

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
-from slora_core.adapters import AdapterError
+from slora_core.adapters import AdapterError, LoraAdapter
 from slora_core.arena import PageArena
 from slora_core.config import ConfigError, EngineConfig, ModelConfig
 from slora_core.detokenizer import TextStream
@@ -106,6 +106,10 @@ class LLMEngine:
             except AdapterError:
                 self.adapters.unregister(name)
                 raise
+
+    def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
+        """Register an adapter already parsed or built in memory (kept in host memory)."""
+        self.adapters.add_loaded(name, adapter)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(

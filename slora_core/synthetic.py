@@ -1,0 +1,55 @@
+"""Seeded random LoRA adapters of given ranks, built in memory (benchmarks without files)."""
+
+from __future__ import annotations
+
+import torch
+
+from slora_core.adapters import LoraAdapter, LoraWeight
+from slora_core.config import LORA_MODULES, ModelConfig
+
+
+def random_adapter(
+    config: ModelConfig,
+    rank: int,
+    *,
+    modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    alpha: float | None = None,
+    dtype: torch.dtype = torch.float16,
+    seed: int = 0,
+    std: float = 0.02,
+) -> LoraAdapter:
+    """An adapter with N(0, std) A and B on every layer's `modules` (scale alpha/r, alpha
+    defaults to 2r). Tensors are on the CPU: the engine copies them into arena pages."""
+    unknown = set(modules) - set(LORA_MODULES)
+    if unknown:
+        raise ValueError(f"unknown modules {sorted(unknown)}")
+    if rank <= 0:
+        raise ValueError(f"rank must be positive, got {rank}")
+    gen = torch.Generator().manual_seed(seed)
+    alpha = float(2 * rank if alpha is None else alpha)
+    weights = {}
+    for layer in range(config.num_hidden_layers):
+        for module in modules:
+            fan_in, fan_out = config.module_shape(module)
+            a = (torch.randn(rank, fan_in, generator=gen) * std).to(dtype)
+            b = (torch.randn(fan_out, rank, generator=gen) * std).to(dtype)
+            weights[(layer, module)] = LoraWeight(a=a, b=b, scale=alpha / rank)
+    nbytes = sum(w.a.nbytes + w.b.nbytes for w in weights.values())
+    return LoraAdapter(
+        path=f"random://rank{rank}/seed{seed}", sha256=f"random-{rank}-{seed}",
+        rank=rank, lora_alpha=alpha, use_rslora=False,
+        target_modules=tuple(m for m in LORA_MODULES if m in modules), weights=weights,
+        base_model_name_or_path=None, num_bytes=nbytes, config={"r": rank, "lora_alpha": alpha},
+    )
+
+
+def shared_weight_view(adapter: LoraAdapter, seed: int) -> LoraAdapter:
+    """A distinct adapter identity over the same host tensors (for thousands of adapters whose
+    host copies would not fit in memory; the engine still gives each its own arena pages)."""
+    return LoraAdapter(
+        path=f"{adapter.path}/view{seed}", sha256=f"{adapter.sha256}-view{seed}",
+        rank=adapter.rank, lora_alpha=adapter.lora_alpha, use_rslora=adapter.use_rslora,
+        target_modules=adapter.target_modules, weights=adapter.weights,
+        base_model_name_or_path=None, num_bytes=adapter.num_bytes, config=adapter.config,
+    )
+
