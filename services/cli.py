@@ -11,6 +11,8 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "services.commands.demo_assets",
     "services.commands.batch",
+    "services.commands.control_plane",
+    "services.commands.admin",
 )
 
 

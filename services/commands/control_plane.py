@@ -1,0 +1,72 @@
+"""`slora control-plane`: serve the admin API over the SQL adapter registry."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+BOOTSTRAP_ENV = "SLORA_ADMIN_KEY"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("control-plane", help="serve the adapter registry and admin API")
+    p.add_argument("--db", default=os.environ.get("SLORA_DB_URL", "sqlite:///.slora/control-plane.db"),
+                   help="SQLAlchemy URL (sqlite:///FILE or postgresql+psycopg://...); env SLORA_DB_URL")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT to serve on")
+    p.add_argument("--base-model", action="append", default=[], metavar="NAME=DIR",
+                   help="a base model adapters may target: NAME and its HF directory (repeatable)")
+    p.add_argument("--allowed-root", action="append", default=[], metavar="DIR",
+                   help="file:// adapter URIs must lie inside one of these folders (repeatable)")
+    p.add_argument("--s3-endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"),
+                   help="S3-compatible endpoint for s3:// URIs; env AWS_ENDPOINT_URL")
+    p.add_argument("--max-rank", type=int, default=64, help="the engines' LoRA rank limit")
+    p.add_argument("--bootstrap-admin-key", default=os.environ.get(BOOTSTRAP_ENV),
+                   help=f"make this token a working admin key at start-up; env {BOOTSTRAP_ENV}")
+    p.add_argument("--migrate", action="store_true",
+                   help="apply the Alembic migrations (upgrade head) before serving")
+    p.add_argument("--migrate-only", action="store_true", help="apply the migrations and exit")
+    p.set_defaults(func=run)
+
+
+def parse_base_models(specs: list[str]) -> dict[str, Path]:
+    models: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--base-model {spec!r}: expected NAME=DIR")
+        models[name] = Path(path)
+    return models
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.control_plane.db import upgrade
+    from services.control_plane.server import ControlPlaneConfig, serve
+    from services.control_plane.storage import StorageConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _ensure_sqlite_dir(args.db)
+    if args.migrate_only:
+        upgrade(args.db)
+        return 0
+    s3_options = {"endpoint_url": args.s3_endpoint_url} if args.s3_endpoint_url else {}
+    config = ControlPlaneConfig(
+        db_url=args.db,
+        listen=args.listen,
+        base_models=parse_base_models(args.base_model),
+        storage=StorageConfig(tuple(Path(r) for r in args.allowed_root), s3_options),
+        max_rank=args.max_rank,
+        bootstrap_admin_key=args.bootstrap_admin_key,
+        migrate=args.migrate,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def _ensure_sqlite_dir(url: str) -> None:
+    # The embedded default lives under .slora/, which a fresh checkout does not have yet.
+    prefix = "sqlite:///"
+    if url.startswith(prefix) and url[len(prefix):] not in ("", ":memory:"):
+        Path(url[len(prefix):]).parent.mkdir(parents=True, exist_ok=True)
