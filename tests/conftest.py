@@ -33,12 +33,15 @@ class PagedKV:
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 num_pages: int = 64, block_size: int = 4, seed: int = 0) -> None:
+                 num_pages: int = 64, block_size: int = 4, seed: int = 0,
+                 device: torch.device | str = "cpu") -> None:
         self.block_size = block_size
+        self.device = torch.device(device)
         layers, kv_heads, head_dim = (config.num_hidden_layers, config.num_key_value_heads,
                                       config.head_dim)
         page_numel = block_size * layers * 2 * kv_heads * head_dim
-        self.arena = torch.full((num_pages, page_numel), float("nan"), dtype=dtype)
+        self.arena = torch.full((num_pages, page_numel), float("nan"), dtype=dtype,
+                                device=self.device)
         pages = self.arena.view(num_pages, layers, 2, block_size, kv_heads, head_dim)
         self.kv_caches = tuple((pages[:, i, 0], pages[:, i, 1]) for i in range(layers))
         self.free = list(range(num_pages))
@@ -70,18 +73,21 @@ class PagedKV:
             self.lens[seq] = end
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
+        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
         ctx = StepContext(
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(padded, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_starts=torch.tensor(starts, dtype=torch.int32),
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(padded, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            query_starts=tensor(starts, torch.int32),
             max_query_len=max(len(t) for t in chunks.values()),
             max_seq_len=max(seq_lens),
-            logits_indices=torch.arange(len(ids), dtype=torch.int64),
+            logits_indices=torch.arange(len(ids), dtype=torch.int64, device=self.device),
             kv_caches=self.kv_caches,
         )
-        return ctx, torch.tensor(ids, dtype=torch.int64)
+        return ctx, tensor(ids, torch.int64)
 
     @torch.no_grad()
     def step(self, model: LlamaForCausalLM, chunks: dict[int, list[int]]
@@ -97,7 +103,7 @@ class PagedKV:
 
 @pytest.fixture
 def paged_kv() -> Callable[..., PagedKV]:
-    """Factory: paged_kv(config, dtype=..., num_pages=..., block_size=..., seed=...)."""
+    """Factory: paged_kv(config, dtype=..., num_pages=..., block_size=..., seed=..., device=...)."""
     return PagedKV
 
 

@@ -129,3 +129,41 @@ def test_unsupported_or_incomplete_rope_scaling_is_rejected(scaling):
                          vocab_size=50, rope_scaling=scaling)
     with pytest.raises(ConfigError, match="rope"):
         LlamaForCausalLM(config)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_demo_model_on_cuda_matches_hf_on_cpu(demo_dir, paged_kv):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = demo_dir / "model"
+    ours = load_model(model_dir, torch.float32, "cuda")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    kv = paged_kv(ours.config, block_size=16, device="cuda")
+    a, b = kv.add_sequence(), kv.add_sequence()
+    out = kv.step(ours, {a: PROMPT_A[:9], b: PROMPT_B})
+    out_a2 = kv.step(ours, {a: PROMPT_A[9:], b: [3]})
+    assert rel_err(torch.cat([out[a], out_a2[a]]).cpu(), hf_logits(hf, PROMPT_A)) < 1e-3
+    assert rel_err(torch.cat([out[b], out_a2[b]]).cpu(), hf_logits(hf, PROMPT_B + [3])) < 1e-3
+
+
+@needs_cuda
+def test_random_llama2_7b_shapes_run_in_fp16_on_cuda(paged_kv):
+    from slora_core.weights import build_random_model
+
+    config = ModelConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                         vocab_size=32000, rms_norm_eps=1e-5)
+    model = build_random_model(config, torch.float16, "cuda", seed=0)
+    kv = paged_kv(config, dtype=torch.float16, num_pages=48, block_size=16, device="cuda")
+    a, b = kv.add_sequence(), kv.add_sequence()
+    gen = torch.Generator().manual_seed(0)
+    prompt_a = torch.randint(0, 32000, (300,), generator=gen).tolist()
+    prompt_b = torch.randint(0, 32000, (77,), generator=gen).tolist()
+    out = kv.step(model, {a: prompt_a, b: prompt_b})
+    dec = kv.step(model, {a: [int(out[a][-1].argmax())], b: [int(out[b][-1].argmax())]})
+    for logits in (out[a], out[b], dec[a], dec[b]):
+        assert torch.isfinite(logits).all()
+        assert 0.1 < logits.std().item() < 100
