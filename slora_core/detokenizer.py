@@ -30,14 +30,17 @@ class TextStream:
     Promises: concatenating every `append` result and the final `flush()` gives `text`; no piece
     ends in a partial UTF-8 character that later tokens complete; no piece contains any part of
     a stop string that is then matched. Once a stop string appears, `stopped` is True and `text`
-    ends just before it. For byte-level BPE tokenizers, without a stop, `text` after `flush()`
+    ends just before it. Stop strings are looked for only once `min_tokens` tokens were appended
+    (the `min_new_tokens` rule); text that holds one before then is released as usual. For byte-level BPE tokenizers, without a stop, `text` after `flush()`
     equals `tokenizer.decode(generated ids)`.
     """
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int],
-                 stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+                 stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
+        self._min_tokens = min_tokens
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stop = tuple(stop)
@@ -106,7 +109,7 @@ class TextStream:
         # Only the new characters and the few before them can complete a stop string.
         scan_from = max(0, len(self._text) - self._max_stop + 1)
         self._text += delta
-        cut = self._find_stop(scan_from)
+        cut = self._find_stop(scan_from) if self._stops_active() else None
         if cut is not None:
             self._text = self._text[:cut]
             self.stopped = True
@@ -116,6 +119,9 @@ class TextStream:
         out = self._text[self._released:end]
         self._released = end
         return out
+
+    def _stops_active(self) -> bool:
+        return len(self._ids) - self._num_context >= self._min_tokens
 
     def _find_stop(self, start: int) -> int | None:
         hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]

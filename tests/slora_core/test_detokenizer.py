@@ -175,6 +175,16 @@ def test_sentencepiece_continuation_keeps_its_leading_space() -> None:
     assert tok.decode(ids[cut + 1:]) == "time 🦀 世界"
 
 
+def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("ok 世界 and 世界 again", add_special_tokens=False)
+    first = next(i for i in range(len(ids)) if "世界" in tok.decode(ids[:i + 1]))
+    stream, deltas = _stream(tok, ids, [], ("世界",))
+    assert stream.text == "ok "
+    stream = TextStream(tok, [], ("世界",), min_tokens=first + 2)
+    deltas = [stream.append(t) for t in ids] + [stream.flush()]
+    assert stream.stopped and "".join(deltas) == stream.text == "ok 世界 and "
+
+
 def test_empty_stop_string_is_rejected(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="stop"):
         TextStream(tok, [], ("",))
