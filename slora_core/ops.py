@@ -1,5 +1,9 @@
 """The compute ops the model calls, bound to Triton kernels on CUDA and torch references
-elsewhere. Everything device-specific the model needs goes through here."""
+elsewhere. Everything device-specific the model needs goes through here.
+
+The Triton launchers are imported on first CUDA use only, so CPU processes never import Triton
+(and the kernel tests can choose Triton's interpreter before anything imports a kernel).
+"""
 
 from __future__ import annotations
 
@@ -15,12 +19,26 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    write_kv_reference(k_cache, v_cache, k, v, slot_mapping)
+    """k_cache/v_cache rows at slot_mapping (>= 0) = k/v (see `write_kv_reference`)."""
+    if _use_triton(k):
+        from kernels.write_kv import write_kv_triton
+
+        write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        write_kv_reference(k_cache, v_cache, k, v, slot_mapping)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_starts: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_starts: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None) -> torch.Tensor:
+    """Causal paged attention (see `paged_attention_reference`). On CUDA, `max_query_len=1`
+    (a decode-only step) selects the context-split decode kernel; it must then be true."""
+    if _use_triton(q):
+        from kernels.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
+                                      query_starts, scale, max_query_len=max_query_len)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_starts,
                                      scale)
 
@@ -28,6 +46,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def add_lora(y: torch.Tensor, x: torch.Tensor, arena: torch.Tensor, a_offsets: torch.Tensor,
              b_offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
              module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...],
-             meta: LoraMeta) -> None:
-    add_lora_reference(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids, out_slices,
-                       meta)
+             meta: LoraMeta, *, max_rank: int | None = None) -> None:
+    """y += the multi-LoRA delta (see `add_lora_reference`). On CUDA, `max_rank` (a bound on
+    every rank in the tables) spares the kernels a host sync that CUDA graphs forbid."""
+    if _use_triton(x):
+        from kernels.lora import add_lora_triton
+
+        add_lora_triton(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
+                        out_slices, meta, max_rank=max_rank)
+    else:
+        add_lora_reference(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
+                           out_slices, meta)
