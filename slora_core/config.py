@@ -159,6 +159,7 @@ class EngineConfig:
     max_model_len: int = 2048
     host_cache_bytes: int = 1 << 30
     max_queue: int = 1024
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA devices only)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

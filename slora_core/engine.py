@@ -68,7 +68,9 @@ class LLMEngine:
         self.config = config
         block_size = config.resolve_block_size(model_config)
         device = torch.device(config.device)
-        self.arena = PageArena(model_config, config.num_pages, block_size, config.num_pages,
+        # One spare table row beyond the pool's slots stays empty (rank 0): CUDA-graph decode
+        # steps point base-model and padding rows at it.
+        self.arena = PageArena(model_config, config.num_pages, block_size, config.num_pages + 1,
                                config.torch_dtype, device)
         self.pool = PagePool(config.num_pages, num_slots=config.num_pages)
         self.scheduler = Scheduler(
@@ -82,7 +84,10 @@ class LLMEngine:
             pin_memory=device.type == "cuda",
         )
         wrap_lora(model, model_config)
-        self.runner = ModelRunner(model, self.arena, self.pool)
+        self.runner = ModelRunner(model, self.arena, self.pool,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_model_len=config.max_model_len,
+                                  use_cuda_graphs=config.cuda_graphs)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or model_config.eos_token_ids
         self._requests: dict[str, _Request] = {}

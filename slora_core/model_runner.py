@@ -1,8 +1,12 @@
 """Turns a scheduled step into tensors (one StepContext), runs the model, returns the logits of
-the sequences that sample this step. The only engine part that touches the device."""
+the sequences that sample this step. The only engine part that touches the device.
+
+On CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket; the step's
+metadata is copied into the graph's static buffers, so a decode step costs one launch."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -11,68 +15,141 @@ from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
 from slora_core.page_pool import PagePool
 from slora_core.scheduler import ScheduledSeq
+from slora_core.step_inputs import StepInputs, build_step_inputs, lora_segments, to_device
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, arena: PageArena, pool: PagePool) -> None:
+    def __init__(self, model: nn.Module, arena: PageArena, pool: PagePool, *,
+                 max_num_seqs: int = 64, max_model_len: int = 2048,
+                 use_cuda_graphs: bool = True) -> None:
         self.model = model
         self.arena = arena
         self.pool = pool
         self.device = arena.pages.device
+        self.graphs: DecodeGraphs | None = None
+        if use_cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
 
-    def build_context(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, StepContext]:
-        bs = self.arena.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        token_slots: list[int] = []
-        query_starts = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        for item in scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
-            rec = self.pool.resident(seq.adapter) if seq.adapter is not None else None
-            slot = rec.slot if rec is not None else -1
-            for pos in range(start, start + n):
-                input_ids.append(seq.token_at(pos))
-                positions.append(pos)
-                slot_mapping.append(seq.block_table[pos // bs] * bs + pos % bs)
-                token_slots.append(slot)
-            query_starts.append(query_starts[-1] + n)
-            seq_lens.append(start + n)
-            if item.samples:
-                logits_indices.append(query_starts[-1] - 1)
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = [s.seq.block_table + [0] * (max_blocks - len(s.seq.block_table)) for s in scheduled]
-        dev = self.device
-
-        def i64(v: list[int]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.int64, device=dev)
-
-        def i32(v: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.int32, device=dev)
-
-        has_lora = any(s >= 0 for s in token_slots)
+    def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
+        has_lora = bool((inputs.token_slots >= 0).any())
+        seg = lora_segments(inputs.token_slots) if has_lora else None
+        arrays = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
+                  inputs.seq_lens, inputs.query_starts, inputs.block_tables]
+        if seg is not None:
+            arrays += [inputs.token_slots, *seg]
+        dev = to_device(arrays, self.device, torch.int64)
+        i32 = [t.to(torch.int32) for t in dev[4:]]
+        lora = None
+        if seg is not None:
+            lora = LoraMeta(seg_starts=i32[4], seg_lens=i32[5], seg_slots=i32[6],
+                            token_slots=i32[3], max_seg_len=int(seg[1].max()),
+                            num_segments=int(seg[0].size))
         ctx = StepContext(
-            positions=i64(positions),
-            slot_mapping=i64(slot_mapping),
-            block_tables=i32(tables),
-            seq_lens=i32(seq_lens),
-            query_starts=i32(query_starts),
-            max_query_len=max(s.num_new_tokens for s in scheduled),
-            max_seq_len=max(seq_lens),
-            logits_indices=i64(logits_indices),
-            kv_caches=self.arena.kv_caches,
-            lora=LoraMeta.from_token_slots(token_slots, dev) if has_lora else None,
-            lora_tables=self.arena.tables if has_lora else None,
+            positions=dev[1], slot_mapping=dev[2], block_tables=i32[2], seq_lens=i32[0],
+            query_starts=i32[1], max_query_len=inputs.max_query_len,
+            max_seq_len=int(inputs.seq_lens.max()), logits_indices=dev[3],
+            kv_caches=self.arena.kv_caches, lora=lora,
+            lora_tables=self.arena.tables if lora is not None else None,
         )
-        return i64(input_ids), ctx
+        return dev[0], ctx
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Forward the step; float32 logits [num_sampling_seqs, vocab] in scheduled order."""
-        input_ids, ctx = self.build_context(scheduled)
+        inputs = build_step_inputs(scheduled, self.pool, self.arena.block_size)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
+        input_ids, ctx = self.build_context(inputs)
         with step_context(ctx):
             hidden = self.model(input_ids, ctx.positions)
             return self.model.compute_logits(hidden[ctx.logits_indices])
+
+
+def _buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step (one token per sequence), one per batch-size bucket.
+
+    Every graph runs the LoRA kernels over one-token segments; base-model and padding rows
+    point at the arena's spare table row, whose ranks are always 0."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
+        self.runner = runner
+        arena = runner.arena
+        self.buckets = _buckets(max_num_seqs)
+        self.max_blocks = -(-max_model_len // arena.block_size)
+        self.empty_slot = arena.num_slots - 1
+        n, dev = self.buckets[-1], runner.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
+        self.token_slots = torch.full((n,), self.empty_slot, dtype=torch.int32, device=dev)
+        self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.ones = torch.ones(n, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.contexts: dict[int, StepContext] = {}  # captured graphs read these tensors
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return (inputs.max_query_len == 1 and inputs.logits_indices.size == inputs.num_seqs
+                and inputs.num_seqs <= self.buckets[-1]
+                and inputs.block_tables.shape[1] <= self.max_blocks)
+
+    def _context(self, b: int) -> StepContext:
+        r = self.runner
+        lora = LoraMeta(seg_starts=self.arange[:b], seg_lens=self.ones[:b],
+                        seg_slots=self.token_slots[:b], token_slots=self.token_slots[:b],
+                        max_seg_len=1, num_segments=b)
+        return StepContext(
+            positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
+            block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b],
+            query_starts=self.arange[: b + 1], max_query_len=1,
+            max_seq_len=self.max_blocks * r.arena.block_size,
+            logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
+            lora_tables=r.arena.tables,
+        )
+
+    def _capture(self, b: int) -> None:
+        ctx = self.contexts[b] = self._context(b)
+        model = self.runner.model
+        with step_context(ctx):
+            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                model.compute_logits(model(self.input_ids[:b], ctx.positions))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[b] = model.compute_logits(model(self.input_ids[:b], ctx.positions))
+        self.graphs[b] = graph
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.num_seqs
+        b = next(s for s in self.buckets if s >= n)
+        if b not in self.graphs:
+            self._capture(b)
+        slots = np.where(inputs.token_slots >= 0, inputs.token_slots, self.empty_slot)
+        tables = np.zeros((b, self.max_blocks), dtype=np.int64)
+        tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
+        pad = b - n
+        host = [
+            np.concatenate((inputs.input_ids, np.zeros(pad, np.int64))),
+            np.concatenate((inputs.positions, np.zeros(pad, np.int64))),
+            np.concatenate((inputs.slot_mapping, np.full(pad, -1, np.int64))),
+            np.concatenate((inputs.seq_lens, np.ones(pad, np.int64))),
+            np.concatenate((slots, np.full(pad, self.empty_slot, np.int64))),
+            tables,
+        ]
+        dev = to_device(host, self.runner.device, torch.int64)
+        self.input_ids[:b].copy_(dev[0])
+        self.positions[:b].copy_(dev[1])
+        self.slot_mapping[:b].copy_(dev[2])
+        self.seq_lens[:b].copy_(dev[3])
+        self.token_slots[:b].copy_(dev[4])
+        self.block_tables[:b].copy_(dev[5])
+        self.graphs[b].replay()
+        return self.logits[b][:n]
