@@ -1,0 +1,101 @@
+"""Data-plane errors and how they reach a client as gRPC status codes (DESIGN section 2).
+
+Servicers raise these (or let the worker's engine errors be translated by `status_for`) and
+call `abort_with`; nothing else decides a status code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+
+# Trailing metadata keys the gateway reads from a worker's error.
+RETRY_AFTER_MS = "retry-after-ms"
+# Set on errors caused by an adapter version that cannot be loaded (bad files, checksum,
+# incompatible): the gateway then tries the route's fallback version.
+ADAPTER_ERROR = "slora-adapter-error"
+
+
+class ServiceError(Exception):
+    """An error with a gRPC status code chosen on purpose."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, adapter_error: bool = False,
+                 retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.adapter_error = adapter_error
+        self.retry_after_ms = retry_after_ms
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        md: list[tuple[str, str]] = []
+        if self.adapter_error:
+            md.append((ADAPTER_ERROR, "1"))
+        if self.retry_after_ms is not None:
+            md.append((RETRY_AFTER_MS, str(self.retry_after_ms)))
+        return tuple(md)
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Internal(ServiceError):
+    code = grpc.StatusCode.INTERNAL
+
+
+# A function that turns a domain exception into a ServiceError, or None when it does not know it.
+Translator = Callable[[BaseException], ServiceError | None]
+
+
+def as_service_error(exc: BaseException, translate: Translator | None = None) -> ServiceError:
+    """`exc` as a ServiceError; unknown exceptions are bugs and become INTERNAL."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if translate is not None:
+        mapped = translate(exc)
+        if mapped is not None:
+            return mapped
+    return Internal(f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def abort_with(context: grpc.aio.ServicerContext, err: ServiceError) -> None:
+    """End the call with `err`'s code, message and trailing metadata (never returns)."""
+    context.set_trailing_metadata(err.metadata())
+    await context.abort(err.code, str(err))
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError) -> ServiceError:
+    """A ServiceError carrying an upstream call's code, message and metadata, to pass it on."""
+    md = {k: v for k, v in (exc.trailing_metadata() or ())}
+    retry = md.get(RETRY_AFTER_MS)
+    err = ServiceError(exc.details() or exc.code().name,
+                       adapter_error=ADAPTER_ERROR in md,
+                       retry_after_ms=int(retry) if isinstance(retry, str) and retry.isdigit() else None)
+    err.code = exc.code()
+    return err

@@ -1,0 +1,1 @@
+"""The worker: serves InferenceService.Generate over one engine and follows placement."""

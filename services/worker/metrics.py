@@ -1,0 +1,102 @@
+"""The worker's Prometheus metrics and the per-version counters its heartbeats carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.metrics import LATENCY_BUCKETS
+
+VersionKey = tuple[str, str]  # (adapter_id, version); ("", "") = base model
+
+
+@dataclass
+class VersionCounters:
+    """Cumulative since the worker started; the control plane takes differences."""
+
+    requests: int = 0
+    errors: int = 0
+    completion_tokens: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    tpot_sum: float = 0.0
+    tpot_count: int = 0
+
+
+class WorkerMetrics:
+    """All metrics of one worker in its own registry (names prefixed `slora_`).
+
+    Latency histograms carry no adapter label: with thousands of adapters that would explode
+    the series count; per-version requests and errors are counters with labels."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("slora_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("slora_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("slora_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("slora_queue_time_seconds",
+                                    "Time from arrival until first scheduled",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("slora_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("slora_requests_waiting", "Requests waiting to be scheduled",
+                             registry=r)
+        self.pages = Gauge("slora_arena_pages", "Arena pages by use", ["kind"], registry=r)
+        self.adapter_loads = Counter("slora_adapter_loads", "Adapters written into arena pages",
+                                     registry=r)
+        self.adapter_evictions = Counter("slora_adapter_evictions",
+                                         "Adapters evicted from arena pages", registry=r)
+        self.adapter_downloads = Counter("slora_adapter_downloads",
+                                         "Adapter versions fetched into the disk cache",
+                                         registry=r)
+        self.requests = Counter("slora_adapter_requests", "Requests per adapter version",
+                                ["adapter_id", "version"], registry=r)
+        self.errors = Counter("slora_adapter_errors", "Failed requests per adapter version",
+                              ["adapter_id", "version"], registry=r)
+        self.aborts = Counter("slora_requests_aborted", "Requests aborted by cancel or deadline",
+                              registry=r)
+        self.counters: dict[VersionKey, VersionCounters] = {}
+        self._last_loads = 0
+        self._last_evictions = 0
+
+    def version(self, key: VersionKey) -> VersionCounters:
+        return self.counters.setdefault(key, VersionCounters())
+
+    def record_request(self, key: VersionKey) -> None:
+        self.requests.labels(*key).inc()
+        self.version(key).requests += 1
+
+    def record_error(self, key: VersionKey) -> None:
+        self.errors.labels(*key).inc()
+        self.version(key).errors += 1
+
+    def record_finish(self, key: VersionKey, ttft: float | None, e2e: float, tokens: int) -> None:
+        c = self.version(key)
+        c.completion_tokens += tokens
+        self.e2e.observe(e2e)
+        if ttft is None:
+            return
+        c.ttft_sum += ttft
+        c.ttft_count += 1
+        if tokens > 1:
+            tpot = (e2e - ttft) / (tokens - 1)
+            self.tpot.observe(tpot)
+            c.tpot_sum += tpot
+            c.tpot_count += 1
+
+    def set_engine_state(self, running: int, waiting: int, kv_pages: int, adapter_pages: int,
+                         free_pages: int, loads: int, evictions: int) -> None:
+        """Called from the engine thread after each step (prometheus metrics are thread-safe)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.pages.labels("kv").set(kv_pages)
+        self.pages.labels("adapter").set(adapter_pages)
+        self.pages.labels("free").set(free_pages)
+        self.adapter_loads.inc(loads - self._last_loads)
+        self.adapter_evictions.inc(evictions - self._last_evictions)
+        self._last_loads, self._last_evictions = loads, evictions

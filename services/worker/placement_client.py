@@ -1,0 +1,95 @@
+"""The worker's side of PlacementService.WatchPlacement: apply placements, send heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.watch import Outbox, watch_forever
+from services.worker.adapters import AdapterManager
+from services.worker.engine_loop import EngineLoop
+from services.worker.metrics import WorkerMetrics
+from slora.v1 import placement_pb2 as ppb
+from slora.v1 import placement_pb2_grpc as ppb_grpc
+
+DEFAULT_HEARTBEAT_S = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    worker_id: str
+    address: str
+    capacity: int
+    base_model: str
+
+
+class PlacementClient:
+    def __init__(self, target: str, identity: WorkerIdentity, adapters: AdapterManager,
+                 engine_loop: EngineLoop, metrics: WorkerMetrics,
+                 is_draining: Callable[[], bool] = lambda: False) -> None:
+        self.target = target
+        self.identity = identity
+        self.adapters = adapters
+        self.engine_loop = engine_loop
+        self.metrics = metrics
+        self.is_draining = is_draining
+        self.heartbeat_s = DEFAULT_HEARTBEAT_S
+        self.started_at_ms = int(time.time() * 1000)
+        self.revision = 0
+        self.synced = asyncio.Event()
+
+    async def run(self) -> None:
+        """Watch placement until cancelled, reconnecting as needed."""
+        await watch_forever(self.target, self._open, self._hello, self._on_update,
+                            on_connected=self._heartbeats)
+
+    def _open(self, channel: grpc.aio.Channel, outbox: Outbox) -> grpc.aio.StreamStreamCall:
+        return ppb_grpc.PlacementServiceStub(channel).WatchPlacement(outbox.__aiter__())
+
+    def _hello(self) -> ppb.WorkerMessage:
+        i = self.identity
+        return ppb.WorkerMessage(hello=ppb.WorkerHello(
+            worker_id=i.worker_id, address=i.address, capacity=i.capacity,
+            base_model=i.base_model))
+
+    async def _on_update(self, update: ppb.PlacementUpdate, outbox: Outbox) -> None:
+        if update.heartbeat_interval_ms > 0:
+            self.heartbeat_s = update.heartbeat_interval_ms / 1000
+        await self.adapters.apply(update)
+        self.revision = update.revision
+        outbox.put(ppb.WorkerMessage(ack=ppb.Ack(revision=update.revision)))
+        self.synced.set()
+
+    async def _heartbeats(self, outbox: Outbox) -> None:
+        while True:
+            outbox.put(ppb.WorkerMessage(heartbeat=await self.heartbeat()))
+            await self.adapters.refresh_pins()
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def heartbeat(self) -> ppb.Heartbeat:
+        """Load, residency, pages and per-version counters, as of now."""
+        resident = await self.adapters.resident()
+        e = self.engine_loop.engine
+        pool = await asyncio.wrap_future(self.engine_loop.call(
+            lambda eng: (eng.num_running, eng.num_waiting, eng.pool.num_kv_pages,
+                         eng.pool.num_adapter_pages, eng.pool.num_free)))
+        running, waiting, kv, adapter_pages, free = pool
+        counters = [
+            ppb.VersionCounters(adapter_id=k[0], version=k[1], requests=c.requests,
+                                errors=c.errors, completion_tokens=c.completion_tokens,
+                                ttft_seconds_sum=c.ttft_sum, ttft_count=c.ttft_count,
+                                tpot_seconds_sum=c.tpot_sum, tpot_count=c.tpot_count)
+            for k, c in self.metrics.counters.items()
+        ]
+        # Requests still on their way to the engine count as load too.
+        inflight = max(self.engine_loop.num_inflight, running + waiting)
+        return ppb.Heartbeat(
+            running=running, waiting=waiting, load=inflight / e.config.max_num_seqs,
+            resident=[ppb.VersionKey(adapter_id=a, version=v) for a, v in resident],
+            counters=counters, kv_pages=kv, adapter_pages=adapter_pages, free_pages=free,
+            started_at_ms=self.started_at_ms, draining=self.is_draining(),
+        )
