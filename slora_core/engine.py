@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) or model_config.eos_token_ids
         self._requests: dict[str, _Request] = {}
         self.stats = EngineStats()
+        # Adapter copies run on a side stream; a step waits only for the slots it uses.
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending_copies: dict[int, torch.cuda.Event] = {}
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
@@ -137,7 +141,7 @@ class LLMEngine:
         self._check_fits(len(ids) + params.max_new_tokens, pages)
         seq = Sequence(request_id, ids, params, adapter=adapter or None, adapter_pages=pages,
                        tenant=tenant, arrival=time.monotonic())
-        stream = TextStream(self.tokenizer, ids, params.stop)
+        stream = TextStream(self.tokenizer, ids, params.stop, min_tokens=params.min_new_tokens)
         self._requests[request_id] = _Request(seq, stream, make_generator(params, self.config.device))
         self.scheduler.add(seq)
 
@@ -192,6 +196,7 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.tokens += sched.num_tokens
         self.stats.last_distinct_adapters = sched.distinct_adapters()
+        self._wait_for_copies(sched)
         logits = self.runner.run(sched.scheduled)
         sampling = [s.seq for s in sched.scheduled if s.samples]
         for item in sched.scheduled:
@@ -211,8 +216,13 @@ class LLMEngine:
     def _apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
         self.stats.preemptions += len(sched.preempted)
         self.stats.adapter_evictions += len(sched.evicted)
+        with self._on_copy_stream():
+            for rec in sched.evicted:
+                self.arena.clear_slot(rec.slot)
         for rec in sched.evicted:
-            self.arena.clear_slot(rec.slot)
+            # Its pages may be reused for KV by this step: finish any copy still writing them.
+            if (event := self._pending_copies.pop(rec.slot, None)) is not None:
+                torch.cuda.current_stream().wait_event(event)
         failed: list[RequestOutput] = []
         for rec in sched.new_adapters:
             try:
@@ -220,9 +230,28 @@ class LLMEngine:
             except (AdapterError, UnknownAdapterError) as e:
                 failed += self._fail_adapter(str(rec.key), sched, str(e))
                 continue
-            self.arena.write_adapter(rec.slot, rec.pages, host.layout, host.matrices)
+            with self._on_copy_stream():
+                self.arena.write_adapter(rec.slot, rec.pages, host.layout, host.matrices)
+                if self._copy_stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(self._copy_stream)
+                    self._pending_copies[rec.slot] = event
             self.stats.adapter_loads += 1
         return failed
+
+    def _on_copy_stream(self) -> contextlib.AbstractContextManager:
+        if self._copy_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._copy_stream)
+
+    def _wait_for_copies(self, sched: SchedulerOutput) -> None:
+        """Make the compute stream wait for the adapter copies this step reads."""
+        if not self._pending_copies:
+            return
+        for item in sched.scheduled:
+            rec = self.pool.resident(item.seq.adapter) if item.seq.adapter else None
+            if rec is not None and (event := self._pending_copies.pop(rec.slot, None)):
+                torch.cuda.current_stream().wait_event(event)
 
     def _fail_adapter(self, name: str, sched: SchedulerOutput, error: str) -> list[RequestOutput]:
         """An adapter that can no longer be loaded fails its requests; the rest go on."""

@@ -73,6 +73,9 @@ class PagePool:
     def resident_keys(self) -> list[Hashable]:
         return list(self._adapters)
 
+    def has_free_slot(self) -> bool:
+        return bool(self._free_slots)
+
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= self.num_reclaimable()
 

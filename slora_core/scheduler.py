@@ -17,6 +17,7 @@ class SchedulerLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_adapters_per_batch: int
+    prefetch_depth: int = 8  # waiting requests whose adapters are loaded ahead into free pages
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
+            self._prefetch(out)
         slot_of = {a: r.slot for a in self._adapters_running() if (r := self.pool.resident(a))}
         # Group by adapter so each adapter's tokens form one contiguous LoRA segment.
         out.scheduled.sort(key=lambda s: (s.seq.adapter is None, slot_of.get(s.seq.adapter, -1)))
@@ -159,6 +161,21 @@ class Scheduler:
             budget -= n
         for seq in admitted:
             self.waiting.remove(seq)
+
+    def _prefetch(self, out: SchedulerOutput) -> None:
+        """Make the adapters of the next waiting requests resident (idle, so evictable) while
+        free pages allow, so their copies overlap this step instead of delaying a later one.
+        Runs last: nothing later in this step can evict what it places."""
+        for seq in list(self.waiting)[: self.limits.prefetch_depth]:
+            key = seq.adapter
+            if key is None or not seq.adapter_ready or self.pool.is_resident(key):
+                continue
+            if seq.adapter_pages > self.pool.num_free or not self.pool.has_free_slot():
+                break
+            rec, _, evicted = self.pool.acquire_adapter(key, seq.adapter_pages)
+            self.pool.release_adapter(key)
+            out.evicted.extend(evicted)
+            out.new_adapters.append(rec)
 
     def _admit(self, seq: Sequence, n: int, blocks: int, out: SchedulerOutput) -> None:
         if seq.adapter is not None:

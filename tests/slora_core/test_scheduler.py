@@ -61,7 +61,10 @@ def test_batch_is_grouped_by_adapter_and_capped_at_max_adapters():
     firsts = [adapters.index(a) for a in ("x", "y")]
     for a, f in zip(("x", "y"), firsts, strict=True):
         assert adapters[f : f + adapters.count(a)] == [a] * adapters.count(a)
-    assert out.distinct_adapters() == 2 and len(out.new_adapters) == 2
+    assert out.distinct_adapters() == 2
+    # x and y are loaded for this step; z, waiting, is prefetched into free pages (idle)
+    assert [r.key for r in out.new_adapters] == ["x", "y", "z"]
+    assert pool.resident("z").refcount == 0
     assert pool.resident("x").refcount == 2
 
 
@@ -111,3 +114,13 @@ def test_unready_adapter_does_not_block_others():
     assert [s.seq.request_id for s in out.scheduled] == ["b"]
     a.adapter_ready = True
     assert "a" in [s.seq.request_id for s in sched.schedule().scheduled]
+
+
+def test_adapters_of_waiting_requests_are_prefetched_into_free_pages():
+    sched, pool = make(num_pages=16, max_seqs=1)
+    sched.add(seq("a", adapter="x", pages=2))
+    sched.add(seq("b", adapter="y", pages=2))  # waits: max one running sequence
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["a"]
+    assert [r.key for r in out.new_adapters] == ["x", "y"]
+    assert pool.resident("y").refcount == 0  # idle: evictable if KV needs the room
