@@ -3,6 +3,7 @@ changes the tiny model's greedy output."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.cli import main as cli_main
+from services.commands import demo_assets as demo_assets_command
 from slora_core.demo_assets import ADAPTERS, CORPUS, write_demo_assets
 
 PROMPTS = ["The quick brown fox", "Once upon a time in the city", "Music from the"]
@@ -120,7 +121,11 @@ def test_patterns_give_per_module_ranks(demo_dir):
 
 
 def test_cli_writes_the_assets(tmp_path, capsys):
-    assert cli_main(["demo-assets", str(tmp_path / "d"), "--seed", "7"]) == 0
+    # Only this command's parser: the full `slora` CLI also imports generated protobuf code.
+    parser = argparse.ArgumentParser(prog="slora")
+    demo_assets_command.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["demo-assets", str(tmp_path / "d"), "--seed", "7"])
+    assert args.func(args) == 0
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert manifest["seed"] == 7 and len(manifest["adapters"]) == 12
     assert "manifest:" in capsys.readouterr().out
