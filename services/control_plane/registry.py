@@ -248,9 +248,12 @@ def _encode_token(value: str) -> str:
 
 def _decode_token(token: str) -> str:
     try:
-        return base64.urlsafe_b64decode(token.encode("ascii")).decode("utf-8")
+        value = base64.b64decode(token.encode("ascii"), altchars=b"-_", validate=True).decode()
     except (ValueError, UnicodeError):
         raise InvalidArgument("malformed page_token") from None
+    if not value:
+        raise InvalidArgument("malformed page_token")
+    return value
 
 
 def _decode_int_token(token: str) -> int:

@@ -1,0 +1,315 @@
+"""PlacementService: placements streamed to workers, the routing table streamed to gateways.
+
+The hub keeps the registry catalog (polled: every registry change leaves an audit event, so a
+change of the newest event id is the signal), the connected workers and their heartbeats, and
+the connected gateways. Any change recomputes the plan and the routing table, diffs them
+against what each subscriber was sent, and pushes deltas under one rising revision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.control_plane.catalog import Catalog, fingerprint, load_catalog
+from services.control_plane.placement import (
+    PIN,
+    PlannerConfig,
+    VersionKey,
+    WorkerSlot,
+    plan,
+    popular_versions,
+)
+from services.control_plane.routing_state import (
+    RoutingState,
+    WorkerView,
+    build_routing_state,
+    routing_delta,
+)
+from slora.v1 import placement_pb2 as ppb
+from slora.v1 import placement_pb2_grpc as ppb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = ppb.DESCRIPTOR.services_by_name["PlacementService"].full_name
+
+
+@dataclass(frozen=True)
+class HubConfig:
+    poll_s: float = 0.2             # registry change detection
+    heartbeat_s: float = 1.0        # asked of workers
+    missed_heartbeats: int = 3      # then a worker is down
+    startup_grace_s: float = 3.0    # gateways get their first snapshot after this (see run)
+    popularity_window_s: float = 10.0
+    planner: PlannerConfig = PlannerConfig()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> HubConfig:
+        """SLORA_HEARTBEAT_S, SLORA_MISSED_HEARTBEATS, SLORA_POLL_S override the defaults."""
+        hb = float(env.get("SLORA_HEARTBEAT_S", cls.heartbeat_s))
+        missed = int(env.get("SLORA_MISSED_HEARTBEATS", cls.missed_heartbeats))
+        return cls(poll_s=float(env.get("SLORA_POLL_S", cls.poll_s)), heartbeat_s=hb,
+                   missed_heartbeats=missed, startup_grace_s=max(3.0, (missed + 1) * hb))
+
+
+@dataclass(eq=False)
+class WorkerConn:
+    worker_id: str
+    address: str
+    capacity: int
+    queue: asyncio.Queue[ppb.PlacementUpdate | None] = field(default_factory=asyncio.Queue)
+    sent: dict[VersionKey, ppb.VersionPlacement] = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.monotonic)
+    up: bool = True
+    load: float = 0.0
+    draining: bool = False
+    resident: frozenset[VersionKey] = frozenset()
+    acked: int = 0
+    started_at_ms: int = 0
+    requests: dict[VersionKey, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class GatewayConn:
+    gateway_id: str
+    queue: asyncio.Queue[ppb.RoutingUpdate | None] = field(default_factory=asyncio.Queue)
+    acked: int = 0
+
+
+class PlacementHub:
+    def __init__(self, sessions: sessionmaker[Session], config: HubConfig = HubConfig()) -> None:
+        self.sessions = sessions
+        self.config = config
+        self.catalog = Catalog()
+        self.workers: dict[str, WorkerConn] = {}
+        self.gateways: set[GatewayConn] = set()
+        self.plan: dict[str, dict[VersionKey, str]] = {}
+        self.routing = RoutingState()
+        self.popular: set[VersionKey] = set()
+        # Microseconds since the epoch: revisions keep rising across control-plane restarts.
+        self._revision = time.time_ns() // 1000
+        self._window: dict[VersionKey, int] = {}
+        self._started = time.monotonic()
+        self.ready = asyncio.Event()  # first catalog loaded and start-up grace over
+
+    def next_revision(self) -> int:
+        self._revision += 1
+        return self._revision
+
+    # ---- background loop ----------------------------------------------------------------
+    async def run(self) -> None:
+        """Poll the registry, expire silent workers, refresh popularity; until cancelled."""
+        last_fp = -1
+        last_pop = time.monotonic()
+        while True:
+            try:
+                fp = await asyncio.to_thread(fingerprint, self.sessions)
+                if fp != last_fp:
+                    self.catalog = await asyncio.to_thread(load_catalog, self.sessions)
+                    last_fp = fp
+                    self.recompute()
+            except Exception:
+                log.exception("placement: reading the registry failed; retrying")
+            self._expire_workers()
+            if time.monotonic() - last_pop >= self.config.popularity_window_s:
+                self._refresh_popularity(time.monotonic() - last_pop)
+                last_pop = time.monotonic()
+            if not self.ready.is_set() and last_fp >= 0 and self._grace_over():
+                self.ready.set()
+                self.recompute()
+            await asyncio.sleep(self.config.poll_s)
+
+    def _grace_over(self) -> bool:
+        # After a restart, workers need a moment to reconnect; a gateway that got a snapshot
+        # without them would have nowhere to send requests.
+        return time.monotonic() - self._started >= self.config.startup_grace_s
+
+    def _expire_workers(self) -> None:
+        limit = self.config.heartbeat_s * self.config.missed_heartbeats
+        now = time.monotonic()
+        expired = [w for w in self.workers.values() if w.up and now - w.last_seen > limit]
+        for w in expired:
+            log.warning("worker %s missed heartbeats for %.1fs: marked down", w.worker_id, limit)
+            w.up = False
+        if expired:
+            self.recompute()
+
+    def _refresh_popularity(self, elapsed: float) -> None:
+        rates = {k: n / elapsed for k, n in self._window.items()}
+        self._window.clear()
+        popular = popular_versions(rates, self.config.planner)
+        if popular != self.popular:
+            self.popular = popular
+            self.recompute()
+
+    # ---- recompute and push -------------------------------------------------------------
+    def recompute(self) -> None:
+        routed = [(a.adapter_id, v) for a in self.catalog.adapters for v in a.routed_versions()]
+        slots = [WorkerSlot(w.worker_id, w.capacity) if w.capacity > 0 else WorkerSlot(w.worker_id)
+                 for w in self.workers.values() if w.up and not w.draining]
+        self.plan = plan(routed, slots, self.popular, self.config.planner)
+        for conn in self.workers.values():
+            self._push_placement(conn, snapshot=False)
+        views = [WorkerView(w.worker_id, w.address, w.up, w.load, w.draining, w.resident)
+                 for w in self.workers.values()]
+        new = build_routing_state(self.catalog, self.plan, views)
+        if self.ready.is_set():
+            delta = routing_delta(self.routing, new)
+            if delta is not None:
+                delta.revision = self.next_revision()
+                for gw in self.gateways:
+                    gw.queue.put_nowait(delta)
+        self.routing = new
+
+    def _desired(self, worker_id: str) -> dict[VersionKey, ppb.VersionPlacement]:
+        assigned = self.plan.get(worker_id, {})
+        out = {}
+        for a in self.catalog.adapters:
+            for v in a.versions:
+                key = (a.adapter_id, v.version)
+                r = assigned.get(key)
+                residency = (ppb.RESIDENCY_ON_DEMAND if r is None else
+                             ppb.RESIDENCY_PIN if r == PIN else ppb.RESIDENCY_PREFETCH)
+                out[key] = ppb.VersionPlacement(adapter_id=a.adapter_id, version=v.version,
+                                                storage_uri=v.storage_uri, sha256=v.sha256,
+                                                residency=residency)
+        return out
+
+    def _push_placement(self, conn: WorkerConn, snapshot: bool) -> None:
+        desired = self._desired(conn.worker_id)
+        if snapshot:
+            upserts, removals = list(desired.values()), []
+        else:
+            upserts = [p for k, p in desired.items() if conn.sent.get(k) != p]
+            removals = [k for k in conn.sent if k not in desired]
+            if not upserts and not removals:
+                return
+        conn.sent = desired
+        conn.queue.put_nowait(ppb.PlacementUpdate(
+            revision=self.next_revision(), snapshot=snapshot, upserts=upserts,
+            removals=[ppb.VersionKey(adapter_id=a, version=v) for a, v in removals],
+            heartbeat_interval_ms=int(self.config.heartbeat_s * 1000)))
+
+    # ---- subscribers --------------------------------------------------------------------
+    def connect_worker(self, hello: ppb.WorkerHello) -> WorkerConn:
+        old = self.workers.get(hello.worker_id)
+        if old is not None:
+            old.queue.put_nowait(None)  # a newer stream of the same worker replaces it
+        conn = WorkerConn(hello.worker_id, hello.address, hello.capacity)
+        self.workers[conn.worker_id] = conn
+        log.info("worker %s connected from %s", conn.worker_id, conn.address)
+        self.recompute()
+        self._push_placement(conn, snapshot=True)
+        return conn
+
+    def disconnect_worker(self, conn: WorkerConn) -> None:
+        if self.workers.get(conn.worker_id) is conn:
+            del self.workers[conn.worker_id]
+            log.info("worker %s disconnected; re-placing its adapters", conn.worker_id)
+            self.recompute()
+
+    def heartbeat(self, conn: WorkerConn, hb: ppb.Heartbeat) -> None:
+        conn.last_seen = time.monotonic()
+        if hb.started_at_ms != conn.started_at_ms:
+            conn.started_at_ms, conn.requests = hb.started_at_ms, {}
+        for c in hb.counters:
+            key = (c.adapter_id, c.version)
+            if c.adapter_id:
+                self._window[key] = self._window.get(key, 0) + c.requests - conn.requests.get(key, 0)
+            conn.requests[key] = c.requests
+        resident = frozenset((r.adapter_id, r.version) for r in hb.resident)
+        changed = (not conn.up or resident != conn.resident or hb.draining != conn.draining
+                   or abs(hb.load - conn.load) >= 0.05)
+        conn.up, conn.resident, conn.draining, conn.load = True, resident, hb.draining, hb.load
+        if changed:
+            self.recompute()
+
+    def connect_gateway(self, gateway_id: str) -> GatewayConn:
+        conn = GatewayConn(gateway_id)
+        self.gateways.add(conn)
+        if self.ready.is_set():
+            conn.queue.put_nowait(self._routing_snapshot())
+        return conn
+
+    def _routing_snapshot(self) -> ppb.RoutingUpdate:
+        return self.routing.snapshot(self.next_revision())
+
+    def disconnect_gateway(self, conn: GatewayConn) -> None:
+        self.gateways.discard(conn)
+
+    async def wait_ready_then_snapshot(self, conn: GatewayConn) -> None:
+        """A gateway that connected during start-up grace gets its snapshot when it ends."""
+        if not self.ready.is_set():
+            await self.ready.wait()
+            if conn in self.gateways:
+                conn.queue.put_nowait(self._routing_snapshot())
+
+
+class PlacementServicer(ppb_grpc.PlacementServiceServicer):
+    def __init__(self, hub: PlacementHub) -> None:
+        self.hub = hub
+
+    async def WatchPlacement(self, request_iterator: AsyncIterator[ppb.WorkerMessage],
+                             context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[ppb.PlacementUpdate]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("hello") or not first.hello.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send a hello with a worker_id first")
+        conn = self.hub.connect_worker(first.hello)
+        reader = asyncio.create_task(self._read_worker(request_iterator, conn))
+        try:
+            while (update := await conn.queue.get()) is not None:
+                yield update
+        finally:
+            reader.cancel()
+            self.hub.disconnect_worker(conn)
+
+    async def _read_worker(self, messages: AsyncIterator[ppb.WorkerMessage],
+                           conn: WorkerConn) -> None:
+        try:
+            async for msg in messages:
+                if msg.HasField("ack"):
+                    conn.acked = msg.ack.revision
+                elif msg.HasField("heartbeat"):
+                    self.hub.heartbeat(conn, msg.heartbeat)
+        finally:
+            conn.queue.put_nowait(None)
+
+    async def WatchRouting(self, request_iterator: AsyncIterator[ppb.GatewayMessage],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[ppb.RoutingUpdate]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("hello"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send a hello first")
+        conn = self.hub.connect_gateway(first.hello.gateway_id)
+        tasks = [asyncio.create_task(self._read_gateway(request_iterator, conn)),
+                 asyncio.create_task(self.hub.wait_ready_then_snapshot(conn))]
+        try:
+            while (update := await conn.queue.get()) is not None:
+                yield update
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.hub.disconnect_gateway(conn)
+
+    async def _read_gateway(self, messages: AsyncIterator[ppb.GatewayMessage],
+                            conn: GatewayConn) -> None:
+        try:
+            async for msg in messages:
+                if msg.HasField("ack"):
+                    conn.acked = msg.ack.revision
+        finally:
+            conn.queue.put_nowait(None)
+
+
+def attach_placement(server: grpc.aio.Server, sessions: sessionmaker[Session],
+                     config: HubConfig | None = None) -> PlacementHub:
+    """Add PlacementService to `server`; run the returned hub's `run()` as a task."""
+    hub = PlacementHub(sessions, config or HubConfig.from_env())
+    ppb_grpc.add_PlacementServiceServicer_to_server(PlacementServicer(hub), server)
+    return hub
