@@ -22,7 +22,10 @@ from services.control_plane.keys import ADMIN, KeyStore, Principal
 
 log = logging.getLogger(__name__)
 
-OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.", "/grpc.reflection.")
+# PlacementService is the data plane's internal stream (workers and gateways carry no API key);
+# keep the control plane's port on the private network.
+OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.", "/grpc.reflection.",
+                                  "/slora.v1.PlacementService/")
 ANY_SCOPE = "any"
 Guard = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
 

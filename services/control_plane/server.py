@@ -19,6 +19,8 @@ from services.control_plane.db import make_engine, make_session_factory, upgrade
 from services.control_plane.interceptors import AuthInterceptor, ErrorInterceptor
 from services.control_plane.keys import KeyStore
 from services.control_plane.registry import Registry
+from services.control_plane.routing import SERVICE_NAME as PLACEMENT_SERVICE
+from services.control_plane.routing import attach_placement
 from services.control_plane.servicer import METHOD_SCOPES, SERVICE_NAME, AdapterAdminServicer
 from services.control_plane.storage import StorageConfig
 from slora.v1 import admin_pb2_grpc as pb_grpc
@@ -75,7 +77,7 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, PLACEMENT_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     port = server.add_insecure_port(config.listen)
     if port == 0:
@@ -90,13 +92,18 @@ async def serve(config: ControlPlaneConfig) -> None:
     if config.migrate:
         await asyncio.to_thread(upgrade, config.db_url)
     engine = make_engine(config.db_url)
-    plane = await build_server(config, make_session_factory(engine))
+    sessions = make_session_factory(engine)
+    plane = await build_server(config, sessions)
+    # PlacementService (data plane <-> control plane); see services/control_plane/routing.py.
+    hub = attach_placement(plane.server, sessions)
     await plane.server.start()
+    hub_task = asyncio.create_task(hub.run())
     log.info("control plane listening on port %d", plane.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    hub_task.cancel()
     await plane.stop(config.grace_s)
     engine.dispose()
