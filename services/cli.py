@@ -13,6 +13,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.commands.batch",
     "services.commands.control_plane",
     "services.commands.admin",
+    "services.commands.worker",
+    "services.commands.gateway",
 )
 
 

@@ -1,0 +1,33 @@
+"""`slora gateway`: the data-plane router in front of the workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway", help="authenticate, route and forward Generate calls")
+    p.add_argument("--control-plane", required=True, help="control plane host:port")
+    p.add_argument("--listen", default="0.0.0.0:50071", help="host:port to serve on")
+    p.add_argument("--gateway-id", default="", help="default: hostname-port")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port")
+    p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.gateway.main import GatewayOptions, serve_gateway
+
+    logging.basicConfig(level=os.environ.get("SLORA_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    port = args.listen.rsplit(":", 1)[-1]
+    opts = GatewayOptions(
+        control_plane=args.control_plane, listen=args.listen,
+        gateway_id=args.gateway_id or f"{socket.gethostname()}-{port}",
+        metrics_port=args.metrics_port, drain_grace_s=args.drain_grace,
+    )
+    return asyncio.run(serve_gateway(opts))

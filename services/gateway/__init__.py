@@ -1,0 +1,1 @@
+"""The gateway: authenticates, routes to a version and a worker, forwards the token stream."""

@@ -1,0 +1,84 @@
+"""Wiring of a gateway process: routing-table watch, gRPC server, metrics, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.metrics import serve_metrics
+from services.common.server import GrpcServer, drain_and_stop, install_stop_handlers, start_server
+from services.common.watch import Outbox, watch_forever
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.servicer import GatewayServicer
+from services.gateway.table import RoutingTable
+from slora.v1 import inference_pb2, inference_pb2_grpc
+from slora.v1 import placement_pb2 as ppb
+from slora.v1 import placement_pb2_grpc as ppb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    control_plane: str
+    listen: str
+    gateway_id: str
+    metrics_port: int | None = None
+    drain_grace_s: float = 30.0
+
+
+class RoutingWatcher:
+    """Keeps `table` in sync with the control plane; the gateway is ready after the first
+    snapshot and keeps serving from its last table while the control plane is away."""
+
+    def __init__(self, target: str, gateway_id: str, table: RoutingTable,
+                 metrics: GatewayMetrics, on_synced: asyncio.Event) -> None:
+        self.target, self.gateway_id, self.table = target, gateway_id, table
+        self.metrics, self.on_synced = metrics, on_synced
+
+    async def run(self) -> None:
+        await watch_forever(self.target, self._open, self._hello, self._on_update)
+
+    def _open(self, channel: grpc.aio.Channel, outbox: Outbox) -> grpc.aio.StreamStreamCall:
+        return ppb_grpc.PlacementServiceStub(channel).WatchRouting(outbox.__aiter__())
+
+    def _hello(self) -> ppb.GatewayMessage:
+        return ppb.GatewayMessage(hello=ppb.GatewayHello(gateway_id=self.gateway_id))
+
+    async def _on_update(self, update: ppb.RoutingUpdate, outbox: Outbox) -> None:
+        self.table.apply(update)
+        self.metrics.revision.set(update.revision)
+        outbox.put(ppb.GatewayMessage(ack=ppb.Ack(revision=update.revision)))
+        self.on_synced.set()
+
+
+async def serve_gateway(opts: GatewayOptions) -> int:
+    """Run until SIGTERM/SIGINT, then drain (NOT_SERVING, finish streams, stop)."""
+    metrics = GatewayMetrics()
+    if opts.metrics_port is not None:
+        serve_metrics(opts.metrics_port, metrics.registry)
+    table = RoutingTable()
+    servicer = GatewayServicer(table, metrics)
+    handle: GrpcServer = await start_server(
+        opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
+        [SERVICE], serving=False)
+    synced = asyncio.Event()
+    watcher = asyncio.create_task(
+        RoutingWatcher(opts.control_plane, opts.gateway_id, table, metrics, synced).run())
+    stop = asyncio.Event()
+    install_stop_handlers(stop.set)
+    log.info("gateway %s on port %d, waiting for the routing table", opts.gateway_id, handle.port)
+    waiter = asyncio.create_task(synced.wait())
+    await asyncio.wait([waiter, asyncio.create_task(stop.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if synced.is_set():
+        await handle.set_serving(True)
+        log.info("gateway %s ready (routing revision %d)", opts.gateway_id, table.revision)
+    await stop.wait()
+    await drain_and_stop(handle, servicer.wait_idle, opts.drain_grace_s)
+    watcher.cancel()
+    return 0

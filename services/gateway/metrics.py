@@ -1,0 +1,21 @@
+"""The gateway's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("slora_gateway_requests", "Generate calls routed", registry=r)
+        self.errors = Counter("slora_gateway_errors", "Generate calls failed, by code", ["code"],
+                              registry=r)
+        self.retries = Counter("slora_gateway_retries",
+                               "Calls retried on another worker before the first token",
+                               registry=r)
+        self.fallbacks = Counter("slora_gateway_fallbacks",
+                                 "Calls served by the fallback version", registry=r)
+        self.revision = Gauge("slora_gateway_routing_revision",
+                              "Revision of the routing table applied", registry=r)

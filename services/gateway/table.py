@@ -1,0 +1,105 @@
+"""The gateway's copy of the routing table, and the decisions made from it (no I/O)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from services.common import errors as e
+from slora.v1 import admin_pb2
+from slora.v1 import placement_pb2 as ppb
+
+UNSERVABLE_STATES = (admin_pb2.VERSION_STATE_FAILED, admin_pb2.VERSION_STATE_REGISTERED)
+
+
+def canary_share(adapter_id: str, routing_key: str) -> float:
+    """A routing key's fixed point in [0, 1): the key goes to the canary when this is below the
+    traffic ratio, so it keeps its version while the ratio is unchanged, and raising the ratio
+    only moves keys from stable to canary."""
+    digest = hashlib.sha256(f"{adapter_id}\0{routing_key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def token_sha256(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Resolution:
+    adapter_id: str
+    version: str
+    fallback: str  # "" when there is none, or when the version was asked for explicitly
+
+
+@dataclass
+class RoutingTable:
+    revision: int = 0
+    synced: bool = False
+    adapters: dict[str, ppb.RoutedAdapter] = field(default_factory=dict)
+    workers: dict[str, ppb.WorkerEndpoint] = field(default_factory=dict)
+    keys: dict[str, ppb.KeyGrant] = field(default_factory=dict)
+
+    def apply(self, update: ppb.RoutingUpdate) -> None:
+        """Apply a snapshot (replaces everything) or a delta."""
+        if update.snapshot:
+            self.adapters, self.workers, self.keys = {}, {}, {}
+        for a in update.adapters:
+            self.adapters[a.adapter_id] = a
+        for name in update.removed_adapters:
+            self.adapters.pop(name, None)
+        for w in update.workers:
+            self.workers[w.worker_id] = w
+        for name in update.removed_workers:
+            self.workers.pop(name, None)
+        for k in update.keys:
+            self.keys[k.token_sha256] = k
+        for name in update.removed_keys:
+            self.keys.pop(name, None)
+        self.revision = update.revision
+        self.synced = True
+
+    def authenticate(self, token: str) -> ppb.KeyGrant:
+        if not token:
+            raise e.Unauthenticated("missing bearer token in the 'authorization' metadata")
+        grant = self.keys.get(token_sha256(token))
+        if grant is None:
+            raise e.Unauthenticated("unknown or revoked API key")
+        return grant
+
+    def resolve(self, grant: ppb.KeyGrant, adapter_id: str, version: str | None,
+                routing_key: str) -> Resolution:
+        """Which version serves the call. Raises NotFound or PermissionDenied."""
+        route = self.adapters.get(adapter_id)
+        if route is None:
+            raise e.NotFound(f"unknown adapter {adapter_id!r}")
+        if not grant.admin and grant.tenant != route.tenant:
+            raise e.PermissionDenied(f"key {grant.key_id} may not call adapter {adapter_id!r}")
+        if version is not None:
+            if not any(v.version == version and v.state not in UNSERVABLE_STATES
+                       for v in route.versions):
+                raise e.NotFound(f"adapter {adapter_id!r} has no servable version {version!r}")
+            return Resolution(adapter_id, version, "")
+        if not route.stable_version:
+            raise e.NotFound(f"adapter {adapter_id!r} has no stable version yet")
+        chosen = route.stable_version
+        if route.canary_version and canary_share(adapter_id, routing_key) < route.traffic_ratio:
+            chosen = route.canary_version
+        fallback = route.fallback_version if route.fallback_version != chosen else ""
+        if chosen == route.canary_version and not fallback:
+            # A canary that cannot load falls back to the stable version.
+            fallback = route.stable_version
+        return Resolution(adapter_id, chosen, fallback)
+
+    def candidates(self, adapter_id: str, version: str,
+                   inflight: dict[str, int]) -> list[ppb.WorkerEndpoint]:
+        """Workers able to serve, best first: holders of the version, then by load (this
+        gateway's in-flight calls, then the load the worker reported)."""
+        holders: set[str] = set()
+        route = self.adapters.get(adapter_id)
+        if route is not None:
+            for v in route.versions:
+                if v.version == version:
+                    holders = set(v.worker_ids)
+        live = [w for w in self.workers.values() if w.up and not w.draining]
+        return sorted(live, key=lambda w: (w.worker_id not in holders,
+                                           inflight.get(w.worker_id, 0), w.load, w.worker_id))
