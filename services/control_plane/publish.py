@@ -22,7 +22,7 @@ from services.control_plane.keys import Principal, check_name
 from services.control_plane.lifecycle import VersionState
 from services.control_plane.models import Adapter, AdapterVersion, Route
 from services.control_plane.storage import StorageConfig, fetch_adapter
-from slora_core.adapters import LoraAdapter, digest_adapter_dir, load_adapter
+from slora_core.adapters import AdapterError, LoraAdapter, digest_adapter_dir, load_adapter
 from slora_core.config import ModelConfig
 
 ADAPTER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -94,7 +94,11 @@ def fetch_and_validate(
         digest = digest_adapter_dir(local)
         if digest != req.sha256:
             raise InvalidArgument(f"sha256 mismatch: the files at {req.storage_uri} hash to {digest}")
-        return load_adapter(local, model, max_rank=max_rank, expected_sha256=req.sha256)
+        try:
+            return load_adapter(local, model, max_rank=max_rank, expected_sha256=req.sha256)
+        except AdapterError as e:
+            # Name the caller's URI, not our temporary folder, in the message.
+            raise type(e)(str(e).replace(str(local), req.storage_uri.rstrip("/"))) from None
 
 
 def insert_version(
