@@ -1,0 +1,118 @@
+"""A whole local stack in child processes: control plane (SQLite or PostgreSQL), workers and
+gateways on loopback, with the demo adapters published. Used by `slora up` and the tests."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
+from services.control_plane.client import AdminClient
+from slora.v1 import admin_pb2 as apb
+from slora_core.adapters import digest_adapter_dir
+
+BASE_MODEL = "demo"
+TENANT = "demo"
+VERSION = "v1"
+
+
+@dataclass
+class StackConfig:
+    demo_dir: Path               # model/, adapters/<name>/ (slora demo-assets)
+    state_dir: Path              # logs, database, disk caches
+    db_url: str = ""             # default: SQLite under state_dir
+    host: str = "127.0.0.1"
+    heartbeat_s: float = 1.0
+    worker_args: tuple[str, ...] = ("--num-pages", "128", "--max-num-seqs", "16")
+
+
+@dataclass
+class Stack:
+    config: StackConfig
+    admin_token: str = field(default_factory=lambda: "slk_admin_" + secrets.token_urlsafe(24))
+    control_plane: Child | None = None
+    cp_address: str = ""
+    workers: dict[str, Child] = field(default_factory=dict)
+    worker_addresses: dict[str, str] = field(default_factory=dict)
+    gateways: dict[str, Child] = field(default_factory=dict)
+    gateway_addresses: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        hb = self.config.heartbeat_s
+        return {"SLORA_HEARTBEAT_S": str(hb), "SLORA_ADMIN_KEY": self.admin_token,
+                "PYTHONUNBUFFERED": "1"}
+
+    @property
+    def db_url(self) -> str:
+        return self.config.db_url or f"sqlite:///{self.config.state_dir / 'registry.db'}"
+
+    def start_control_plane(self, wait: bool = True) -> Child:
+        """Start (or restart on the same port) the control plane, migrating the database."""
+        if not self.cp_address:
+            self.cp_address = f"{self.config.host}:{free_port()}"
+        d = self.config.demo_dir
+        self.control_plane = start_child("control-plane", slora_argv(
+            "control-plane", "--db", self.db_url, "--listen", self.cp_address,
+            "--base-model", f"{BASE_MODEL}={d / 'model'}", "--allowed-root", str(d / "adapters"),
+            "--migrate"), self.config.state_dir / "logs", self.env)
+        if wait:
+            wait_serving(self.cp_address, self.control_plane)
+        return self.control_plane
+
+    def start_worker(self, name: str, wait: bool = True, extra: Sequence[str] = ()) -> Child:
+        address = f"{self.config.host}:{free_port()}"
+        child = start_child(name, slora_argv(
+            "worker", "--model", str(self.config.demo_dir / "model"),
+            "--control-plane", self.cp_address, "--listen", address, "--worker-id", name,
+            "--cache-dir", str(self.config.state_dir / "cache" / name),
+            *self.config.worker_args, *extra), self.config.state_dir / "logs", self.env)
+        self.workers[name], self.worker_addresses[name] = child, address
+        if wait:
+            wait_serving(address, child, timeout_s=120)
+        return child
+
+    def start_gateway(self, name: str = "gateway", wait: bool = True) -> Child:
+        address = f"{self.config.host}:{free_port()}"
+        child = start_child(name, slora_argv(
+            "gateway", "--control-plane", self.cp_address, "--listen", address,
+            "--gateway-id", name), self.config.state_dir / "logs", self.env)
+        self.gateways[name], self.gateway_addresses[name] = child, address
+        if wait:
+            wait_serving(address, child)
+        return child
+
+    def children(self) -> list[Child]:
+        cp = [self.control_plane] if self.control_plane else []
+        return [*self.gateways.values(), *self.workers.values(), *cp]
+
+    def stop(self) -> None:
+        """Stop gateways, then workers, then the control plane (each drains)."""
+        for child in self.children():
+            child.stop()
+
+
+def publish_demo_adapters(admin: AdminClient, demo_dir: Path,
+                          names: Sequence[str] | None = None) -> str:
+    """Create tenant `demo`, register each demo adapter as version v1 and promote it; returns a
+    new tenant-scoped API token. Idempotent for adapters that are already stable."""
+    try:
+        admin.call("CreateTenant", apb.CreateTenantRequest(name=TENANT))
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise
+    adapters = sorted(p for p in (demo_dir / "adapters").iterdir() if p.is_dir())
+    for path in adapters:
+        if names is not None and path.name not in names:
+            continue
+        admin.register(path.name, VERSION, path.resolve().as_uri(), digest_adapter_dir(path),
+                       BASE_MODEL, TENANT)
+        if admin.get(path.name).route.stable_version != VERSION:
+            admin.promote(path.name, VERSION, reason="slora up: demo adapter")
+    created = admin.call("CreateApiKey", apb.CreateApiKeyRequest(
+        scope=apb.KEY_SCOPE_TENANT, tenant=TENANT, name="demo"))
+    return str(created.token)

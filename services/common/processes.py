@@ -1,0 +1,100 @@
+"""Child processes of a local stack (`slora up`, the tests): start, wait healthy, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def slora_argv(*args: str) -> list[str]:
+    """The command line that runs `slora ARGS` with this interpreter."""
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM (graceful drain), then SIGKILL after `timeout_s`; returns the exit code."""
+        if self.alive:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+        return self.popen.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no drain."""
+        if self.alive:
+            self.popen.kill()
+        self.popen.wait()
+
+
+def start_child(name: str, argv: Sequence[str], log_dir: Path,
+                env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Child:
+    """Start `argv` with stdout and stderr appended to log_dir/NAME.log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})}, cwd=cwd,
+                                 start_new_session=True)
+    return Child(name, list(argv), popen, log_path)
+
+
+def is_serving(target: str, service: str = "", timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_serving(target: str, child: Child | None = None, timeout_s: float = 60.0,
+                 service: str = "") -> None:
+    """Poll grpc.health.v1 until SERVING; raises RuntimeError (with the child's log) when the
+    child exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if is_serving(target, service):
+            return
+        if child is not None and not child.alive:
+            raise RuntimeError(f"{child.name} exited with {child.popen.returncode}:\n"
+                               f"{child.log_tail()}")
+        time.sleep(0.1)
+    tail = child.log_tail() if child is not None else ""
+    raise RuntimeError(f"{target} not serving after {timeout_s:.0f}s\n{tail}")
