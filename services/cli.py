@@ -15,6 +15,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.commands.admin",
     "services.commands.worker",
     "services.commands.gateway",
+    "services.commands.up",
+    "services.commands.generate",
 )
 
 

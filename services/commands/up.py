@@ -1,0 +1,101 @@
+"""`slora up`: the whole stack on this machine, in the foreground, until Ctrl-C.
+
+Control plane on SQLite, one gateway and one CPU worker on the generated demo assets; the demo
+adapters are registered and promoted, and a tenant key is written where `slora generate`
+finds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from services.commands.generate import CONNECTION_FILE
+
+STATE_DIR = Path(".slora/up")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run control plane, gateway and a CPU worker on demo assets")
+    p.add_argument("--state-dir", default=str(STATE_DIR), help="logs, database, caches")
+    p.add_argument("--demo-dir", default="", help="demo assets (default: STATE_DIR/demo)")
+    p.add_argument("--workers", type=int, default=1)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.common.demo_stack import Stack, StackConfig, publish_demo_adapters
+    from services.common.processes import wait_serving
+    from services.control_plane.client import AdminClient
+    from slora_core.demo_assets import write_demo_assets
+
+    state = Path(args.state_dir).resolve()
+    demo = Path(args.demo_dir).resolve() if args.demo_dir else state / "demo"
+    if not (demo / "manifest.json").exists():
+        say(f"writing demo assets to {demo}")
+        write_demo_assets(demo)
+    stack = Stack(StackConfig(demo_dir=demo, state_dir=state))
+    stopping = False
+
+    def on_signal(_sig: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        say("starting the control plane (SQLite)")
+        stack.start_control_plane()
+        say("starting the gateway and the worker (model load takes a few seconds)")
+        for i in range(args.workers):
+            stack.start_worker(f"worker-{i}", wait=False)
+        stack.start_gateway(wait=False)
+        admin = AdminClient.connect(stack.cp_address, stack.admin_token)
+        token = publish_demo_adapters(admin, demo)
+        for child in stack.children():
+            address = {**stack.worker_addresses, **stack.gateway_addresses}.get(child.name)
+            if address:
+                wait_serving(address, child, timeout_s=180)
+        gateway = stack.gateway_addresses["gateway"]
+        connection = state / CONNECTION_FILE
+        connection.write_text(f"SLORA_GATEWAY={gateway}\nSLORA_API_KEY={token}\n")
+        connection.chmod(0o600)
+        print_howto(gateway, token, stack.cp_address, state, demo)
+        while not stopping:
+            dead = [c for c in stack.children() if not c.alive]
+            if dead:
+                say(f"{dead[0].name} exited; stopping. Its log:\n{dead[0].log_tail()}")
+                return 1
+            time.sleep(0.5)
+        return 0
+    except RuntimeError as e:
+        say(f"start-up failed: {e}")
+        return 1
+    finally:
+        say("stopping")
+        stack.stop()
+
+
+def print_howto(gateway: str, token: str, control_plane: str, state: Path, demo: Path) -> None:
+    adapters = sorted(p.name for p in (demo / "adapters").iterdir())
+    sys.stdout.write(
+        f"\nslora is up.\n"
+        f"  gateway        {gateway}  (InferenceService.Generate, gRPC)\n"
+        f"  control plane  {control_plane}  (admin API; admin key in the "
+        f"SLORA_ADMIN_KEY of its process)\n"
+        f"  logs           {state / 'logs'}\n"
+        f"  adapters       {', '.join(adapters)} (version v1, tenant demo)\n\n"
+        f"Try, in another terminal:\n"
+        f"  .venv/bin/slora generate --adapter {adapters[0]} \"The quick brown fox\"\n"
+        f"  .venv/bin/slora generate \"The quick brown fox\"          # base model only\n"
+        f"(connection details in {state / CONNECTION_FILE}; tenant key: {token})\n\n"
+        f"Ctrl-C stops everything.\n")
+    sys.stdout.flush()
+
+
+def say(msg: str) -> None:
+    sys.stdout.write(f"slora up: {msg}\n")
+    sys.stdout.flush()
