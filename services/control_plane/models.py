@@ -84,8 +84,10 @@ class Adapter(Base):
     created_by: Mapped[str] = mapped_column(String(ID_LENGTH))
 
     route: Mapped[Route] = relationship(back_populates="adapter", lazy="joined")
+    # Joined loads: an adapter, its route and versions come from one SELECT, hence one snapshot
+    # even under READ COMMITTED.
     versions: Mapped[list[AdapterVersion]] = relationship(
-        back_populates="adapter", order_by="AdapterVersion.id", lazy="selectin"
+        back_populates="adapter", order_by="AdapterVersion.id", lazy="joined"
     )
 
 

@@ -24,7 +24,7 @@ from services.control_plane.audit import record_event
 from services.control_plane.errors import Aborted, InvalidArgument, NotFound
 from services.control_plane.keys import Principal
 from services.control_plane.lifecycle import AdapterState, VersionState
-from services.control_plane.models import Adapter, AdapterVersion, AuditEvent, Tenant
+from services.control_plane.models import Adapter, AdapterVersion, AuditEvent, Route, Tenant
 from services.control_plane.publish import (
     RegisterRequest,
     check_request,
@@ -132,8 +132,13 @@ class Registry:
             raise InvalidArgument("etag is required: read the adapter first and pass its etag")
         try:
             with self._sessions.begin() as s:
-                adapter = self._load(s, adapter_id)
-                route = adapter.route
+                # Lock the route row before reading anything else: under READ COMMITTED each
+                # statement sees the latest commits, so versions read after the lock agree with
+                # the route, and no other change can interleave until we commit.
+                route = s.get(Route, adapter_id, with_for_update=True)
+                if route is None:
+                    raise NotFound(f"adapter {adapter_id!r} is not registered")
+                adapter = route.adapter
                 if etag != etag_of(route.revision):
                     raise Aborted(f"stale etag {etag!r}: {adapter_id} is now at {etag_of(route.revision)}")
                 rows = {v.version: v for v in adapter.versions}
