@@ -50,6 +50,8 @@ def fetch_adapter(uri: str, dest: Path, config: StorageConfig) -> Path:
         if not parts.netloc:
             raise InvalidArgument(f"storage_uri {uri!r} names no bucket")
         fs = fsspec.filesystem("s3", skip_instance_cache=True, **dict(config.s3_options))
+        if not _bucket_exists(fs, parts.netloc):
+            raise InvalidArgument(f"{uri}: bucket {parts.netloc!r} does not exist or is not readable")
         base = f"{parts.netloc}/{parts.path.strip('/')}".rstrip("/")
     else:
         raise InvalidArgument(f"storage_uri {uri!r}: scheme must be file:// or s3://")
@@ -95,3 +97,10 @@ def _copy_one(fs: Any, src: str, dest: Path, uri: str, max_bytes: int) -> None:
         raise InvalidArgument(f"{uri}: {src} not found") from None
     except OSError as e:
         raise InvalidArgument(f"{uri}: cannot download {src}: {e}") from None
+
+
+def _bucket_exists(fs: Any, bucket: str) -> bool:
+    try:
+        return bool(fs.exists(bucket))
+    except OSError:
+        return False
