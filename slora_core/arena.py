@@ -52,6 +52,7 @@ class PageArena:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        max_rank: int = 0,
     ) -> None:
         self.config = config
         self.num_pages = num_pages
@@ -69,6 +70,7 @@ class PageArena:
             b_offsets=torch.zeros(shape, dtype=torch.int64, device=device),
             ranks=torch.zeros(shape, dtype=torch.int32, device=device),
             scales=torch.zeros(shape, dtype=torch.float32, device=device),
+            max_rank=max_rank,
         )
 
     @property

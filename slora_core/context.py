@@ -26,6 +26,7 @@ class LoraTables:
     b_offsets: torch.Tensor  # int64
     ranks: torch.Tensor  # int32, 0 = module not targeted / slot empty
     scales: torch.Tensor  # float32
+    max_rank: int = 0  # host-side bound on every rank (spares kernels a host sync); 0 = unknown
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,13 @@ class QueueFullError(RuntimeError):
     """The engine's waiting queue is at its limit; retry later."""
 
 
+class _NoText:
+    """Decoder for engines without a tokenizer: every token decodes to no text."""
+
+    def decode(self, ids: object, skip_special_tokens: bool = True) -> str:
+        return ""
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -61,7 +68,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(
-        self, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
+        self, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer | None,
         config: EngineConfig,
     ) -> None:
         self.model_config = model_config
@@ -72,7 +79,7 @@ class LLMEngine:
         # One spare table row beyond the pool's slots stays empty (rank 0): CUDA-graph decode
         # steps point base-model and padding rows at it.
         self.arena = PageArena(model_config, config.num_pages, block_size, config.num_pages + 1,
-                               config.torch_dtype, device)
+                               config.torch_dtype, device, max_rank=config.max_rank)
         self.pool = PagePool(config.num_pages, num_slots=config.num_pages)
         self.scheduler = Scheduler(
             SchedulerLimits(block_size, config.max_num_seqs, config.max_num_batched_tokens,
@@ -90,7 +97,9 @@ class LLMEngine:
                                   max_model_len=config.max_model_len,
                                   use_cuda_graphs=config.cuda_graphs)
         self.sampler = Sampler()
-        self.eos_token_ids = tuple(tokenizer.eos_token_ids) or model_config.eos_token_ids
+        # Without a tokenizer (benchmarks on token ids) no text is produced.
+        tok_eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+        self.eos_token_ids = tok_eos or model_config.eos_token_ids
         self._requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         # Adapter copies run on a side stream; a step waits only for the slots it uses.
@@ -129,7 +138,12 @@ class LLMEngine:
         QueueFullError; a refused request leaves the engine unchanged."""
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer: send token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
         self._check_prompt(ids, params)
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting")
@@ -141,7 +155,10 @@ class LLMEngine:
         self._check_fits(len(ids) + params.max_new_tokens, pages)
         seq = Sequence(request_id, ids, params, adapter=adapter or None, adapter_pages=pages,
                        tenant=tenant, arrival=time.monotonic())
-        stream = TextStream(self.tokenizer, ids, params.stop, min_tokens=params.min_new_tokens)
+        if self.tokenizer is None and params.stop:
+            raise RequestError("stop strings need a tokenizer; this engine has none")
+        stream = TextStream(self.tokenizer or _NoText(), ids, params.stop,
+                            min_tokens=params.min_new_tokens)
         self._requests[request_id] = _Request(seq, stream, make_generator(params, self.config.device))
         self.scheduler.add(seq)
 

@@ -46,7 +46,7 @@ class LoraLinear(nn.Module):
         ops.add_lora(
             y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), t.arena, t.a_offsets[layer],
             t.b_offsets[layer], t.ranks[layer], t.scales[layer], self.module_ids,
-            self.out_slices, ctx.lora,
+            self.out_slices, ctx.lora, max_rank=t.max_rank or None,
         )
         return y
 

@@ -62,7 +62,7 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ops.write_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
-                                  ctx.query_starts, self.scale)
+                                  ctx.query_starts, self.scale, max_query_len=ctx.max_query_len)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

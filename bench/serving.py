@@ -1,0 +1,376 @@
+"""End-to-end serving benchmark (issue 6): the engine in-process on synthetic Llama shapes with
+random weights, S-LoRA-style workloads, and the HF transformers+peft baseline in the same run.
+
+    python -m bench.serving --shape llama2-7b --device cuda --scenarios overhead,scale,peft32,floor,reuse \
+        --out bench/results/serving-h200.json
+
+Each scenario prints one table row set; the JSON holds every figure, the command and the hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from bench.workload import BenchRequest, WorkloadSpec, generate, reuse_batch
+from slora_core.config import EngineConfig, ModelConfig
+from slora_core.engine import LLMEngine
+from slora_core.sampling_params import SamplingParams
+from slora_core.synthetic import random_adapter, shared_weight_view
+from slora_core.weights import build_random_model
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+}
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def model_config(shape: str) -> ModelConfig:
+    return ModelConfig.from_dict({"model_type": "llama", "max_position_embeddings": 4096,
+                                  "rms_norm_eps": 1e-5, **SHAPES[shape]})
+
+
+class Bench:
+    """One random base model on the device, engines built over it per scenario."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cfg = model_config(args.shape)
+        self.dtype = getattr(torch, args.dtype)
+        self.model = build_random_model(self.cfg, self.dtype, args.device, seed=0)
+        self._base_adapters: dict[int, Any] = {}
+
+    def engine(self, num_adapters: int, ranks: tuple[int, ...], **overrides: Any) -> LLMEngine:
+        a = self.args
+        kw = dict(dtype=a.dtype, device=a.device, num_pages=self.num_pages(),
+                  max_rank=max(ranks), max_num_seqs=a.max_num_seqs,
+                  max_num_batched_tokens=a.max_num_batched_tokens,
+                  max_adapters_per_batch=a.max_adapters_per_batch, max_model_len=1100,
+                  max_queue=100_000)
+        kw.update(overrides)
+        # Undo a previous engine's LoRA wrapping: each engine wraps the bare base layers.
+        unwrap_lora(self.model)
+        engine = LLMEngine(self.model, self.cfg, None, EngineConfig(**kw))
+        for i in range(num_adapters):
+            rank = ranks[i % len(ranks)]
+            if rank not in self._base_adapters:
+                self._base_adapters[rank] = random_adapter(self.cfg, rank, modules=ATTN,
+                                                           dtype=self.dtype, seed=rank)
+            engine.add_adapter(f"a{i}", shared_weight_view(self._base_adapters[rank], i))
+        return engine
+
+    def num_pages(self) -> int:
+        page_bytes = (16 * self.cfg.num_hidden_layers * 2 * self.cfg.num_key_value_heads
+                      * self.cfg.head_dim * torch.finfo(self.dtype).bits // 8)
+        return max(64, int(self.args.arena_gb * 2**30 // page_bytes))
+
+
+def unwrap_lora(model: torch.nn.Module) -> None:
+    from slora_core.lora import LoraLinear
+
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            mod = getattr(parent, name)
+            if isinstance(mod, LoraLinear):
+                setattr(parent, name, mod.base)
+
+
+def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
+           slo_ttft: float = 6.0, greedy: bool = True) -> dict[str, Any]:
+    """Feed requests at their arrival times, step until done; latency and throughput figures."""
+    sync(engine)
+    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    ntok: dict[int, int] = {}
+    distinct: list[int] = []
+    t0 = time.perf_counter()
+    nxt = 0
+    bar = tqdm(total=len(requests), desc=label, file=sys.stderr, leave=False)
+    while len(done) < len(requests):
+        now = time.perf_counter() - t0
+        while nxt < len(order) and requests[order[nxt]].arrival <= now:
+            i = order[nxt]
+            r = requests[i]
+            params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=r.output_len,
+                                    ignore_eos=True, seed=None if greedy else i)
+            engine.add_request(str(i), r.prompt, params,
+                               adapter=None if r.adapter is None else f"a{r.adapter}")
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, requests[order[nxt]].arrival - now))
+            continue
+        outs = engine.step()
+        t = time.perf_counter() - t0
+        distinct.append(engine.stats.last_distinct_adapters)
+        for out in outs:
+            i = int(out.request_id)
+            if out.token_ids and i not in first:
+                first[i] = t
+            ntok[i] = ntok.get(i, 0) + len(out.token_ids)
+            if out.finished:
+                done[i] = t
+                bar.update(1)
+    bar.close()
+    wall = time.perf_counter() - t0
+    arr = np.array([requests[i].arrival for i in range(len(requests))])
+    ttft = np.array([first[i] for i in range(len(requests))]) - arr
+    e2e = np.array([done[i] for i in range(len(requests))]) - arr
+    toks = np.array([ntok[i] for i in range(len(requests))])
+    tpot = (e2e - ttft)[toks > 1] / (toks[toks > 1] - 1)
+    return {
+        "label": label, "requests": len(requests), "wall_s": wall,
+        "req_per_s": len(requests) / wall, "output_tok_per_s": float(toks.sum() / wall),
+        "ttft_s": pct(ttft), "tpot_s": pct(tpot), "e2e_s": pct(e2e),
+        "slo_ttft_s": slo_ttft, "slo_attainment": float((ttft <= slo_ttft).mean()),
+        "distinct_adapters_per_step_mean": float(np.mean(distinct)) if distinct else 0.0,
+        "steps": len(distinct), "preemptions": engine.stats.preemptions,
+        "adapter_loads": engine.stats.adapter_loads,
+    }
+
+
+def pct(x: np.ndarray) -> dict[str, float]:
+    return {f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 99)} if x.size else {}
+
+
+def sync(engine: LLMEngine) -> None:
+    if engine.arena.pages.is_cuda:
+        torch.cuda.synchronize()
+
+
+# ---- scenarios -------------------------------------------------------------------------------
+def scenario_overhead(b: Bench) -> dict[str, Any]:
+    """Base model alone vs one rank-16 adapter on every request, same requests."""
+    a = b.args
+    spec = WorkloadSpec(num_adapters=1, num_requests=a.requests, vocab_size=b.cfg.vocab_size,
+                        output_range=(8, a.max_output), input_range=(8, a.max_input))
+    reqs = generate(spec)
+    base_reqs = [BenchRequest(r.arrival, None, r.prompt, r.output_len) for r in reqs]
+    base = replay(b.engine(0, (16,)), base_reqs, "base")
+    lora = replay(b.engine(1, (16,)), reqs, "one-adapter-r16")
+    ratio = lora["output_tok_per_s"] / base["output_tok_per_s"]
+    return {"base": base, "one_adapter": lora, "throughput_ratio": ratio, "target": 0.95,
+            "met": ratio >= 0.95}
+
+
+def scenario_scale(b: Bench) -> dict[str, Any]:
+    """n = 5 vs n = many adapters, ranks {8,16,32,64}, alpha = 1, Gamma arrivals."""
+    a = b.args
+    ranks = (8, 16, 32, 64)
+    runs = {}
+    for n in (5, a.many_adapters):
+        spec = WorkloadSpec(num_adapters=n, num_requests=a.requests, alpha=1.0, rate=a.rate,
+                            cv=1.0, ranks=ranks, vocab_size=b.cfg.vocab_size,
+                            output_range=(8, a.max_output), input_range=(8, a.max_input))
+        runs[n] = replay(b.engine(n, ranks), generate(spec), f"n={n}")
+    few, many = runs[5], runs[a.many_adapters]
+    ratio = many["output_tok_per_s"] / few["output_tok_per_s"]
+    ttft_ratio = many["ttft_s"]["p99"] / few["ttft_s"]["p99"]
+    return {"runs": {str(k): v for k, v in runs.items()}, "throughput_ratio": ratio,
+            "p99_ttft_ratio": ttft_ratio, "targets": {"throughput_ratio": 0.95,
+                                                      "p99_ttft_ratio": 2.0},
+            "met": ratio >= 0.95 and ttft_ratio <= 2.0}
+
+
+def scenario_reuse(b: Bench) -> dict[str, Any]:
+    """A decode-heavy batch whose adapter reuse share varies (the seed article's claim)."""
+    a = b.args
+    batch = a.reuse_batch
+    rows = []
+    for reuse in (0.0, 0.3, 0.5, 0.9, 1.0):
+        ids = reuse_batch(batch, reuse, rng_seed=1)
+        rng = np.random.default_rng(2)
+        reqs = [BenchRequest(0.0, ad, rng.integers(3, b.cfg.vocab_size, 128).tolist(), 128)
+                for ad in ids]
+        res = replay(b.engine(max(ids) + 1, (16,), max_adapters_per_batch=batch), reqs,
+                     f"reuse={reuse}")
+        rows.append({"reuse": reuse, "distinct_adapters": len(set(ids)), **res})
+    return {"batch": batch, "rows": rows,
+            "speedup_at_30pct_vs_0": rows[1]["output_tok_per_s"] / rows[0]["output_tok_per_s"]}
+
+
+def scenario_peft32(b: Bench) -> dict[str, Any]:
+    """32 requests, 32 distinct rank-16 adapters (q,k,v,o), prompt 256, 128 new tokens, greedy."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, b.cfg.vocab_size, 256).tolist() for _ in range(32)]
+    reqs = [BenchRequest(0.0, i, p, 128) for i, p in enumerate(prompts)]
+    ours = replay(b.engine(32, (16,), max_adapters_per_batch=32), reqs, "ours-32x32")
+    out: dict[str, Any] = {"ours": ours}
+    if b.args.hf:
+        unwrap_lora(b.model)
+        hf = hf_peft_run(b, prompts, 128, b.args.hf_max_time)
+        out["hf_peft"] = hf
+        out["speedup"] = ours["output_tok_per_s"] / hf["output_tok_per_s"]
+        out["target"] = 50.0
+        out["met"] = out["speedup"] >= 50.0
+    return out
+
+
+def hf_peft_run(b: Bench, prompts: list[list[int]], new_tokens: int, max_time: float
+                ) -> dict[str, Any]:
+    """transformers + peft, one mixed-adapter batch via `adapter_names=`, same GPU."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = b.cfg
+    hf_cfg = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                         num_hidden_layers=cfg.num_hidden_layers,
+                         num_attention_heads=cfg.num_attention_heads,
+                         num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
+                         rope_theta=cfg.rope_theta, max_position_embeddings=4096)
+    torch.set_default_dtype(b.dtype)
+    with torch.device(b.args.device):
+        model = LlamaForCausalLM(hf_cfg)
+    torch.set_default_dtype(torch.float32)
+    names = [f"a{i}" for i in range(len(prompts))]
+    lcfg = LoraConfig(r=16, lora_alpha=32, target_modules=list(ATTN), init_lora_weights=False)
+    model = get_peft_model(model, lcfg, adapter_name=names[0])
+    for n in names[1:]:
+        model.add_adapter(n, lcfg)
+    model = model.to(b.dtype).eval()
+    ids = torch.tensor(prompts, device=b.args.device)
+    sync_dev(b.args.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             adapter_names=names, max_new_tokens=new_tokens, min_new_tokens=1,
+                             do_sample=False, max_time=max_time, pad_token_id=0)
+    sync_dev(b.args.device)
+    wall = time.perf_counter() - t0
+    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"wall_s": wall, "tokens": int(generated), "output_tok_per_s": generated / wall,
+            "new_tokens_per_request": int(out.shape[1] - ids.shape[1]),
+            "max_time_s": max_time}
+
+
+def sync_dev(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def scenario_floor(b: Bench) -> dict[str, Any]:
+    """Decode step time at batch 64 (context ~512, 64 distinct rank-16 adapters) against the
+    bytes floor: weights + KV + the step's distinct adapters read once at copy bandwidth."""
+    batch, ctx = 64, 512
+    engine = b.engine(batch, (16,), max_adapters_per_batch=batch, max_num_seqs=batch)
+    rng = np.random.default_rng(4)
+    for i in range(batch):
+        engine.add_request(str(i), rng.integers(3, b.cfg.vocab_size, ctx).tolist(),
+                           SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True),
+                           adapter=f"a{i}")
+    while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running) \
+            or engine.num_waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    sync(engine)
+    steps = 20
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine)
+    step_s = (time.perf_counter() - t0) / steps
+    weights = sum(p.numel() * p.element_size() for p in b.model.parameters())
+    kv_tokens = sum(s.num_tokens for s in engine.scheduler.running)
+    elem = torch.finfo(b.dtype).bits // 8
+    kv = kv_tokens * b.cfg.num_hidden_layers * 2 * b.cfg.num_key_value_heads * b.cfg.head_dim * elem
+    adapters = batch * random_adapter_bytes(b.cfg, 16, elem)
+    bw = copy_bandwidth(b.args.device)
+    floor = (weights + kv + adapters) / bw
+    return {"batch": batch, "context": ctx, "step_s": step_s, "bytes": {
+        "weights": weights, "kv": kv, "adapters": adapters}, "copy_bandwidth_Bps": bw,
+        "floor_s": floor, "ratio_to_floor": step_s / floor, "target": 1.2,
+        "met": step_s / floor <= 1.2}
+
+
+def random_adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
+    per_layer = sum(rank * sum(cfg.module_shape(m)) for m in ATTN)
+    return per_layer * cfg.num_hidden_layers * elem
+
+
+SCENARIOS = {"overhead": scenario_overhead, "scale": scenario_scale, "reuse": scenario_reuse,
+             "peft32": scenario_peft32, "floor": scenario_floor}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--scenarios", default="overhead,scale,reuse,peft32,floor")
+    p.add_argument("--arena-gb", type=float, default=40.0)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--max-input", type=int, default=512)
+    p.add_argument("--max-output", type=int, default=512)
+    p.add_argument("--rate", type=float, default=8.0, help="arrivals/s for the scale scenario")
+    p.add_argument("--many-adapters", type=int, default=2000)
+    p.add_argument("--reuse-batch", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-adapters-per-batch", type=int, default=64)
+    p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
+    p.add_argument("--hf-max-time", type=float, default=60.0)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    bench = Bench(args)
+    results: dict[str, Any] = {
+        "command": "python -m bench.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda")
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "args": vars(args), "model": asdict(bench.cfg) | {"raw": {}},
+    }
+    for name in args.scenarios.split(","):
+        t0 = time.perf_counter()
+        results[name] = SCENARIOS[name](bench)
+        results[name]["scenario_wall_s"] = time.perf_counter() - t0
+        print(f"== {name}: {summary(name, results[name])}", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+def summary(name: str, r: dict[str, Any]) -> str:
+    keys = ("throughput_ratio", "p99_ttft_ratio", "speedup", "ratio_to_floor",
+            "speedup_at_30pct_vs_0", "met")
+    return ", ".join(f"{k}={r[k]:.3f}" if isinstance(r[k], float) else f"{k}={r[k]}"
+                     for k in keys if k in r)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
