@@ -27,7 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common.demo_stack import Stack, StackConfig, publish_demo_adapters
+    from services.common.demo_stack import (
+        Stack,
+        StackConfig,
+        publish_demo_adapters,
+        wait_until_routable,
+    )
     from services.common.processes import wait_serving
     from services.control_plane.client import AdminClient
     from slora_core.demo_assets import write_demo_assets
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
             if address:
                 wait_serving(address, child, timeout_s=180)
         gateway = stack.gateway_addresses["gateway"]
+        wait_until_routable(gateway, token, [])
         connection = state / CONNECTION_FILE
         connection.write_text(f"SLORA_GATEWAY={gateway}\nSLORA_API_KEY={token}\n")
         connection.chmod(0o600)

@@ -4,6 +4,7 @@ gateways on loopback, with the demo adapters published. Used by `slora up` and t
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,3 +117,28 @@ def publish_demo_adapters(admin: AdminClient, demo_dir: Path,
     created = admin.call("CreateApiKey", apb.CreateApiKeyRequest(
         scope=apb.KEY_SCOPE_TENANT, tenant=TENANT, name="demo"))
     return str(created.token)
+
+
+def wait_until_routable(gateway: str, token: str, adapters: Sequence[str],
+                        timeout_s: float = 60.0) -> None:
+    """Call the gateway (one token, greedy) for the base model and each adapter until all
+    succeed: a new key or route reaches gateways within the control plane's poll interval."""
+    from slora.v1 import inference_pb2 as pb
+    from slora.v1 import inference_pb2_grpc as pb_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(gateway) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        for adapter in ("", *adapters):
+            req = pb.GenerateRequest(text="Hello", adapter=pb.AdapterRef(adapter_id=adapter),
+                                     sampling=pb.SamplingOptions(max_new_tokens=1, temperature=0))
+            while True:
+                try:
+                    list(stub.Generate(req, timeout=30,
+                                       metadata=(("authorization", f"Bearer {token}"),)))
+                    break
+                except grpc.RpcError as e:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{gateway}: {adapter or 'base'} not routable: "
+                                           f"{e.code().name} {e.details()}") from None
+                    time.sleep(0.1)

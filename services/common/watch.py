@@ -9,8 +9,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from services.common.server import CHANNEL_OPTIONS
-
 log = logging.getLogger(__name__)
 M = TypeVar("M")
 INITIAL_BACKOFF_S = 0.1
@@ -50,7 +48,10 @@ async def watch_forever(
         outbox = Outbox(hello())
         keepalive: asyncio.Task[None] | None = None
         try:
-            async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+            # No client keepalive pings: servers reject them by default (too_many_pings) unless
+            # configured for them; a dead peer shows up as a closed connection or, for workers,
+            # as missed heartbeats.
+            async with grpc.aio.insecure_channel(target) as channel:
                 call = open_stream(channel, outbox)
                 if on_connected is not None:
                     keepalive = asyncio.create_task(on_connected(outbox))

@@ -62,7 +62,7 @@ def fingerprint(sessions: sessionmaker[Session]) -> int:
 def load_catalog(sessions: sessionmaker[Session]) -> Catalog:
     """Every adapter with its route and servable versions, and every active key."""
     with sessions() as s:
-        adapters = tuple(_adapter(a) for a in s.scalars(select(Adapter).order_by(Adapter.adapter_id)))
+        adapters = tuple(_adapter(a) for a in s.scalars(select(Adapter).order_by(Adapter.adapter_id)).unique())
         keys = tuple(
             CatalogKey(k.token_sha256, k.key_id, k.scope == ADMIN, k.tenant or "")
             for k in s.scalars(select(ApiKey).where(ApiKey.revoked_at.is_(None)))
