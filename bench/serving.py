@@ -10,6 +10,7 @@ Each scenario prints one table row set; the JSON holds every figure, the command
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -65,12 +66,16 @@ class Bench:
         kw.update(overrides)
         # Undo a previous engine's LoRA wrapping: each engine wraps the bare base layers.
         unwrap_lora(self.model)
+        gc.collect()  # free the previous engine's arena and graphs before the next one
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         engine = LLMEngine(self.model, self.cfg, None, EngineConfig(**kw))
         for i in range(num_adapters):
             rank = ranks[i % len(ranks)]
             if rank not in self._base_adapters:
-                self._base_adapters[rank] = random_adapter(self.cfg, rank, modules=ATTN,
-                                                           dtype=self.dtype, seed=rank)
+                self._base_adapters[rank] = random_adapter(
+                    self.cfg, rank, modules=ATTN, dtype=self.dtype, seed=rank,
+                    pin_memory=self.args.device.startswith("cuda"))
             engine.add_adapter(f"a{i}", shared_weight_view(self._base_adapters[rank], i))
         return engine
 

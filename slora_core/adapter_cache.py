@@ -128,7 +128,7 @@ class AdapterStore:
         matrices = {}
         for key, w in adapter.weights.items():
             a, b = w.a.contiguous(), w.b.contiguous()
-            if self.pin_memory:
+            if self.pin_memory and not a.is_pinned():
                 a, b = a.pin_memory(), b.pin_memory()
             matrices[key] = (a, b)
             shapes[key] = (a.shape[0], a.shape[1], b.shape[0], w.scale)

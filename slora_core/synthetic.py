@@ -17,6 +17,7 @@ def random_adapter(
     dtype: torch.dtype = torch.float16,
     seed: int = 0,
     std: float = 0.02,
+    pin_memory: bool = False,
 ) -> LoraAdapter:
     """An adapter with N(0, std) A and B on every layer's `modules` (scale alpha/r, alpha
     defaults to 2r). Tensors are on the CPU: the engine copies them into arena pages."""
@@ -33,6 +34,8 @@ def random_adapter(
             fan_in, fan_out = config.module_shape(module)
             a = (torch.randn(rank, fan_in, generator=gen) * std).to(dtype)
             b = (torch.randn(fan_out, rank, generator=gen) * std).to(dtype)
+            if pin_memory:
+                a, b = a.pin_memory(), b.pin_memory()
             weights[(layer, module)] = LoraWeight(a=a, b=b, scale=alpha / rank)
     nbytes = sum(w.a.nbytes + w.b.nbytes for w in weights.values())
     return LoraAdapter(
