@@ -104,7 +104,16 @@ class PlacementHub:
 
     # ---- background loop ----------------------------------------------------------------
     async def run(self) -> None:
-        """Poll the registry, expire silent workers, refresh popularity; until cancelled."""
+        """Poll the registry, expire silent workers, refresh popularity; until cancelled.
+        Cancelling it also ends every subscriber's stream, so a shutdown need not wait out the
+        server's grace period for these never-ending calls."""
+        try:
+            await self._poll_forever()
+        finally:
+            for conn in [*self.workers.values(), *self.gateways]:
+                conn.queue.put_nowait(None)
+
+    async def _poll_forever(self) -> None:
         last_fp = -1
         last_pop = time.monotonic()
         while True:

@@ -210,9 +210,10 @@ class Load:
         while not self._stop.is_set():
             adapter = (*ADAPTERS, "")[(i + n) % (len(ADAPTERS) + 1)]
             self.results.append(generate(gateway, request(
-                PROMPTS[n % 3], adapter, max_new_tokens=12, ignore_eos=True, temperature=0),
+                PROMPTS[n % 3], adapter, max_new_tokens=8, ignore_eos=True, temperature=0),
                 token))
             n += 1
+            time.sleep(0.02)  # leave CPU to the processes being restarted
 
     def __enter__(self) -> Load:
         for t in self._threads:
