@@ -40,9 +40,11 @@ from services.control_plane.records import (
     state_of,
 )
 from services.control_plane.storage import StorageConfig
+from slora_core.adapters import LoraAdapter
 from slora_core.config import ModelConfig
 
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 50, 500
+COMMIT_ATTEMPTS = 3
 Transition = Callable[[AdapterState], AdapterState]
 
 
@@ -86,19 +88,21 @@ class Registry:
                 return VersionRecord.from_row(found)
         adapter = fetch_and_validate(req, self._base_models[req.base_model], self._storage,
                                      self._max_rank)
-        try:
-            with self._sessions.begin() as s:
-                # Re-check inside the transaction: another caller may have won meanwhile.
-                found = existing_version(s, req)
-                row = found or insert_version(s, req, adapter, actor)
-                return VersionRecord.from_row(row)
-        except IntegrityError:
-            # A concurrent registration of the same adapter or version committed first.
-            with self._sessions() as s:
-                found = existing_version(s, req)
-            if found is None:
-                raise Aborted(f"concurrent change to {req.adapter_id}; retry") from None
-            return VersionRecord.from_row(found)
+        return self._commit_version(req, adapter, actor)
+
+    def _commit_version(self, req: RegisterRequest, adapter: LoraAdapter,
+                        actor: Principal) -> VersionRecord:
+        # A unique-key clash means a concurrent registration committed first: the adapter row
+        # (then simply retry: it exists now) or this very version (then it is a no-op, or a
+        # conflict that existing_version reports).
+        for _ in range(COMMIT_ATTEMPTS):
+            try:
+                with self._sessions.begin() as s:
+                    row = existing_version(s, req) or insert_version(s, req, adapter, actor)
+                    return VersionRecord.from_row(row)
+            except IntegrityError:
+                continue
+        raise Aborted(f"concurrent registrations of {req.adapter_id} kept colliding; retry")
 
     # -- route changes ------------------------------------------------------------------------
 

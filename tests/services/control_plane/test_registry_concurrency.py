@@ -130,3 +130,34 @@ def test_replay_detects_a_lost_update(plane: RunningPlane) -> None:
         pytest.skip("the race left too few changes on race/a")
     with pytest.raises(ReplayError, match="revision"):
         replay(events[: changes[0]] + events[changes[0] + 1:])
+
+
+def test_concurrent_registrations(plane: RunningPlane, adapter_root: Path) -> None:
+    """Racing registrations of one new adapter: the same version from 8 clients is recorded
+    once (everyone gets that record); different versions all land."""
+    path = adapter_root / "good" / "v1"
+    sha = digest_adapter_dir(path)
+    results: list[pb.AdapterVersionInfo] = []
+    errors: list[str] = []
+
+    def register(version: str) -> None:
+        with grpc.insecure_channel(plane.target) as channel:
+            try:
+                results.append(AdminClient(channel, ADMIN_TOKEN).register(
+                    "race/new", version, file_uri(path), sha, BASE, "acme"))
+            except grpc.RpcError as e:
+                errors.append(f"{version}: {e.code().name} {e.details()}")
+
+    versions = ["same"] * 8 + [f"d{i}" for i in range(4)]
+    threads = [threading.Thread(target=register, args=(v,)) for v in versions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    same = [r for r in results if r.version == "same"]
+    assert len(same) == 8 and all(r == same[0] for r in same)
+    info = plane.admin.get("race/new")
+    assert sorted(v.version for v in info.versions) == ["d0", "d1", "d2", "d3", "same"]
+    registered = [e for e in plane.admin.events(adapter_id="race/new") if e.action == "register"]
+    assert sorted(e.version for e in registered) == ["d0", "d1", "d2", "d3", "same"]
