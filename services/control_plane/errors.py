@@ -7,6 +7,7 @@ client sees. The engine's adapter validator errors map here too, so the servicer
 from __future__ import annotations
 
 import grpc
+from sqlalchemy.exc import OperationalError
 
 from services.control_plane.lifecycle import IllegalTransition, UnknownVersion
 from slora_core.adapters import AdapterFormatError, AdapterIncompatibleError
@@ -57,6 +58,8 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Aborted, grpc.StatusCode.ABORTED),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    # Database unreachable, or SQLite busy past its timeout: worth retrying later.
+    (OperationalError, grpc.StatusCode.UNAVAILABLE),
 )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import sqlalchemy as sa
 
 from services.control_plane.client import AdminClient
 from slora.v1 import admin_pb2 as pb
@@ -167,3 +168,13 @@ def test_list_filters_and_pages(plane: RunningPlane, adapter_root: Path) -> None
     assert [a.adapter_id for a in admin.list_all(base_model="other")] == []
     events = admin.events(tenant="globex")
     assert {e.adapter_id for e in events if e.adapter_id} == {"page/1", "page/3"}
+
+
+def test_audit_log_is_append_only(plane: RunningPlane) -> None:
+    from services.control_plane.models import AuditEvent
+
+    with plane.sessions() as s:
+        event = s.scalars(sa.select(AuditEvent).limit(1)).one()
+        event.reason = "rewritten history"
+        with pytest.raises(RuntimeError, match="append-only"):
+            s.flush()
