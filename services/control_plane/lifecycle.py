@@ -6,13 +6,15 @@ replay the audit log through the very same functions and compare with the stored
 
 Rules (DESIGN section 4):
 - register: a new version enters VALIDATED (it is validated before it is committed).
-- start_canary(v, ratio): v is VALIDATED, a stable version exists, no other canary runs; the
-  same running canary may change its ratio.
-- promote(v): v is the running canary, or VALIDATED while no canary runs. The old stable becomes
-  RETIRED and is kept as the fallback.
+- start_canary(v, ratio): v is VALIDATED (or ROLLED_BACK: only an explicit call brings a
+  rolled-back version back), a stable version exists, no other canary runs; the same running
+  canary may change its ratio.
+- promote(v): v is the running canary, or VALIDATED/ROLLED_BACK while no canary runs. The old
+  stable becomes RETIRED and is kept as the fallback.
 - rollback: a running canary becomes ROLLED_BACK; otherwise the stable version becomes
   ROLLED_BACK and the fallback takes its place. With neither, it is refused.
 - retire(v): v takes no traffic (not stable, not canary); a retired fallback leaves the route.
+  RETIRED is final for traffic: to serve the same files again, register them as a new version.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class VersionState(enum.StrEnum):
     RETIRED = "retired"
     FAILED = "failed"
     ROLLED_BACK = "rolled_back"
+
+
+# States a version may leave for canary or stable on an explicit request.
+READY = (VersionState.VALIDATED, VersionState.ROLLED_BACK)
 
 
 class IllegalTransition(Exception):
@@ -94,8 +100,10 @@ def start_canary(state: AdapterState, version: str, ratio: float) -> AdapterStat
         )
     if state.stable is None:
         raise IllegalTransition("no stable version to split traffic with; promote a version first")
-    if current is not VersionState.VALIDATED:
-        raise IllegalTransition(f"version {version!r} is {current}; only validated versions can canary")
+    if current not in READY:
+        raise IllegalTransition(
+            f"version {version!r} is {current}; only validated or rolled-back versions can canary"
+        )
     return state._with({version: VersionState.CANARY}, canary=version, traffic_ratio=ratio)
 
 
@@ -105,9 +113,10 @@ def promote(state: AdapterState, version: str) -> AdapterState:
         raise IllegalTransition(
             f"canary {state.canary!r} is running; promote it or roll it back before promoting {version!r}"
         )
-    if current not in (VersionState.VALIDATED, VersionState.CANARY):
+    if current not in (*READY, VersionState.CANARY):
         raise IllegalTransition(
-            f"version {version!r} is {current}; only a validated version or the canary can be promoted"
+            f"version {version!r} is {current}; only the canary or a validated or rolled-back "
+            "version can be promoted"
         )
     changes = {version: VersionState.STABLE}
     fallback = state.fallback

@@ -58,7 +58,7 @@ def test_retire_rules() -> None:
          lambda s: lc.start_canary(lc.start_canary(s, "v2", 0.5), "v3", 0.1), "is running"),
         (lambda: lc.promote(registered("v1"), "v1"), lambda s: lc.promote(s, "v1"), "is stable"),
         (lambda: lc.promote(registered("v1", "v2"), "v1"),
-         lambda s: lc.promote(lc.rollback(lc.start_canary(s, "v2", 1.0)), "v2"), "rolled_back"),
+         lambda s: lc.start_canary(lc.retire(s, "v2"), "v2", 0.5), "retired"),
         (lambda: registered("v1"), lambda s: lc.rollback(s), "no fallback"),
         (lambda: registered("v1"), lambda s: lc.register(s, "v1"), "already registered"),
     ],
@@ -67,6 +67,15 @@ def test_illegal_transitions(setup, action, message) -> None:  # type: ignore[no
     before = setup()
     with pytest.raises(IllegalTransition, match=message):
         action(before)
+
+
+def test_rolled_back_version_returns_only_on_request() -> None:
+    st = lc.rollback(lc.start_canary(lc.promote(registered("v1", "v2"), "v1"), "v2", 0.5))
+    assert st.states["v2"] is S.ROLLED_BACK and st.canary is None
+    again = lc.start_canary(st, "v2", 0.05)
+    assert (again.canary, again.states["v2"]) == ("v2", S.CANARY)
+    promoted = lc.promote(st, "v2")
+    assert (promoted.stable, promoted.fallback, promoted.states["v1"]) == ("v2", "v1", S.RETIRED)
 
 
 def test_unknown_version_and_bad_ratio() -> None:
