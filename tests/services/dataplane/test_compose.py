@@ -1,0 +1,151 @@
+"""docker-compose.yml: valid against the Compose Specification schema, and every service's
+command, run as a local process (a local PostgreSQL instead of the container), serves Generate.
+
+The schema is `compose_spec.json` as shipped in the docker-compose 1.29.2 wheel (Apache-2.0),
+vendored in data/ because tests run without network access."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from services.common.demo_stack import publish_demo_adapters, wait_until_routable
+from services.common.processes import Child, free_port, start_child, wait_serving
+from services.control_plane.client import AdminClient
+from tests.services.dataplane.dp_support import generate, request
+
+ROOT = Path(__file__).resolve().parents[3]
+SCHEMA = Path(__file__).parent / "data" / "compose_spec.json"
+ONE_SHOT = ("demo-assets", "migrate")
+LONG_RUNNING = ("control-plane", "worker-cpu", "gateway")
+pytestmark = pytest.mark.timeout(300)
+
+
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_file_matches_the_compose_spec_schema() -> None:
+    doc = compose()
+    # The vendored schema names a nonstandard draft-2019-09 URL; pick the validator directly.
+    validator = jsonschema.Draft201909Validator(json.loads(SCHEMA.read_text()))
+    validator.validate(doc)
+    broken = compose()
+    broken["services"]["gateway"]["depends_on"]["control-plane"]["condition"] = "healthy"
+    assert not validator.is_valid(broken)  # the schema does check what we rely on
+    services = doc["services"]
+    assert set(services) == {"postgres", *ONE_SHOT, *LONG_RUNNING, "worker-gpu"}
+    assert services["worker-cpu"]["profiles"] == ["cpu"]
+    assert services["worker-gpu"]["profiles"] == ["gpu"]
+    devices = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"]
+    for name in (*LONG_RUNNING, "worker-gpu", "postgres"):
+        assert "healthcheck" in services[name], name
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["control-plane"]["depends_on"]["migrate"]["condition"] == \
+        "service_completed_successfully"
+    for name in ("gateway", "worker-cpu", "worker-gpu"):
+        assert services[name]["depends_on"]["control-plane"]["condition"] == "service_healthy"
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ${NAME:-default} and ${NAME} substitution."""
+    def sub(m: re.Match[str]) -> str:
+        return env.get(m.group(1)) or (m.group(3) or "")
+    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", sub, value)
+
+
+class LocalCompose:
+    """Runs compose services as local processes: host names and ports rewritten to loopback
+    and free ports, /data to a temporary folder, `slora` to this interpreter."""
+
+    def __init__(self, tmp: Path, db_url: str) -> None:
+        self.tmp, self.db_url = tmp, db_url
+        self.ports = {p: free_port() for p in ("50051", "50061", "50071", "9100", "9101")}
+        self.rewrites = [
+            ("/data", str(tmp / "data")),
+            *[(f"{host}:{p}", f"127.0.0.1:{local}") for p, local in self.ports.items()
+              for host in ("0.0.0.0", "control-plane", "worker-cpu", "gateway", "127.0.0.1")],
+        ]
+
+    def local(self, port: str) -> str:
+        return f"127.0.0.1:{self.ports[port]}"
+
+    def argv(self, args: list[str]) -> list[str]:
+        out = []
+        for arg in args:
+            for old, new in self.rewrites:
+                arg = arg.replace(old, new)
+            out.append(str(self.ports[arg]) if arg in self.ports else arg)
+        if out[0] == "slora":
+            return [sys.executable, "-m", "services.cli", *out[1:]]
+        if out[0] == "python":
+            return [sys.executable, *out[1:]]
+        return out
+
+    def env(self, service: dict) -> dict[str, str]:
+        env = {k: interpolate(str(v), {}) for k, v in service.get("environment", {}).items()}
+        env["SLORA_DB_URL"] = self.db_url  # the local PostgreSQL, one schema per test
+        env["SLORA_HEARTBEAT_S"] = "0.5"
+        return env
+
+    def start(self, name: str, service: dict) -> Child:
+        return start_child(name, self.argv(service["command"]), self.tmp / "logs",
+                           self.env(service), cwd=ROOT)
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    from tests.services.control_plane.cp_support import (
+        create_pg_schema,
+        drop_pg_schema,
+        start_postgres,
+    )
+    if not start_postgres():
+        pytest.skip("PostgreSQL on 127.0.0.1:5432 is not reachable and could not be started")
+    schema, url = create_pg_schema()
+    try:
+        yield url
+    finally:
+        drop_pg_schema(schema)
+
+
+def test_every_compose_service_runs_locally_and_serves_generate(pg_url: str, tmp_path: Path
+                                                               ) -> None:
+    services = compose()["services"]
+    stack = LocalCompose(tmp_path, pg_url)
+    children: list[Child] = []
+    try:
+        for name in ONE_SHOT:  # depends_on: service_completed_successfully
+            child = stack.start(name, services[name])
+            children.append(child)
+            assert child.popen.wait(120) == 0, child.log_tail()
+        for name in LONG_RUNNING:
+            children.append(stack.start(name, services[name]))
+            if name == "control-plane":  # the others wait for it to be healthy
+                wait_serving(stack.local("50051"), children[-1])
+        for name, port in (("control-plane", "50051"), ("worker-cpu", "50061"),
+                           ("gateway", "50071")):
+            child = next(c for c in children if c.name == name)
+            wait_serving(stack.local(port), child, timeout_s=120)
+            check = stack.argv(services[name]["healthcheck"]["test"][1:])
+            assert start_child(f"{name}-health", check, tmp_path / "logs", cwd=ROOT
+                               ).popen.wait(30) == 0
+        key = stack.env(services["control-plane"])["SLORA_ADMIN_KEY"]
+        admin = AdminClient.connect(stack.local("50051"), key)
+        token = publish_demo_adapters(admin, tmp_path / "data" / "demo", ["qv-r4"])
+        wait_until_routable(stack.local("50071"), token, ["qv-r4"])
+        res = generate(stack.local("50071"), request(adapter="qv-r4", temperature=0), token)
+        assert res.error is None and res.complete is not None, res
+        assert res.complete.served_by.worker_id == "worker-cpu"
+        assert res.complete.usage.completion_tokens == 8
+    finally:
+        for child in reversed(children):
+            child.stop()
