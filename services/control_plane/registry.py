@@ -152,7 +152,8 @@ class Registry:
                 route.stable_version, route.canary_version = after.stable, after.canary
                 route.traffic_ratio, route.fallback_version = after.traffic_ratio, after.fallback
                 route.updated_at = dt.datetime.now(dt.UTC)
-                # Route first (takes the row lock, checks the revision), then versions and event.
+                # Route first (`WHERE revision = <read>` as a second guard), then the versions and
+                # the event, whose id is drawn while we hold the lock.
                 s.flush()
                 for name, state in after.states.items():
                     if rows[name].state != state:
