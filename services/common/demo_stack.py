@@ -28,6 +28,7 @@ class StackConfig:
     db_url: str = ""             # default: SQLite under state_dir
     host: str = "127.0.0.1"
     heartbeat_s: float = 1.0
+    extra_roots: tuple[Path, ...] = ()  # more folders file:// adapter URIs may come from
     worker_args: tuple[str, ...] = ("--num-pages", "128", "--max-num-seqs", "16")
 
 
@@ -60,6 +61,7 @@ class Stack:
         self.control_plane = start_child("control-plane", slora_argv(
             "control-plane", "--db", self.db_url, "--listen", self.cp_address,
             "--base-model", f"{BASE_MODEL}={d / 'model'}", "--allowed-root", str(d / "adapters"),
+            *[f"--allowed-root={r}" for r in self.config.extra_roots],
             "--migrate"), self.config.state_dir / "logs", self.env)
         if wait:
             wait_serving(self.cp_address, self.control_plane)

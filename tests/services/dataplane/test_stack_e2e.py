@@ -7,6 +7,7 @@ the control plane restarted)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import threading
 import time
@@ -50,7 +51,9 @@ class Running:
 @pytest.fixture(scope="module")
 def running(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     state = tmp_path_factory.mktemp("stack")
-    stack = Stack(StackConfig(demo_dir=demo_dir, state_dir=state, heartbeat_s=0.5))
+    (state / "uploads").mkdir()
+    stack = Stack(StackConfig(demo_dir=demo_dir, state_dir=state, heartbeat_s=0.5,
+                              extra_roots=(state / "uploads",)))
     metrics = {"w1": free_port(), "w2": free_port()}
     try:
         stack.start_control_plane()
@@ -165,6 +168,31 @@ def test_canary_split_sticky_then_rollback_reaches_every_gateway_within_1s(
     for t in threads:
         t.join()
     assert set(lag) == {"g1", "g2"} and max(lag.values()) < 1.0, lag
+
+
+def test_a_version_that_cannot_load_falls_back(running: Running, demo_dir: Path) -> None:
+    admin, state = running.admin, running.stack.config.state_dir
+    v2 = state / "uploads" / "attn-r8-v2"
+    shutil.copytree(demo_dir / "adapters" / "all-r16", v2)
+    from slora_core.adapters import digest_adapter_dir
+    admin.register("attn-r8", "v2", v2.as_uri(), digest_adapter_dir(v2), "demo", "demo")
+    # The storage copy changes after registration: workers now fetch files whose sha256 no
+    # longer matches the registry's, and must refuse them.
+    config = v2 / "adapter_config.json"
+    config.write_text(config.read_text().replace('"lora_alpha": 16', '"lora_alpha": 17'))
+    admin.promote("attn-r8", "v2")  # v1 becomes the fallback
+    deadline = time.monotonic() + 5
+    while True:
+        res = generate(running.gateway(), request(adapter="attn-r8"), running.token)
+        assert res.error is None, res.details
+        served = res.complete.served_by
+        if served.is_fallback:
+            break
+        assert time.monotonic() < deadline, served
+        time.sleep(0.05)
+    assert (served.adapter_id, served.adapter_version) == ("attn-r8", "v1")
+    explicit = generate(running.gateway(), request(adapter="attn-r8", version="v2"), running.token)
+    assert explicit.error == grpc.StatusCode.INVALID_ARGUMENT and "sha256" in explicit.details
 
 
 def kv_pages(running: Running) -> float:
