@@ -8,7 +8,9 @@ of CUDA-graph replays over input sets rotated past the L2 (bench/kernels_timing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import subprocess
 import sys
 import time
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import triton
 
+import kernels.lora as kernels_lora
 from bench import kernels_attention as attn
 from bench import kernels_lora as lora
 from bench import kernels_timing as timing
@@ -32,27 +35,29 @@ PREFILL_REQUESTS, PREFILL_TOKENS = 16, 256
 ATTN_DECODE = ((1, 4096), (16, 2048), (64, 2048), (256, 1024))
 ATTN_PREFILL = ([(1024, 1024)] * 4, [(4096, 512)])
 
+# Shapes the tile sweeps run on: (batch, adapters, rank), (adapters, rank) of the prefill
+# batch, (model, batch, context).
+SWEEP_LORA_DECODE = ((256, 256, 16), (64, 16, 16), (1, 1, 16))
+SWEEP_LORA_PREFILL = ((4, 16), (16, 64))
+SWEEP_ATTN_DECODE = (("llama2-7b", 64, 2048), ("llama3-8b", 64, 2048), ("llama3-8b", 1, 4096))
 LORA_DECODE_SWEEP = {
     "default": DECODE_TILES,
     "k128_n128": LoraTiles(16, 128, 16, 128),
     "k512_n256": LoraTiles(16, 512, 16, 256),
     "k256_n512": LoraTiles(16, 256, 16, 512),
     "k256_n256_w8": LoraTiles(16, 256, 16, 256, num_warps=8),
-    "k256_n256_s3": LoraTiles(16, 256, 16, 256, num_stages=3),
 }
 LORA_PREFILL_SWEEP = {
     "default": PREFILL_TILES,
     "m64_k64_n64": LoraTiles(64, 64, 64, 64),
     "m128_k128_n128_w8": LoraTiles(128, 128, 128, 128, num_warps=8),
     "m64_k128_n256_w8": LoraTiles(64, 128, 64, 256, num_warps=8),
-    "m64_k128_n128_s3": LoraTiles(64, 128, 64, 128, num_stages=3),
 }
 ATTN_DECODE_SWEEP = {
     "default": DEFAULT_TILES,
     "n32": AttentionTiles(decode_block_n=32),
     "n128": AttentionTiles(decode_block_n=128),
     "n64_w8": AttentionTiles(decode_num_warps=8),
-    "n128_w8_s3": AttentionTiles(decode_block_n=128, decode_num_warps=8, decode_num_stages=3),
     "n64_s3": AttentionTiles(decode_num_stages=3),
 }
 ATTN_PREFILL_SWEEP = {
@@ -78,6 +83,9 @@ def guarded(fn: Callable[..., dict[str, object]], *args: Any, **kw: Any) -> dict
 def _shrink_to_toy_sizes() -> None:
     """Smoke-test sizes: every code path of the benchmark, in seconds on the interpreter."""
     global DECODE_BATCHES, RANKS, PREFILL_REQUESTS, PREFILL_TOKENS, ATTN_DECODE, ATTN_PREFILL
+    global SWEEP_LORA_DECODE, SWEEP_LORA_PREFILL, SWEEP_ATTN_DECODE
+    SWEEP_LORA_DECODE, SWEEP_LORA_PREFILL = ((8, 8, 16),), ((2, 16),)
+    SWEEP_ATTN_DECODE = (("llama3-8b", 3, 40),)
     lora.K = lora.N = 64
     timing.MAX_ROTATION = 2
     attn.HEAD_DIM = 32
@@ -125,20 +133,19 @@ def lora_prefill(copy_gbs: float) -> list[dict[str, object]]:
 def sweeps(copy_gbs: float) -> dict[str, list[dict[str, object]]]:
     out: dict[str, list[dict[str, object]]] = {"lora_decode": [], "lora_prefill": [],
                                                "attention_decode": [], "attention_prefill": []}
-    for batch, adapters, rank in ((256, 256, 16), (256, 256, 64), (64, 16, 16), (1, 1, 16)):
+    for batch, adapters, rank in SWEEP_LORA_DECODE:
         slots = lora.decode_slots(batch, adapters)
         for name, tiles in LORA_DECODE_SWEEP.items():
             row = guarded(lora.run_case, slots, adapters, rank, copy_gbs,
                           with_baselines=False, tiles=tiles)
             out["lora_decode"].append({"tiles": name, **row})
-    for adapters, rank in ((4, 16), (16, 64)):
+    for adapters, rank in SWEEP_LORA_PREFILL:
         slots = lora.prefill_slots(PREFILL_REQUESTS, PREFILL_TOKENS, adapters)
         for name, tiles in LORA_PREFILL_SWEEP.items():
             row = guarded(lora.run_case, slots, adapters, rank, copy_gbs,
                           with_baselines=False, tiles=tiles)
             out["lora_prefill"].append({"tiles": name, **row})
-    for model, batch, ctx in (("llama2-7b", 64, 2048), ("llama3-8b", 64, 2048),
-                              ("llama3-8b", 1, 4096)):
+    for model, batch, ctx in SWEEP_ATTN_DECODE:
         for name, atiles in ATTN_DECODE_SWEEP.items():
             row = guarded(attn.decode_case, model, batch, ctx, copy_gbs, atiles,
                           with_baselines=False)
@@ -148,6 +155,42 @@ def sweeps(copy_gbs: float) -> dict[str, list[dict[str, object]]]:
                       with_baselines=False)
         out["attention_prefill"].append({"tiles": name, **row})
     return out
+
+
+def choose(rows: list[dict[str, object]], names: list[str]) -> str:
+    """The variant with the smallest geometric mean of time over the default's, among those
+    that ran on every swept shape."""
+    by_shape: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if "error" not in r:
+            key = str({k: v for k, v in r.items() if k in ("tokens", "adapters", "rank", "model",
+                                                            "batch", "context")})
+            by_shape.setdefault(key, {})[str(r["tiles"])] = float(r["ours_us"])  # type: ignore[arg-type]
+    scores = {}
+    for name in names:
+        ratios = [t[name] / t["default"] for t in by_shape.values() if name in t and "default" in t]
+        if ratios and len(ratios) == len(by_shape):
+            scores[name] = math.prod(ratios) ** (1 / len(ratios))
+    return min(scores, key=scores.__getitem__) if scores else "default"
+
+
+def apply_sweeps(res: dict[str, Any]) -> AttentionTiles:
+    """Make the sweeps' winners the tiles of the main tables; returns the attention tiles."""
+    sw = res["sweeps"]
+    names = {k: choose(sw[k], list(v)) for k, v in (
+        ("lora_decode", LORA_DECODE_SWEEP), ("lora_prefill", LORA_PREFILL_SWEEP),
+        ("attention_decode", ATTN_DECODE_SWEEP), ("attention_prefill", ATTN_PREFILL_SWEEP))}
+    kernels_lora.DECODE_TILES = LORA_DECODE_SWEEP[names["lora_decode"]]
+    kernels_lora.PREFILL_TILES = LORA_PREFILL_SWEEP[names["lora_prefill"]]
+    dec, pre = ATTN_DECODE_SWEEP[names["attention_decode"]], ATTN_PREFILL_SWEEP[
+        names["attention_prefill"]]
+    tiles = dataclasses.replace(pre, decode_block_n=dec.decode_block_n,
+                                decode_num_warps=dec.decode_num_warps,
+                                decode_num_stages=dec.decode_num_stages)
+    res["chosen_tiles"] = {"names": names, "lora_decode": repr(kernels_lora.DECODE_TILES),
+                           "lora_prefill": repr(kernels_lora.PREFILL_TILES),
+                           "attention": repr(tiles)}
+    return tiles
 
 
 def targets(res: dict[str, Any]) -> dict[str, Any]:
@@ -215,6 +258,18 @@ def print_tables(res: dict[str, Any]) -> None:
     print(json.dumps(res.get("targets", {})))
 
 
+def _step(res: dict[str, Any], out: Path, name: str, step: Callable[[], object]) -> None:
+    """Run one section, record it (or its error) and rewrite the JSON, so a run cut short
+    still leaves every finished section on disk."""
+    t0 = time.time()
+    try:
+        res[name] = step()
+    except Exception as e:  # keep what was measured; the JSON records the failure
+        res.setdefault("errors", {})[name] = repr(e)
+    print(f"{name}: {time.time() - t0:.0f} s", flush=True)
+    out.write_text(json.dumps(res, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
@@ -228,25 +283,19 @@ def main(argv: list[str] | None = None) -> int:
                            "hardware": hardware(), "dtype": "float16", "hidden": 4096,
                            "method": "median of CUDA-graph replays; inputs rotated past L2"}
     res["copy_bandwidth_gbs"] = copy_bandwidth_gbs(1 << 20 if args.smoke else 4 << 30)
-    steps: list[tuple[str, Callable[[], object]]] = [
-        ("lora_decode", lambda: lora_decode(res["copy_bandwidth_gbs"])),
-        ("lora_prefill", lambda: lora_prefill(res["copy_bandwidth_gbs"])),
-        ("attention_decode", lambda: [
-            guarded(attn.decode_case, m, b, c, res["copy_bandwidth_gbs"])
-            for m in attn.MODELS for b, c in ATTN_DECODE]),
-        ("attention_prefill", lambda: [guarded(attn.prefill_case, m, s) for m in attn.MODELS
-                                       for s in ATTN_PREFILL]),
-    ]
+    copy_gbs = res["copy_bandwidth_gbs"]
+    atiles = DEFAULT_TILES
     if not args.skip_sweeps:
-        steps.append(("sweeps", lambda: sweeps(res["copy_bandwidth_gbs"])))
-    for name, step in steps:
-        t0 = time.time()
-        try:
-            res[name] = step()
-        except Exception as e:  # keep what was measured; the JSON records the failure
-            res.setdefault("errors", {})[name] = repr(e)
-        print(f"{name}: {time.time() - t0:.0f} s", flush=True)
-        args.out.write_text(json.dumps(res, indent=1))
+        _step(res, args.out, "sweeps", lambda: sweeps(copy_gbs))
+        if "sweeps" in res:
+            atiles = apply_sweeps(res)
+    _step(res, args.out, "lora_decode", lambda: lora_decode(copy_gbs))
+    _step(res, args.out, "lora_prefill", lambda: lora_prefill(copy_gbs))
+    _step(res, args.out, "attention_decode", lambda: [
+        guarded(attn.decode_case, m, b, c, copy_gbs, atiles)
+        for m in attn.MODELS for b, c in ATTN_DECODE])
+    _step(res, args.out, "attention_prefill", lambda: [
+        guarded(attn.prefill_case, m, s, atiles) for m in attn.MODELS for s in ATTN_PREFILL])
     if "lora_decode" in res and "attention_decode" in res:
         try:
             res["targets"] = targets(res)
