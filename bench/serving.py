@@ -55,6 +55,7 @@ class Bench:
         self.dtype = getattr(torch, args.dtype)
         self.model = build_random_model(self.cfg, self.dtype, args.device, seed=0)
         self._base_adapters: dict[int, Any] = {}
+        self.warmup_s: list[float] = []
 
     def engine(self, num_adapters: int, ranks: tuple[int, ...], **overrides: Any) -> LLMEngine:
         a = self.args
@@ -77,12 +78,31 @@ class Bench:
                     self.cfg, rank, modules=ATTN, dtype=self.dtype, seed=rank,
                     pin_memory=self.args.device.startswith("cuda"))
             engine.add_adapter(f"a{i}", shared_weight_view(self._base_adapters[rank], i))
+        t0 = time.perf_counter()
+        warm(engine, self.cfg.vocab_size, num_adapters)
+        self.warmup_s.append(time.perf_counter() - t0)
         return engine
 
     def num_pages(self) -> int:
         page_bytes = (16 * self.cfg.num_hidden_layers * 2 * self.cfg.num_key_value_heads
                       * self.cfg.head_dim * torch.finfo(self.dtype).bits // 8)
         return max(64, int(self.args.arena_gb * 2**30 // page_bytes))
+
+
+def warm(engine: LLMEngine, vocab: int, num_adapters: int) -> None:
+    """Compile kernels and capture every decode graph before anything is timed: a short
+    mixed batch (prefill of several lengths, decode, adapters and base), then reset stats."""
+    engine.warmup()
+    rng = np.random.default_rng(99)
+    for i, n in enumerate((7, 64, 300, 1000)):
+        adapter = f"a{i % num_adapters}" if num_adapters and i % 2 == 0 else None
+        engine.add_request(f"warm{i}", rng.integers(3, vocab, n).tolist(),
+                           SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True),
+                           adapter=adapter)
+    while engine.has_unfinished():
+        engine.step()
+    sync(engine)
+    engine.stats = type(engine.stats)()
 
 
 def unwrap_lora(model: torch.nn.Module) -> None:
@@ -233,6 +253,9 @@ def hf_peft_run(b: Bench, prompts: list[list[int]], new_tokens: int, max_time: f
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    gc.collect()  # our engine's arena must be gone before the HF model is built
+    torch.cuda.empty_cache()
+
     cfg = b.cfg
     hf_cfg = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=cfg.num_hidden_layers,
@@ -338,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--scenarios", default="overhead,scale,reuse,peft32,floor")
-    p.add_argument("--arena-gb", type=float, default=40.0)
+    p.add_argument("--arena-gb", type=float, default=40.0,
+                   help="page arena size (KV + resident adapters)")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--max-input", type=int, default=512)
     p.add_argument("--max-output", type=int, default=512)
@@ -363,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         results[name] = SCENARIOS[name](bench)
         results[name]["scenario_wall_s"] = time.perf_counter() - t0
+        results[name]["engine_warmup_s"] = bench.warmup_s
+        bench.warmup_s = []
         print(f"== {name}: {summary(name, results[name])}", flush=True)
         if args.out:
             with open(args.out, "w") as f:

@@ -112,6 +112,11 @@ class LLMEngine:
         model = load_model(model_dir, config.torch_dtype, config.device)
         return cls(model, model_config, Tokenizer.from_dir(model_dir), config)
 
+    def warmup(self) -> None:
+        """Capture the decode CUDA graphs of every batch bucket (CUDA only; a no-op on CPU)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture_all()
+
     # ---- adapters --------------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
                          *, preload: bool = True) -> None:

@@ -96,6 +96,13 @@ class DecodeGraphs:
         self.contexts: dict[int, StepContext] = {}  # captured graphs read these tensors
         self.pool = torch.cuda.graph_pool_handle()
 
+    def capture_all(self) -> None:
+        """Capture every bucket now (start-up), so no request waits for a capture later."""
+        with torch.inference_mode():
+            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
+                if b not in self.graphs:
+                    self._capture(b)
+
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.max_query_len == 1 and inputs.logits_indices.size == inputs.num_seqs
                 and inputs.num_seqs <= self.buckets[-1]
