@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_reference import paged_attention_reference, write_kv_reference
+from kernels.fused_reference import rms_norm_reference, rotary_reference, silu_mul_reference
 from kernels.lora_reference import LoraMeta, add_lora_reference
 
 
@@ -57,3 +58,32 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, arena: torch.Tensor, a_offsets: t
     else:
         add_lora_reference(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
                            out_slices, meta)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(norm(x), None), or with `residual`: residual += x in place, (norm(residual), residual)."""
+    if _use_triton(x):
+        from kernels.rmsnorm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_reference(x, weight, eps, residual)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos/sin [T, D]."""
+    if _use_triton(q):
+        from kernels.rotary import rotary_triton
+
+        rotary_triton(q, k, cos, sin)
+    else:
+        rotary_reference(q, k, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> silu(gate) * up, [T, I]."""
+    if _use_triton(gate_up):
+        from kernels.silu_mul import silu_mul_triton
+
+        return silu_mul_triton(gate_up)
+    return silu_mul_reference(gate_up)

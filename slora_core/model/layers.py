@@ -8,27 +8,25 @@ the device-dispatched ops in `slora_core.ops`; nothing here knows about sequence
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slora_core import ops
 from slora_core.config import ModelConfig
 from slora_core.context import get_context
-from slora_core.model.rope import apply_rope
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 (as HF Llama does)."""
+    """y = weight * x / sqrt(mean(x^2) + eps), normalised in float32 (as HF Llama does).
+    Given `residual`, first adds x into it in place and normalises the sum (one fused op)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -51,14 +49,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden], RoPE angles cos/sin [T, 1, D] -> [T, hidden]."""
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, cos, sin)
+        """x [T, hidden], RoPE angles cos/sin [T, D] -> [T, hidden]."""
         ctx = get_context()
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        kv_end = self.q_size + self.kv_size
+        # Plain slices (not split()): rotary rotates q and k in place inside qkv.
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : kv_end].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, kv_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        ops.rotary(q, k, cos, sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ops.write_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens,
@@ -76,8 +76,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -90,6 +89,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM-style residual stream: returns (this layer's mlp output, the residual sum so
+        far); the next norm adds them, so each add fuses into a norm."""
+        if residual is None:
+            residual = x
+            h, _ = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin), residual)
+        assert residual is not None
+        return self.mlp(h), residual

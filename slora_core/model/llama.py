@@ -28,9 +28,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        cos, sin = cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

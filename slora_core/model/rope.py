@@ -80,17 +80,6 @@ def _llama3_scale(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, H, D] and k [T, Hkv, D] by the per-token angles cos/sin [T, 1, D]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
 class RotaryEmbedding(nn.Module):
     """Per-token RoPE angles in the rotate-half convention of HF Llama, computed once per step
     and shared by every layer."""
