@@ -113,9 +113,10 @@ class LLMEngine:
         return cls(model, model_config, Tokenizer.from_dir(model_dir), config)
 
     def warmup(self) -> None:
-        """Capture the decode CUDA graphs of every batch bucket (CUDA only; a no-op on CPU)."""
+        """Capture the decode CUDA graphs of every batch bucket (CUDA only; a no-op on CPU):
+        the LoRA variants when adapters are registered, else the base-only ones."""
         if self.runner.graphs is not None:
-            self.runner.graphs.capture_all()
+            self.runner.graphs.capture_all(with_lora=bool(self.adapters.names()))
 
     # ---- adapters --------------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,

@@ -91,39 +91,41 @@ class DecodeGraphs:
         self.token_slots = torch.full((n,), self.empty_slot, dtype=torch.int32, device=dev)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.ones = torch.ones(n, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.contexts: dict[int, StepContext] = {}  # captured graphs read these tensors
+        # Keyed by (bucket, with_lora): steps with no adapter token skip the LoRA kernels.
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.contexts: dict[tuple[int, bool], StepContext] = {}  # captured graphs read these
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture_all(self) -> None:
+    def capture_all(self, with_lora: bool = True) -> None:
         """Capture every bucket now (start-up), so no request waits for a capture later."""
         with torch.inference_mode():
             for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
-                if b not in self.graphs:
-                    self._capture(b)
+                if (b, with_lora) not in self.graphs:
+                    self._capture(b, with_lora)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.max_query_len == 1 and inputs.logits_indices.size == inputs.num_seqs
                 and inputs.num_seqs <= self.buckets[-1]
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
-    def _context(self, b: int) -> StepContext:
+    def _context(self, b: int, with_lora: bool) -> StepContext:
         r = self.runner
         lora = LoraMeta(seg_starts=self.arange[:b], seg_lens=self.ones[:b],
                         seg_slots=self.token_slots[:b], token_slots=self.token_slots[:b],
-                        max_seg_len=1, num_segments=b)
+                        max_seg_len=1, num_segments=b) if with_lora else None
         return StepContext(
             positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
             block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b],
             query_starts=self.arange[: b + 1], max_query_len=1,
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
-            lora_tables=r.arena.tables,
+            lora_tables=r.arena.tables if with_lora else None,
         )
 
-    def _capture(self, b: int) -> None:
-        ctx = self.contexts[b] = self._context(b)
+    def _capture(self, b: int, with_lora: bool) -> None:
+        key = (b, with_lora)
+        ctx = self.contexts[key] = self._context(b, with_lora)
         model = self.runner.model
         with step_context(ctx):
             for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
@@ -131,14 +133,15 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[b] = model.compute_logits(model(self.input_ids[:b], ctx.positions))
-        self.graphs[b] = graph
+                self.logits[key] = model.compute_logits(model(self.input_ids[:b], ctx.positions))
+        self.graphs[key] = graph
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
         n = inputs.num_seqs
         b = next(s for s in self.buckets if s >= n)
-        if b not in self.graphs:
-            self._capture(b)
+        key = (b, bool((inputs.token_slots >= 0).any()))
+        if key not in self.graphs:
+            self._capture(*key)
         slots = np.where(inputs.token_slots >= 0, inputs.token_slots, self.empty_slot)
         tables = np.zeros((b, self.max_blocks), dtype=np.int64)
         tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
@@ -158,5 +161,5 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(dev[3])
         self.token_slots[:b].copy_(dev[4])
         self.block_tables[:b].copy_(dev[5])
-        self.graphs[b].replay()
-        return self.logits[b][:n]
+        self.graphs[key].replay()
+        return self.logits[key][:n]
