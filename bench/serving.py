@@ -15,6 +15,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from dataclasses import asdict
 from typing import Any
 
@@ -385,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in args.scenarios.split(","):
         t0 = time.perf_counter()
-        results[name] = SCENARIOS[name](bench)
+        try:
+            results[name] = SCENARIOS[name](bench)
+        except Exception as e:  # record the failure and go on with the other scenarios
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            traceback.print_exc()
         results[name]["scenario_wall_s"] = time.perf_counter() - t0
         results[name]["engine_warmup_s"] = bench.warmup_s
         bench.warmup_s = []
