@@ -49,9 +49,10 @@ LORA_DECODE_SWEEP = {
 }
 LORA_PREFILL_SWEEP = {
     "default": PREFILL_TILES,
-    "m64_k64_n64": LoraTiles(64, 64, 64, 64),
-    "m128_k128_n128_w8": LoraTiles(128, 128, 128, 128, num_warps=8),
-    "m64_k128_n256_w8": LoraTiles(64, 128, 64, 256, num_warps=8),
+    "m64_k128_n128_w4": LoraTiles(64, 128, 64, 128, max_split_k=2),
+    "m64_k128_n256_w8_split1": LoraTiles(64, 128, 64, 256, num_warps=8, max_split_k=1),
+    "m64_k128_n256_w8_split4": LoraTiles(64, 128, 64, 256, num_warps=8, max_split_k=4),
+    "m128_k64_n128_w8": LoraTiles(128, 64, 128, 128, num_warps=8, max_split_k=2),
 }
 ATTN_DECODE_SWEEP = {
     "default": DEFAULT_TILES,
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"command": " ".join(["python -m bench.kernels", *sys.argv[1:]]),
                            "hardware": hardware(), "dtype": "float16", "hidden": 4096,
                            "method": "median of CUDA-graph replays; inputs rotated past L2"}
-    res["copy_bandwidth_gbs"] = copy_bandwidth_gbs(1 << 20 if args.smoke else 4 << 30)
+    res["copy_bandwidth_gbs"] = copy_bandwidth_gbs(1 << 20 if args.smoke else 1 << 30)
     copy_gbs = res["copy_bandwidth_gbs"]
     atiles = DEFAULT_TILES
     if not args.skip_sweeps:

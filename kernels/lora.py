@@ -30,6 +30,9 @@ class LoraTiles:
     expand_block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    # The expand re-reads every K split's partial sums once per output tile, which costs more
+    # than it saves once segments are long enough to fill the GPU with row tiles.
+    max_split_k: int = 16
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -37,10 +40,9 @@ class LoraTiles:
 DECODE_TILES = LoraTiles(shrink_block_m=16, shrink_block_k=256, expand_block_m=16,
                          expand_block_n=256)
 PREFILL_TILES = LoraTiles(shrink_block_m=64, shrink_block_k=128, expand_block_m=64,
-                          expand_block_n=128)
+                          expand_block_n=256, num_warps=8, max_split_k=2)
 # A K split shorter than this reads too little per program to hide memory latency.
 MIN_K_PER_SPLIT = 256
-MAX_SPLIT_K = 16
 # Programs per multiprocessor the shrink aims for before it starts splitting K.
 PROGRAMS_PER_SM = 4
 
@@ -62,10 +64,10 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_split_k(programs: int, k: int, device: torch.device) -> int:
+def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int) -> int:
     """How many K splits the shrink needs to give every multiprocessor a few programs."""
     want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(programs, 1))
-    return max(1, min(want, MAX_SPLIT_K, k // MIN_K_PER_SPLIT))
+    return max(1, min(want, max_split_k, k // MIN_K_PER_SPLIT))
 
 
 def add_lora_triton(
@@ -108,7 +110,7 @@ def add_lora_triton(
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
         programs = meta.num_segments * triton.cdiv(meta.max_seg_len, tiles.shrink_block_m)
-        splits = split_k or pick_split_k(programs * len(mods), k, x.device)
+        splits = split_k or pick_split_k(programs * len(mods), k, x.device, tiles.max_split_k)
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta,

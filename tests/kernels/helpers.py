@@ -57,16 +57,19 @@ def build_lora_case(
     rank_of: dict[tuple[int, int], int],
     dtype: torch.dtype,
     gen: torch.Generator,
+    aligned: bool = False,
 ) -> LoraCase:
     """Place every (slot, module) A and B matrix at a shuffled, gapped position of an arena whose
-    other elements are NaN, so any read outside a matrix poisons the output."""
+    other elements are NaN, so any read outside a matrix poisons the output. `aligned` keeps
+    every matrix start a multiple of 8 elements (as the page packer does for real models, and
+    the kernels' vector-load path needs); otherwise odd gaps leave most starts unaligned."""
     num_modules = 7
     mats: list[tuple[int, int, str, int]] = []  # (slot, module, "a"/"b", numel)
     for (slot, mod), r in rank_of.items():
         if r > 0:
             mats += [(slot, mod, "a", r * in_features), (slot, mod, "b", out_sizes[mod] * r)]
     order = torch.randperm(len(mats), generator=gen).tolist()
-    gap = 37  # odd gaps make matrix starts unaligned, as packed pages can be
+    gap = 8 if aligned else 37
     total = sum(m[3] for m in mats) + gap * (len(mats) + 1)
     arena = torch.full((total,), float("nan"), dtype=dtype, device=DEVICE)
     a_off = torch.zeros(num_slots, num_modules, dtype=torch.int64)

@@ -31,6 +31,7 @@ def _run(
     rank_choices: list[int],
     dtype: torch.dtype,
     seed: int,
+    aligned: bool = False,
     **knobs: object,
 ) -> None:
     """Run add_lora_triton on a random case and compare y with the float64 reference."""
@@ -40,7 +41,8 @@ def _run(
         (s, m): rank_choices[int(torch.randint(len(rank_choices), (1,), generator=gen))]
         for s in range(num_slots) for m in module_ids
     }
-    case = build_lora_case(token_slots, num_slots, in_features, sizes, rank_of, dtype, gen)
+    case = build_lora_case(token_slots, num_slots, in_features, sizes, rank_of, dtype, gen,
+                           aligned)
     starts = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
     slices = tuple(zip(starts, out_sizes, strict=True))
     t = len(token_slots)
@@ -71,10 +73,11 @@ def _decode_slots(n: int, num_slots: int, seed: int, none_every: int = 5) -> lis
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split_k", [None, 1, 3])
-def test_decode_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None) -> None:
+@pytest.mark.parametrize("aligned", [False, True])
+def test_decode_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None, aligned: bool) -> None:
     slots = _decode_slots(12, 6, seed=1)
     _run(slots, 6, 64, QKV, (64, 32, 32), [1, 8, 16, 33, 64, 128], dtype, seed=2,
-         split_k=split_k, max_rank=128)
+         aligned=aligned, split_k=split_k, max_rank=128)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -87,7 +90,7 @@ def test_shared_adapter_decode_segments(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_segments_hundreds_of_tokens(dtype: torch.dtype) -> None:
     slots = [0] * 1 + [1] * 130 + [-1] * 5 + [2] * 300 + [3] * 7
-    _run(slots, 4, 48, DOWN, (64,), [2, 16, 64, 128], dtype, seed=4, split_k=2)
+    _run(slots, 4, 48, DOWN, (64,), [2, 16, 64, 128], dtype, seed=4, aligned=True, split_k=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -165,4 +168,6 @@ def test_full_size_on_gpu(dtype: torch.dtype, name: str, k: int, mods: tuple[int
         slots = _decode_slots(256, 64, seed=12)
     else:
         slots = [0] * 700 + [5] * 1 + [-1] * 30 + [9] * 260 + [63] * 33
-    _run(slots, 64, k, mods, outs, [0, 8, 16, 64, 128], dtype, seed=13)
+    # Each batch kind meets both the aligned (vector-load) and the unaligned path, one per dtype.
+    aligned = (batch == "decode") != (dtype == torch.bfloat16)
+    _run(slots, 64, k, mods, outs, [0, 8, 16, 64, 128], dtype, seed=13, aligned=aligned)
