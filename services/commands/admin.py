@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_route_commands(cmds)
     _add_read_commands(cmds)
     _add_key_commands(cmds)
+    from services.commands.admin_rollout import add_rollout_commands
+
+    add_rollout_commands(cmds)
     d = cmds.add_parser("digest", help="print an adapter directory's sha256 (no server needed)")
     d.add_argument("path")
     d.set_defaults(func=_digest)
@@ -42,7 +45,7 @@ def _add_route_commands(cmds: argparse._SubParsersAction) -> None:
     r.add_argument("--base-model", required=True)
     r.add_argument("--tenant", required=True)
     r.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
-    r.set_defaults(func=_call(lambda c, a: c.register(
+    r.set_defaults(func=call_command(lambda c, a: c.register(
         a.adapter_id, a.version, a.storage_uri, a.sha256, a.base_model, a.tenant,
         _labels(a.label)), lambda m: _versions_table([m])))
     for name, helptext in (("canary", "send a share of traffic to a validated version"),
@@ -55,18 +58,18 @@ def _add_route_commands(cmds: argparse._SubParsersAction) -> None:
             c.add_argument("--ratio", type=float, required=True, help="share in (0, 1]")
         c.add_argument("--etag", default=None)
         c.add_argument("--reason", default="")
-    cmds.choices["canary"].set_defaults(func=_call(lambda c, a: c.canary(
-        a.adapter_id, a.version, a.ratio, a.etag, a.reason), _adapter_text))
-    cmds.choices["promote"].set_defaults(func=_call(lambda c, a: c.promote(
-        a.adapter_id, a.version, a.etag, a.reason), _adapter_text))
-    cmds.choices["retire"].set_defaults(func=_call(lambda c, a: c.retire(
-        a.adapter_id, a.version, a.etag, a.reason), _adapter_text))
+    cmds.choices["canary"].set_defaults(func=call_command(lambda c, a: c.canary(
+        a.adapter_id, a.version, a.ratio, a.etag, a.reason), adapter_text))
+    cmds.choices["promote"].set_defaults(func=call_command(lambda c, a: c.promote(
+        a.adapter_id, a.version, a.etag, a.reason), adapter_text))
+    cmds.choices["retire"].set_defaults(func=call_command(lambda c, a: c.retire(
+        a.adapter_id, a.version, a.etag, a.reason), adapter_text))
     rb = cmds.add_parser("rollback", help="send all traffic back to the stable/fallback version")
     rb.add_argument("adapter_id")
     rb.add_argument("--reason", required=True)
     rb.add_argument("--etag", default=None)
-    rb.set_defaults(func=_call(lambda c, a: c.rollback(a.adapter_id, a.reason, a.etag),
-                               _adapter_text))
+    rb.set_defaults(func=call_command(lambda c, a: c.rollback(a.adapter_id, a.reason, a.etag),
+                               adapter_text))
 
 
 def _add_read_commands(cmds: argparse._SubParsersAction) -> None:
@@ -74,20 +77,20 @@ def _add_read_commands(cmds: argparse._SubParsersAction) -> None:
 
     g = cmds.add_parser("get", help="one adapter: route, etag and versions")
     g.add_argument("adapter_id")
-    g.set_defaults(func=_call(lambda c, a: c.get(a.adapter_id), _adapter_text))
+    g.set_defaults(func=call_command(lambda c, a: c.get(a.adapter_id), adapter_text))
     states = [n.removeprefix("VERSION_STATE_").lower() for n in pb.VersionState.keys()[1:]]
     ls = cmds.add_parser("list", help="adapters, filtered by tenant, state and base model")
     ls.add_argument("--tenant", default="")
     ls.add_argument("--state", default="", choices=["", *states])
     ls.add_argument("--base-model", default="")
-    ls.set_defaults(func=_call(lambda c, a: c.list_all(
+    ls.set_defaults(func=call_command(lambda c, a: c.list_all(
         a.tenant, pb.VersionState.Value(f"VERSION_STATE_{a.state.upper()}") if a.state else 0,
         a.base_model), _adapters_table))
     ev = cmds.add_parser("events", help="the audit log, oldest first")
     ev.add_argument("--adapter", default="")
     ev.add_argument("--tenant", default="")
     ev.add_argument("--limit", type=int, default=0, help="only the last N events")
-    ev.set_defaults(func=_call(lambda c, a: c.events(a.adapter, a.tenant, a.limit), _events_table))
+    ev.set_defaults(func=call_command(lambda c, a: c.events(a.adapter, a.tenant, a.limit), _events_table))
 
 
 def _add_key_commands(cmds: argparse._SubParsersAction) -> None:
@@ -98,30 +101,30 @@ def _add_key_commands(cmds: argparse._SubParsersAction) -> None:
     kc.add_argument("--scope", choices=["admin", "tenant"], required=True)
     kc.add_argument("--tenant", default="")
     kc.add_argument("--name", default="")
-    kc.set_defaults(func=_call(lambda c, a: c.call("CreateApiKey", pb.CreateApiKeyRequest(
+    kc.set_defaults(func=call_command(lambda c, a: c.call("CreateApiKey", pb.CreateApiKeyRequest(
         scope=pb.KeyScope.Value(f"KEY_SCOPE_{a.scope.upper()}"), tenant=a.tenant, name=a.name)),
         lambda m: _keys_table([m.key]) + f"\ntoken (shown once): {m.token}"))
     kl = keys.add_parser("list")
     kl.add_argument("--tenant", default="")
-    kl.set_defaults(func=_call(lambda c, a: c.call(
+    kl.set_defaults(func=call_command(lambda c, a: c.call(
         "ListApiKeys", pb.ListApiKeysRequest(tenant=a.tenant)), lambda m: _keys_table(m.keys)))
     kr = keys.add_parser("revoke")
     kr.add_argument("key_id")
-    kr.set_defaults(func=_call(lambda c, a: c.call(
+    kr.set_defaults(func=call_command(lambda c, a: c.call(
         "RevokeApiKey", pb.RevokeApiKeyRequest(key_id=a.key_id)), lambda m: _keys_table([m])))
     tenants = cmds.add_parser("tenants", help="tenants").add_subparsers(
         dest="tenants_command", required=True)
     tc = tenants.add_parser("create")
     tc.add_argument("name")
-    tc.set_defaults(func=_call(lambda c, a: c.call(
+    tc.set_defaults(func=call_command(lambda c, a: c.call(
         "CreateTenant", pb.CreateTenantRequest(name=a.name)), lambda m: _tenants_table([m])))
     tl = tenants.add_parser("list")
-    tl.set_defaults(func=_call(lambda c, a: c.call(
+    tl.set_defaults(func=call_command(lambda c, a: c.call(
         "ListTenants", pb.ListTenantsRequest()), lambda m: _tenants_table(m.tenants)))
 
 
-def _call(action: Callable[[Any, argparse.Namespace], Any],
-          render: Callable[[Any], str]) -> Callable[[argparse.Namespace], int]:
+def call_command(action: Callable[[Any, argparse.Namespace], Any],
+                 render: Callable[[Any], str]) -> Callable[[argparse.Namespace], int]:
     """A subcommand body: connect, run `action`, print JSON or `render`'s text; gRPC errors
     become 'error: CODE: message' on stderr and exit status 1."""
 
@@ -195,12 +198,12 @@ def _versions_table(versions: Sequence[Any]) -> str:
                   for v in versions])
 
 
-def _adapter_text(a: Any) -> str:
+def adapter_text(a: Any, versions: bool = True) -> str:
     r = a.route
     canary = f"{r.canary_version} ({r.traffic_ratio:.1%})" if r.canary_version else "-"
     head = (f"adapter {a.adapter_id}  tenant {a.tenant}  base {a.base_model}  etag {r.etag}\n"
             f"stable {r.stable_version or '-'}  canary {canary}  fallback {r.fallback_version or '-'}")
-    return f"{head}\n\n{_versions_table(a.versions)}"
+    return f"{head}\n\n{_versions_table(a.versions)}" if versions else head
 
 
 def _adapters_table(adapters: Sequence[Any]) -> str:

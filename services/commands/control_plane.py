@@ -25,6 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-rank", type=int, default=64, help="the engines' LoRA rank limit")
     p.add_argument("--bootstrap-admin-key", default=os.environ.get(BOOTSTRAP_ENV),
                    help=f"make this token a working admin key at start-up; env {BOOTSTRAP_ENV}")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus HTTP port (per-version evidence, canary analysis)")
+    p.add_argument("--analyzer-tick", type=float, default=None, metavar="SECONDS",
+                   help="how often the canary analyzer looks at running canaries (default 0.25)")
     p.add_argument("--migrate", action="store_true",
                    help="apply the Alembic migrations (upgrade head) before serving")
     p.add_argument("--migrate-only", action="store_true", help="apply the migrations and exit")
@@ -60,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         max_rank=args.max_rank,
         bootstrap_admin_key=args.bootstrap_admin_key,
         migrate=args.migrate,
+        metrics_port=args.metrics_port,
+        **({"analyzer_tick_s": args.analyzer_tick} if args.analyzer_tick else {}),
     )
     asyncio.run(serve(config))
     return 0

@@ -49,6 +49,10 @@ class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -64,6 +64,16 @@ class AdminClient:
             adapter_id=adapter_id, version=version, etag=self.etag(adapter_id, etag),
             reason=reason))
 
+    def set_policy(self, adapter_id: str, policy: pb.CanaryPolicy | None,
+                   etag: str | None = None, reason: str = "") -> pb.AdapterInfo:
+        """Set the adapter's canary policy; None removes it."""
+        return self.call("SetCanaryPolicy", pb.SetCanaryPolicyRequest(
+            adapter_id=adapter_id, policy=policy, etag=self.etag(adapter_id, etag),
+            reason=reason))
+
+    def status(self, adapter_id: str) -> pb.RolloutStatus:
+        return self.call("GetRolloutStatus", pb.GetRolloutStatusRequest(adapter_id=adapter_id))
+
     def get(self, adapter_id: str) -> pb.AdapterInfo:
         return self.call("GetAdapter", pb.GetAdapterRequest(adapter_id=adapter_id))
 

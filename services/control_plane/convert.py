@@ -7,6 +7,7 @@ import json
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from services.control_plane.canary_policy import CanaryPolicy
 from services.control_plane.errors import InvalidArgument
 from services.control_plane.keys import ADMIN, TENANT
 from services.control_plane.lifecycle import VersionState
@@ -18,6 +19,7 @@ from services.control_plane.records import (
     VersionRecord,
     etag_of,
 )
+from services.control_plane.rollout_status import RolloutStatus
 from slora.v1 import admin_pb2 as pb
 
 _STATE_TO_PB = {state: pb.VersionState.Value(f"VERSION_STATE_{state.name}") for state in VersionState}
@@ -75,6 +77,34 @@ def adapter_to_pb(a: AdapterRecord) -> pb.AdapterInfo:
         adapter_id=a.adapter_id, tenant=a.tenant, base_model=a.base_model,
         created_at=timestamp(a.created_at), created_by=a.created_by, route=route,
         versions=[version_to_pb(v) for v in a.versions],
+        canary_policy=policy_to_pb(a.policy) if a.policy else None,
+    )
+
+
+def policy_to_pb(p: CanaryPolicy) -> pb.CanaryPolicy:
+    return pb.CanaryPolicy(
+        window_seconds=p.window_s, min_requests=p.min_requests,
+        max_error_rate_increase=p.max_error_rate_increase, max_ttft_ratio=p.max_ttft_ratio,
+        max_tpot_ratio=p.max_tpot_ratio, max_feedback_drop=p.max_feedback_drop,
+        min_feedback=p.min_feedback, steps=list(p.steps),
+    )
+
+
+def policy_from_pb(request: pb.SetCanaryPolicyRequest) -> CanaryPolicy | None:
+    """None when the request carries no policy (remove it); InvalidArgument when invalid."""
+    if not request.HasField("policy"):
+        return None
+    m = request.policy
+
+    def opt(name: str) -> float | None:
+        return getattr(m, name) if m.HasField(name) else None
+
+    return CanaryPolicy(
+        window_s=m.window_seconds, min_requests=m.min_requests,
+        max_error_rate_increase=opt("max_error_rate_increase"),
+        max_ttft_ratio=opt("max_ttft_ratio"), max_tpot_ratio=opt("max_tpot_ratio"),
+        max_feedback_drop=opt("max_feedback_drop"), min_feedback=m.min_feedback or 1,
+        steps=tuple(m.steps),
     )
 
 
@@ -98,3 +128,40 @@ def key_to_pb(k: KeyRecord) -> pb.ApiKeyInfo:
         created_at=timestamp(k.created_at), created_by=k.created_by,
         revoked_at=timestamp(k.revoked_at),
     )
+
+
+def rollout_status_to_pb(st: RolloutStatus) -> pb.RolloutStatus:
+    figures = [
+        pb.VersionFigures(version=f.version, state=state_to_pb(f.state), role=f.role,
+                          window=f.window.to_pb() if f.window is not None else None,
+                          total=f.total.to_pb())
+        for f in st.figures
+    ]
+    return pb.RolloutStatus(adapter=adapter_to_pb(st.adapter), figures=figures,
+                            analysis=_analysis_to_pb(st))
+
+
+def _analysis_to_pb(st: RolloutStatus) -> pb.CanaryAnalysis | None:
+    a, live = st.analysis, st.live
+    if a is None and st.adapter.policy is None:
+        return None
+    out = pb.CanaryAnalysis()
+    if live is not None:
+        out.canary_version = live.run.canary
+        out.window_started_at.CopyFrom(timestamp(live.started_at))
+        out.window_elapsed_seconds = live.elapsed_s
+        out.waiting_for = live.waiting_for
+    elif st.adapter.route.canary_version:
+        out.canary_version = st.adapter.route.canary_version
+        out.waiting_for = ("a canary policy" if st.adapter.policy is None
+                           else "the analyzer's next tick")
+    if a is None:
+        return out
+    if a.canary_version == out.canary_version:
+        out.windows_passed = a.windows_passed
+    out.last_decision, out.last_version = a.last_decision or "", a.last_version or ""
+    out.last_reason = a.last_reason
+    out.last_details_json = json.dumps(a.last_details, sort_keys=True) if a.last_details else ""
+    if a.last_decision_at is not None:
+        out.last_decision_at.CopyFrom(timestamp(a.last_decision_at))
+    return out

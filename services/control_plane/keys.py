@@ -46,6 +46,7 @@ class Principal:
     key_id: str
     scope: str
     tenant: str | None = None
+    kind: str = "key"  # "system" for changes the control plane makes on its own
 
     @property
     def is_admin(self) -> bool:
@@ -53,7 +54,7 @@ class Principal:
 
     @property
     def actor(self) -> str:
-        return f"key:{self.key_id}"
+        return f"{self.kind}:{self.key_id}"
 
     def check_tenant(self, tenant: str | None) -> None:
         """Raise PermissionDenied unless this principal may see `tenant`'s records."""

@@ -89,6 +89,7 @@ class Adapter(Base):
     versions: Mapped[list[AdapterVersion]] = relationship(
         back_populates="adapter", order_by="AdapterVersion.id", lazy="joined"
     )
+    policy: Mapped[CanaryPolicyRow | None] = relationship(lazy="joined")
 
 
 class AdapterVersion(Base):
@@ -166,3 +167,45 @@ class AuditEvent(Base):
     details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     revision_before: Mapped[int | None] = mapped_column(BigInteger)
     revision_after: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class CanaryPolicyRow(Base):
+    """An adapter's canary policy (see canary_policy.CanaryPolicy). Changed only together with
+    the route (`Registry.set_canary_policy`), so the route's etag covers it."""
+
+    __tablename__ = "canary_policies"
+
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.adapter_id"), primary_key=True)
+    window_s: Mapped[float] = mapped_column(Float)
+    min_requests: Mapped[int] = mapped_column(Integer)
+    min_feedback: Mapped[int] = mapped_column(Integer, default=1)
+    max_error_rate_increase: Mapped[float | None] = mapped_column(Float)
+    max_ttft_ratio: Mapped[float | None] = mapped_column(Float)
+    max_tpot_ratio: Mapped[float | None] = mapped_column(Float)
+    max_feedback_drop: Mapped[float | None] = mapped_column(Float)
+    steps: Mapped[list[float]] = mapped_column(JSON, default=list)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_by: Mapped[str] = mapped_column(String(ID_LENGTH))
+
+
+class CanaryAnalysisRow(Base):
+    """The analyzer's state for one adapter, so that its windows and decisions survive a
+    control-plane restart. A window belongs to one route revision: any route change (a
+    decision, an admin call, a policy change) opens a new one. `revision` is compared and
+    swapped on every update, so two control planes cannot both record a window's outcome."""
+
+    __tablename__ = "canary_analyses"
+
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.adapter_id"), primary_key=True)
+    canary_version: Mapped[str | None] = mapped_column(String(64))
+    route_revision: Mapped[int] = mapped_column(BigInteger)
+    window_started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    windows_passed: Mapped[int] = mapped_column(Integer, default=0)
+    last_decision: Mapped[str | None] = mapped_column(String(16))
+    last_version: Mapped[str | None] = mapped_column(String(64))
+    last_decision_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    last_reason: Mapped[str] = mapped_column(Text, default="")
+    last_details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    revision: Mapped[int] = mapped_column(BigInteger, default=1)
+
+    __mapper_args__ = {"version_id_col": revision}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.control_plane import models
+from services.control_plane.canary_policy import CanaryPolicy
 from services.control_plane.lifecycle import AdapterState, VersionState
 
 
@@ -93,6 +94,7 @@ class AdapterRecord:
     created_by: str
     route: RouteRecord
     versions: tuple[VersionRecord, ...]
+    policy: CanaryPolicy | None = None
 
     @classmethod
     def from_row(cls, row: models.Adapter) -> AdapterRecord:
@@ -104,11 +106,23 @@ class AdapterRecord:
             created_by=row.created_by,
             route=RouteRecord.from_row(row.route),
             versions=tuple(VersionRecord.from_row(v) for v in row.versions),
+            policy=policy_of(row.policy),
         )
 
     def state(self) -> AdapterState:
         """The route and version states as a lifecycle value."""
         return state_of(self.route, {v.version: v.state for v in self.versions})
+
+
+def policy_of(row: models.CanaryPolicyRow | None) -> CanaryPolicy | None:
+    if row is None:
+        return None
+    return CanaryPolicy(
+        window_s=row.window_s, min_requests=row.min_requests, min_feedback=row.min_feedback,
+        max_error_rate_increase=row.max_error_rate_increase, max_ttft_ratio=row.max_ttft_ratio,
+        max_tpot_ratio=row.max_tpot_ratio, max_feedback_drop=row.max_feedback_drop,
+        steps=tuple(row.steps or ()),
+    )
 
 
 def state_of(route: RouteRecord | models.Route, states: dict[str, VersionState]) -> AdapterState:

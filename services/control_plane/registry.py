@@ -21,6 +21,7 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from services.control_plane import lifecycle
 from services.control_plane.audit import record_event
+from services.control_plane.canary_policy import CanaryPolicy
 from services.control_plane.errors import Aborted, InvalidArgument, NotFound
 from services.control_plane.keys import Principal
 from services.control_plane.lifecycle import AdapterState, VersionState
@@ -39,6 +40,7 @@ from services.control_plane.records import (
     etag_of,
     state_of,
 )
+from services.control_plane.rollout_rows import write_policy
 from services.control_plane.storage import StorageConfig
 from slora_core.adapters import LoraAdapter
 from slora_core.config import ModelConfig
@@ -46,6 +48,10 @@ from slora_core.config import ModelConfig
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 50, 500
 COMMIT_ATTEMPTS = 3
 Transition = Callable[[AdapterState], AdapterState]
+# Runs inside a route change's transaction, after the route and versions were written, with the
+# route's new revision; returns more audit details. Lets policy changes and the canary analyzer
+# write their own rows atomically with the route under the same etag.
+ChangeHook = Callable[[Session, Adapter, int], dict[str, Any]]
 
 
 class Registry:
@@ -110,27 +116,42 @@ class Registry:
                      actor: Principal, reason: str = "") -> AdapterRecord:
         if not 0.0 < ratio <= 1.0:
             raise InvalidArgument(f"traffic_ratio must lie in (0, 1], got {ratio}")
-        return self._change(adapter_id, etag, actor, "canary", reason, version,
-                            lambda st: lifecycle.start_canary(st, version, ratio),
-                            {"traffic_ratio": ratio})
+        return self.change_route(adapter_id, etag, actor, "canary", reason, version,
+                                 lambda st: lifecycle.start_canary(st, version, ratio),
+                                 {"traffic_ratio": ratio})
 
     def promote(self, adapter_id: str, version: str, etag: str, actor: Principal,
                 reason: str = "") -> AdapterRecord:
-        return self._change(adapter_id, etag, actor, "promote", reason, version,
-                            lambda st: lifecycle.promote(st, version))
+        return self.change_route(adapter_id, etag, actor, "promote", reason, version,
+                                 lambda st: lifecycle.promote(st, version))
 
     def rollback(self, adapter_id: str, etag: str, actor: Principal,
                  reason: str = "") -> AdapterRecord:
-        return self._change(adapter_id, etag, actor, "rollback", reason, None, lifecycle.rollback)
+        return self.change_route(adapter_id, etag, actor, "rollback", reason, None,
+                                 lifecycle.rollback)
 
     def retire(self, adapter_id: str, version: str, etag: str, actor: Principal,
                reason: str = "") -> AdapterRecord:
-        return self._change(adapter_id, etag, actor, "retire", reason, version,
-                            lambda st: lifecycle.retire(st, version))
+        return self.change_route(adapter_id, etag, actor, "retire", reason, version,
+                                 lambda st: lifecycle.retire(st, version))
 
-    def _change(self, adapter_id: str, etag: str, actor: Principal, action: str, reason: str,
-                version: str | None, transition: Transition,
-                args: dict[str, Any] | None = None) -> AdapterRecord:
+    def set_canary_policy(self, adapter_id: str, policy: CanaryPolicy | None, etag: str,
+                          actor: Principal, reason: str = "") -> AdapterRecord:
+        """Set (None: remove) the adapter's canary policy under the route's etag; the route's
+        revision advances, so the analyzer opens a new window under the new policy."""
+        def write(session: Session, adapter: Adapter, _revision: int) -> dict[str, Any]:
+            return write_policy(session, adapter, policy, actor.actor)
+
+        return self.change_route(adapter_id, etag, actor, "policy", reason, None,
+                                 lambda st: st, hook=write)
+
+    def change_route(self, adapter_id: str, etag: str, actor: Principal, action: str,
+                     reason: str, version: str | None, transition: Transition,
+                     args: dict[str, Any] | None = None,
+                     hook: ChangeHook | None = None) -> AdapterRecord:
+        """Apply `transition` to the adapter's route and versions in one transaction that
+        checks `etag`, advances the route's revision and records an audit event `action`.
+        Raises Aborted when the etag is stale or a concurrent change won."""
         actor.require_admin()
         if not etag:
             raise InvalidArgument("etag is required: read the adapter first and pass its etag")
@@ -158,11 +179,13 @@ class Registry:
                 for name, state in after.states.items():
                     if rows[name].state != state:
                         rows[name].state = state
+                details = {"args": args or {}, "before": before.route_dict(),
+                           "after": after.route_dict()}
+                if hook is not None:
+                    details.update(hook(s, adapter, route.revision))
                 record_event(
                     s, actor, action, tenant=adapter.tenant, adapter_id=adapter_id,
-                    version=version, reason=reason,
-                    details={"args": args or {}, "before": before.route_dict(),
-                             "after": after.route_dict()},
+                    version=version, reason=reason, details=details,
                     revision_before=revision_before, revision_after=route.revision,
                 )
                 return AdapterRecord.from_row(adapter)

@@ -19,6 +19,7 @@ import grpc
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.control_plane.catalog import Catalog, fingerprint, load_catalog
+from services.control_plane.evidence import EvidenceStore
 from services.control_plane.placement import (
     PIN,
     PlannerConfig,
@@ -83,9 +84,12 @@ class GatewayConn:
 
 
 class PlacementHub:
-    def __init__(self, sessions: sessionmaker[Session], config: HubConfig = HubConfig()) -> None:
+    def __init__(self, sessions: sessionmaker[Session], config: HubConfig = HubConfig(),
+                 evidence: EvidenceStore | None = None) -> None:
         self.sessions = sessions
         self.config = config
+        # Per-version canary evidence from worker heartbeats and gateway reports.
+        self.evidence = evidence or EvidenceStore()
         self.catalog = Catalog()
         self.workers: dict[str, WorkerConn] = {}
         self.gateways: set[GatewayConn] = set()
@@ -225,6 +229,7 @@ class PlacementHub:
 
     def heartbeat(self, conn: WorkerConn, hb: ppb.Heartbeat) -> None:
         conn.last_seen = time.monotonic()
+        self.evidence.worker_counters(conn.worker_id, hb.started_at_ms, hb.counters)
         if hb.started_at_ms != conn.started_at_ms:
             conn.started_at_ms, conn.requests = hb.started_at_ms, {}
         for c in hb.counters:
@@ -247,7 +252,10 @@ class PlacementHub:
         return conn
 
     def _routing_snapshot(self) -> ppb.RoutingUpdate:
-        return self.routing.snapshot(self.next_revision())
+        update = self.routing.snapshot(self.next_revision())
+        # Gateways report their evidence as often as workers send heartbeats.
+        update.report_interval_ms = int(self.config.heartbeat_s * 1000)
+        return update
 
     def disconnect_gateway(self, conn: GatewayConn) -> None:
         self.gateways.discard(conn)
@@ -312,13 +320,16 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
             async for msg in messages:
                 if msg.HasField("ack"):
                     conn.acked = msg.ack.revision
+                elif msg.HasField("report"):
+                    self.hub.evidence.gateway_report(msg.report)
         finally:
             conn.queue.put_nowait(None)
 
 
 def attach_placement(server: grpc.aio.Server, sessions: sessionmaker[Session],
-                     config: HubConfig | None = None) -> PlacementHub:
+                     config: HubConfig | None = None,
+                     evidence: EvidenceStore | None = None) -> PlacementHub:
     """Add PlacementService to `server`; run the returned hub's `run()` as a task."""
-    hub = PlacementHub(sessions, config or HubConfig.from_env())
+    hub = PlacementHub(sessions, config or HubConfig.from_env(), evidence)
     ppb_grpc.add_PlacementServiceServicer_to_server(PlacementServicer(hub), server)
     return hub

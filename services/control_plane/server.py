@@ -15,10 +15,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common.metrics import serve_metrics
+from services.control_plane.analyzer import DEFAULT_TICK_S, Analyzer
 from services.control_plane.db import make_engine, make_session_factory, upgrade
+from services.control_plane.evidence import EvidenceStore
 from services.control_plane.interceptors import AuthInterceptor, ErrorInterceptor
 from services.control_plane.keys import KeyStore
+from services.control_plane.metrics import rollout_registry
 from services.control_plane.registry import Registry
+from services.control_plane.rollout_status import RolloutView
 from services.control_plane.routing import SERVICE_NAME as PLACEMENT_SERVICE
 from services.control_plane.routing import attach_placement
 from services.control_plane.servicer import METHOD_SCOPES, SERVICE_NAME, AdapterAdminServicer
@@ -41,6 +46,8 @@ class ControlPlaneConfig:
     bootstrap_admin_key: str | None = None
     migrate: bool = False
     grace_s: float = 5.0
+    metrics_port: int | None = None       # Prometheus endpoint (evidence, canary analysis)
+    analyzer_tick_s: float = DEFAULT_TICK_S
 
 
 @dataclass
@@ -52,6 +59,8 @@ class ControlPlane:
     registry: Registry
     keys: KeyStore
     health: Any
+    evidence: EvidenceStore
+    analyzer: Analyzer
 
     async def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING first so load balancers move away, then drain."""
@@ -73,7 +82,11 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
     server = grpc.aio.server(
         interceptors=[ErrorInterceptor(), AuthInterceptor(keys, METHOD_SCOPES)]
     )
-    pb_grpc.add_AdapterAdminServiceServicer_to_server(AdapterAdminServicer(registry, keys), server)
+    evidence = EvidenceStore()
+    analyzer = Analyzer(sessions, registry, evidence, config.analyzer_tick_s)
+    rollout = RolloutView(sessions, registry, evidence, analyzer)
+    pb_grpc.add_AdapterAdminServiceServicer_to_server(
+        AdapterAdminServicer(registry, keys, rollout), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -84,7 +97,7 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
         raise OSError(f"cannot listen on {config.listen}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return ControlPlane(server, port, registry, keys, health_servicer)
+    return ControlPlane(server, port, registry, keys, health_servicer, evidence, analyzer)
 
 
 async def serve(config: ControlPlaneConfig) -> None:
@@ -95,15 +108,19 @@ async def serve(config: ControlPlaneConfig) -> None:
     sessions = make_session_factory(engine)
     plane = await build_server(config, sessions)
     # PlacementService (data plane <-> control plane); see services/control_plane/routing.py.
-    hub = attach_placement(plane.server, sessions)
+    hub = attach_placement(plane.server, sessions, evidence=plane.evidence)
+    if config.metrics_port is not None:
+        port = serve_metrics(config.metrics_port, rollout_registry(plane.evidence, plane.analyzer))
+        log.info("metrics on :%d/metrics", port)
     await plane.server.start()
-    hub_task = asyncio.create_task(hub.run())
+    tasks = [asyncio.create_task(hub.run()), asyncio.create_task(plane.analyzer.run())]
     log.info("control plane listening on port %d", plane.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    hub_task.cancel()
+    for task in tasks:
+        task.cancel()
     await plane.stop(config.grace_s)
     engine.dispose()

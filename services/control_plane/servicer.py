@@ -15,11 +15,12 @@ from services.control_plane.interceptors import ANY_SCOPE, current_principal
 from services.control_plane.keys import ADMIN, KeyStore
 from services.control_plane.publish import RegisterRequest
 from services.control_plane.registry import Registry
+from services.control_plane.rollout_status import RolloutView
 from slora.v1 import admin_pb2 as pb
 from slora.v1 import admin_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterAdminService"].full_name
-_READ_METHODS = ("GetAdapter", "ListAdapters", "ListEvents", "ListTenants")
+_READ_METHODS = ("GetAdapter", "ListAdapters", "ListEvents", "ListTenants", "GetRolloutStatus")
 # Reads are open to tenant keys (filtered to their tenant); everything else needs admin.
 METHOD_SCOPES: dict[str, str] = {
     f"/{SERVICE_NAME}/{m.name}": (ANY_SCOPE if m.name in _READ_METHODS else ADMIN)
@@ -39,9 +40,10 @@ def _opt(value: str) -> str | None:
 
 
 class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
-    def __init__(self, registry: Registry, keys: KeyStore) -> None:
+    def __init__(self, registry: Registry, keys: KeyStore, rollout: RolloutView) -> None:
         self._registry = registry
         self._keys = keys
+        self._rollout = rollout
 
     async def RegisterAdapterVersion(
         self, request: pb.RegisterAdapterVersionRequest, context: grpc.aio.ServicerContext
@@ -74,6 +76,18 @@ class AdapterAdminServicer(pb_grpc.AdapterAdminServiceServicer):
         record = await _call(self._registry.retire, request.adapter_id, request.version,
                              request.etag, current_principal(), request.reason)
         return convert.adapter_to_pb(record)
+
+    async def SetCanaryPolicy(self, request: pb.SetCanaryPolicyRequest,
+                              context: Any) -> pb.AdapterInfo:
+        policy = convert.policy_from_pb(request)
+        record = await _call(self._registry.set_canary_policy, request.adapter_id, policy,
+                             request.etag, current_principal(), request.reason)
+        return convert.adapter_to_pb(record)
+
+    async def GetRolloutStatus(self, request: pb.GetRolloutStatusRequest,
+                               context: Any) -> pb.RolloutStatus:
+        status = await _call(self._rollout.status, request.adapter_id, current_principal())
+        return convert.rollout_status_to_pb(status)
 
     async def GetAdapter(self, request: pb.GetAdapterRequest, context: Any) -> pb.AdapterInfo:
         record = await _call(self._registry.get_adapter, request.adapter_id, current_principal())

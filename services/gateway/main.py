@@ -11,6 +11,7 @@ import grpc
 from services.common.metrics import serve_metrics
 from services.common.server import GrpcServer, drain_and_stop, install_stop_handlers, start_server
 from services.common.watch import Outbox, watch_forever
+from services.gateway.evidence import RoutedEvidence
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.servicer import GatewayServicer
 from services.gateway.table import RoutingTable
@@ -31,17 +32,37 @@ class GatewayOptions:
     drain_grace_s: float = 30.0
 
 
+DEFAULT_REPORT_S = 1.0
+
+
 class RoutingWatcher:
     """Keeps `table` in sync with the control plane; the gateway is ready after the first
-    snapshot and keeps serving from its last table while the control plane is away."""
+    snapshot and keeps serving from its last table while the control plane is away.
+
+    The same stream carries the gateway's evidence the other way: every report interval (the
+    control plane sets it) the per-version counters and feedback gathered since the previous
+    report. A report in flight when the stream breaks is lost: evidence is statistical, and
+    that loss is bounded by one interval."""
 
     def __init__(self, target: str, gateway_id: str, table: RoutingTable,
-                 metrics: GatewayMetrics, on_synced: asyncio.Event) -> None:
+                 metrics: GatewayMetrics, on_synced: asyncio.Event,
+                 evidence: RoutedEvidence | None = None) -> None:
         self.target, self.gateway_id, self.table = target, gateway_id, table
         self.metrics, self.on_synced = metrics, on_synced
+        self.evidence = evidence
+        self.report_s = DEFAULT_REPORT_S
 
     async def run(self) -> None:
-        await watch_forever(self.target, self._open, self._hello, self._on_update)
+        await watch_forever(self.target, self._open, self._hello, self._on_update,
+                            on_connected=self._reports if self.evidence else None)
+
+    async def _reports(self, outbox: Outbox) -> None:
+        assert self.evidence is not None
+        while True:
+            await asyncio.sleep(self.report_s)
+            report = self.evidence.drain()
+            if report is not None:
+                outbox.put(ppb.GatewayMessage(report=report))
 
     def _open(self, channel: grpc.aio.Channel, outbox: Outbox) -> grpc.aio.StreamStreamCall:
         return ppb_grpc.PlacementServiceStub(channel).WatchRouting(outbox.__aiter__())
@@ -50,6 +71,8 @@ class RoutingWatcher:
         return ppb.GatewayMessage(hello=ppb.GatewayHello(gateway_id=self.gateway_id))
 
     async def _on_update(self, update: ppb.RoutingUpdate, outbox: Outbox) -> None:
+        if update.report_interval_ms > 0:
+            self.report_s = update.report_interval_ms / 1000
         self.table.apply(update)
         self.metrics.revision.set(update.revision)
         outbox.put(ppb.GatewayMessage(ack=ppb.Ack(revision=update.revision)))
@@ -68,7 +91,8 @@ async def serve_gateway(opts: GatewayOptions) -> int:
         [SERVICE], serving=False)
     synced = asyncio.Event()
     watcher = asyncio.create_task(
-        RoutingWatcher(opts.control_plane, opts.gateway_id, table, metrics, synced).run())
+        RoutingWatcher(opts.control_plane, opts.gateway_id, table, metrics, synced,
+                       servicer.evidence).run())
     stop = asyncio.Event()
     install_stop_handlers(stop.set)
     log.info("gateway %s on port %d, waiting for the routing table", opts.gateway_id, handle.port)

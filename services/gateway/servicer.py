@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,7 @@ import grpc
 
 from services.common import errors as e
 from services.common.server import CHANNEL_OPTIONS
+from services.gateway.evidence import RoutedEvidence, Served, ServedLog, check_labels
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.table import Resolution, RoutingTable
 from slora.v1 import inference_pb2 as pb
@@ -38,9 +40,12 @@ class WorkerFailed(Exception):
 
 
 class GatewayServicer(pb_grpc.InferenceServiceServicer):
-    def __init__(self, table: RoutingTable, metrics: GatewayMetrics) -> None:
+    def __init__(self, table: RoutingTable, metrics: GatewayMetrics,
+                 served: ServedLog | None = None) -> None:
         self.table = table
         self.metrics = metrics
+        self.served = served or ServedLog()
+        self.evidence = RoutedEvidence()
         self.inflight: dict[str, int] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._calls = 0
@@ -82,21 +87,65 @@ class GatewayServicer(pb_grpc.InferenceServiceServicer):
         if adapter_id:
             asked = request.adapter.version if request.adapter.HasField("version") else None
             res = self.table.resolve(grant, adapter_id, asked, request.routing_key or request_id)
+            tenant = self.table.adapters[adapter_id].tenant
         else:
-            res = Resolution("", "", "")
+            res, tenant = Resolution("", "", ""), grant.tenant
         self.metrics.requests.inc()
+        key = (adapter_id, res.version)
+        self.evidence.routed(key)
+        try:
+            async for r in self._serve(request, request_id, res, context):
+                if r.HasField("complete"):
+                    r.complete.request_id = request_id
+                    by = r.complete.served_by
+                    self.served.remember(request_id, Served(adapter_id, by.adapter_version, tenant))
+                yield r
+        except e.ServiceError as err:
+            self.evidence.error(key, err.code.name)
+            raise
+
+    async def _serve(self, request: pb.GenerateRequest, request_id: str, res: Resolution,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """The routed version, or its fallback when the routed one cannot be served."""
         try:
             async for r in self._forward(request, request_id, res, context, is_fallback=False):
                 yield r
         except e.ServiceError as err:
             if not (err.adapter_error and res.fallback):
                 raise
-            log.warning("%s@%s cannot be served (%s); falling back to %s", adapter_id,
+            log.warning("%s@%s cannot be served (%s); falling back to %s", res.adapter_id,
                         res.version, err, res.fallback)
             self.metrics.fallbacks.inc()
-            fallback = Resolution(adapter_id, res.fallback, "")
+            self.evidence.fallback((res.adapter_id, res.version))
+            fallback = Resolution(res.adapter_id, res.fallback, "")
             async for r in self._forward(request, request_id, fallback, context, is_fallback=True):
                 yield r
+
+    async def ReportFeedback(self, request: pb.ReportFeedbackRequest,
+                             context: grpc.aio.ServicerContext) -> pb.ReportFeedbackResponse:
+        """Charge a client's score to the version that served the request (canary evidence)."""
+        try:
+            self._feedback(request, bearer_token(context.invocation_metadata()))
+        except e.ServiceError as err:
+            await e.abort_with(context, err)
+        return pb.ReportFeedbackResponse()
+
+    def _feedback(self, request: pb.ReportFeedbackRequest, token: str) -> None:
+        if not self.table.synced:
+            raise e.Unavailable("the gateway has not received the routing table yet")
+        grant = self.table.authenticate(token)
+        if not request.request_id:
+            raise e.InvalidArgument("request_id is required")
+        if not (math.isfinite(request.score) and -1.0 <= request.score <= 1.0):
+            raise e.InvalidArgument(f"score must lie in [-1, 1], got {request.score}")
+        check_labels(request.labels)
+        served = self.served.peek(request.request_id)
+        if not grant.admin and grant.tenant != served.tenant:
+            raise e.PermissionDenied(f"key {grant.key_id} may not score request "
+                                     f"{request.request_id!r} of another tenant")
+        self.served.claim(request.request_id)
+        self.evidence.feedback((served.adapter_id, served.version), request.score,
+                               dict(request.labels))
 
     async def _forward(self, request: pb.GenerateRequest, request_id: str, res: Resolution,
                        context: grpc.aio.ServicerContext, is_fallback: bool,

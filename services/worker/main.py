@@ -16,6 +16,7 @@ from services.common.server import (
     start_server,
 )
 from services.worker.adapters import AdapterManager
+from services.worker.debug_hooks import slow_versions_from_env
 from services.worker.disk_cache import DiskCache
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
@@ -63,7 +64,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
     engine_loop = EngineLoop(engine, metrics)
     engine_loop.start()
     adapters = AdapterManager(engine_loop, DiskCache(opts.cache_dir))
-    servicer = WorkerServicer(opts.worker_id, engine_loop, adapters, metrics)
+    servicer = WorkerServicer(opts.worker_id, engine_loop, adapters, metrics,
+                              slow_versions=slow_versions_from_env())
     handle = await start_server(
         opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
         [SERVICE])

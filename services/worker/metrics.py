@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common.histogram import Histogram as VersionHistogram
 from services.common.metrics import LATENCY_BUCKETS
 
 VersionKey = tuple[str, str]  # (adapter_id, version); ("", "") = base model
@@ -22,6 +23,12 @@ class VersionCounters:
     ttft_count: int = 0
     tpot_sum: float = 0.0
     tpot_count: int = 0
+    # Canary evidence: failures by status code name, latency histograms, bad outputs.
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+    ttft: VersionHistogram = field(default_factory=VersionHistogram)
+    tpot: VersionHistogram = field(default_factory=VersionHistogram)
+    nonfinite_outputs: int = 0
+    empty_outputs: int = 0
 
 
 class WorkerMetrics:
@@ -71,23 +78,32 @@ class WorkerMetrics:
         self.requests.labels(*key).inc()
         self.version(key).requests += 1
 
-    def record_error(self, key: VersionKey) -> None:
+    def record_error(self, key: VersionKey, code: str) -> None:
+        """A failed request; `code` is the gRPC status code name the caller got."""
         self.errors.labels(*key).inc()
-        self.version(key).errors += 1
+        c = self.version(key)
+        c.errors += 1
+        c.errors_by_code[code] = c.errors_by_code.get(code, 0) + 1
 
-    def record_finish(self, key: VersionKey, ttft: float | None, e2e: float, tokens: int) -> None:
+    def record_finish(self, key: VersionKey, ttft: float | None, e2e: float, tokens: int,
+                      nonfinite: bool = False) -> None:
+        """A finished request: `nonfinite` when a generated token's logprob was NaN/inf."""
         c = self.version(key)
         c.completion_tokens += tokens
+        c.nonfinite_outputs += int(nonfinite)
+        c.empty_outputs += int(tokens == 0)
         self.e2e.observe(e2e)
         if ttft is None:
             return
         c.ttft_sum += ttft
         c.ttft_count += 1
+        c.ttft.observe(ttft)
         if tokens > 1:
             tpot = (e2e - ttft) / (tokens - 1)
             self.tpot.observe(tpot)
             c.tpot_sum += tpot
             c.tpot_count += 1
+            c.tpot.observe(tpot)
 
     def set_engine_state(self, running: int, waiting: int, kv_pages: int, adapter_pages: int,
                          free_pages: int, loads: int, evictions: int) -> None:

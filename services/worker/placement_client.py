@@ -82,8 +82,11 @@ class PlacementClient:
             ppb.VersionCounters(adapter_id=k[0], version=k[1], requests=c.requests,
                                 errors=c.errors, completion_tokens=c.completion_tokens,
                                 ttft_seconds_sum=c.ttft_sum, ttft_count=c.ttft_count,
-                                tpot_seconds_sum=c.tpot_sum, tpot_count=c.tpot_count)
-            for k, c in self.metrics.counters.items()
+                                tpot_seconds_sum=c.tpot_sum, tpot_count=c.tpot_count,
+                                errors_by_code=c.errors_by_code, ttft=c.ttft.to_pb(),
+                                tpot=c.tpot.to_pb(), nonfinite_outputs=c.nonfinite_outputs,
+                                empty_outputs=c.empty_outputs)
+            for k, c in list(self.metrics.counters.items())
         ]
         # Requests still on their way to the engine count as load too.
         inflight = max(self.engine_loop.num_inflight, running + waiting)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
@@ -36,11 +37,14 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
     """Serves explicit versions only: routing (stable/canary) is the gateway's job."""
 
     def __init__(self, worker_id: str, engine_loop: EngineLoop, adapters: AdapterManager,
-                 metrics: WorkerMetrics) -> None:
+                 metrics: WorkerMetrics,
+                 slow_versions: Mapping[VersionKey, float] | None = None) -> None:
         self.worker_id = worker_id
         self.engine_loop = engine_loop
         self.adapters = adapters
         self.metrics = metrics
+        # Test hook (debug_hooks.SLOW_VERSIONS_ENV): seconds to sleep before each chunk.
+        self.slow_versions = dict(slow_versions or {})
         self.draining = False
         self.inflight = 0
         self._idle = asyncio.Event()
@@ -64,7 +68,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         except (e.ServiceError, Exception) as exc:
             err = to_service_error(exc)
             if not isinstance(exc, e.Unavailable | e.ResourceExhausted):
-                self.metrics.record_error(key)
+                self.metrics.record_error(key, err.code.name)
             await e.abort_with(context, err)
         finally:
             self.inflight -= 1
@@ -88,8 +92,9 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         # Client ids need not be unique across gateways; the engine's must be.
         engine_id = uuid.uuid4().hex
         outputs = self.engine_loop.submit(engine_id, prompt, params, name)
-        finished = False
+        finished = nonfinite = False
         first: float | None = None
+        delay = self.slow_versions.get(key, 0.0)
         try:
             while True:
                 item = await outputs.get()
@@ -98,12 +103,16 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                 if item.error:
                     raise e.FailedPrecondition(item.error, adapter_error=True)
                 if item.token_ids or item.text:
+                    if delay:
+                        await asyncio.sleep(delay)
                     first = first or time.monotonic()
+                    nonfinite = nonfinite or not all(math.isfinite(lp.logprob)
+                                                     for lp in item.logprobs)
                     yield chunk_of(item)
                 if item.finished:
                     finished = True
-                    self._record_finish(key, start, first, item.completion_tokens)
-                    yield self._complete(item, key)
+                    self._record_finish(key, start, first, item.completion_tokens, nonfinite)
+                    yield self._complete(item, key, request.request_id)
                     return
         finally:
             if not finished:
@@ -111,15 +120,17 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                 self.engine_loop.abort(engine_id)
 
     def _record_finish(self, key: VersionKey, start: float, first: float | None,
-                       tokens: int) -> None:
+                       tokens: int, nonfinite: bool) -> None:
         now = time.monotonic()
         ttft = None if first is None else first - start
         if ttft is not None:
             self.metrics.ttft.observe(ttft)
-        self.metrics.record_finish(key, ttft, now - start, tokens)
+        self.metrics.record_finish(key, ttft, now - start, tokens, nonfinite)
 
-    def _complete(self, out: RequestOutput, key: VersionKey) -> pb.GenerateResponse:
+    def _complete(self, out: RequestOutput, key: VersionKey,
+                  request_id: str) -> pb.GenerateResponse:
         return pb.GenerateResponse(complete=pb.Complete(
+            request_id=request_id,
             finish_reason=out.finish_reason or "stop",
             usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens),
             served_by=pb.ServedBy(adapter_id=key[0], adapter_version=key[1],

@@ -1,0 +1,229 @@
+"""The canary analyzer: every tick, judge each running canary that has a policy, and act.
+
+Per adapter, an analysis window belongs to one route revision. The window's start, the passing
+windows so far and the last decision live in the database (`canary_analyses`), so they survive
+a restart; the window's evidence is the difference between this process's evidence totals now
+and when it began watching the window (a restarted control plane, or one that did not open the
+window, starts counting when it first sees it).
+
+Decisions go through the registry's normal route transaction, under the route etag read at the
+start of the tick: a rollback (the canary becomes ROLLED_BACK, traffic returns to stable), a
+step up the policy's ratios, or a promotion. The analysis row is written in the same
+transaction. Two analyzers racing the same decision (two control planes, or one restarted in
+the middle) both compute it, but only the first commit matches the etag; the other gets
+ABORTED and re-reads a route that has moved on. The analyzer only ever acts on the route's
+current canary, so a version it rolled back takes traffic again only after an admin's explicit
+StartCanary or Promote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
+
+from services.control_plane import lifecycle
+from services.control_plane.canary_verdict import BREACH, PASS, WAIT, Verdict, judge
+from services.control_plane.errors import Aborted
+from services.control_plane.evidence import Evidence, EvidenceStore
+from services.control_plane.keys import ADMIN, Principal
+from services.control_plane.lifecycle import IllegalTransition
+from services.control_plane.models import Adapter, CanaryAnalysisRow, Route
+from services.control_plane.records import etag_of
+from services.control_plane.registry import Registry, Transition
+from services.control_plane.rollout_rows import (
+    AnalysisRecord,
+    CanaryRun,
+    load_runs,
+    open_window,
+    raise_stale,
+    record_decision,
+)
+
+log = logging.getLogger(__name__)
+ANALYZER = Principal(key_id="canary-analyzer", scope=ADMIN, kind="system")
+DEFAULT_TICK_S = 0.25
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass(frozen=True)
+class LiveWindow:
+    """What the analyzer saw of a running canary at its latest tick (for status and metrics)."""
+
+    run: CanaryRun
+    started_at: dt.datetime
+    elapsed_s: float
+    evidence: dict[str, Evidence]  # by version: the canary's and the stable's
+    waiting_for: str
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    route_revision: int
+    totals: dict[str, Evidence]
+
+
+class Analyzer:
+    def __init__(self, sessions: sessionmaker[Session], registry: Registry,
+                 evidence: EvidenceStore, tick_s: float = DEFAULT_TICK_S,
+                 clock: Callable[[], dt.datetime] = utcnow) -> None:
+        self.sessions = sessions
+        self.registry = registry
+        self.evidence = evidence
+        self.tick_s = tick_s
+        self.clock = clock
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (adapter_id, decision) won here
+        # Replaced whole per key (atomic under the GIL): status readers in other threads see
+        # either the old or the new value.
+        self.live: dict[str, LiveWindow] = {}
+        self._baselines: dict[str, _Baseline] = {}
+
+    async def run(self) -> None:
+        """Tick until cancelled; a failed tick (database away) is logged and retried."""
+        while True:
+            try:
+                await asyncio.to_thread(self.tick)
+            except Exception:
+                log.exception("canary analysis tick failed; retrying")
+            await asyncio.sleep(self.tick_s)
+
+    def tick(self) -> None:
+        with self.sessions() as s:
+            runs = load_runs(s)
+        for run in runs:
+            self._analyze(run)
+        running = {r.adapter_id for r in runs}
+        for adapter_id in set(self._baselines) - running:
+            del self._baselines[adapter_id]
+        for adapter_id in set(self.live) - running:
+            del self.live[adapter_id]
+
+    # ---- one adapter --------------------------------------------------------------------
+    def _analyze(self, run: CanaryRun) -> None:
+        a = run.analysis
+        if a is None or a.route_revision != run.route_revision or a.canary_version != run.canary:
+            passed = a.windows_passed if a is not None and a.canary_version == run.canary else 0
+            self._open_window(run, passed)
+            return
+        base = self._baselines.get(run.adapter_id)
+        if base is None or base.route_revision != run.route_revision:
+            # A window this process did not open (a restart, another control plane): its
+            # evidence so far is not here; count from now, keep the window's start.
+            self._baselines[run.adapter_id] = self._baseline(run)
+            return
+        now = self.clock()
+        window = {v: self.evidence.total((run.adapter_id, v)).minus(base.totals[v])
+                  for v in (run.canary, run.stable)}
+        elapsed = (now - a.window_started_at).total_seconds()
+        verdict = judge(run.policy, window[run.canary], window[run.stable], elapsed)
+        self.live[run.adapter_id] = LiveWindow(run, a.window_started_at, elapsed, window,
+                                               verdict.waiting_for)
+        if verdict.kind != WAIT:
+            self._decide(run, a, verdict, window, elapsed, now)
+
+    def _baseline(self, run: CanaryRun, revision: int | None = None) -> _Baseline:
+        totals = {v: self.evidence.total((run.adapter_id, v)) for v in (run.canary, run.stable)}
+        return _Baseline(revision or run.route_revision, totals)
+
+    def _open_window(self, run: CanaryRun, windows_passed: int) -> None:
+        expected = run.analysis.revision if run.analysis else None
+        try:
+            with self.sessions.begin() as s:
+                if not self._route_unchanged(s, run):
+                    return
+                open_window(s, run.adapter_id, run.canary, run.route_revision, windows_passed,
+                            expected, self.clock())
+        except (StaleDataError, IntegrityError):
+            log.info("%s: another analyzer opened the window first", run.adapter_id)
+            return
+        self._baselines[run.adapter_id] = self._baseline(run)
+
+    @staticmethod
+    def _route_unchanged(s: Session, run: CanaryRun) -> bool:
+        # Lock the route row first, like every route change, so analysis writes for an
+        # adapter are serialized with route changes and with each other.
+        route = s.get(Route, run.adapter_id, with_for_update=True)
+        return route is not None and route.revision == run.route_revision
+
+    # ---- decisions ----------------------------------------------------------------------
+    def _decide(self, run: CanaryRun, a: AnalysisRecord, verdict: Verdict,
+                window: dict[str, Evidence], elapsed: float, now: dt.datetime) -> None:
+        decision, action, transition, args = self._plan(run, verdict)
+        details = {"analysis": {
+            "decision": decision, "policy": run.policy.to_dict(), "elapsed_s": round(elapsed, 3),
+            "traffic_ratio": run.traffic_ratio, "windows_passed": a.windows_passed,
+            "canary": {"version": run.canary, **window[run.canary].summary()},
+            "stable": {"version": run.stable, **window[run.stable].summary()},
+            "checks": [c.to_dict() for c in verdict.checks],
+            "crossed": [c.name for c in verdict.crossed],
+        }}
+        reason = verdict.reason()
+        passed = a.windows_passed + (verdict.kind == PASS)
+        try:
+            if action is None:
+                self._record_pass(run, a, reason, details, now)
+            else:
+                self._change(run, a, decision, action, transition, args, reason, details,
+                             passed, now)
+        except (Aborted, IllegalTransition, StaleDataError, IntegrityError) as exc:
+            log.info("%s: decision %s not applied (%s); re-reading", run.adapter_id, decision, exc)
+            return
+        self.decisions[(run.adapter_id, decision)] += 1
+        log.warning("%s@%s: %s (%s)", run.adapter_id, run.canary, decision, reason)
+
+    @staticmethod
+    def _plan(run: CanaryRun, verdict: Verdict
+              ) -> tuple[str, str | None, Transition, dict[str, Any]]:
+        if verdict.kind == BREACH:
+            return "rollback", "rollback", lifecycle.rollback, {}
+        if not run.policy.steps:
+            return "pass", None, _same, {}
+        step = run.policy.next_step(run.traffic_ratio)
+        if step is not None:
+            return ("advance", "canary",
+                    lambda st: lifecycle.start_canary(st, run.canary, step), {"traffic_ratio": step})
+        return "promote", "promote", lambda st: lifecycle.promote(st, run.canary), {}
+
+    def _change(self, run: CanaryRun, a: AnalysisRecord, decision: str, action: str,
+                transition: Transition, args: dict[str, Any], reason: str,
+                details: dict[str, Any], passed: int, now: dt.datetime) -> None:
+        def hook(s: Session, adapter: Adapter, new_revision: int) -> dict[str, Any]:
+            row = s.get(CanaryAnalysisRow, run.adapter_id)
+            if row is None or row.revision != a.revision:
+                raise_stale(run.adapter_id)
+            record_decision(row, decision, run.canary, reason, details, now)
+            row.route_revision, row.window_started_at = new_revision, now
+            row.canary_version = adapter.route.canary_version
+            row.windows_passed = passed if row.canary_version == run.canary else 0
+            return details
+
+        record = self.registry.change_route(run.adapter_id, etag_of(run.route_revision),
+                                            ANALYZER, action, reason, run.canary, transition,
+                                            args, hook=hook)
+        self._baselines[run.adapter_id] = self._baseline(run, record.route.revision)
+
+    def _record_pass(self, run: CanaryRun, a: AnalysisRecord, reason: str,
+                     details: dict[str, Any], now: dt.datetime) -> None:
+        """A passing window without steps: recorded, and the next window starts now."""
+        with self.sessions.begin() as s:
+            if not self._route_unchanged(s, run):
+                raise Aborted(f"{run.adapter_id} changed during the analysis")
+            row = open_window(s, run.adapter_id, run.canary, run.route_revision,
+                              a.windows_passed + 1, a.revision, now)
+            record_decision(row, "pass", run.canary, reason, details, now)
+        self._baselines[run.adapter_id] = self._baseline(run)
+
+
+def _same(state: lifecycle.AdapterState) -> lifecycle.AdapterState:
+    return state
