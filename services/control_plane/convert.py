@@ -142,22 +142,26 @@ def rollout_status_to_pb(st: RolloutStatus) -> pb.RolloutStatus:
 
 
 def _analysis_to_pb(st: RolloutStatus) -> pb.CanaryAnalysis | None:
-    a, live = st.analysis, st.live
+    a, live, route = st.analysis, st.live, st.adapter.route
     if a is None and st.adapter.policy is None:
         return None
-    out = pb.CanaryAnalysis()
+    out = pb.CanaryAnalysis(canary_version=route.canary_version or "")
     if live is not None:
-        out.canary_version = live.run.canary
         out.window_started_at.CopyFrom(timestamp(live.started_at))
         out.window_elapsed_seconds = live.elapsed_s
         out.waiting_for = live.waiting_for
-    elif st.adapter.route.canary_version:
-        out.canary_version = st.adapter.route.canary_version
+    elif a is not None and route.canary_version and a.route_revision == route.revision:
+        # The analyzer of this process has not looked yet (restart, another control plane).
+        out.window_started_at.CopyFrom(timestamp(a.window_started_at))
+        elapsed = dt.datetime.now(dt.UTC) - a.window_started_at
+        out.window_elapsed_seconds = max(0.0, elapsed.total_seconds())
+        out.waiting_for = "this control plane's analyzer to take over the window"
+    elif route.canary_version:
         out.waiting_for = ("a canary policy" if st.adapter.policy is None
-                           else "the analyzer's next tick")
+                           else "the analyzer to open a window")
     if a is None:
         return out
-    if a.canary_version == out.canary_version:
+    if a.canary_version and a.canary_version == out.canary_version:
         out.windows_passed = a.windows_passed
     out.last_decision, out.last_version = a.last_decision or "", a.last_version or ""
     out.last_reason = a.last_reason
