@@ -15,6 +15,9 @@ from services.control_plane.lifecycle import AdapterState
 from services.control_plane.records import EventRecord
 
 ROUTE_ACTIONS = ("canary", "promote", "rollback", "retire")
+# Actions that advance the route's revision without changing the route (the policy shares the
+# route's etag).
+REVISION_ACTIONS = (*ROUTE_ACTIONS, "policy")
 
 
 class ReplayError(Exception):
@@ -26,7 +29,7 @@ def replay(events: Iterable[EventRecord]) -> dict[str, AdapterState]:
     states: dict[str, AdapterState] = {}
     revisions: dict[str, int] = {}
     for event in events:
-        if event.adapter_id is None or event.action not in ("register", *ROUTE_ACTIONS):
+        if event.adapter_id is None or event.action not in ("register", *REVISION_ACTIONS):
             continue
         adapter_id = event.adapter_id
         state = states.get(adapter_id, AdapterState())
@@ -59,4 +62,6 @@ def _apply(state: AdapterState, event: EventRecord) -> AdapterState:
         return lifecycle.promote(state, version)
     if event.action == "rollback":
         return lifecycle.rollback(state)
+    if event.action == "policy":
+        return state
     return lifecycle.retire(state, version)

@@ -12,12 +12,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from services.common.histogram import Histogram
 from services.control_plane.analyzer import Analyzer
 from services.control_plane.db import make_engine, make_session_factory
 from services.control_plane.evidence import EvidenceStore
+from services.control_plane.models import AuditEvent
+from services.control_plane.records import EventRecord
+from services.control_plane.replay import replay
 from services.control_plane.server import ControlPlaneConfig, build_registry
 from services.control_plane.storage import StorageConfig
 from slora.v1 import admin_pb2 as pb
@@ -208,6 +211,12 @@ def test_two_analyzers_racing_apply_each_decision_once(plane: RunningPlane, adap
         assert (info.route.stable_version, info.route.canary_version) == ("v2", "")
         won = sum(a.decisions[("race", d)] for a in analyzers for d in ("advance", "promote"))
         assert won == 2
+        # The whole log replays into the stored route: an unbroken chain of revisions.
+        with plane.sessions() as s:
+            rows = s.scalars(select(AuditEvent).where(AuditEvent.adapter_id == "race")
+                             .order_by(AuditEvent.id))
+            replayed = replay([EventRecord.from_row(r) for r in rows])["race"]
+        assert (replayed.stable, replayed.canary, replayed.fallback) == ("v2", None, "v1")
     finally:
         other_engine.dispose()
 
