@@ -219,7 +219,8 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_tables(res: dict[str, Any]) -> None:
-    print(f"copy bandwidth {res['copy_bandwidth_gbs']:.0f} GB/s (read+write)")
+    print(f"copy bandwidth {res['copy_bandwidth_gbs']:.0f} GB/s (read+write) "
+          f"{res['copy_bandwidths_gbs']}")
     print("LoRA (tokens adapters rank): ours_us floor_us x_floor | gather_bmm_us x | loop_us x")
     for kind in ("lora_decode", "lora_prefill"):
         for r in res.get(kind, []):
@@ -283,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"command": " ".join(["python -m bench.kernels", *sys.argv[1:]]),
                            "hardware": hardware(), "dtype": "float16", "hidden": 4096,
                            "method": "median of CUDA-graph replays; inputs rotated past L2"}
-    res["copy_bandwidth_gbs"] = copy_bandwidth_gbs(1 << 20 if args.smoke else 1 << 30)
+    res["copy_bandwidths_gbs"] = copy_bandwidth_gbs(1 << 20 if args.smoke else 1 << 30)
+    # The floor uses the faster of the two copies: the stricter, more honest ceiling.
+    res["copy_bandwidth_gbs"] = max(res["copy_bandwidths_gbs"].values())
     copy_gbs = res["copy_bandwidth_gbs"]
     atiles = DEFAULT_TILES
     if not args.skip_sweeps:

@@ -32,7 +32,7 @@ class LoraTiles:
     num_stages: int = 2
     # The expand re-reads every K split's partial sums once per output tile, which costs more
     # than it saves once segments are long enough to fill the GPU with row tiles.
-    max_split_k: int = 16
+    max_split_k: int = 16  # MAX_SPLIT_K
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -40,9 +40,10 @@ class LoraTiles:
 DECODE_TILES = LoraTiles(shrink_block_m=16, shrink_block_k=256, expand_block_m=16,
                          expand_block_n=256)
 PREFILL_TILES = LoraTiles(shrink_block_m=64, shrink_block_k=128, expand_block_m=64,
-                          expand_block_n=256, num_warps=8, max_split_k=2)
+                          expand_block_n=128, max_split_k=2)
 # A K split shorter than this reads too little per program to hide memory latency.
 MIN_K_PER_SPLIT = 256
+MAX_SPLIT_K = 16
 # Programs per multiprocessor the shrink aims for before it starts splitting K.
 PROGRAMS_PER_SM = 4
 
@@ -65,9 +66,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int) -> int:
-    """How many K splits the shrink needs to give every multiprocessor a few programs."""
-    want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(programs, 1))
-    return max(1, min(want, max_split_k, k // MIN_K_PER_SPLIT))
+    """How many K splits the shrink needs to give every multiprocessor a few programs. The
+    tiles' cap applies only once row tiles alone occupy a quarter of the multiprocessors: a
+    single segment of a few dozen tokens still needs many splits to read A at full speed."""
+    sms = _num_sms(device)
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
+    cap = max_split_k if programs * 4 >= sms else MAX_SPLIT_K
+    return max(1, min(want, cap, k // MIN_K_PER_SPLIT))
 
 
 def add_lora_triton(
