@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ class StackConfig:
     heartbeat_s: float = 1.0
     extra_roots: tuple[Path, ...] = ()  # more folders file:// adapter URIs may come from
     worker_args: tuple[str, ...] = ("--num-pages", "128", "--max-num-seqs", "16")
+    control_plane_args: tuple[str, ...] = ()  # e.g. --metrics-port, --analyzer-tick
 
 
 @dataclass
@@ -62,18 +63,21 @@ class Stack:
             "control-plane", "--db", self.db_url, "--listen", self.cp_address,
             "--base-model", f"{BASE_MODEL}={d / 'model'}", "--allowed-root", str(d / "adapters"),
             *[f"--allowed-root={r}" for r in self.config.extra_roots],
-            "--migrate"), self.config.state_dir / "logs", self.env)
+            *self.config.control_plane_args, "--migrate"), self.config.state_dir / "logs",
+            self.env)
         if wait:
             wait_serving(self.cp_address, self.control_plane)
         return self.control_plane
 
-    def start_worker(self, name: str, wait: bool = True, extra: Sequence[str] = ()) -> Child:
+    def start_worker(self, name: str, wait: bool = True, extra: Sequence[str] = (),
+                     env: Mapping[str, str] | None = None) -> Child:
         address = f"{self.config.host}:{free_port()}"
         child = start_child(name, slora_argv(
             "worker", "--model", str(self.config.demo_dir / "model"),
             "--control-plane", self.cp_address, "--listen", address, "--worker-id", name,
             "--cache-dir", str(self.config.state_dir / "cache" / name),
-            *self.config.worker_args, *extra), self.config.state_dir / "logs", self.env)
+            *self.config.worker_args, *extra), self.config.state_dir / "logs",
+            {**self.env, **(env or {})})
         self.workers[name], self.worker_addresses[name] = child, address
         if wait:
             wait_serving(address, child, timeout_s=120)
