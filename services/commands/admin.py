@@ -3,6 +3,7 @@
 Human tables by default, `--json` for scripts. `--target` (env SLORA_TARGET) and `--key`
 (env SLORA_KEY) say where and as whom. Route changes read the adapter's etag first unless
 `--etag` is given, so a change made by someone else in between fails with ABORTED.
+Canary policies and `status` live in admin_rollout.py.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _add_route_commands(cmds: argparse._SubParsersAction) -> None:
     rb.add_argument("--reason", required=True)
     rb.add_argument("--etag", default=None)
     rb.set_defaults(func=call_command(lambda c, a: c.rollback(a.adapter_id, a.reason, a.etag),
-                               adapter_text))
+                                      adapter_text))
 
 
 def _add_read_commands(cmds: argparse._SubParsersAction) -> None:
@@ -90,7 +91,8 @@ def _add_read_commands(cmds: argparse._SubParsersAction) -> None:
     ev.add_argument("--adapter", default="")
     ev.add_argument("--tenant", default="")
     ev.add_argument("--limit", type=int, default=0, help="only the last N events")
-    ev.set_defaults(func=call_command(lambda c, a: c.events(a.adapter, a.tenant, a.limit), _events_table))
+    ev.set_defaults(func=call_command(lambda c, a: c.events(a.adapter, a.tenant, a.limit),
+                                      _events_table))
 
 
 def _add_key_commands(cmds: argparse._SubParsersAction) -> None:
