@@ -1,7 +1,8 @@
 """Judging one analysis window: canary evidence against stable evidence under a policy.
 
 Pure (no I/O, no clock), so the rules are tested directly:
-- Nothing is decided before the canary has `min_requests` requests in the window.
+- Nothing is decided before the canary has `min_requests` requests in the window (as counted
+  by workers or by gateways, whichever saw more).
 - A breach of any check that has enough data rolls back at once, even mid-window: waiting
   would only send more traffic to a version already shown to be worse.
 - A window passes when it has lasted `window_s`, every configured check had enough data and
@@ -9,8 +10,9 @@ Pure (no I/O, no clock), so the rules are tested directly:
   rather than passing blind.
 
 Checks (each off when its threshold is None):
-- failure rate increase: canary (errors + non-finite + empty) / requests minus stable's (0
-  when the stable version had no requests); needs only the canary's requests.
+- failure rate increase: canary failure rate (`Evidence.failure_rate`: worker errors,
+  non-finite and empty outputs, gateway fallbacks and client errors) minus stable's (0 when
+  the stable version had no requests); needs only the canary's requests.
 - TTFT and TPOT ratios: canary mean / stable mean; each side needs `min_requests` samples.
 - feedback drop: stable mean score minus canary mean score; each side needs `min_feedback`.
 """
@@ -66,8 +68,8 @@ class Verdict:
 
 def judge(policy: CanaryPolicy, canary: Evidence, stable: Evidence, elapsed_s: float) -> Verdict:
     """The verdict on a window that has lasted `elapsed_s` seconds so far."""
-    if canary.requests < policy.min_requests:
-        return Verdict(WAIT, (), f"{canary.requests}/{policy.min_requests} canary requests")
+    if canary.samples < policy.min_requests:
+        return Verdict(WAIT, (), f"{canary.samples}/{policy.min_requests} canary requests")
     checks = tuple(_checks(policy, canary, stable))
     if any(c.breached for c in checks):
         return Verdict(BREACH, checks)

@@ -56,8 +56,22 @@ class Evidence:
         return self.errors + self.nonfinite + self.empty
 
     @property
+    def samples(self) -> int:
+        """Requests seen by workers or routed by gateways, whichever saw more."""
+        return max(self.requests, self.routed)
+
+    @property
     def failure_rate(self) -> float | None:
-        return min(1.0, self.failures / self.requests) if self.requests > 0 else None
+        """The larger of the worker-side rate (failures / requests) and the gateway-side rate
+        ((fallbacks + client errors) / routed): a version that kills its workers leaves no
+        worker-side errors, and one that fails on load shows up on both sides without being
+        counted twice. None with no requests on either side."""
+        rates = []
+        if self.requests > 0:
+            rates.append(self.failures / self.requests)
+        if self.routed > 0:
+            rates.append((self.fallbacks + sum(self.client_errors_by_code.values())) / self.routed)
+        return min(1.0, max(rates)) if rates else None
 
     @property
     def feedback_mean(self) -> float | None:
@@ -98,6 +112,7 @@ class Evidence:
         """The figures the analyzer judges by, JSON-able (audit details, status)."""
         return {
             "requests": self.requests, "errors": self.errors, "failures": self.failures,
+            "client_errors_by_code": dict(self.client_errors_by_code),
             "failure_rate": self.failure_rate, "errors_by_code": dict(self.errors_by_code),
             "ttft_mean_s": self.ttft.mean(), "ttft_p90_s": self.ttft.quantile(0.9),
             "tpot_mean_s": self.tpot.mean(), "tpot_p90_s": self.tpot.quantile(0.9),

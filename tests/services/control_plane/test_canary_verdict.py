@@ -78,6 +78,13 @@ def test_evidence_add_minus_rates() -> None:
     total.add(evidence(5))
     assert total.minus(e).requests == 5 and total.minus(e).errors_by_code == {}
     assert Evidence().failure_rate is None and Evidence().feedback_mean is None
+    # Gateway-side failures count too (a version that kills its workers reports nothing
+    # itself), without adding to the worker-side ones.
+    crashing = Evidence(routed=10, client_errors_by_code={"UNAVAILABLE": 4})
+    assert (crashing.samples, crashing.failure_rate) == (10, 0.4)
+    both = evidence(10, errors=10)
+    both.routed, both.fallbacks = 10, 10
+    assert both.failure_rate == 1.0
 
 
 def counters(adapter: str, requests: int, errors: int = 0) -> ppb.VersionCounters:
