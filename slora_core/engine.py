@@ -138,10 +138,12 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
-        adapter: str | None = None, tenant: str = "",
+        adapter: str | None = None, tenant: str = "", deadline_s: float | None = None,
     ) -> None:
-        """Queue a request. Raises RequestError, UnknownAdapterError, an AdapterError, or
-        QueueFullError; a refused request leaves the engine unchanged."""
+        """Queue a request. `deadline_s`: if it has not been scheduled within that many seconds
+        it is dropped unrun (finish_reason "abort", error "deadline exceeded"). Raises
+        RequestError, UnknownAdapterError, an AdapterError, or QueueFullError; a refused request
+        leaves the engine unchanged."""
         if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
@@ -159,8 +161,10 @@ class LLMEngine:
                 raise UnknownAdapterError(adapter)
             pages = self.adapters.get(adapter).layout.num_pages
         self._check_fits(len(ids) + params.max_new_tokens, pages)
+        now = time.monotonic()
         seq = Sequence(request_id, ids, params, adapter=adapter or None, adapter_pages=pages,
-                       tenant=tenant, arrival=time.monotonic())
+                       tenant=tenant, arrival=now,
+                       deadline=None if deadline_s is None else now + deadline_s)
         if self.tokenizer is None and params.stop:
             raise RequestError("stop strings need a tokenizer; this engine has none")
         stream = TextStream(self.tokenizer or _NoText(), ids, params.stop,
@@ -214,6 +218,7 @@ class LLMEngine:
         """Schedule and run one batch; returns the outputs of requests that made progress."""
         sched = self.scheduler.schedule()
         outputs = self._apply_memory_changes(sched)
+        outputs += [self._expire(seq) for seq in sched.expired]
         if not sched.scheduled:
             return outputs
         self.stats.steps += 1
@@ -275,6 +280,12 @@ class LLMEngine:
             rec = self.pool.resident(item.seq.adapter) if item.seq.adapter else None
             if rec is not None and (event := self._pending_copies.pop(rec.slot, None)):
                 torch.cuda.current_stream().wait_event(event)
+
+    def _expire(self, seq: Sequence) -> RequestOutput:
+        req = self._requests.pop(seq.request_id)
+        out = self._final(req, "abort")
+        out.error = "deadline exceeded before the request was scheduled"
+        return out
 
     def _fail_adapter(self, name: str, sched: SchedulerOutput, error: str) -> list[RequestOutput]:
         """An adapter that can no longer be loaded fails its requests; the rest go on."""

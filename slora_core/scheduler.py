@@ -3,7 +3,8 @@ preemption by recomputation. Pure Python: no torch, testable in milliseconds."""
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ class SchedulerOutput:
     new_adapters: list[ResidentAdapter] = field(default_factory=list)  # to be written now
     evicted: list[ResidentAdapter] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    expired: list[Sequence] = field(default_factory=list)  # waiting past their deadline
 
     @property
     def num_tokens(self) -> int:
@@ -74,8 +76,9 @@ class Scheduler:
         return -(-num_tokens // self.limits.block_size)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._expire_waiting(out, time.monotonic() if now is None else now)
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -136,10 +139,39 @@ class Scheduler:
     def _adapters_running(self) -> set[Hashable]:
         return {s.adapter for s in self.running if s.adapter is not None}
 
+    def _fair_order(self) -> list[Sequence]:
+        """Waiting requests, interleaved across tenants: the tenant with the fewest running
+        (and already picked) requests goes next; each tenant's own queue stays in order, so
+        one tenant's flood cannot starve another. With one tenant this is plain FCFS."""
+        queues: dict[str, deque[Sequence]] = {}
+        for seq in self.waiting:
+            queues.setdefault(seq.tenant, deque()).append(seq)
+        if len(queues) <= 1:
+            return list(self.waiting)
+        position = {id(seq): i for i, seq in enumerate(self.waiting)}
+        load = Counter(seq.tenant for seq in self.running)
+        order: list[Sequence] = []
+        while queues:
+            tenant = min(queues, key=lambda t: (load[t], position[id(queues[t][0])]))
+            order.append(queues[tenant].popleft())
+            load[tenant] += 1
+            if not queues[tenant]:
+                del queues[tenant]
+        return order
+
+    def _expire_waiting(self, out: SchedulerOutput, now: float) -> None:
+        """SLO-aware early abort: a waiting request past its deadline is dropped before it
+        costs any compute (the engine reports it as aborted)."""
+        expired = [s for s in self.waiting if s.deadline is not None and s.deadline <= now]
+        for seq in expired:
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        out.expired.extend(expired)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         adapters = self._adapters_running()
         admitted: list[Sequence] = []
-        for seq in list(self.waiting):
+        for seq in self._fair_order():
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
             if not seq.adapter_ready:

@@ -25,6 +25,7 @@ class Sequence:
     adapter_ready: bool = True  # False while its weights are still loading into host memory
     tenant: str = ""
     arrival: float = 0.0
+    deadline: float | None = None  # time.monotonic() by which it must have started, or dropped
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

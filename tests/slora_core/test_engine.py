@@ -179,3 +179,14 @@ def test_abort_frees_pages(demo_dir, adapter_names):
     assert out is not None and out.finish_reason == "abort"
     assert engine.pool.num_kv_pages == 0 and not engine.has_unfinished()
     assert engine.pool.resident(adapter_names[0]).refcount == 0
+
+
+def test_deadline_drops_a_request_that_never_started(demo_dir, adapter_names):
+    engine = make_engine(demo_dir, adapter_names[:1], max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    engine.add_request("first", PROMPTS[0], params)
+    engine.add_request("late", PROMPTS[1], params, deadline_s=0.0)
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["late"].finished and outs["late"].finish_reason == "abort"
+    assert "deadline" in (outs["late"].error or "")
+    assert "first" in outs and not outs["first"].finished

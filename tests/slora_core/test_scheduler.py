@@ -124,3 +124,30 @@ def test_adapters_of_waiting_requests_are_prefetched_into_free_pages():
     assert [s.seq.request_id for s in out.scheduled] == ["a"]
     assert [r.key for r in out.new_adapters] == ["x", "y"]
     assert pool.resident("y").refcount == 0  # idle: evictable if KV needs the room
+
+
+def test_tenants_are_interleaved_so_a_flood_does_not_starve_others():
+    sched, _ = make(max_seqs=4)
+    for i in range(6):
+        s = seq(f"big{i}")
+        s.tenant = "big"
+        sched.add(s)
+    small = seq("small0")
+    small.tenant = "small"
+    sched.add(small)
+    out = sched.schedule()
+    admitted = [s.seq.request_id for s in out.scheduled]
+    assert "small0" in admitted and len(admitted) == 4  # FCFS alone would admit big0..big3
+    assert [r for r in admitted if r.startswith("big")] == ["big0", "big1", "big2"]
+
+
+def test_waiting_requests_past_their_deadline_are_dropped_unrun():
+    sched, pool = make(max_seqs=1)
+    a, b = seq("a"), seq("b")
+    b.deadline = 10.0
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule(now=5.0)
+    assert [s.seq.request_id for s in out.scheduled] == ["a"] and out.expired == []
+    out = sched.schedule(now=11.0)
+    assert out.expired == [b] and b.status is SeqStatus.FINISHED and not sched.waiting
