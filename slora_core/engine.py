@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
 from slora_core.adapters import AdapterError, LoraAdapter
@@ -23,6 +22,7 @@ from slora_core.arena import PageArena
 from slora_core.config import ConfigError, EngineConfig, ModelConfig
 from slora_core.detokenizer import TextStream
 from slora_core.lora import wrap_lora
+from slora_core.model import LlamaForCausalLM
 from slora_core.model_runner import ModelRunner
 from slora_core.outputs import RequestOutput, TokenLogprob
 from slora_core.page_pool import PagePool
@@ -68,7 +68,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(
-        self, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer | None,
+        self, model: LlamaForCausalLM, model_config: ModelConfig, tokenizer: Tokenizer | None,
         config: EngineConfig,
     ) -> None:
         self.model_config = model_config

@@ -13,6 +13,7 @@ from torch import nn
 from slora_core import ops
 from slora_core.config import MODULE_INDEX, ModelConfig
 from slora_core.context import get_context
+from slora_core.model import LlamaForCausalLM
 
 
 class LoraLinear(nn.Module):
@@ -51,14 +52,22 @@ class LoraLinear(nn.Module):
         return y
 
 
-def wrap_lora(model: nn.Module, config: ModelConfig) -> None:
+def wrap_lora(model: LlamaForCausalLM, config: ModelConfig) -> None:
     """Replace qkv_proj, o_proj, gate_up_proj and down_proj of every layer by LoraLinear."""
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     inter, hidden = config.intermediate_size, config.hidden_size
-    for i, layer in enumerate(model.model.layers):  # type: ignore[union-attr]
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = LoraLinear(attn.qkv_proj, i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv))
-        attn.o_proj = LoraLinear(attn.o_proj, i, ("o_proj",), (hidden,))
-        mlp.gate_up_proj = LoraLinear(mlp.gate_up_proj, i, ("gate_proj", "up_proj"), (inter, inter))
-        mlp.down_proj = LoraLinear(mlp.down_proj, i, ("down_proj",), (hidden,))
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.get_submodule("self_attn"), layer.get_submodule("mlp")
+        _wrap(attn, "qkv_proj", i, ("q_proj", "k_proj", "v_proj"), (q, kv, kv))
+        _wrap(attn, "o_proj", i, ("o_proj",), (hidden,))
+        _wrap(mlp, "gate_up_proj", i, ("gate_proj", "up_proj"), (inter, inter))
+        _wrap(mlp, "down_proj", i, ("down_proj",), (hidden,))
+
+
+def _wrap(parent: nn.Module, name: str, layer: int, modules: tuple[str, ...],
+          out_sizes: tuple[int, ...]) -> None:
+    base = getattr(parent, name)
+    if not isinstance(base, nn.Linear):
+        raise TypeError(f"layer {layer} {name} is {type(base).__name__}, not a base nn.Linear")
+    setattr(parent, name, LoraLinear(base, layer, modules, out_sizes))

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 
 from kernels.lora_reference import LoraMeta
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
+from slora_core.model import LlamaForCausalLM
 from slora_core.page_pool import PagePool
 from slora_core.scheduler import ScheduledSeq
 from slora_core.step_inputs import StepInputs, build_step_inputs, lora_segments, to_device
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, arena: PageArena, pool: PagePool, *,
+    def __init__(self, model: LlamaForCausalLM, arena: PageArena, pool: PagePool, *,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  use_cuda_graphs: bool = True) -> None:
         self.model = model

@@ -1,0 +1,26 @@
+"""Static checks in the normal suite: ruff over the tree, mypy over the engine and kernels
+(STYLE 10). Each runs the tool the repo pins in its test extras."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_ruff_is_clean():
+    res = run("ruff", "check", ".")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_mypy_on_the_engine_and_kernels():
+    res = run("mypy", "slora_core", "kernels", "--ignore-missing-imports",
+              "--cache-dir", str(ROOT / ".mypy_cache"))
+    assert res.returncode == 0, res.stdout + res.stderr
