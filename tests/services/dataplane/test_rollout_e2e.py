@@ -206,10 +206,14 @@ def test_canary_that_cannot_load_is_rolled_back_within_a_window_without_failed_c
     assert not any(c.is_fallback for c in traffic.calls if c.started > seen_at + 1.0)
     found = analysis(event)
     assert found["crossed"] == ["failure_rate_increase"]
-    assert found["canary"]["failure_rate"] == 1.0
-    assert found["canary"]["errors_by_code"] == {"INVALID_ARGUMENT": found["canary"]["errors"]}
+    # Decided on whichever side reported first (worker errors or gateway fallbacks); calls
+    # still in flight count as requests but not yet as failures.
+    assert found["canary"]["failure_rate"] > 0.2
+    assert set(found["canary"]["errors_by_code"]) <= {"INVALID_ARGUMENT"}
     totals = {f.version: f.total for f in admin.status("qv-r4").figures}
+    assert totals["v2"].failure_rate == 1.0  # settled: every call to v2 failed and fell back
     assert totals["v2"].fallbacks == totals["v2"].routed > 0
+    assert dict(totals["v2"].errors_by_code) == {"INVALID_ARGUMENT": totals["v2"].requests}
     info = admin.get("qv-r4")
     assert {v.version: v.state for v in info.versions}["v2"] == apb.VERSION_STATE_ROLLED_BACK
     assert len(analyzer_events(running, "qv-r4")) == 1
