@@ -22,7 +22,8 @@ VERSION = ["adapter_id", "version"]
 
 
 def _buckets(h: Histogram) -> list[tuple[str, float]]:
-    out, running = [], 0
+    out: list[tuple[str, float]] = []
+    running = 0
     for bound, n in zip((*map(str, h.bounds), "+Inf"), h.counts, strict=True):
         running += n
         out.append((bound, running))

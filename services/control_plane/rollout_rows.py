@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -80,10 +80,13 @@ def load_runs(session: Session) -> list[CanaryRun]:
              .where(Route.canary_version.is_not(None), Route.stable_version.is_not(None))
              .order_by(Adapter.adapter_id))
     runs = []
-    for adapter, route, policy, analysis in session.execute(query).unique():
+    for adapter, route, policy_row, analysis in session.execute(query).unique():
+        policy = policy_of(policy_row)
+        if route.stable_version is None or route.canary_version is None or policy is None:
+            continue  # excluded by the query; this narrows the types
         runs.append(CanaryRun(
             adapter.adapter_id, adapter.tenant, route.stable_version, route.canary_version,
-            route.traffic_ratio, route.revision, policy_of(policy),  # type: ignore[arg-type]
+            route.traffic_ratio, route.revision, policy,
             AnalysisRecord.from_row(analysis) if analysis else None))
     return runs
 
@@ -119,5 +122,5 @@ def record_decision(row: CanaryAnalysisRow, decision: str, version: str, reason:
     row.last_reason, row.last_details = reason, details
 
 
-def raise_stale(adapter_id: str) -> None:
+def raise_stale(adapter_id: str) -> NoReturn:
     raise StaleDataError(f"the canary analysis of {adapter_id} changed concurrently")
