@@ -47,6 +47,13 @@ class ConfigError(ValueError):
     """A model or engine configuration that cannot be served."""
 
 
+def _sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window", False)):
+        return None
+    return int(window)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shapes of a Llama-family decoder, read from a Hugging Face `config.json`."""
@@ -68,6 +75,7 @@ class ModelConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # Mistral / Qwen2 window; attention here is always full
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +112,7 @@ class ModelConfig:
                 torch_dtype=str(cfg.get("torch_dtype") or "float32"),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+                sliding_window=_sliding_window(cfg, model_type),
                 raw=dict(cfg),
             )
         except KeyError as e:
@@ -173,6 +182,15 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse a model this engine would serve wrongly within `max_model_len`."""
+        if model.sliding_window is not None and self.max_model_len > model.sliding_window:
+            raise ConfigError(
+                f"the model uses sliding-window attention (window {model.sliding_window}), which "
+                f"this engine does not implement: set max_model_len <= {model.sliding_window} "
+                f"(now {self.max_model_len}) so full attention gives the same result"
+            )
 
     def resolve_block_size(self, model: ModelConfig) -> int:
         """The KV block size whose page fits the largest A or B matrix at `max_rank`."""

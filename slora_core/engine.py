@@ -74,6 +74,7 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.config = config
+        config.check_model(model_config)
         block_size = config.resolve_block_size(model_config)
         device = torch.device(config.device)
         # One spare table row beyond the pool's slots stays empty (rank 0): CUDA-graph decode

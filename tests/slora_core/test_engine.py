@@ -190,3 +190,18 @@ def test_deadline_drops_a_request_that_never_started(demo_dir, adapter_names):
     assert outs["late"].finished and outs["late"].finish_reason == "abort"
     assert "deadline" in (outs["late"].error or "")
     assert "first" in outs and not outs["first"].finished
+
+
+def test_sliding_window_models_need_max_model_len_within_the_window():
+    from slora_core.config import ConfigError, ModelConfig
+
+    base = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 50}
+    mistral = ModelConfig.from_dict({**base, "model_type": "mistral", "sliding_window": 256})
+    assert mistral.sliding_window == 256
+    with pytest.raises(ConfigError, match="max_model_len <= 256"):
+        EngineConfig(max_model_len=2048).check_model(mistral)
+    EngineConfig(max_model_len=256).check_model(mistral)
+    qwen = ModelConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 256,
+                                  "use_sliding_window": False})
+    assert qwen.sliding_window is None  # Qwen2 declares a window it does not use
