@@ -3,6 +3,9 @@
 # on the GPU machine: `bash bench/serving_h200.sh 1` then `bash bench/serving_h200.sh 2`; results
 # land under $OUT. Engines warm up (kernel compilation, every decode graph) outside the timed
 # windows; the first engine of a fresh machine spends about a minute compiling.
+# Call 2 starts real gateway/worker/control-plane processes: carry the generated protobuf
+# package (`carry: ["slora/v1", ".whl"]`) and wheels of what the image lacks (check KINDS.md:
+# grpcio-health-checking, grpcio-reflection, sqlalchemy, alembic, fsspec, prometheus-client).
 set -o pipefail
 export PYTHONPATH=$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/serving-out}
