@@ -85,7 +85,8 @@ def _add_read_commands(cmds: argparse._SubParsersAction) -> None:
     ls.add_argument("--state", default="", choices=["", *states])
     ls.add_argument("--base-model", default="")
     ls.set_defaults(func=call_command(lambda c, a: c.list_all(
-        a.tenant, pb.VersionState.Value(f"VERSION_STATE_{a.state.upper()}") if a.state else 0,
+        a.tenant, pb.VersionState.Value(f"VERSION_STATE_{a.state.upper()}") if a.state
+        else pb.VERSION_STATE_UNSPECIFIED,
         a.base_model), _adapters_table))
     ev = cmds.add_parser("events", help="the audit log, oldest first")
     ev.add_argument("--adapter", default="")

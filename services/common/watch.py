@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -35,7 +35,7 @@ async def watch_forever(
     open_stream: Callable[[grpc.aio.Channel, Outbox], grpc.aio.StreamStreamCall],
     hello: Callable[[], Any],
     on_update: Callable[[Any, Outbox], Awaitable[None]],
-    on_connected: Callable[[Outbox], Awaitable[None]] | None = None,
+    on_connected: Callable[[Outbox], Coroutine[Any, Any, None]] | None = None,
     on_disconnected: Callable[[], None] | None = None,
 ) -> None:
     """Keep a watch stream to `target` open until cancelled.
@@ -59,7 +59,11 @@ async def watch_forever(
                     backoff = INITIAL_BACKOFF_S
                     await on_update(msg, outbox)
         except grpc.aio.AioRpcError as exc:
-            log.info("watch %s: %s %s; reconnecting", target, exc.code().name, exc.details())
+            # A refused credential will not fix itself: say so louder than a dropped connection.
+            level = (logging.WARNING if exc.code() == grpc.StatusCode.UNAUTHENTICATED
+                     else logging.INFO)
+            log.log(level, "watch %s: %s %s; reconnecting", target, exc.code().name,
+                    exc.details())
         finally:
             if keepalive is not None:
                 keepalive.cancel()

@@ -77,8 +77,8 @@ class AdminClient:
     def get(self, adapter_id: str) -> pb.AdapterInfo:
         return self.call("GetAdapter", pb.GetAdapterRequest(adapter_id=adapter_id))
 
-    def list_all(self, tenant: str = "", state: int = 0, base_model: str = "",
-                 page_size: int = 0) -> list[pb.AdapterInfo]:
+    def list_all(self, tenant: str = "", state: pb.VersionState = pb.VERSION_STATE_UNSPECIFIED,
+                 base_model: str = "", page_size: int = 0) -> list[pb.AdapterInfo]:
         """Every adapter matching the filters, following page tokens."""
         adapters: list[pb.AdapterInfo] = []
         token = ""

@@ -22,9 +22,11 @@ from services.control_plane.records import (
 from services.control_plane.rollout_status import RolloutStatus
 from slora.v1 import admin_pb2 as pb
 
-_STATE_TO_PB = {state: pb.VersionState.Value(f"VERSION_STATE_{state.name}") for state in VersionState}
+# Proto enum values are plain ints at run time; the generated stubs name them by enum class.
+_STATE_TO_PB: dict[VersionState, pb.VersionState] = {
+    state: pb.VersionState.Value(f"VERSION_STATE_{state.name}") for state in VersionState}
 _PB_TO_STATE = {number: state for state, number in _STATE_TO_PB.items()}
-_SCOPE_TO_PB = {ADMIN: pb.KEY_SCOPE_ADMIN, TENANT: pb.KEY_SCOPE_TENANT}
+_SCOPE_TO_PB: dict[str, pb.KeyScope] = {ADMIN: pb.KEY_SCOPE_ADMIN, TENANT: pb.KEY_SCOPE_TENANT}
 _PB_TO_SCOPE = {number: scope for scope, number in _SCOPE_TO_PB.items()}
 
 
@@ -36,11 +38,11 @@ def timestamp(value: dt.datetime | None) -> Timestamp | None:
     return ts
 
 
-def state_to_pb(state: VersionState) -> int:
+def state_to_pb(state: VersionState) -> pb.VersionState:
     return _STATE_TO_PB[state]
 
 
-def state_from_pb(number: int) -> VersionState | None:
+def state_from_pb(number: pb.VersionState) -> VersionState | None:
     """None for UNSPECIFIED (no filter); InvalidArgument for numbers this server does not know."""
     if number == pb.VERSION_STATE_UNSPECIFIED:
         return None
@@ -50,7 +52,7 @@ def state_from_pb(number: int) -> VersionState | None:
         raise InvalidArgument(f"unknown version state {number}") from None
 
 
-def scope_from_pb(number: int) -> str:
+def scope_from_pb(number: pb.KeyScope) -> str:
     try:
         return _PB_TO_SCOPE[number]
     except KeyError:

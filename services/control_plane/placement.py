@@ -90,10 +90,10 @@ def plan(versions: Sequence[VersionKey], workers: Sequence[WorkerSlot],
     load = dict.fromkeys(room, 0)
     ring = Ring(room)
     for v in rest:
-        for w in ring.walk(_ring_key(v)):
-            if load[w] < min(bound, room[w]):
-                result[w][v] = PREFETCH
-                load[w] += 1
+        for owner in ring.walk(_ring_key(v)):
+            if load[owner] < min(bound, room[owner]):
+                result[owner][v] = PREFETCH
+                load[owner] += 1
                 break
     return result
 

@@ -114,8 +114,10 @@ class PlacementHub:
         try:
             await self._poll_forever()
         finally:
-            for conn in [*self.workers.values(), *self.gateways]:
-                conn.queue.put_nowait(None)
+            for worker in self.workers.values():
+                worker.queue.put_nowait(None)
+            for gateway in self.gateways:
+                gateway.queue.put_nowait(None)
 
     async def _poll_forever(self) -> None:
         last_fp = -1
@@ -278,6 +280,7 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("hello") or not first.hello.worker_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send a hello with a worker_id first")
+            return  # unreached: abort raises; this narrows `first` for the type checker
         conn = self.hub.connect_worker(first.hello)
         reader = asyncio.create_task(self._read_worker(request_iterator, conn))
         try:
@@ -303,6 +306,7 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send a hello first")
+            return  # unreached: abort raises; this narrows `first` for the type checker
         conn = self.hub.connect_gateway(first.hello.gateway_id)
         tasks = [asyncio.create_task(self._read_gateway(request_iterator, conn)),
                  asyncio.create_task(self.hub.wait_ready_then_snapshot(conn))]

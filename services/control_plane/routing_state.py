@@ -47,7 +47,7 @@ def build_routing_state(catalog: Catalog, plan: Mapping[str, Mapping[VersionKey,
             holders.setdefault(key, set()).add(w.worker_id)
     state = RoutingState()
     for a in catalog.adapters:
-        versions = [
+        routed = [
             ppb.RoutedVersion(
                 version=v.version,
                 state=admin_pb2.VersionState.Value(f"VERSION_STATE_{v.state.name}"),
@@ -58,7 +58,7 @@ def build_routing_state(catalog: Catalog, plan: Mapping[str, Mapping[VersionKey,
         state.adapters[a.adapter_id] = ppb.RoutedAdapter(
             adapter_id=a.adapter_id, tenant=a.tenant, stable_version=a.stable or "",
             canary_version=a.canary or "", traffic_ratio=a.traffic_ratio,
-            fallback_version=a.fallback or "", versions=versions)
+            fallback_version=a.fallback or "", versions=routed)
     for w in workers:
         state.workers[w.worker_id] = ppb.WorkerEndpoint(
             worker_id=w.worker_id, address=w.address, up=w.up, load=round(w.load, 2),
