@@ -8,6 +8,8 @@ import logging
 import os
 from pathlib import Path
 
+from services.common.cluster_token import add_cluster_token_argument
+
 BOOTSTRAP_ENV = "SLORA_ADMIN_KEY"
 
 
@@ -25,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-rank", type=int, default=64, help="the engines' LoRA rank limit")
     p.add_argument("--bootstrap-admin-key", default=os.environ.get(BOOTSTRAP_ENV),
                    help=f"make this token a working admin key at start-up; env {BOOTSTRAP_ENV}")
+    add_cluster_token_argument(p, "workers and gateways must present it on PlacementService "
+                                  "(open without one)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="Prometheus HTTP port (per-version evidence, canary analysis)")
     p.add_argument("--analyzer-tick", type=float, default=None, metavar="SECONDS",
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         bootstrap_admin_key=args.bootstrap_admin_key,
         migrate=args.migrate,
         metrics_port=args.metrics_port,
+        cluster_token=args.cluster_token or None,
         **({"analyzer_tick_s": args.analyzer_tick} if args.analyzer_tick else {}),
     )
     asyncio.run(serve(config))

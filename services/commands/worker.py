@@ -10,6 +10,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from services.common.cluster_token import add_cluster_token_argument
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="serve InferenceService.Generate over one engine")
@@ -18,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", default="0.0.0.0:50061", help="host:port to serve on")
     p.add_argument("--advertise", default="", help="host:port gateways use (default: from --listen)")
     p.add_argument("--worker-id", default="", help="default: hostname-port")
+    add_cluster_token_argument(p, "presented to the control plane on the placement stream")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -54,5 +57,6 @@ def run(args: argparse.Namespace) -> int:
         model_dir=Path(args.model), control_plane=args.control_plane, listen=args.listen,
         worker_id=worker_id, engine=engine, cache_dir=cache, advertise=args.advertise,
         metrics_port=args.metrics_port, capacity=args.capacity, drain_grace_s=args.drain_grace,
+        cluster_token=args.cluster_token,
     )
     return asyncio.run(serve_worker(opts))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from services.common.cluster_token import CLUSTER_TOKEN_ENV, new_cluster_token
 from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
 from services.control_plane.client import AdminClient
 from slora.v1 import admin_pb2 as apb
@@ -37,6 +38,7 @@ class StackConfig:
 class Stack:
     config: StackConfig
     admin_token: str = field(default_factory=lambda: "slk_admin_" + secrets.token_urlsafe(24))
+    cluster_token: str = field(default_factory=new_cluster_token)
     control_plane: Child | None = None
     cp_address: str = ""
     workers: dict[str, Child] = field(default_factory=dict)
@@ -47,8 +49,9 @@ class Stack:
     @property
     def env(self) -> dict[str, str]:
         hb = self.config.heartbeat_s
+        # Secrets go by environment, not argv: arguments show in `ps`.
         return {"SLORA_HEARTBEAT_S": str(hb), "SLORA_ADMIN_KEY": self.admin_token,
-                "PYTHONUNBUFFERED": "1"}
+                CLUSTER_TOKEN_ENV: self.cluster_token, "PYTHONUNBUFFERED": "1"}
 
     @property
     def db_url(self) -> str:

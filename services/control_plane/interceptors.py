@@ -3,7 +3,8 @@
 `ErrorInterceptor` turns the exceptions the registry raises into status codes (errors.status_for)
 so servicers never call `context.abort` themselves. `AuthInterceptor` checks the bearer token of
 every call except health and reflection, enforces the method's scope, and makes the caller's
-`Principal` available to the servicer through `current_principal()`.
+`Principal` available to the servicer through `current_principal()`. PlacementService calls
+(workers and gateways) present the cluster token instead of an API key.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from typing import Any
 
 import grpc
 
+from services.common.cluster_token import token_matches
 from services.control_plane.errors import PermissionDenied, Unauthenticated, status_for
 from services.control_plane.keys import ADMIN, KeyStore, Principal
 
 log = logging.getLogger(__name__)
 
-# PlacementService is the data plane's internal stream (workers and gateways carry no API key);
-# keep the control plane's port on the private network.
-OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.", "/grpc.reflection.",
-                                  "/slora.v1.PlacementService/")
+OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.", "/grpc.reflection.")
+# The data plane's internal streams: workers and gateways carry no API key, they present the
+# cluster token (services/common/cluster_token.py).
+CLUSTER_PREFIXES: tuple[str, ...] = ("/slora.v1.PlacementService/",)
 ANY_SCOPE = "any"
 Guard = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
 
@@ -113,12 +115,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates every non-open call and checks the method's scope.
 
     `method_scopes` maps full method names ('/slora.v1.AdapterAdminService/GetAdapter') to
-    ADMIN or ANY_SCOPE; a guarded method it does not name needs an admin key.
+    ADMIN or ANY_SCOPE; a guarded method it does not name needs an admin key. Cluster methods
+    (CLUSTER_PREFIXES) need `cluster_token` as their bearer token, and are open only when no
+    cluster token is configured (None or '').
     """
 
-    def __init__(self, keys: KeyStore, method_scopes: Mapping[str, str]) -> None:
+    def __init__(self, keys: KeyStore, method_scopes: Mapping[str, str],
+                 cluster_token: str | None = None) -> None:
         self._keys = keys
         self._scopes = dict(method_scopes)
+        self._cluster_token = cluster_token or None
 
     async def intercept_service(
         self, continuation: Callable[..., Awaitable[grpc.RpcMethodHandler | None]],
@@ -128,6 +134,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(OPEN_PREFIXES):
             return handler
         token = bearer_token(details.invocation_metadata)
+        if details.method.startswith(CLUSTER_PREFIXES):
+            expected = self._cluster_token
+            if expected is None:
+                return handler
+            return wrap_handler(handler, lambda _context: _cluster_member(token, expected))
         scope = self._scopes.get(details.method, ADMIN)
         return wrap_handler(handler, lambda _context: self._authenticated(token, scope))
 
@@ -142,3 +153,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             yield
         finally:
             _principal.reset(reset)
+
+
+@contextlib.asynccontextmanager
+async def _cluster_member(token: str, expected: str) -> AsyncIterator[None]:
+    if not token_matches(token, expected):
+        raise Unauthenticated("PlacementService needs the cluster token (SLORA_CLUSTER_TOKEN)")
+    yield

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.metrics import serve_metrics
 from services.control_plane.analyzer import DEFAULT_TICK_S, Analyzer
 from services.control_plane.db import make_engine, make_session_factory, upgrade
@@ -48,6 +49,7 @@ class ControlPlaneConfig:
     grace_s: float = 5.0
     metrics_port: int | None = None       # Prometheus endpoint (evidence, canary analysis)
     analyzer_tick_s: float = DEFAULT_TICK_S
+    cluster_token: str | None = None      # PlacementService needs it; open when None (warned)
 
 
 @dataclass
@@ -80,8 +82,11 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
     if config.bootstrap_admin_key:
         await asyncio.to_thread(keys.ensure_bootstrap_key, config.bootstrap_admin_key)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(), AuthInterceptor(keys, METHOD_SCOPES)]
+        interceptors=[ErrorInterceptor(), AuthInterceptor(keys, METHOD_SCOPES, config.cluster_token)]
     )
+    if not config.cluster_token:
+        log.warning("no cluster token: PlacementService is open to anyone who reaches %s "
+                    "(set --cluster-token / %s)", config.listen, CLUSTER_TOKEN_ENV)
     evidence = EvidenceStore()
     analyzer = Analyzer(sessions, registry, evidence, config.analyzer_tick_s)
     rollout = RolloutView(sessions, registry, evidence, analyzer)

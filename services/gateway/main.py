@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.cluster_token import cluster_metadata
 from services.common.metrics import serve_metrics
 from services.common.server import GrpcServer, drain_and_stop, install_stop_handlers, start_server
 from services.common.watch import Outbox, watch_forever
@@ -30,6 +31,7 @@ class GatewayOptions:
     gateway_id: str
     metrics_port: int | None = None
     drain_grace_s: float = 30.0
+    cluster_token: str = ""    # presented on the routing stream (SLORA_CLUSTER_TOKEN)
 
 
 DEFAULT_REPORT_S = 1.0
@@ -46,10 +48,11 @@ class RoutingWatcher:
 
     def __init__(self, target: str, gateway_id: str, table: RoutingTable,
                  metrics: GatewayMetrics, on_synced: asyncio.Event,
-                 evidence: RoutedEvidence | None = None) -> None:
+                 evidence: RoutedEvidence | None = None, cluster_token: str = "") -> None:
         self.target, self.gateway_id, self.table = target, gateway_id, table
         self.metrics, self.on_synced = metrics, on_synced
         self.evidence = evidence
+        self.cluster_token = cluster_token
         self.report_s = DEFAULT_REPORT_S
 
     async def run(self) -> None:
@@ -65,7 +68,8 @@ class RoutingWatcher:
                 outbox.put(ppb.GatewayMessage(report=report))
 
     def _open(self, channel: grpc.aio.Channel, outbox: Outbox) -> grpc.aio.StreamStreamCall:
-        return ppb_grpc.PlacementServiceStub(channel).WatchRouting(outbox.__aiter__())
+        return ppb_grpc.PlacementServiceStub(channel).WatchRouting(
+            outbox.__aiter__(), metadata=cluster_metadata(self.cluster_token))
 
     def _hello(self) -> ppb.GatewayMessage:
         return ppb.GatewayMessage(hello=ppb.GatewayHello(gateway_id=self.gateway_id))
@@ -92,7 +96,7 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     synced = asyncio.Event()
     watcher = asyncio.create_task(
         RoutingWatcher(opts.control_plane, opts.gateway_id, table, metrics, synced,
-                       servicer.evidence).run())
+                       servicer.evidence, opts.cluster_token).run())
     stop = asyncio.Event()
     install_stop_handlers(stop.set)
     log.info("gateway %s on port %d, waiting for the routing table", opts.gateway_id, handle.port)

@@ -42,6 +42,7 @@ class WorkerOptions:
     metrics_port: int | None = None
     capacity: int = 0          # versions to keep warm; 0 = planner default
     drain_grace_s: float = 30.0
+    cluster_token: str = ""    # presented on the placement stream (SLORA_CLUSTER_TOKEN)
 
 
 def advertised_address(listen: str, port: int) -> str:
@@ -72,7 +73,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
     address = opts.advertise or advertised_address(opts.listen, handle.port)
     identity = WorkerIdentity(opts.worker_id, address, opts.capacity, opts.model_dir.name)
     placement = PlacementClient(opts.control_plane, identity, adapters, engine_loop, metrics,
-                                is_draining=lambda: servicer.draining)
+                                is_draining=lambda: servicer.draining,
+                                cluster_token=opts.cluster_token)
     watch = asyncio.create_task(placement.run())
     stop = asyncio.Event()
     install_stop_handlers(stop.set)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.cluster_token import cluster_metadata
 from services.common.watch import Outbox, watch_forever
 from services.worker.adapters import AdapterManager
 from services.worker.engine_loop import EngineLoop
@@ -30,8 +31,10 @@ class WorkerIdentity:
 class PlacementClient:
     def __init__(self, target: str, identity: WorkerIdentity, adapters: AdapterManager,
                  engine_loop: EngineLoop, metrics: WorkerMetrics,
-                 is_draining: Callable[[], bool] = lambda: False) -> None:
+                 is_draining: Callable[[], bool] = lambda: False, cluster_token: str = "",
+                 ) -> None:
         self.target = target
+        self.cluster_token = cluster_token
         self.identity = identity
         self.adapters = adapters
         self.engine_loop = engine_loop
@@ -48,7 +51,8 @@ class PlacementClient:
                             on_connected=self._heartbeats)
 
     def _open(self, channel: grpc.aio.Channel, outbox: Outbox) -> grpc.aio.StreamStreamCall:
-        return ppb_grpc.PlacementServiceStub(channel).WatchPlacement(outbox.__aiter__())
+        return ppb_grpc.PlacementServiceStub(channel).WatchPlacement(
+            outbox.__aiter__(), metadata=cluster_metadata(self.cluster_token))
 
     def _hello(self) -> ppb.WorkerMessage:
         i = self.identity

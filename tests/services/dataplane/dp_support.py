@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.cluster_token import cluster_metadata
 from services.gateway.table import RoutingTable
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
@@ -71,8 +72,8 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
-def routing_snapshot(cp_address: str, timeout: float = 10.0) -> RoutingTable:
-    """The routing table a gateway connecting now would receive first."""
+def routing_snapshot(cp_address: str, cluster_token: str, timeout: float = 10.0) -> RoutingTable:
+    """The routing table a gateway connecting now (with the cluster token) would receive first."""
     table = RoutingTable()
     done = threading.Event()
 
@@ -81,7 +82,8 @@ def routing_snapshot(cp_address: str, timeout: float = 10.0) -> RoutingTable:
         done.wait()  # closing our side would end the stream
 
     with grpc.insecure_channel(cp_address) as channel:
-        call = ppb_grpc.PlacementServiceStub(channel).WatchRouting(messages(), timeout=timeout)
+        call = ppb_grpc.PlacementServiceStub(channel).WatchRouting(
+            messages(), timeout=timeout, metadata=cluster_metadata(cluster_token))
         try:
             table.apply(next(call))
         finally:

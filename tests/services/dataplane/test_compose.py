@@ -53,6 +53,10 @@ def test_compose_file_matches_the_compose_spec_schema() -> None:
         "service_completed_successfully"
     for name in ("gateway", "worker-cpu", "worker-gpu"):
         assert services[name]["depends_on"]["control-plane"]["condition"] == "service_healthy"
+    # One cluster token for the control plane and everything that watches it.
+    tokens = {interpolate(services[name]["environment"]["SLORA_CLUSTER_TOKEN"], {})
+              for name in (*LONG_RUNNING, "worker-gpu")}
+    assert len(tokens) == 1 and all(tokens)
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:

@@ -273,7 +273,7 @@ def test_killing_one_of_two_workers(running: Running) -> None:
         [(r.error, r.details) for r in after if r.error is not None]
     failed = [r for r in load.results if r.error is not None]
     assert all(r.chunks > 0 for r in failed), [(r.error, r.details) for r in failed]
-    table = routing_snapshot(stack.cp_address)
+    table = routing_snapshot(stack.cp_address, stack.cluster_token)
     assert "w1" not in table.workers
     for adapter in ADAPTERS:
         route = table.adapters[adapter]
@@ -289,7 +289,7 @@ def test_control_plane_restart_without_failed_requests(running: Running) -> None
         time.sleep(1.0)
         stack.start_control_plane()
         deadline = time.monotonic() + 15
-        while "w2" not in routing_snapshot(stack.cp_address).workers:
+        while "w2" not in routing_snapshot(stack.cp_address, stack.cluster_token).workers:
             assert time.monotonic() < deadline, "the worker did not reconnect"
             time.sleep(0.2)
         time.sleep(0.5)

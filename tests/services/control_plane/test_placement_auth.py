@@ -1,0 +1,173 @@
+"""PlacementService behind the cluster token: a control plane configured with one refuses
+placement and routing watches that do not present it (UNAUTHENTICATED), serves those that do,
+and keeps health and reflection open. The admin API does not take the cluster token as a key."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.common.cluster_token import cluster_metadata, new_cluster_token, token_matches
+from services.control_plane.db import make_engine, make_session_factory, upgrade
+from services.control_plane.routing import HubConfig, attach_placement
+from services.control_plane.server import ControlPlaneConfig, build_server
+from services.gateway.main import RoutingWatcher
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.table import RoutingTable
+from slora.v1 import admin_pb2 as apb
+from slora.v1 import admin_pb2_grpc as apb_grpc
+from slora.v1 import placement_pb2 as ppb
+from slora.v1 import placement_pb2_grpc as ppb_grpc
+
+TOKEN = new_cluster_token()
+pytestmark = pytest.mark.timeout(60)
+Check = Callable[[str], Awaitable[None]]
+
+
+def test_cluster_token_helpers() -> None:
+    assert TOKEN.startswith("slc_") and len(TOKEN) > 40 and new_cluster_token() != TOKEN
+    assert cluster_metadata("") == ()
+    assert cluster_metadata(TOKEN) == (("authorization", f"Bearer {TOKEN}"),)
+    assert token_matches(TOKEN, TOKEN)
+    assert not token_matches(TOKEN[:-1], TOKEN) and not token_matches("", TOKEN)
+
+
+def with_plane(tmp_path: Path, cluster_token: str | None,
+               body: Callable[[str], Awaitable[None]]) -> None:
+    """Run `body(address)` against a migrated SQLite control plane with PlacementService."""
+    db_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    upgrade(db_url)
+    engine = make_engine(db_url)
+
+    async def main() -> None:
+        sessions = make_session_factory(engine)
+        config = ControlPlaneConfig(db_url=db_url, listen="127.0.0.1:0",
+                                    cluster_token=cluster_token)
+        plane = await build_server(config, sessions)
+        hub = attach_placement(plane.server, sessions,
+                               HubConfig(poll_s=0.05, startup_grace_s=0.0))
+        await plane.server.start()
+        hub_task = asyncio.create_task(hub.run())
+        try:
+            await body(f"127.0.0.1:{plane.port}")
+        finally:
+            hub_task.cancel()
+            await plane.stop(0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.dispose()
+
+
+async def first_placement(address: str, metadata: Any) -> ppb.PlacementUpdate:
+    """The first update of a worker's placement watch (a snapshot, sent on connect)."""
+    async def messages() -> AsyncIterator[ppb.WorkerMessage]:
+        yield ppb.WorkerMessage(hello=ppb.WorkerHello(worker_id="w-test", address="x:1",
+                                                      capacity=4, base_model="demo"))
+        await asyncio.sleep(30)  # closing our side would end the stream
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = ppb_grpc.PlacementServiceStub(channel).WatchPlacement(
+            messages(), metadata=metadata, timeout=10)
+        try:
+            update: ppb.PlacementUpdate = await call.read()
+            return update
+        finally:
+            call.cancel()
+
+
+async def routing_code(address: str, metadata: Any) -> grpc.StatusCode:
+    async def messages() -> AsyncIterator[ppb.GatewayMessage]:
+        yield ppb.GatewayMessage(hello=ppb.GatewayHello(gateway_id="g-test"))
+        await asyncio.sleep(30)
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = ppb_grpc.PlacementServiceStub(channel).WatchRouting(
+            messages(), metadata=metadata, timeout=10)
+        try:
+            await call.read()
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        finally:
+            call.cancel()
+
+
+async def placement_code(address: str, metadata: Any) -> grpc.StatusCode:
+    try:
+        await first_placement(address, metadata)
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+
+
+def test_placement_watch_needs_the_cluster_token(tmp_path: Path) -> None:
+    async def body(address: str) -> None:
+        update = await first_placement(address, cluster_metadata(TOKEN))
+        assert update.snapshot and update.revision > 0 and update.heartbeat_interval_ms > 0
+        assert await placement_code(address, ()) == grpc.StatusCode.UNAUTHENTICATED
+        assert await placement_code(address, cluster_metadata(TOKEN + "x")) == \
+            grpc.StatusCode.UNAUTHENTICATED
+        assert await placement_code(address, (("authorization", TOKEN),)) == \
+            grpc.StatusCode.UNAUTHENTICATED  # not a bearer token
+        assert await routing_code(address, ()) == grpc.StatusCode.UNAUTHENTICATED
+        assert await routing_code(address, cluster_metadata("slc_wrong")) == \
+            grpc.StatusCode.UNAUTHENTICATED
+        assert await routing_code(address, cluster_metadata(TOKEN)) == grpc.StatusCode.OK
+
+    with_plane(tmp_path, TOKEN, body)
+
+
+def test_gateway_watcher_syncs_with_the_token_and_not_without(tmp_path: Path) -> None:
+    async def synced_within(address: str, token: str, seconds: float) -> bool:
+        synced = asyncio.Event()
+        watcher = RoutingWatcher(address, f"g-{len(token)}", RoutingTable(), GatewayMetrics(),
+                                 synced, cluster_token=token)
+        task = asyncio.create_task(watcher.run())
+        try:
+            await asyncio.wait_for(synced.wait(), seconds)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            task.cancel()
+
+    async def body(address: str) -> None:
+        assert await synced_within(address, TOKEN, 10.0)
+        assert not await synced_within(address, "", 1.0)
+
+    with_plane(tmp_path, TOKEN, body)
+
+
+def test_health_and_reflection_stay_open_and_the_token_is_no_api_key(tmp_path: Path) -> None:
+    async def body(address: str) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            names = {s.name async for r in reflect for s in r.list_services_response.service}
+            assert "slora.v1.PlacementService" in names
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await apb_grpc.AdapterAdminServiceStub(channel).ListTenants(
+                    apb.ListTenantsRequest(), metadata=cluster_metadata(TOKEN), timeout=5)
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    with_plane(tmp_path, TOKEN, body)
+
+
+def test_without_a_configured_token_placement_stays_open(tmp_path: Path) -> None:
+    async def body(address: str) -> None:
+        assert await placement_code(address, ()) == grpc.StatusCode.OK
+        assert await routing_code(address, ()) == grpc.StatusCode.OK
+
+    with_plane(tmp_path, None, body)
