@@ -9,6 +9,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from services.common.server import CHANNEL_OPTIONS
+
 log = logging.getLogger(__name__)
 M = TypeVar("M")
 INITIAL_BACKOFF_S = 0.1
@@ -48,10 +50,9 @@ async def watch_forever(
         outbox = Outbox(hello())
         keepalive: asyncio.Task[None] | None = None
         try:
-            # No client keepalive pings: servers reject them by default (too_many_pings) unless
-            # configured for them; a dead peer shows up as a closed connection or, for workers,
-            # as missed heartbeats.
-            async with grpc.aio.insecure_channel(target) as channel:
+            # Keepalive pings (servers built with SERVER_OPTIONS accept them): a control plane
+            # whose host died, not just its process, is noticed in seconds, not TCP's minutes.
+            async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
                 call = open_stream(channel, outbox)
                 if on_connected is not None:
                     keepalive = asyncio.create_task(on_connected(outbox))
