@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
+from slora_core.adapter_copies import AdapterCopier
 from slora_core.adapters import AdapterError, LoraAdapter
 from slora_core.arena import PageArena
 from slora_core.config import ConfigError, EngineConfig, ModelConfig
@@ -103,9 +103,7 @@ class LLMEngine:
         self.eos_token_ids = tok_eos or model_config.eos_token_ids
         self._requests: dict[str, _Request] = {}
         self.stats = EngineStats()
-        # Adapter copies run on a side stream; a step waits only for the slots it uses.
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._pending_copies: dict[int, torch.cuda.Event] = {}
+        self.copier = AdapterCopier(self.arena)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
@@ -245,13 +243,8 @@ class LLMEngine:
     def _apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
         self.stats.preemptions += len(sched.preempted)
         self.stats.adapter_evictions += len(sched.evicted)
-        with self._on_copy_stream():
-            for rec in sched.evicted:
-                self.arena.clear_slot(rec.slot)
         for rec in sched.evicted:
-            # Its pages may be reused for KV by this step: finish any copy still writing them.
-            if (event := self._pending_copies.pop(rec.slot, None)) is not None:
-                torch.cuda.current_stream().wait_event(event)
+            self.copier.clear(rec.slot)
         failed: list[RequestOutput] = []
         for rec in sched.new_adapters:
             try:
@@ -259,28 +252,16 @@ class LLMEngine:
             except (AdapterError, UnknownAdapterError) as e:
                 failed += self._fail_adapter(str(rec.key), sched, str(e))
                 continue
-            with self._on_copy_stream():
-                self.arena.write_adapter(rec.slot, rec.pages, host.layout, host.matrices)
-                if self._copy_stream is not None:
-                    event = torch.cuda.Event()
-                    event.record(self._copy_stream)
-                    self._pending_copies[rec.slot] = event
+            self.copier.write(rec.slot, rec.pages, host)
             self.stats.adapter_loads += 1
         return failed
 
-    def _on_copy_stream(self) -> contextlib.AbstractContextManager:
-        if self._copy_stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._copy_stream)
-
     def _wait_for_copies(self, sched: SchedulerOutput) -> None:
         """Make the compute stream wait for the adapter copies this step reads."""
-        if not self._pending_copies:
-            return
         for item in sched.scheduled:
             rec = self.pool.resident(item.seq.adapter) if item.seq.adapter else None
-            if rec is not None and (event := self._pending_copies.pop(rec.slot, None)):
-                torch.cuda.current_stream().wait_event(event)
+            if rec is not None:
+                self.copier.wait(rec.slot)
 
     def _expire(self, seq: Sequence) -> RequestOutput:
         req = self._requests.pop(seq.request_id)

@@ -1,0 +1,45 @@
+"""Adapter weights into arena pages on a side stream, so loads overlap compute; each slot's
+copy carries an event, and a step waits only for the slots it reads (or frees)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from slora_core.adapter_cache import HostAdapter
+from slora_core.arena import PageArena
+
+
+class AdapterCopier:
+    def __init__(self, arena: PageArena) -> None:
+        self.arena = arena
+        dev = arena.pages.device
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._pending: dict[int, torch.cuda.Event] = {}
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+    def write(self, slot: int, pages: list[int], host: HostAdapter) -> None:
+        """Start copying `host` into its pages and table rows (asynchronous on CUDA)."""
+        with self._on_stream():
+            self.arena.write_adapter(slot, pages, host.layout, host.matrices)
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+                self._pending[slot] = event
+
+    def clear(self, slot: int) -> None:
+        """Empty an evicted slot's table rows; its pages may be reused for KV by this step,
+        so the compute stream first waits for any copy still writing them."""
+        with self._on_stream():
+            self.arena.clear_slot(slot)
+        self.wait(slot)
+
+    def wait(self, slot: int) -> None:
+        """Make the compute stream wait for the copy into `slot`, if one is pending."""
+        if (event := self._pending.pop(slot, None)) is not None:
+            torch.cuda.current_stream().wait_event(event)
