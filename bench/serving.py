@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from bench.replay import replay, sync, unwrap_lora, warm
 from bench.workload import BenchRequest, WorkloadSpec, generate, reuse_batch
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.engine import LLMEngine
@@ -88,96 +88,6 @@ class Bench:
         page_bytes = (16 * self.cfg.num_hidden_layers * 2 * self.cfg.num_key_value_heads
                       * self.cfg.head_dim * torch.finfo(self.dtype).bits // 8)
         return max(64, int(self.args.arena_gb * 2**30 // page_bytes))
-
-
-def warm(engine: LLMEngine, vocab: int, num_adapters: int) -> None:
-    """Compile kernels and capture every decode graph before anything is timed: a short
-    mixed batch (prefill of several lengths, decode, adapters and base), then reset stats."""
-    engine.warmup()
-    rng = np.random.default_rng(99)
-    for i, n in enumerate((7, 64, 300, 1000)):
-        adapter = f"a{i % num_adapters}" if num_adapters and i % 2 == 0 else None
-        engine.add_request(f"warm{i}", rng.integers(3, vocab, n).tolist(),
-                           SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True),
-                           adapter=adapter)
-    while engine.has_unfinished():
-        engine.step()
-    sync(engine)
-    engine.stats = type(engine.stats)()
-
-
-def unwrap_lora(model: torch.nn.Module) -> None:
-    from slora_core.lora import LoraLinear
-
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            mod = getattr(parent, name)
-            if isinstance(mod, LoraLinear):
-                setattr(parent, name, mod.base)
-
-
-def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
-           slo_ttft: float = 6.0, greedy: bool = True) -> dict[str, Any]:
-    """Feed requests at their arrival times, step until done; latency and throughput figures."""
-    sync(engine)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
-    first: dict[int, float] = {}
-    done: dict[int, float] = {}
-    ntok: dict[int, int] = {}
-    distinct: list[int] = []
-    t0 = time.perf_counter()
-    nxt = 0
-    bar = tqdm(total=len(requests), desc=label, file=sys.stderr, leave=False)
-    while len(done) < len(requests):
-        now = time.perf_counter() - t0
-        while nxt < len(order) and requests[order[nxt]].arrival <= now:
-            i = order[nxt]
-            r = requests[i]
-            params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=r.output_len,
-                                    ignore_eos=True, seed=None if greedy else i)
-            engine.add_request(str(i), r.prompt, params,
-                               adapter=None if r.adapter is None else f"a{r.adapter}")
-            nxt += 1
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, requests[order[nxt]].arrival - now))
-            continue
-        outs = engine.step()
-        t = time.perf_counter() - t0
-        distinct.append(engine.stats.last_distinct_adapters)
-        for out in outs:
-            i = int(out.request_id)
-            if out.token_ids and i not in first:
-                first[i] = t
-            ntok[i] = ntok.get(i, 0) + len(out.token_ids)
-            if out.finished:
-                done[i] = t
-                bar.update(1)
-    bar.close()
-    wall = time.perf_counter() - t0
-    arr = np.array([requests[i].arrival for i in range(len(requests))])
-    ttft = np.array([first[i] for i in range(len(requests))]) - arr
-    e2e = np.array([done[i] for i in range(len(requests))]) - arr
-    toks = np.array([ntok[i] for i in range(len(requests))])
-    tpot = (e2e - ttft)[toks > 1] / (toks[toks > 1] - 1)
-    return {
-        "label": label, "requests": len(requests), "wall_s": wall,
-        "req_per_s": len(requests) / wall, "output_tok_per_s": float(toks.sum() / wall),
-        "ttft_s": pct(ttft), "tpot_s": pct(tpot), "e2e_s": pct(e2e),
-        "slo_ttft_s": slo_ttft, "slo_attainment": float((ttft <= slo_ttft).mean()),
-        "distinct_adapters_per_step_mean": float(np.mean(distinct)) if distinct else 0.0,
-        "steps": len(distinct), "preemptions": engine.stats.preemptions,
-        "adapter_loads": engine.stats.adapter_loads,
-    }
-
-
-def pct(x: np.ndarray) -> dict[str, float]:
-    return {f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 99)} if x.size else {}
-
-
-def sync(engine: LLMEngine) -> None:
-    if engine.arena.pages.is_cuda:
-        torch.cuda.synchronize()
 
 
 # ---- scenarios -------------------------------------------------------------------------------
