@@ -138,13 +138,18 @@ class EngineLoop:
             self._fail_all(exc)
             return
         self._note_started()
+        # One wake-up per event loop and step, not one per output (a syscall and a GIL
+        # hand-over each).
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             sub = self._subs.get(out.request_id)
             if sub is None:
                 continue
             if out.finished:
                 del self._subs[out.request_id]
-            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, out)
+            batches.setdefault(sub.loop, []).append((sub.queue, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
         self._publish_state()
 
     def _note_started(self) -> None:
@@ -170,3 +175,7 @@ class EngineLoop:
             loads=e.stats.adapter_loads, evictions=e.stats.adapter_evictions,
         )
 
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

@@ -18,7 +18,7 @@ from services.worker.errors import to_service_error
 from services.worker.metrics import VersionKey, WorkerMetrics
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
-from slora_core.outputs import RequestOutput
+from slora_core.outputs import RequestOutput, merge_outputs
 from slora_core.sampling_params import SamplingParams
 
 
@@ -31,6 +31,21 @@ def chunk_of(out: RequestOutput) -> pb.GenerateResponse:
     ]
     return pb.GenerateResponse(chunk=pb.Chunk(token_ids=out.token_ids, text=out.text,
                                               logprobs=logprobs))
+
+
+def coalesce(item: RequestOutput | BaseException,
+             outputs: asyncio.Queue[RequestOutput | BaseException]) -> RequestOutput:
+    """`item` merged with the deltas already waiting behind it: when the engine outruns the
+    stream, one chunk carries several tokens instead of one message per token."""
+    while True:
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished or item.error or outputs.empty():
+            return item
+        later = outputs.get_nowait()
+        if isinstance(later, BaseException):
+            raise later
+        item = merge_outputs(item, later)
 
 
 class WorkerServicer(pb_grpc.InferenceServiceServicer):
@@ -97,9 +112,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         delay = self.slow_versions.get(key, 0.0)
         try:
             while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = coalesce(await outputs.get(), outputs)
                 if item.error:
                     raise e.FailedPrecondition(item.error, adapter_error=True)
                 if item.token_ids or item.text:
