@@ -111,11 +111,14 @@ class LLMEngine:
         model = load_model(model_dir, config.torch_dtype, config.device)
         return cls(model, model_config, Tokenizer.from_dir(model_dir), config)
 
-    def warmup(self) -> None:
-        """Capture the decode CUDA graphs of every batch bucket (CUDA only; a no-op on CPU):
-        the LoRA variants when adapters are registered, else the base-only ones."""
-        if self.runner.graphs is not None:
-            self.runner.graphs.capture_all(with_lora=bool(self.adapters.names()))
+    def warmup(self, variants: tuple[bool, ...] | None = None) -> None:
+        """Capture the decode CUDA graphs of every batch bucket (CUDA only; a no-op on CPU).
+        `variants` lists with_lora values to capture; by default the LoRA variant when adapters
+        are registered, else the base-only one."""
+        if self.runner.graphs is None:
+            return
+        for with_lora in variants or (bool(self.adapters.names()),):
+            self.runner.graphs.capture_all(with_lora=with_lora)
 
     # ---- adapters --------------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
