@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,6 +28,9 @@ T = TypeVar("T")
 WARM = (ppb.RESIDENCY_PREFETCH, ppb.RESIDENCY_PIN)
 # Prefetches run at most this many at a time, so placement never starves on-demand loads.
 MAX_PARALLEL_PREFETCH = 2
+# A version whose files failed (digest mismatch, unreadable, incompatible) is refused at once for
+# this long instead of being fetched again by every request; then one request tries again.
+FAILED_RETRY_S = 30.0
 
 
 @dataclass
@@ -51,6 +55,7 @@ class AdapterManager:
         self._loading: dict[VersionKey, asyncio.Task[str]] = {}
         self._prefetch_slots = asyncio.Semaphore(MAX_PARALLEL_PREFETCH)
         self._background: set[asyncio.Task[None]] = set()
+        self._failed: dict[VersionKey, tuple[float, AdapterError]] = {}
 
     async def ensure(self, adapter_id: str, version: str) -> str:
         """The engine name of a version, ready in host memory; fetches and registers it when it
@@ -62,6 +67,9 @@ class AdapterManager:
         name = engine_adapter_name(adapter_id, version)
         if name in self._registered:
             return name
+        failed = self._failed.get(key)
+        if failed is not None and time.monotonic() - failed[0] < FAILED_RETRY_S:
+            raise failed[1]
         task = self._loading.get(key)
         if task is None:
             task = asyncio.create_task(self._load(self.known[key].source))
@@ -71,6 +79,16 @@ class AdapterManager:
         return await asyncio.shield(task)
 
     async def _load(self, src: VersionSource) -> str:
+        key = (src.adapter_id, src.version)
+        try:
+            name = await self._fetch_and_register(src)
+        except AdapterError as e:
+            self._failed[key] = (time.monotonic(), e)
+            raise
+        self._failed.pop(key, None)
+        return name
+
+    async def _fetch_and_register(self, src: VersionSource) -> str:
         name = engine_adapter_name(src.adapter_id, src.version)
         path, downloaded = await asyncio.to_thread(self.cache.fetch, src)
         if downloaded:
@@ -103,6 +121,8 @@ class AdapterManager:
         for key, p in incoming.items():
             src = VersionSource(p.adapter_id, p.version, p.storage_uri, p.sha256)
             old = self.known.get(key)
+            if old is not None and old.source != src:
+                self._failed.pop(key, None)  # new files: worth a fresh try
             self.known[key] = KnownVersion(src, p.residency)
             if p.residency in WARM and (old is None or old.residency not in WARM):
                 self._spawn(self._prefetch(key))
