@@ -128,6 +128,11 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from None
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """Llama's `attention_bias` also gives o_proj a bias; Qwen2's q/k/v biases do not."""
+        return self.attention_bias and self.model_type == "llama"
+
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a base linear layer named in LORA_MODULES."""
         q = self.num_attention_heads * self.head_dim

@@ -57,6 +57,8 @@ def _checkpoint_targets(config: ModelConfig) -> dict[str, _Target]:
         for name, rows in (("self_attn.o_proj", hidden), ("mlp.down_proj", hidden),
                            ("input_layernorm", hidden), ("post_attention_layernorm", hidden)):
             targets[f"{p}{name}.weight"] = _Target(f"{p}{name}.weight", 0, rows)
+        if config.o_proj_bias:
+            targets[f"{p}self_attn.o_proj.bias"] = _Target(f"{p}self_attn.o_proj.bias", 0, hidden)
     return targets
 
 

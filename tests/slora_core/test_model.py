@@ -46,6 +46,7 @@ VARIANTS = {
     "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "mha-no-gqa": ("llama", {"num_key_value_heads": 4}),
     "mistral": ("mistral", {"sliding_window": None}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),  # q/k/v and o_proj biases
 }
 
 
