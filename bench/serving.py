@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.workload import BenchRequest, WorkloadSpec, generate, reuse_batch
 from slora_core.config import EngineConfig, ModelConfig
@@ -206,20 +207,11 @@ def sync_dev(device: str) -> None:
 
 
 def copy_bandwidth(device: str) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    """Device copy bandwidth in bytes/s (read + write), measured as the kernel benchmarks do,
+    so floors here and in kernels-h200.json use one ceiling."""
     if not device.startswith("cuda"):
         return float("nan")
-    x = torch.empty(2**30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        y.copy_(x)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 20 / (start.elapsed_time(end) / 1e3)
+    return max(copy_bandwidth_gbs(1 << 30).values()) * 1e9
 
 
 def scenario_floor(b: Bench) -> dict[str, Any]:

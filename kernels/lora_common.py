@@ -37,3 +37,13 @@ def check_tables(arena: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
         raise ValueError("offset and rank tables must be contiguous [num_slots, num_modules]")
     if arena.device != x.device or offsets.device != x.device:
         raise ValueError("arena, tables and activations must be on one device")
+
+
+def check_buf(buf: torch.Tensor, tokens: int, num_modules: int, against: str) -> None:
+    """Raise ValueError unless `buf` is the float32 [split_k, T, num_modules, max_rank]
+    intermediate for `tokens` tokens (`against` names the tensor T came from in the message)."""
+    if buf.dim() != 4 or buf.dtype != torch.float32 or not buf.is_contiguous():
+        raise ValueError("buf must be a contiguous float32 [split_k, T, num_modules, max_rank]")
+    if buf.shape[1] != tokens or buf.shape[2] != num_modules:
+        raise ValueError(f"buf {tuple(buf.shape)} does not match {against} and "
+                         f"{num_modules} modules")

@@ -20,7 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_tables, dot_precision, select3
+from kernels.lora_common import (
+    MAX_MODULES_PER_LAUNCH,
+    check_buf,
+    check_tables,
+    dot_precision,
+    select3,
+)
 from kernels.lora_reference import LoraMeta
 
 
@@ -150,11 +156,7 @@ def _check_expand_inputs(
     module_ids: tuple[int, ...],
     out_slices: tuple[tuple[int, int], ...],
 ) -> None:
-    if buf.dim() != 4 or buf.dtype != torch.float32 or not buf.is_contiguous():
-        raise ValueError("buf must be a contiguous float32 [split_k, T, num_modules, max_rank]")
-    if buf.shape[1] != y.shape[0] or buf.shape[2] != len(module_ids):
-        raise ValueError(f"buf {tuple(buf.shape)} does not match y {tuple(y.shape)} and "
-                         f"{len(module_ids)} modules")
+    check_buf(buf, y.shape[0], len(module_ids), f"y {tuple(y.shape)}")
     if len(out_slices) != len(module_ids) or not 1 <= len(module_ids) <= MAX_MODULES_PER_LAUNCH:
         raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules with one slice each, got "
                          f"{module_ids} and {out_slices}")

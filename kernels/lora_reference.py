@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -34,30 +35,29 @@ class LoraMeta:
     @staticmethod
     def from_token_slots(token_slots: list[int], device: torch.device | str = "cpu") -> LoraMeta:
         """Segments are maximal runs of equal slots >= 0 in `token_slots`."""
-        starts: list[int] = []
-        lens: list[int] = []
-        slots: list[int] = []
-        for i, s in enumerate(token_slots):
-            if s < 0:
-                continue
-            if slots and slots[-1] == s and starts[-1] + lens[-1] == i:
-                lens[-1] += 1
-            else:
-                starts.append(i)
-                lens.append(1)
-                slots.append(s)
+        slots = np.asarray(token_slots, dtype=np.int64)
+        starts, lens, seg_slots = lora_segments(slots)
 
-        def t(v: list[int]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.int32, device=device)
+        def t(v: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(v, dtype=torch.int32, device=device)
 
         return LoraMeta(
-            seg_starts=t(starts),
-            seg_lens=t(lens),
-            seg_slots=t(slots),
-            token_slots=t(token_slots),
-            max_seg_len=max(lens, default=0),
-            num_segments=len(starts),
+            seg_starts=t(starts), seg_lens=t(lens), seg_slots=t(seg_slots),
+            token_slots=t(slots), max_seg_len=int(lens.max()) if lens.size else 0,
+            num_segments=int(starts.size),
         )
+
+
+def lora_segments(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs of equal slots >= 0 in a 1-D int array: (starts, lengths, slots)."""
+    if token_slots.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    change = np.flatnonzero(np.diff(token_slots)) + 1
+    starts = np.concatenate(([0], change))
+    ends = np.concatenate((change, [token_slots.size]))
+    keep = token_slots[starts] >= 0
+    return starts[keep], (ends - starts)[keep], token_slots[starts][keep]
 
 
 def add_lora_reference(

@@ -21,7 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_tables, dot_precision, select3
+from kernels.lora_common import (
+    MAX_MODULES_PER_LAUNCH,
+    check_buf,
+    check_tables,
+    dot_precision,
+    select3,
+)
 from kernels.lora_reference import LoraMeta
 
 
@@ -140,11 +146,7 @@ def _check_shrink_inputs(
     ranks: torch.Tensor,
     module_ids: tuple[int, ...],
 ) -> None:
-    if buf.dim() != 4 or buf.dtype != torch.float32 or not buf.is_contiguous():
-        raise ValueError("buf must be a contiguous float32 [split_k, T, num_modules, max_rank]")
-    if buf.shape[1] != x.shape[0] or buf.shape[2] != len(module_ids):
-        raise ValueError(f"buf {tuple(buf.shape)} does not match x {tuple(x.shape)} and "
-                         f"{len(module_ids)} modules")
+    check_buf(buf, x.shape[0], len(module_ids), f"x {tuple(x.shape)}")
     if not 1 <= len(module_ids) <= MAX_MODULES_PER_LAUNCH:
         raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules per launch, got {module_ids}")
     check_tables(arena, x, a_offsets, ranks)

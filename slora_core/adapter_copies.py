@@ -39,6 +39,10 @@ class AdapterCopier:
             self.arena.clear_slot(slot)
         self.wait(slot)
 
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
     def wait(self, slot: int) -> None:
         """Make the compute stream wait for the copy into `slot`, if one is pending."""
         if (event := self._pending.pop(slot, None)) is not None:

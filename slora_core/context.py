@@ -43,10 +43,6 @@ class StepContext:
     lora: LoraMeta | None = None
     lora_tables: LoraTables | None = None
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
 
 _CONTEXT: StepContext | None = None
 

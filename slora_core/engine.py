@@ -236,7 +236,9 @@ class LLMEngine:
         reqs = [self._requests[s.request_id] for s in sampling]
         sampled = self.sampler.sample(
             logits, [s.params for s in sampling], [r.generator for r in reqs],
-            [s.token_ids() for s in sampling], [len(s.output_token_ids) for s in sampling],
+            # Only the repetition penalty reads the history: skip the O(context) copy elsewhere.
+            [s.token_ids() if s.params.repetition_penalty != 1.0 else () for s in sampling],
+            [len(s.output_token_ids) for s in sampling],
             self.eos_token_ids,
         )
         for req, tok in zip(reqs, sampled, strict=True):
@@ -261,6 +263,8 @@ class LLMEngine:
 
     def _wait_for_copies(self, sched: SchedulerOutput) -> None:
         """Make the compute stream wait for the adapter copies this step reads."""
+        if not self.copier.has_pending:
+            return
         for item in sched.scheduled:
             rec = self.pool.resident(item.seq.adapter) if item.seq.adapter else None
             if rec is not None:
@@ -325,15 +329,6 @@ class LLMEngine:
             finished=True, finish_reason=reason, prompt_tokens=len(seq.prompt_token_ids),
             completion_tokens=len(seq.output_token_ids),
         )
-
-    # ---- convenience -----------------------------------------------------------------------
-    def run_to_completion(self) -> dict[str, list[RequestOutput]]:
-        """Step until every request is done; returns each request's outputs in order."""
-        results: dict[str, list[RequestOutput]] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                results.setdefault(out.request_id, []).append(out)
-        return results
 
 
 __all__ = ["ConfigError", "LLMEngine", "QueueFullError", "RequestError"]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.lora_reference import LoraMeta
+from kernels.lora_reference import LoraMeta, lora_segments
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
 from slora_core.model import LlamaForCausalLM
 from slora_core.page_pool import PagePool
 from slora_core.scheduler import ScheduledSeq
-from slora_core.step_inputs import StepInputs, build_step_inputs, lora_segments, to_device
+from slora_core.step_inputs import StepInputs, build_step_inputs, to_device
 
 
 class ModelRunner:
@@ -37,7 +37,7 @@ class ModelRunner:
                   inputs.seq_lens, inputs.query_starts, inputs.block_tables]
         if seg is not None:
             arrays += [inputs.token_slots, *seg]
-        dev = to_device(arrays, self.device, torch.int64)
+        dev = to_device(arrays, self.device)
         i32 = [t.to(torch.int32) for t in dev[4:]]
         lora = None
         if seg is not None:
@@ -154,7 +154,7 @@ class DecodeGraphs:
             np.concatenate((slots, np.full(pad, self.empty_slot, np.int64))),
             tables,
         ]
-        dev = to_device(host, self.runner.device, torch.int64)
+        dev = to_device(host, self.runner.device)
         self.input_ids[:b].copy_(dev[0])
         self.positions[:b].copy_(dev[1])
         self.slot_mapping[:b].copy_(dev[2])

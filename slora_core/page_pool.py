@@ -35,6 +35,11 @@ class PagePool:
     # Insertion order is LRU order: the first idle entry is evicted first.
     _adapters: OrderedDict[Hashable, ResidentAdapter] = field(init=False)
     evictions: int = field(init=False, default=0)
+    # Kept up to date on every acquire/release/drop, so admission checks are O(1) with
+    # thousands of resident adapters instead of a sum over all of them.
+    _adapter_pages: int = field(init=False, default=0)
+    _idle_pages: int = field(init=False, default=0)
+    _num_idle: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if self.num_pages <= 0 or self.num_slots <= 0:
@@ -51,14 +56,14 @@ class PagePool:
 
     @property
     def num_adapter_pages(self) -> int:
-        return sum(len(a.pages) for a in self._adapters.values())
+        return self._adapter_pages
 
     @property
     def num_kv_pages(self) -> int:
         return self.num_pages - self.num_free - self.num_adapter_pages
 
     def idle_adapter_pages(self) -> int:
-        return sum(len(a.pages) for a in self._adapters.values() if a.refcount == 0)
+        return self._idle_pages
 
     def num_reclaimable(self) -> int:
         """Pages obtainable now: free pages plus those of idle adapters."""
@@ -83,7 +88,7 @@ class PagePool:
         """True if `key` is resident or could be made resident with `extra_pages` to spare."""
         if key in self._adapters:
             return extra_pages <= self.num_reclaimable() - self._idle_pages_of(key)
-        has_slot = bool(self._free_slots) or any(a.refcount == 0 for a in self._adapters.values())
+        has_slot = bool(self._free_slots) or self._num_idle > 0
         return has_slot and num_pages + extra_pages <= self.num_reclaimable()
 
     # ---- KV blocks -----------------------------------------------------------------------
@@ -108,6 +113,9 @@ class PagePool:
         by the caller before the next forward pass."""
         rec = self._adapters.get(key)
         if rec is not None:
+            if rec.refcount == 0:
+                self._idle_pages -= len(rec.pages)
+                self._num_idle -= 1
             rec.refcount += 1
             self._adapters.move_to_end(key)
             return rec, False, []
@@ -117,6 +125,7 @@ class PagePool:
         pages = [self._free.pop() for _ in range(num_pages)]
         rec = ResidentAdapter(key=key, slot=self._free_slots.pop(), pages=pages, refcount=1)
         self._adapters[key] = rec
+        self._adapter_pages += num_pages
         return rec, True, evicted
 
     def release_adapter(self, key: Hashable) -> None:
@@ -124,6 +133,9 @@ class PagePool:
         if rec.refcount <= 0:
             raise RuntimeError(f"adapter {key!r} released more often than acquired")
         rec.refcount -= 1
+        if rec.refcount == 0:
+            self._idle_pages += len(rec.pages)
+            self._num_idle += 1
 
     def evict_adapter(self, key: Hashable) -> ResidentAdapter:
         """Drop an idle adapter now (e.g. a version was released by placement)."""
@@ -147,7 +159,11 @@ class PagePool:
         return evicted
 
     def _drop(self, key: Hashable) -> ResidentAdapter:
+        """Only idle adapters are dropped (callers check)."""
         rec = self._adapters.pop(key)
+        self._adapter_pages -= len(rec.pages)
+        self._idle_pages -= len(rec.pages)
+        self._num_idle -= 1
         self.free(rec.pages)
         self._free_slots.append(rec.slot)
         self.evictions += 1

@@ -44,6 +44,15 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids()[start:end] without building the whole list (decode reads one token)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]

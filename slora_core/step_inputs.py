@@ -47,7 +47,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], pool: PagePool, block_size:
         p = np.arange(start, start + n, dtype=np.int64)
         table = np.asarray(seq.block_table, dtype=np.int64)
         tables[i, : len(table)] = table
-        toks = seq.token_ids()[start : start + n]
+        toks = seq.token_slice(start, start + n)
         ids.append(np.asarray(toks, dtype=np.int64))
         pos.append(p)
         slots.append(table[p // block_size] * block_size + p % block_size)
@@ -66,22 +66,9 @@ def build_step_inputs(scheduled: list[ScheduledSeq], pool: PagePool, block_size:
     )
 
 
-def lora_segments(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Maximal runs of equal slots >= 0: (starts, lengths, slots)."""
-    if token_slots.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    change = np.flatnonzero(np.diff(token_slots)) + 1
-    starts = np.concatenate(([0], change))
-    ends = np.concatenate((change, [token_slots.size]))
-    keep = token_slots[starts] >= 0
-    return starts[keep], (ends - starts)[keep], token_slots[starts][keep]
-
-
-def to_device(arrays: list[np.ndarray], device: torch.device, dtype: torch.dtype
-              ) -> list[torch.Tensor]:
-    """Pack several 1-D/2-D integer arrays into one host buffer, copy it once (pinned,
-    non-blocking on CUDA), and return device views shaped like the inputs."""
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Pack several 1-D/2-D integer arrays into one int64 host buffer, copy it once (pinned,
+    non-blocking on CUDA), and return int64 device views shaped like the inputs."""
     flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
     host = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
     if device.type == "cuda":
@@ -89,7 +76,6 @@ def to_device(arrays: list[np.ndarray], device: torch.device, dtype: torch.dtype
     dev = host.to(device=device, dtype=torch.int64, non_blocking=True)
     out, offset = [], 0
     for a in arrays:
-        t = dev[offset : offset + a.size].view(a.shape)
-        out.append(t if dtype == torch.int64 else t.to(dtype))
+        out.append(dev[offset : offset + a.size].view(a.shape))
         offset += a.size
     return out

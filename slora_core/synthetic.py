@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from slora_core.adapters import LoraAdapter, LoraWeight
@@ -49,10 +51,5 @@ def random_adapter(
 def shared_weight_view(adapter: LoraAdapter, seed: int) -> LoraAdapter:
     """A distinct adapter identity over the same host tensors (for thousands of adapters whose
     host copies would not fit in memory; the engine still gives each its own arena pages)."""
-    return LoraAdapter(
-        path=f"{adapter.path}/view{seed}", sha256=f"{adapter.sha256}-view{seed}",
-        rank=adapter.rank, lora_alpha=adapter.lora_alpha, use_rslora=adapter.use_rslora,
-        target_modules=adapter.target_modules, weights=adapter.weights,
-        base_model_name_or_path=None, num_bytes=adapter.num_bytes, config=adapter.config,
-    )
-
+    return dataclasses.replace(adapter, path=f"{adapter.path}/view{seed}",
+                               sha256=f"{adapter.sha256}-view{seed}")

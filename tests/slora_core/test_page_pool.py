@@ -67,3 +67,30 @@ def test_pack_matrices_first_fit_decreasing_keeps_each_matrix_in_one_page():
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     with pytest.raises(ValueError, match="does not fit"):
         pack_matrices([101], 100)
+
+
+def test_counters_agree_with_the_records_through_a_random_history():
+    import random
+
+    rng = random.Random(0)
+    pool = PagePool(num_pages=40, num_slots=6)
+    held: dict[str, int] = {}
+    kv: list[list[int]] = []
+    for _ in range(2000):
+        op = rng.random()
+        key = f"a{rng.randrange(8)}"
+        if op < 0.35 and pool.can_admit_adapter(key, 3):
+            pool.acquire_adapter(key, 3)
+            held[key] = held.get(key, 0) + 1
+        elif op < 0.6 and held.get(key):
+            pool.release_adapter(key)
+            held[key] -= 1
+        elif op < 0.8 and pool.can_allocate(2):
+            kv.append(pool.allocate(2)[0])
+        elif kv:
+            pool.free(kv.pop(rng.randrange(len(kv))))
+        records = [pool.resident(k) for k in pool.resident_keys()]
+        assert pool.num_adapter_pages == sum(len(r.pages) for r in records)
+        assert pool.idle_adapter_pages() == sum(len(r.pages) for r in records if r.refcount == 0)
+        assert pool.num_kv_pages == sum(len(p) for p in kv)
+        assert all(r.refcount == held.get(r.key, 0) for r in records)

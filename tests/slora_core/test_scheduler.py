@@ -151,3 +151,12 @@ def test_waiting_requests_past_their_deadline_are_dropped_unrun():
     assert [s.seq.request_id for s in out.scheduled] == ["a"] and out.expired == []
     out = sched.schedule(now=11.0)
     assert out.expired == [b] and b.status is SeqStatus.FINISHED and not sched.waiting
+
+
+def test_token_slice_equals_slicing_the_whole_token_list():
+    s = seq("a", n=5)
+    s.output_token_ids = [50, 51, 52]
+    whole = s.token_ids()
+    for start in range(9):
+        for end in range(start, 9):
+            assert s.token_slice(start, end) == whole[start:end], (start, end)
