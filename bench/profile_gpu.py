@@ -18,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.serving import Bench
+from kernels.jit_stats import compiled_kernel_variants
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 
@@ -70,12 +71,34 @@ def timed_steps(engine: LLMEngine, steps: int) -> list[dict[str, float]]:
     rows = []
     for _ in range(steps):
         sync()
+        compiled = compiled_kernel_variants()
         t0 = time.perf_counter()
         engine.step()
         sync()
         rows.append({"ms": (time.perf_counter() - t0) * 1e3,
-                     "distinct": engine.stats.last_distinct_adapters})
+                     "distinct": engine.stats.last_distinct_adapters,
+                     "compiles": compiled_kernel_variants() - compiled})
     return rows
+
+
+def graph_replay_ms(engine: LLMEngine, replays: int = 20) -> dict[str, float]:
+    """GPU time of the decode graph alone (CUDA events around back-to-back replays)."""
+    graphs = engine.runner.graphs
+    if graphs is None or not torch.cuda.is_available():
+        return {}
+    out = {}
+    for key, graph in graphs.graphs.items():
+        if key[0] != 64:
+            continue
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out[f"b64-modules{sorted(key[1])}"] = start.elapsed_time(end) / replays
+    return out
 
 
 def add(engine: LLMEngine, tag: str, n: int, prompt: int, new: int, vocab: int,
@@ -129,6 +152,8 @@ def main() -> None:
         result[f"decode_{key}_steps"] = timed_steps(engine, 6)
         if not graphs:
             result["decode_profile"] = profiled_steps(engine, 5)
+        else:
+            result["decode_graph_replay_ms"] = graph_replay_ms(engine)
         del engine
     result["warmup_s"] = bench.warmup_s
 
@@ -140,7 +165,8 @@ def main() -> None:
             print(f"  {row['us']:9.1f} us x{row['calls']:4d}  {row['name']}")
     for k in ("prefill_round1_steps", "prefill_round2_steps", "decode_eager_steps",
               "decode_graphs_steps"):
-        print(k, [round(r["ms"], 2) for r in result[k]])
+        print(k, [(round(r["ms"], 2), r["compiles"]) for r in result[k]])
+    print("graph replay ms", result.get("decode_graph_replay_ms"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -11,16 +11,19 @@ import torch
 from tqdm import tqdm
 
 from bench.workload import BenchRequest
+from kernels.jit_stats import compiled_kernel_variants
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 
 
 def warm(engine: LLMEngine, vocab: int, num_adapters: int) -> None:
-    """Compile kernels and capture every decode graph before anything is timed: a short
-    mixed batch (prefill of several lengths, decode, adapters and base), then reset stats."""
+    """Compile kernels and capture every decode graph before anything is timed: mixed batches
+    (prefills of several lengths, short and long segments, decode, adapters and base), then
+    reset stats."""
     engine.warmup()
     rng = np.random.default_rng(99)
-    for i, n in enumerate((7, 64, 300, 1000)):
+    lengths = (7, 64, 300, 1000, *(5 + i for i in range(20)))
+    for i, n in enumerate(lengths):
         adapter = f"a{i % num_adapters}" if num_adapters and i % 2 == 0 else None
         engine.add_request(f"warm{i}", rng.integers(3, vocab, n).tolist(),
                            SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True),
@@ -46,6 +49,7 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
            slo_ttft: float = 6.0, greedy: bool = True) -> dict[str, Any]:
     """Feed requests at their arrival times, step until done; latency and throughput figures."""
     sync(engine)
+    compiled = compiled_kernel_variants()
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     first: dict[int, float] = {}
     done: dict[int, float] = {}
@@ -93,6 +97,8 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
         "distinct_adapters_per_step_mean": float(np.mean(distinct)) if distinct else 0.0,
         "steps": len(distinct), "preemptions": engine.stats.preemptions,
         "adapter_loads": engine.stats.adapter_loads,
+        # Triton variants compiled inside the timed window (each stalls a step): should be 0.
+        "kernel_compiles": compiled_kernel_variants() - compiled,
     }
 
 

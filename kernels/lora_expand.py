@@ -32,8 +32,8 @@ from kernels.lora_reference import LoraMeta
 
 @triton.jit
 def _expand_rank_tiles(
-    y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y[rows, cols] += scale * (sum of buf's K splits)[:, :rank] @ B[cols, :rank].T."""
@@ -43,7 +43,7 @@ def _expand_rank_tiles(
         mask_r = offs_r < rank
         h_mask = mask_m[:, None] & mask_r[None, :]
         h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for j in tl.static_range(SPLIT_K):
+        for j in range(split_k):
             h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
                          other=0.0)
         # B is [N, r] row-major; this tile is B.T[r0:r0+BLOCK_R, n0:n0+BLOCK_N].
@@ -55,14 +55,16 @@ def _expand_rank_tiles(
              mask=y_mask)
 
 
-@triton.jit
+# split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
+# a new batch shape compiles no new variant.
+@triton.jit(do_not_specialize=["split_k", "stride_bs"])
 def _lora_expand_kernel(
     y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
     mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
-    n_tiles, stride_ym, stride_yn, table_stride,
+    n_tiles, stride_ym, stride_yn, table_stride, split_k,
     stride_bs, stride_bt, stride_bm,
-    MAX_RANK: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     seg = tl.program_id(0)
@@ -97,12 +99,12 @@ def _lora_expand_kernel(
         # Aligned B with rows of a multiple of 8 elements (`// 8 * 8` tells the compiler):
         # every B row segment loads as 16-byte vectors.
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
-                           scale, offs_n, mask_n, mask_m, stride_bs,
-                           SPLIT_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R)
+                           scale, offs_n, mask_n, mask_m, stride_bs, split_k,
+                           DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R)
     else:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
-                           scale, offs_n, mask_n, mask_m, stride_bs,
-                           SPLIT_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R)
+                           scale, offs_n, mask_n, mask_m, stride_bs, split_k,
+                           DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 def lora_expand(
@@ -138,9 +140,9 @@ def lora_expand(
         y, buf, arena, b_offsets, ranks, scales,
         meta.seg_starts, meta.seg_lens, meta.seg_slots,
         mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1], sizes[2],
-        n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0),
+        n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, SPLIT_K=split_k, DOT_PRECISION=dot_precision(y.dtype),
+        MAX_RANK=max_rank, DOT_PRECISION=dot_precision(y.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -58,20 +58,22 @@ def _shrink_rank_tiles(
         tl.store(buf_rows[:, None] + offs_r[None, :], acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
-@triton.jit
+# Values that change from step to step are runtime arguments that Triton must not specialize
+# (on == 1 or % 16), so a new batch shape never compiles a new kernel variant mid-serving.
+@triton.jit(do_not_specialize=["split_k", "stride_bs"])
 def _lora_shrink_kernel(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
     mod0, mod1, mod2,
-    K, k_chunk, stride_xm, stride_xk, table_stride,
+    K, k_chunk, stride_xm, stride_xk, table_stride, split_k,
     stride_bs, stride_bt, stride_bm,
-    MAX_RANK: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     seg = tl.program_id(0)
     m0 = tl.program_id(1) * BLOCK_M
-    mod_i = tl.program_id(2) // SPLIT_K
-    split = tl.program_id(2) % SPLIT_K
+    mod_i = tl.program_id(2) // split_k
+    split = tl.program_id(2) % split_k
     seg_len = tl.load(seg_lens_ptr + seg)
     if m0 >= seg_len:
         return
@@ -130,9 +132,9 @@ def lora_shrink(
         x, arena, buf, a_offsets, ranks,
         meta.seg_starts, meta.seg_lens, meta.seg_slots,
         mods[0], mods[1], mods[2],
-        k, k_chunk, x.stride(0), x.stride(1), a_offsets.stride(0),
+        k, k_chunk, x.stride(0), x.stride(1), a_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, SPLIT_K=split_k, DOT_PRECISION=dot_precision(x.dtype),
+        MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -20,17 +20,21 @@ import torch
 import triton
 import triton.language as tl
 
+MERGE_SPLITS_PAD = 64  # kernels.paged_attention.MAX_SPLITS
 
-@triton.jit
+
+# The split count and the block-table width change from step to step: runtime values that
+# Triton must not specialize on, so a new batch shape compiles no new variant mid-serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
     block_tables_ptr, seq_lens_ptr, query_starts_ptr,
-    scale_log2, tokens_per_split,
+    scale_log2, tokens_per_split, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kp, stride_kr, stride_kh, stride_vp, stride_vr, stride_vh, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,24 +78,23 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
     else:
-        part = (b * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
+        part = (b * NUM_HEADS + heads).to(tl.int64) * num_splits + split
         tl.store(part_ml_ptr + part * 2, m_i, mask=mask_g)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=mask_g)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=mask_g[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     out_ptr, part_ml_ptr, part_acc_ptr, seq_lens_ptr, query_starts_ptr,
-    tokens_per_split, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    tokens_per_split, num_splits, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -101,7 +104,7 @@ def _decode_merge_kernel(
     num_valid = tl.cdiv(tl.load(seq_lens_ptr + b), tokens_per_split)
     offs_s = tl.arange(0, SPLITS_PAD)
     mask_s = offs_s < num_valid
-    part = (b * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
+    part = (b * NUM_HEADS + head).to(tl.int64) * num_splits + offs_s
     m = tl.load(part_ml_ptr + part * 2, mask=mask_s, other=float("-inf"))
     l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=mask_s, other=0.0)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -146,19 +149,21 @@ def paged_attention_decode(
                                dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_ml, part_acc, block_tables, seq_lens, query_starts,
-        scale * 1.4426950408889634, tokens_per_split,
+        scale * 1.4426950408889634, tokens_per_split, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            out, part_ml, part_acc, seq_lens, query_starts, tokens_per_split,
+            out, part_ml, part_acc, seq_lens, query_starts, tokens_per_split, num_splits,
             out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            # One padded width for every split count up to the launcher's usual maximum, so
+            # batch shapes do not each compile their own merge.
+            SPLITS_PAD=max(MERGE_SPLITS_PAD, triton.next_power_of_2(num_splits)),
         )

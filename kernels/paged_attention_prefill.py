@@ -40,7 +40,8 @@ def _find_sequence(query_starts_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The sequence count and the block-table width change from step to step: not specialized on.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_starts_ptr,
     scale_log2, num_seqs,

@@ -12,7 +12,7 @@ import torch
 
 from slora_core.adapters import LoraAdapter, load_adapter
 from slora_core.arena import AdapterLayout, plan_adapter_layout
-from slora_core.config import ModelConfig
+from slora_core.config import MODULE_INDEX, ModelConfig
 
 
 class UnknownAdapterError(KeyError):
@@ -92,6 +92,13 @@ class AdapterStore:
 
     def names(self) -> list[str]:
         return [*self._specs, *self._in_memory]
+
+    def target_module_ids(self) -> frozenset[int]:
+        """Module ids (config.MODULE_INDEX) targeted by the adapters parsed so far."""
+        with self._lock:
+            hosts = [*self._in_memory.values(), *self._cache.values()]
+        return frozenset(MODULE_INDEX[module] for host in hosts
+                         for (_, module), entry in host.layout.entries.items() if entry[0] > 0)
 
     def get(self, name: str) -> HostAdapter:
         """The adapter in host memory, loading and validating it from disk on a miss.

@@ -72,6 +72,25 @@ class PageArena:
             scales=torch.zeros(shape, dtype=torch.float32, device=device),
             max_rank=max_rank,
         )
+        # Host-side record of which modules each filled slot targets (rank > 0 on any layer).
+        self._slot_modules: dict[int, frozenset[int]] = {}
+        self._module_users = [0] * len(LORA_MODULES)
+        self._active: frozenset[int] = frozenset()
+
+    @property
+    def active_lora_modules(self) -> frozenset[int]:
+        """Module ids that at least one filled slot targets: LoRA launches of the others are
+        skipped (an attention-only adapter population costs no MLP LoRA launches)."""
+        return self._active
+
+    def _set_slot_modules(self, slot: int, modules: frozenset[int]) -> None:
+        for m in self._slot_modules.pop(slot, frozenset()):
+            self._module_users[m] -= 1
+        if modules:
+            self._slot_modules[slot] = modules
+            for m in modules:
+                self._module_users[m] += 1
+        self._active = frozenset(m for m, n in enumerate(self._module_users) if n)
 
     @property
     def nbytes(self) -> int:
@@ -104,6 +123,8 @@ class PageArena:
         self.clear_slot(slot)
         if not layers:
             return
+        self._set_slot_modules(slot, frozenset(m for m, r in zip(mods, ranks, strict=True)
+                                               if r > 0))
         dev = self.pages.device
         idx = (torch.tensor(layers, device=dev), slot, torch.tensor(mods, device=dev))
         self.tables.a_offsets[idx] = torch.tensor(a_off, dtype=torch.int64, device=dev)
@@ -115,3 +136,4 @@ class PageArena:
         """Mark a slot empty (rank 0 everywhere) so no kernel reads its stale pages."""
         self.tables.ranks[:, slot].zero_()
         self.tables.scales[:, slot].zero_()
+        self._set_slot_modules(slot, frozenset())

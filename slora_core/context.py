@@ -42,6 +42,9 @@ class StepContext:
     kv_caches: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v) arena views
     lora: LoraMeta | None = None
     lora_tables: LoraTables | None = None
+    # Module ids (config.MODULE_INDEX) that some resident adapter targets; LoRA launches for
+    # the others are skipped. None = all modules.
+    lora_modules: frozenset[int] | None = None
 
 
 _CONTEXT: StepContext | None = None

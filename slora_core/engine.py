@@ -19,7 +19,7 @@ from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
 from slora_core.adapter_copies import AdapterCopier
 from slora_core.adapters import AdapterError, LoraAdapter
 from slora_core.arena import PageArena
-from slora_core.config import ConfigError, EngineConfig, ModelConfig
+from slora_core.config import LORA_MODULES, ConfigError, EngineConfig, ModelConfig
 from slora_core.detokenizer import TextStream
 from slora_core.lora import wrap_lora
 from slora_core.model import LlamaForCausalLM
@@ -111,14 +111,17 @@ class LLMEngine:
         model = load_model(model_dir, config.torch_dtype, config.device)
         return cls(model, model_config, Tokenizer.from_dir(model_dir), config)
 
-    def warmup(self, variants: tuple[bool, ...] | None = None) -> None:
-        """Capture the decode CUDA graphs of every batch bucket (CUDA only; a no-op on CPU).
-        `variants` lists with_lora values to capture; by default the LoRA variant when adapters
-        are registered, else the base-only one."""
+    def warmup(self, lora: bool | None = None) -> None:
+        """Capture the decode CUDA graphs of every batch bucket (CUDA only; a no-op on CPU):
+        the base-model graphs, and with `lora` (by default: when adapters are registered) the
+        LoRA graphs for the modules the registered adapters target (all modules when none is
+        parsed yet). A later adapter that targets other modules gets its graphs on first use."""
         if self.runner.graphs is None:
             return
-        for with_lora in variants or (bool(self.adapters.names()),):
-            self.runner.graphs.capture_all(with_lora=with_lora)
+        self.runner.graphs.capture_all(frozenset())
+        if lora if lora is not None else bool(self.adapters.names()):
+            self.runner.graphs.capture_all(self.adapters.target_module_ids()
+                                           or frozenset(range(len(LORA_MODULES))))
 
     # ---- adapters --------------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,

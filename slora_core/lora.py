@@ -32,6 +32,20 @@ class LoraLinear(nn.Module):
         self.module_ids = tuple(MODULE_INDEX[m] for m in modules)
         starts = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         self.out_slices = tuple(zip(starts, out_sizes, strict=True))
+        # Active-module set -> (module ids, output slices) of this layer's launch.
+        self._launch: dict[frozenset[int] | None, tuple[tuple[int, ...],
+                                                        tuple[tuple[int, int], ...]]] = {}
+
+    def _launch_modules(self, active: frozenset[int] | None
+                        ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """This layer's modules that some resident adapter targets, with their slices."""
+        got = self._launch.get(active)
+        if got is None:
+            keep = [i for i, m in enumerate(self.module_ids) if active is None or m in active]
+            got = (tuple(self.module_ids[i] for i in keep),
+                   tuple(self.out_slices[i] for i in keep))
+            self._launch[active] = got
+        return got
 
     @property
     def weight(self) -> torch.Tensor:
@@ -42,12 +56,15 @@ class LoraLinear(nn.Module):
         ctx = get_context()
         if ctx.lora is None or ctx.lora_tables is None or ctx.lora.num_segments == 0:
             return y
+        module_ids, out_slices = self._launch_modules(ctx.lora_modules)
+        if not module_ids:
+            return y
         t = ctx.lora_tables
         layer = self.layer
         ops.add_lora(
             y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), t.arena, t.a_offsets[layer],
-            t.b_offsets[layer], t.ranks[layer], t.scales[layer], self.module_ids,
-            self.out_slices, ctx.lora, max_rank=t.max_rank or None,
+            t.b_offsets[layer], t.ranks[layer], t.scales[layer], module_ids,
+            out_slices, ctx.lora, max_rank=t.max_rank or None,
         )
         return y
 

@@ -50,6 +50,7 @@ class ModelRunner:
             max_seq_len=int(inputs.seq_lens.max()), logits_indices=dev[3],
             kv_caches=self.arena.kv_caches, lora=lora,
             lora_tables=self.arena.tables if lora is not None else None,
+            lora_modules=self.arena.active_lora_modules,
         )
         return dev[0], ctx
 
@@ -65,6 +66,9 @@ class ModelRunner:
             return self.model.compute_logits(hidden[ctx.logits_indices])
 
 
+GraphKey = tuple[int, frozenset[int]]  # (batch bucket, LoRA module ids the graph runs)
+
+
 def _buckets(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
@@ -73,8 +77,10 @@ def _buckets(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """CUDA graphs of the decode step (one token per sequence), one per batch-size bucket.
 
-    Every graph runs the LoRA kernels over one-token segments; base-model and padding rows
-    point at the arena's spare table row, whose ranks are always 0."""
+    A graph is keyed by (bucket, LoRA modules): the module ids whose LoRA kernels it runs
+    (those some resident adapter targets; empty for steps with no adapter token). LoRA runs
+    over one-token segments; base-model and padding rows point at the arena's spare table row,
+    whose ranks are always 0."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
         self.runner = runner
@@ -91,26 +97,27 @@ class DecodeGraphs:
         self.token_slots = torch.full((n,), self.empty_slot, dtype=torch.int32, device=dev)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.ones = torch.ones(n, dtype=torch.int32, device=dev)
-        # Keyed by (bucket, with_lora): steps with no adapter token skip the LoRA kernels.
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
-        self.contexts: dict[tuple[int, bool], StepContext] = {}  # captured graphs read these
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphKey, torch.Tensor] = {}
+        self.contexts: dict[GraphKey, StepContext] = {}  # captured graphs read these
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture_all(self, with_lora: bool = True) -> None:
-        """Capture every bucket now (start-up), so no request waits for a capture later."""
+    def capture_all(self, modules: frozenset[int]) -> None:
+        """Capture every bucket for one LoRA module set now (start-up), so no request waits for
+        a capture later. An empty set captures the base-model (no LoRA) graphs."""
         with torch.inference_mode():
             for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
-                if (b, with_lora) not in self.graphs:
-                    self._capture(b, with_lora)
+                if (b, modules) not in self.graphs:
+                    self._capture(b, modules)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.max_query_len == 1 and inputs.logits_indices.size == inputs.num_seqs
                 and inputs.num_seqs <= self.buckets[-1]
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
-    def _context(self, b: int, with_lora: bool) -> StepContext:
+    def _context(self, b: int, modules: frozenset[int]) -> StepContext:
         r = self.runner
+        with_lora = bool(modules)
         lora = LoraMeta(seg_starts=self.arange[:b], seg_lens=self.ones[:b],
                         seg_slots=self.token_slots[:b], token_slots=self.token_slots[:b],
                         max_seg_len=1, num_segments=b) if with_lora else None
@@ -120,12 +127,12 @@ class DecodeGraphs:
             query_starts=self.arange[: b + 1], max_query_len=1,
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
-            lora_tables=r.arena.tables if with_lora else None,
+            lora_tables=r.arena.tables if with_lora else None, lora_modules=modules,
         )
 
-    def _capture(self, b: int, with_lora: bool) -> None:
-        key = (b, with_lora)
-        ctx = self.contexts[key] = self._context(b, with_lora)
+    def _capture(self, b: int, modules: frozenset[int]) -> None:
+        key = (b, modules)
+        ctx = self.contexts[key] = self._context(b, modules)
         model = self.runner.model
         with step_context(ctx):
             for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
@@ -139,8 +146,9 @@ class DecodeGraphs:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         n = inputs.num_seqs
         b = next(s for s in self.buckets if s >= n)
-        key = (b, bool((inputs.token_slots >= 0).any()))
-        if key not in self.graphs:
+        has_lora = bool((inputs.token_slots >= 0).any())
+        key = (b, self.runner.arena.active_lora_modules if has_lora else frozenset())
+        if key not in self.graphs:  # a module set not seen at start-up: captured once, now
             self._capture(*key)
         slots = np.where(inputs.token_slots >= 0, inputs.token_slots, self.empty_slot)
         tables = np.zeros((b, self.max_blocks), dtype=np.int64)

@@ -59,7 +59,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
     finish running ones (at most `drain_grace_s`), exit 0."""
     engine = await asyncio.to_thread(LLMEngine.from_model_dir, opts.model_dir, opts.engine)
     # CUDA: compile kernels and capture every decode graph before the first request (no-op on CPU).
-    await asyncio.to_thread(engine.warmup, (True, False))
+    await asyncio.to_thread(engine.warmup, True)
     metrics = WorkerMetrics()
     if opts.metrics_port is not None:
         port = serve_metrics(opts.metrics_port, metrics.registry)

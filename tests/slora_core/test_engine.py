@@ -205,3 +205,31 @@ def test_sliding_window_models_need_max_model_len_within_the_window():
     qwen = ModelConfig.from_dict({**base, "model_type": "qwen2", "sliding_window": 256,
                                   "use_sliding_window": False})
     assert qwen.sliding_window is None  # Qwen2 declares a window it does not use
+
+
+def test_lora_launches_only_for_modules_some_resident_adapter_targets(demo_dir, adapter_names,
+                                                                       hf_reference, monkeypatch):
+    """A q,v-only adapter: the q/k/v launch carries q and v alone, o/MLP launch nothing; the
+    tokens still equal HF+peft's; once the adapter is evicted no module is active."""
+    from slora_core import lora as lora_module
+    from slora_core.config import MODULE_INDEX
+
+    launched: list[tuple[int, ...]] = []
+    real = lora_module.ops.add_lora
+
+    def spy(*args, **kwargs):
+        launched.append(tuple(args[7]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lora_module.ops, "add_lora", spy)
+    engine = make_engine(demo_dir, ["qv-r4"], cuda_graphs=False)
+    reqs = [r for r in _requests(adapter_names) if r[1] == "qv-r4"]
+    tokens, _ = run_all(engine, reqs)
+    for i, (prompt, name) in enumerate(reqs):
+        assert tokens[str(i)] == hf_reference[(tuple(prompt), name)][0]
+    qv = (MODULE_INDEX["q_proj"], MODULE_INDEX["v_proj"])
+    assert engine.arena.active_lora_modules == frozenset(qv)
+    assert launched and set(launched) == {qv}
+    slot = engine.pool.resident("qv-r4").slot
+    engine.arena.clear_slot(slot)
+    assert engine.arena.active_lora_modules == frozenset()
