@@ -16,7 +16,7 @@ import triton
 
 from kernels.lora_common import MAX_MODULES_PER_LAUNCH
 from kernels.lora_expand import lora_expand
-from kernels.lora_reference import LoraMeta
+from kernels.lora_reference import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
 from kernels.lora_shrink import lora_shrink
 
 
@@ -37,10 +37,10 @@ class LoraTiles:
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
 # decode requests on one adapter) use taller tiles so A and B are re-read less often.
-DECODE_TILES = LoraTiles(shrink_block_m=16, shrink_block_k=256, expand_block_m=16,
-                         expand_block_n=256)
-PREFILL_TILES = LoraTiles(shrink_block_m=64, shrink_block_k=128, expand_block_m=64,
-                          expand_block_n=128, max_split_k=2)
+DECODE_TILES = LoraTiles(shrink_block_m=DECODE_BLOCK_M, shrink_block_k=256,
+                         expand_block_m=DECODE_BLOCK_M, expand_block_n=256)
+PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
+                          expand_block_m=PREFILL_BLOCK_M, expand_block_n=128, max_split_k=2)
 # A K split shorter than this reads too little per program to hide memory latency.
 MIN_K_PER_SPLIT = 256
 MAX_SPLIT_K = 16
@@ -48,9 +48,9 @@ MAX_SPLIT_K = 16
 PROGRAMS_PER_SM = 4
 
 
-def pick_tiles(max_seg_len: int) -> LoraTiles:
-    """The tile table entry for a step whose longest segment has `max_seg_len` tokens."""
-    return DECODE_TILES if max_seg_len <= DECODE_TILES.shrink_block_m else PREFILL_TILES
+def pick_tiles(block_m: int) -> LoraTiles:
+    """The tile table entry for a step whose tile list has `block_m` rows per tile."""
+    return DECODE_TILES if block_m == DECODE_BLOCK_M else PREFILL_TILES
 
 
 def rank_block(max_rank: int) -> int:
@@ -99,7 +99,7 @@ def add_lora_triton(
     """
     if len(module_ids) != len(out_slices):
         raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
-    if meta.num_segments == 0 or x.shape[0] == 0:
+    if meta.num_tiles == 0 or x.shape[0] == 0:
         return
     if x.shape[0] != y.shape[0] or meta.token_slots.shape[0] != x.shape[0]:
         raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)} and the segment metadata "
@@ -108,13 +108,16 @@ def add_lora_triton(
         max_rank = int(ranks.max())
     if max_rank <= 0:
         return
-    tiles = tiles or pick_tiles(meta.max_seg_len)
+    tiles = tiles or pick_tiles(meta.block_m)
+    if tiles.shrink_block_m != meta.block_m or tiles.expand_block_m != meta.block_m:
+        raise ValueError(f"tiles of {tiles.shrink_block_m}/{tiles.expand_block_m} rows but the "
+                         f"step's tile list has {meta.block_m}")
     block_r = rank_block(max_rank)
     k = x.shape[1]
     for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
-        programs = meta.num_segments * triton.cdiv(meta.max_seg_len, tiles.shrink_block_m)
+        programs = meta.num_tiles
         splits = split_k or pick_split_k(programs * len(mods), k, x.device, tiles.max_split_k)
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)

@@ -60,23 +60,24 @@ def _expand_rank_tiles(
 @triton.jit(do_not_specialize=["split_k", "stride_bs"])
 def _lora_expand_kernel(
     y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
-    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
     mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
     n_tiles, stride_ym, stride_yn, table_stride, split_k,
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    m0 = tl.program_id(1) * BLOCK_M
-    mod_i = tl.program_id(2) // n_tiles
-    n0 = (tl.program_id(2) % n_tiles) * BLOCK_N
-    seg_len = tl.load(seg_lens_ptr + seg)
+    tile = tl.program_id(0)
+    mod_i = tl.program_id(1) // n_tiles
+    n0 = (tl.program_id(1) % n_tiles) * BLOCK_N
     out_size = select3(mod_i, size0, size1, size2)
-    if m0 >= seg_len:
-        return
     if n0 >= out_size:
         return
+    seg = tl.load(tile_segs_ptr + tile)
+    if seg < 0:
+        return
+    m0 = tl.load(tile_m0_ptr + tile)
+    seg_len = tl.load(seg_lens_ptr + seg)
     start = tl.load(seg_starts_ptr + seg)
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     mod = select3(mod_i, mod0, mod1, mod2)
@@ -127,7 +128,7 @@ def lora_expand(
     """Add the expand of `buf` into y's column slices (see module docstring)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
-    if meta.num_segments == 0 or num_tokens == 0:
+    if meta.num_tiles == 0 or num_tokens == 0:
         return
     max_n = max(size for _, size in out_slices)
     n_tiles = triton.cdiv(max_n, block_n)
@@ -135,10 +136,12 @@ def lora_expand(
     mods = tuple(module_ids) + pad
     starts = tuple(s for s, _ in out_slices) + pad
     sizes = tuple(n for _, n in out_slices) + pad
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_mods * n_tiles)
+    if block_m != meta.block_m:
+        raise ValueError(f"block_m {block_m} but the tile list was built for {meta.block_m}")
+    grid = (meta.num_tiles, num_mods * n_tiles)
     _lora_expand_kernel[grid](
         y, buf, arena, b_offsets, ranks, scales,
-        meta.seg_starts, meta.seg_lens, meta.seg_slots,
+        meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
         mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1], sizes[2],
         n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),

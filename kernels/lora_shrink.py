@@ -63,20 +63,21 @@ def _shrink_rank_tiles(
 @triton.jit(do_not_specialize=["split_k", "stride_bs"])
 def _lora_shrink_kernel(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
-    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr,
+    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
     mod0, mod1, mod2,
     K, k_chunk, stride_xm, stride_xk, table_stride, split_k,
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    m0 = tl.program_id(1) * BLOCK_M
-    mod_i = tl.program_id(2) // split_k
-    split = tl.program_id(2) % split_k
-    seg_len = tl.load(seg_lens_ptr + seg)
-    if m0 >= seg_len:
+    tile = tl.program_id(0)
+    mod_i = tl.program_id(1) // split_k
+    split = tl.program_id(1) % split_k
+    seg = tl.load(tile_segs_ptr + tile)
+    if seg < 0:
         return
+    m0 = tl.load(tile_m0_ptr + tile)
+    seg_len = tl.load(seg_lens_ptr + seg)
     start = tl.load(seg_starts_ptr + seg)
     slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     mod = select3(mod_i, mod0, mod1, mod2)
@@ -122,15 +123,17 @@ def lora_shrink(
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
-    if meta.num_segments == 0 or num_tokens == 0:
+    if meta.num_tiles == 0 or num_tokens == 0:
         return
     k = x.shape[1]
     k_chunk = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
     mods = tuple(module_ids) + (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
-    grid = (meta.num_segments, triton.cdiv(meta.max_seg_len, block_m), num_mods * split_k)
+    if block_m != meta.block_m:
+        raise ValueError(f"block_m {block_m} but the tile list was built for {meta.block_m}")
+    grid = (meta.num_tiles, num_mods * split_k)
     _lora_shrink_kernel[grid](
         x, arena, buf, a_offsets, ranks,
-        meta.seg_starts, meta.seg_lens, meta.seg_slots,
+        meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
         mods[0], mods[1], mods[2],
         k, k_chunk, x.stride(0), x.stride(1), a_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),

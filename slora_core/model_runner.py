@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.lora_reference import LoraMeta, lora_segments
+from kernels.lora_reference import DECODE_BLOCK_M, LoraMeta, lora_segments, lora_tiles, tile_rows
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
 from slora_core.model import LlamaForCausalLM
@@ -35,15 +35,17 @@ class ModelRunner:
         seg = lora_segments(inputs.token_slots) if has_lora else None
         arrays = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
                   inputs.seq_lens, inputs.query_starts, inputs.block_tables]
+        block_m = tile_rows(int(seg[1].max())) if seg is not None else 0
         if seg is not None:
-            arrays += [inputs.token_slots, *seg]
+            arrays += [inputs.token_slots, *seg, *lora_tiles(seg[1], block_m)]
         dev = to_device(arrays, self.device)
         i32 = [t.to(torch.int32) for t in dev[4:]]
         lora = None
         if seg is not None:
             lora = LoraMeta(seg_starts=i32[4], seg_lens=i32[5], seg_slots=i32[6],
                             token_slots=i32[3], max_seg_len=int(seg[1].max()),
-                            num_segments=int(seg[0].size))
+                            num_segments=int(seg[0].size), tile_segs=i32[7], tile_m0=i32[8],
+                            num_tiles=int(i32[7].shape[0]), block_m=block_m)
         ctx = StepContext(
             positions=dev[1], slot_mapping=dev[2], block_tables=i32[2], seq_lens=i32[0],
             query_starts=i32[1], max_query_len=inputs.max_query_len,
@@ -89,14 +91,16 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // arena.block_size)
         self.empty_slot = arena.num_slots - 1
         n, dev = self.buckets[-1], runner.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.token_slots = torch.full((n,), self.empty_slot, dtype=torch.int32, device=dev)
+        self.n = n
+        # Static inputs in two packed buffers, each filled by one host-to-device copy a step.
+        self.i64 = torch.zeros(3 * n, dtype=torch.int64, device=dev)
+        self.input_ids, self.positions, self.slot_mapping = self.i64.view(3, n)
+        self.i32 = torch.zeros(7 * n + n * self.max_blocks, dtype=torch.int32, device=dev)
+        rows = self.i32[: 7 * n].view(7, n)
+        (self.seq_lens, self.token_slots, self.seg_starts, self.seg_lens, self.seg_slots,
+         self.tile_segs, self.tile_m0) = rows
+        self.block_tables = self.i32[7 * n :].view(n, self.max_blocks)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.ones = torch.ones(n, dtype=torch.int32, device=dev)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
         self.contexts: dict[GraphKey, StepContext] = {}  # captured graphs read these
@@ -118,9 +122,12 @@ class DecodeGraphs:
     def _context(self, b: int, modules: frozenset[int]) -> StepContext:
         r = self.runner
         with_lora = bool(modules)
-        lora = LoraMeta(seg_starts=self.arange[:b], seg_lens=self.ones[:b],
-                        seg_slots=self.token_slots[:b], token_slots=self.token_slots[:b],
-                        max_seg_len=1, num_segments=b) if with_lora else None
+        # Up to b segments and b tiles; run() fills them and marks unused tiles -1.
+        lora = LoraMeta(seg_starts=self.seg_starts[:b], seg_lens=self.seg_lens[:b],
+                        seg_slots=self.seg_slots[:b], token_slots=self.token_slots[:b],
+                        max_seg_len=DECODE_BLOCK_M, num_segments=b,
+                        tile_segs=self.tile_segs[:b], tile_m0=self.tile_m0[:b], num_tiles=b,
+                        block_m=DECODE_BLOCK_M) if with_lora else None
         return StepContext(
             positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
             block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b],
@@ -150,24 +157,30 @@ class DecodeGraphs:
         key = (b, self.runner.arena.active_lora_modules if has_lora else frozenset())
         if key not in self.graphs:  # a module set not seen at start-up: captured once, now
             self._capture(*key)
-        slots = np.where(inputs.token_slots >= 0, inputs.token_slots, self.empty_slot)
-        tables = np.zeros((b, self.max_blocks), dtype=np.int64)
-        tables[:n, : inputs.block_tables.shape[1]] = inputs.block_tables
-        pad = b - n
-        host = [
-            np.concatenate((inputs.input_ids, np.zeros(pad, np.int64))),
-            np.concatenate((inputs.positions, np.zeros(pad, np.int64))),
-            np.concatenate((inputs.slot_mapping, np.full(pad, -1, np.int64))),
-            np.concatenate((inputs.seq_lens, np.ones(pad, np.int64))),
-            np.concatenate((slots, np.full(pad, self.empty_slot, np.int64))),
-            tables,
-        ]
-        dev = to_device(host, self.runner.device)
-        self.input_ids[:b].copy_(dev[0])
-        self.positions[:b].copy_(dev[1])
-        self.slot_mapping[:b].copy_(dev[2])
-        self.seq_lens[:b].copy_(dev[3])
-        self.token_slots[:b].copy_(dev[4])
-        self.block_tables[:b].copy_(dev[5])
+        n_all, nb = self.n, inputs.block_tables.shape[1]
+        i64 = np.zeros((3, n_all), dtype=np.int64)
+        i64[0, :n] = inputs.input_ids
+        i64[1, :n] = inputs.positions
+        i64[2, :] = -1
+        i64[2, :n] = inputs.slot_mapping
+        i32 = np.zeros(self.i32.numel(), dtype=np.int32)
+        rows = i32[: 7 * n_all].reshape(7, n_all)
+        rows[0, :] = 1
+        rows[0, :n] = inputs.seq_lens
+        rows[1, :] = self.empty_slot
+        rows[1, :n] = np.where(inputs.token_slots >= 0, inputs.token_slots, self.empty_slot)
+        rows[5, :] = -1
+        if has_lora:
+            starts, lens, seg_slots = lora_segments(inputs.token_slots)
+            tile_segs, tile_m0 = lora_tiles(lens, DECODE_BLOCK_M)
+            rows[2, : starts.size] = starts
+            rows[3, : lens.size] = lens
+            rows[4, : seg_slots.size] = seg_slots
+            rows[5, : tile_segs.size] = tile_segs
+            rows[6, : tile_m0.size] = tile_m0
+        i32[7 * n_all :].reshape(n_all, self.max_blocks)[:n, :nb] = inputs.block_tables
+        for static, host in ((self.i64, i64), (self.i32, i32)):
+            src = torch.from_numpy(host.reshape(-1))
+            static.copy_(src.pin_memory(), non_blocking=True)
         self.graphs[key].replay()
         return self.logits[key][:n]

@@ -58,6 +58,7 @@ def build_lora_case(
     dtype: torch.dtype,
     gen: torch.Generator,
     aligned: bool = False,
+    block_m: int | None = None,
 ) -> LoraCase:
     """Place every (slot, module) A and B matrix at a shuffled, gapped position of an arena whose
     other elements are NaN, so any read outside a matrix poisons the output. `aligned` keeps
@@ -93,5 +94,5 @@ def build_lora_case(
         b_offsets=b_off.to(DEVICE),
         ranks=ranks.to(DEVICE),
         scales=scales.to(DEVICE),
-        meta=LoraMeta.from_token_slots(token_slots, device=DEVICE),
+        meta=LoraMeta.from_token_slots(token_slots, device=DEVICE, block_m=block_m),
     )

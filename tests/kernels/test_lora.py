@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,8 +43,9 @@ def _run(
         (s, m): rank_choices[int(torch.randint(len(rank_choices), (1,), generator=gen))]
         for s in range(num_slots) for m in module_ids
     }
+    tiles = knobs.get("tiles")
     case = build_lora_case(token_slots, num_slots, in_features, sizes, rank_of, dtype, gen,
-                           aligned)
+                           aligned, block_m=getattr(tiles, "shrink_block_m", None))
     starts = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
     slices = tuple(zip(starts, out_sizes, strict=True))
     t = len(token_slots)
@@ -186,3 +189,42 @@ def test_new_batch_shapes_compile_no_new_variant() -> None:
         _run(_decode_slots(batch, 8, seed=batch), 8, 256, QKV, (256, 64, 64), [16],
              torch.float16, seed=batch, aligned=True)
     assert compiled_kernel_variants() == before
+
+
+def test_segments_and_tile_list() -> None:
+    """Runs of equal slots >= 0 are segments; each is cut into block_m-row tiles, so one
+    adapter shared by many decode rows is read once per tile, not once per row."""
+    import numpy as np
+
+    from kernels.lora_reference import lora_segments, lora_tiles
+
+    slots = np.array([2, 2, 2, 2, 2, -1, -1, 0, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])
+    starts, lens, seg_slots = lora_segments(slots)
+    assert starts.tolist() == [0, 7, 8] and lens.tolist() == [5, 1, 17]
+    assert seg_slots.tolist() == [2, 0, 5]
+    segs, m0 = lora_tiles(lens, 16)
+    assert segs.tolist() == [0, 1, 2, 2] and m0.tolist() == [0, 0, 0, 16]
+    segs, m0 = lora_tiles(lens, 4)
+    assert segs.tolist() == [0, 0, 1, 2, 2, 2, 2, 2] and m0.tolist() == [0, 4, 0, 0, 4, 8, 12, 16]
+    assert lora_tiles(np.zeros(0, dtype=np.int64), 16)[0].size == 0
+
+
+def test_a_padded_tile_list_runs_only_its_real_tiles() -> None:
+    """CUDA graphs capture a fixed-size tile list; entries marked -1 must do nothing."""
+    slots = [1] * 20 + [0] * 3
+    gen = generator(21)
+    rank_of = {(s, m): 8 for s in range(2) for m in O_PROJ}
+    case = build_lora_case(slots, 2, 32, {3: 24}, rank_of, torch.float32, gen, block_m=16)
+    pad = torch.full((5,), -1, dtype=torch.int32, device=DEVICE)
+    meta = dataclasses.replace(
+        case.meta, tile_segs=torch.cat([case.meta.tile_segs, pad]),
+        tile_m0=torch.cat([case.meta.tile_m0, torch.zeros_like(pad)]),
+        num_tiles=case.meta.num_tiles + 5)
+    x = randn(len(slots), 32, dtype=torch.float32, gen=gen)
+    y = torch.zeros(len(slots), 24, device=DEVICE)
+    y_ref = y.double()
+    args = (case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales, O_PROJ,
+            ((0, 24),))
+    add_lora_triton(y, x, *args, meta)  # type: ignore[arg-type]
+    add_lora_reference(y_ref, x.double(), case.arena.double(), *args[1:], case.meta)
+    assert rel_err(y, y_ref) < TOLERANCE[torch.float32]
