@@ -15,22 +15,22 @@ if [ -f .tcache/triton-cache.tgz ]; then  # compiled kernels of an earlier call,
 fi
 case "${1:-1}" in
 1)  # where step time goes; the 32 x 32 batch against HF PEFT; the decode floor; one adapter
-    # against the base model
+    # against the base model (all requests at t=0: saturating)
     timeout 220 python3 -m bench.profile_gpu --shape llama2-7b --out "$OUT/profile.json" 2>&1 \
         | grep -v "USDT\|it/s]\|s/it]\|_warn_once\|UserWarning"
     timeout 330 python3 -m bench.serving "${COMMON[@]}" --scenarios peft32,floor,overhead --hf \
         --hf-max-time 45 --requests 300 --rate 25 --out "$OUT/serving-a.json" 2>&1 \
         | grep -v "it/s]\|s/it]" | tee "$OUT/serving-a.log" ;;
-2)  # many adapters, adapter reuse, gRPC overhead, GPU correctness
+2)  # GPU correctness, one adapter against the base model, many adapters, adapter reuse, gRPC
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
-    timeout 300 python3 -m bench.serving "${COMMON[@]}" --scenarios scale,reuse \
-        --requests 300 --rate 25 --many-adapters 2000 --out "$OUT/serving-b.json" 2>&1 \
+    timeout 80 python3 -m bench.gpu_engine_check --out "$OUT/engine-gpu-check.json" 2>&1 \
+        | tail -12
+    timeout 300 python3 -m bench.serving "${COMMON[@]}" --scenarios overhead,scale,reuse \
+        --requests 300 --rate 40 --many-adapters 2000 --out "$OUT/serving-b.json" 2>&1 \
         | grep -v "it/s]\|s/it]" | tee "$OUT/serving-b.log"
     timeout 150 python3 -m bench.service_overhead --device cuda --dtype float16 \
-        --out "$OUT/service-overhead-h200.json" 2>&1 | tail -20
-    timeout 80 python3 -m bench.gpu_engine_check --out "$OUT/engine-gpu-check.json" 2>&1 \
-        | tail -12 ;;
+        --out "$OUT/service-overhead-h200.json" 2>&1 | tail -20 ;;
 esac
 mkdir -p /tmp/tc && tar czf /tmp/tc/triton-cache.tgz -C ~/.triton cache 2>/dev/null \
     && [ "$(stat -c %s /tmp/tc/triton-cache.tgz)" -lt 16000000 ] && cp /tmp/tc/triton-cache.tgz "$OUT/"
