@@ -31,6 +31,19 @@ case "${1:-1}" in
         | grep -v "it/s]\|s/it]" | tee "$OUT/serving-b.log"
     timeout 150 python3 -m bench.service_overhead --device cuda --dtype float16 \
         --out "$OUT/service-overhead-h200.json" 2>&1 | tail -20 ;;
+3)  # everything in one call: correctness, the serving scenarios, gRPC, the step profile
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+    timeout 80 python3 -m bench.gpu_engine_check --out "$OUT/engine-gpu-check.json" 2>&1 \
+        | tail -12
+    timeout 320 python3 -m bench.serving "${COMMON[@]}" \
+        --scenarios overhead,scale,floor,peft32,reuse --hf --hf-max-time 40 --requests 300 \
+        --rate 40 --many-adapters 2000 --scale-caps 64,256 --out "$OUT/serving-h200.json" 2>&1 \
+        | grep -v "it/s]\|s/it]" | tee "$OUT/serving.log"
+    timeout 100 python3 -m bench.service_overhead --device cuda --dtype float16 --requests 96 \
+        --new-tokens 64 --repeats 2 --out "$OUT/service-overhead-h200.json" 2>&1 | tail -20
+    timeout 90 python3 -m bench.profile_gpu --shape llama2-7b --out "$OUT/profile.json" 2>&1 \
+        | grep -v "USDT\|it/s]\|s/it]\|_warn_once\|UserWarning" ;;
 esac
 mkdir -p /tmp/tc && tar czf /tmp/tc/triton-cache.tgz -C ~/.triton cache 2>/dev/null \
     && [ "$(stat -c %s /tmp/tc/triton-cache.tgz)" -lt 16000000 ] && cp /tmp/tc/triton-cache.tgz "$OUT/"

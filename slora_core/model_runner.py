@@ -100,6 +100,11 @@ class DecodeGraphs:
         (self.seq_lens, self.token_slots, self.seg_starts, self.seg_lens, self.seg_slots,
          self.tile_segs, self.tile_m0) = rows
         self.block_tables = self.i32[7 * n :].view(n, self.max_blocks)
+        # Start-up captures run the model on these: write no KV (slot -1), read no adapter.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.token_slots.fill_(self.empty_slot)
+        self.tile_segs.fill_(-1)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
@@ -155,8 +160,6 @@ class DecodeGraphs:
         b = next(s for s in self.buckets if s >= n)
         has_lora = bool((inputs.token_slots >= 0).any())
         key = (b, self.runner.arena.active_lora_modules if has_lora else frozenset())
-        if key not in self.graphs:  # a module set not seen at start-up: captured once, now
-            self._capture(*key)
         n_all, nb = self.n, inputs.block_tables.shape[1]
         i64 = np.zeros((3, n_all), dtype=np.int64)
         i64[0, :n] = inputs.input_ids
@@ -182,5 +185,10 @@ class DecodeGraphs:
         for static, host in ((self.i64, i64), (self.i32, i32)):
             src = torch.from_numpy(host.reshape(-1))
             static.copy_(src.pin_memory(), non_blocking=True)
+        if key not in self.graphs:
+            # A bucket or module set not captured at start-up: capture it now. Its warm-up runs
+            # read this step's inputs (already in the buffers), so the KV rows they write are
+            # the ones the replay writes; stale inputs could overwrite pages reused since.
+            self._capture(*key)
         self.graphs[key].replay()
         return self.logits[key][:n]
