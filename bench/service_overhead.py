@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.serving import SHAPES
 from services.common.demo_stack import (
     Stack,
     StackConfig,
@@ -121,15 +122,30 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
+                    help="model shape: the tiny demo model, or a real size written to disk "
+                         "(fp16, 3 of the demo adapters)")
+    ap.add_argument("--num-pages", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="slora-overhead-"))
-    demo = write_demo_assets(root / "demo", seed=0)
+    t0 = time.perf_counter()
+    if args.shape == "tiny":
+        demo = write_demo_assets(root / "demo", seed=0)
+    else:
+        shape = {k: v for k, v in SHAPES[args.shape].items() if k != "vocab_size"}
+        shape |= {"head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+                  "max_position_embeddings": 4096}
+        demo = write_demo_assets(root / "demo", seed=0, model_overrides=shape,
+                                 adapters=("qv-r4", "attn-r8", "all-r16"), dtype=torch.float16)
+    print(f"assets written in {time.perf_counter() - t0:.1f} s", flush=True)
     names = sorted(demo.adapter_dirs)
-    engine_args = {"num_pages": 128, "max_num_seqs": 16, "max_num_batched_tokens": 512,
-                   "max_adapters_per_batch": 8}
-    worker_args = ("--num-pages", "128", "--max-num-seqs", "16", "--max-num-batched-tokens",
-                   "512", "--max-adapters-per-batch", "8", "--device", args.device,
+    engine_args = {"num_pages": args.num_pages, "max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": 512, "max_adapters_per_batch": 8}
+    worker_args = ("--num-pages", str(args.num_pages), "--max-num-seqs",
+                   str(args.max_num_seqs), "--max-num-batched-tokens", "512",
+                   "--max-adapters-per-batch", "8", "--device", args.device,
                    "--dtype", args.dtype, "--max-queue", str(args.requests * 2))
     reqs = workload(names, args.requests, args.new_tokens, vocab=512)
     config = EngineConfig(dtype=args.dtype, device=args.device, **engine_args)
@@ -158,7 +174,8 @@ def main() -> int:
         "command": "python -m bench.service_overhead " + " ".join(sys.argv[1:]),
         "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda")
         else f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
-        "requests": args.requests, "new_tokens": args.new_tokens,
+        "requests": args.requests, "new_tokens": args.new_tokens, "shape": args.shape,
+        "max_num_seqs": args.max_num_seqs,
         "in_process": inproc, "grpc": served, "all_runs": {"in_process": inproc_runs,
                                                              "grpc": grpc_runs},
         "throughput_ratio": served["output_tok_per_s"] / inproc["output_tok_per_s"],

@@ -65,7 +65,7 @@ class Bench:
                   max_rank=max(ranks), max_num_seqs=a.max_num_seqs,
                   max_num_batched_tokens=a.max_num_batched_tokens,
                   max_adapters_per_batch=a.max_adapters_per_batch, max_model_len=1100,
-                  max_queue=100_000)
+                  max_queue=100_000, mixed_graphs=not a.no_mixed_graphs)
         kw.update(overrides)
         # Undo a previous engine's LoRA wrapping: each engine wraps the bare base layers.
         unwrap_lora(self.model)
@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-adapters-per-batch", type=int, default=64)
+    p.add_argument("--no-mixed-graphs", action="store_true",
+                   help="run steps with prefill tokens eagerly (EngineConfig.mixed_graphs=False)")
     p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)

@@ -174,6 +174,9 @@ class EngineConfig:
     host_cache_bytes: int = 1 << 30
     max_queue: int = 1024
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA devices only)
+    # Steps with prefill tokens replay CUDA graphs too, inputs padded to token buckets (CUDA
+    # only, with cuda_graphs); otherwise they run eagerly, host-bound at 7B sizes.
+    mixed_graphs: bool = True
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

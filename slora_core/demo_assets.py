@@ -130,25 +130,33 @@ class DemoAssets:
     manifest: Path
 
 
-def write_demo_assets(root: str | Path, seed: int = 0) -> DemoAssets:
-    """Write root/model/, root/adapters/<name>/ for every spec in ADAPTERS, and
-    root/manifest.json. The same seed writes byte-identical files."""
+def write_demo_assets(root: str | Path, seed: int = 0, *,
+                      model_overrides: dict[str, Any] | None = None,
+                      adapters: tuple[str, ...] | None = None,
+                      dtype: torch.dtype = torch.float32) -> DemoAssets:
+    """Write root/model/, root/adapters/<name>/ for every spec in ADAPTERS (or those named in
+    `adapters`), and root/manifest.json. The same seed writes byte-identical files.
+    `model_overrides` changes the model's shape (benchmarks at real sizes, e.g. Llama-2-7B's
+    hidden_size/num_hidden_layers/...) and `dtype` the stored weights' dtype."""
     root = Path(root)
     model_dir = root / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     tokenizer.save(str(model_dir / "tokenizer.json"))
     _write_json(model_dir / "tokenizer_config.json", _tokenizer_config())
-    config_dict = {**MODEL_CONFIG, "vocab_size": tokenizer.get_vocab_size()}
+    config_dict = {**MODEL_CONFIG, **(model_overrides or {}),
+                   "vocab_size": tokenizer.get_vocab_size()}
     _write_json(model_dir / "config.json", config_dict)
     _write_json(model_dir / "generation_config.json", {
         "bos_token_id": config_dict["bos_token_id"], "eos_token_id": config_dict["eos_token_id"],
         "do_sample": False})
     config = ModelConfig.from_dict(config_dict)
-    save_file(base_weights(config, seed), str(model_dir / "model.safetensors"),
+    save_file(base_weights(config, seed, dtype), str(model_dir / "model.safetensors"),
               metadata={"format": "pt"})
     adapter_dirs = {}
     for i, spec in enumerate(ADAPTERS):
+        if adapters is not None and spec.name not in adapters:
+            continue
         adapter_dirs[spec.name] = write_adapter(root / "adapters" / spec.name, spec, config,
                                                 seed=seed * 1000 + i + 1)
     manifest = root / "manifest.json"
@@ -171,7 +179,8 @@ def train_tokenizer() -> Tokenizer:
     return tok
 
 
-def base_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def base_weights(config: ModelConfig, seed: int,
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Seeded HF-named float32 weights scaled so that the residual stream stays O(1) and the
     logits spread by a few units: a random tiny model whose greedy output depends on context
     (not one token forever)."""
@@ -186,7 +195,7 @@ def base_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             t = torch.randn(shape, generator=gen) * (3.0 / math.sqrt(shape[1]))
         else:
             t = torch.randn(shape, generator=gen) * (1.0 / math.sqrt(shape[1]))
-        out[name] = t.contiguous()
+        out[name] = t.to(dtype).contiguous()
     return out
 
 

@@ -96,7 +96,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.arena, self.pool,
                                   max_num_seqs=config.max_num_seqs,
                                   max_model_len=config.max_model_len,
-                                  use_cuda_graphs=config.cuda_graphs)
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  use_cuda_graphs=config.cuda_graphs,
+                                  mixed_graphs=config.mixed_graphs)
         self.sampler = Sampler()
         # Without a tokenizer (benchmarks on token ids) no text is produced.
         tok_eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
@@ -112,16 +114,21 @@ class LLMEngine:
         return cls(model, model_config, Tokenizer.from_dir(model_dir), config)
 
     def warmup(self, lora: bool | None = None) -> None:
-        """Capture the decode CUDA graphs of every batch bucket (CUDA only; a no-op on CPU):
-        the base-model graphs, and with `lora` (by default: when adapters are registered) the
-        LoRA graphs for the modules the registered adapters target (all modules when none is
-        parsed yet). A later adapter that targets other modules gets its graphs on first use."""
+        """Capture the CUDA graphs of every decode batch bucket and every mixed-step token
+        bucket (CUDA only; a no-op on CPU): the base-model graphs, and with `lora` (by default:
+        when adapters are registered) the LoRA graphs for the modules the registered adapters
+        target (all modules when none is parsed yet). A later adapter that targets other
+        modules gets its graphs on first use."""
         if self.runner.graphs is None:
             return
-        self.runner.graphs.capture_all(frozenset())
+        sets = [frozenset()]
         if lora if lora is not None else bool(self.adapters.names()):
-            self.runner.graphs.capture_all(self.adapters.target_module_ids()
-                                           or frozenset(range(len(LORA_MODULES))))
+            sets.append(self.adapters.target_module_ids()
+                        or frozenset(range(len(LORA_MODULES))))
+        for modules in sets:
+            self.runner.graphs.capture_all(modules)
+            if self.runner.mixed is not None:
+                self.runner.mixed.capture_all(modules)
 
     # ---- adapters --------------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,

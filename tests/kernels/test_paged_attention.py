@@ -165,3 +165,32 @@ def test_full_size_on_gpu(dtype: torch.dtype, name: str, heads: int, kv_heads: i
         seqs = [(1024, 1024), (3000, 200), (77, 1), (513, 512), (4096, 64)]
         case = build_case(seqs, heads, kv_heads, 128, bs, dtype, seed=9)
         _check_attention(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", [SMALL_TILES, AttentionTiles()], ids=["small", "default"])
+def test_prefill_with_padded_tokens_and_sequences(dtype: torch.dtype,
+                                                  tiles: AttentionTiles) -> None:
+    """The padded layout mixed-step CUDA graphs use: extra query rows that belong to no
+    sequence and extra sequences with zero queries (starts = real token count, table rows 0).
+    Real rows equal the unpadded result; nothing else is read or written."""
+    case = build_case([(40, 40), (70, 1), (33, 20), (5, 1)], 4, 2, 16, 16, dtype, seed=31)
+    scale = case.q.shape[2] ** -0.5
+    t_real, b_real = case.q.shape[0], case.seq_lens.shape[0]
+    t_pad, b_pad = t_real + 45, b_real + 6
+    gen = generator(32)
+    q = torch.cat([case.q, randn(t_pad - t_real, 4, 16, dtype=dtype, gen=gen)])
+    tables = torch.zeros(b_pad, case.block_tables.shape[1], dtype=torch.int32, device=DEVICE)
+    tables[:b_real] = case.block_tables
+    seq_lens = torch.ones(b_pad, dtype=torch.int32, device=DEVICE)
+    seq_lens[:b_real] = case.seq_lens
+    starts = torch.full((b_pad + 1,), t_real, dtype=torch.int32, device=DEVICE)
+    starts[: b_real + 1] = case.query_starts
+    out = torch.full_like(q, 7.0)
+    paged_attention_triton(q, case.k_cache, case.v_cache, tables, seq_lens, starts, scale,
+                           max_query_len=t_pad, out=out, tiles=tiles)
+    ref = paged_attention_reference(case.q.double(), case.k_cache.double(),
+                                    case.v_cache.double(), case.block_tables, case.seq_lens,
+                                    case.query_starts, scale)
+    assert rel_err(out[:t_real], ref) < TOLERANCE[dtype]
+    assert torch.equal(out[t_real:], torch.full_like(out[t_real:], 7.0))
