@@ -138,7 +138,8 @@ def main() -> int:
         shape |= {"head_dim": shape["hidden_size"] // shape["num_attention_heads"],
                   "max_position_embeddings": 4096}
         demo = write_demo_assets(root / "demo", seed=0, model_overrides=shape,
-                                 adapters=("qv-r4", "attn-r8", "all-r16"), dtype=torch.float16)
+                                 adapters=("qv-r4", "attn-r8", "all-r16"), dtype=torch.float16,
+                                 device=args.device)
     print(f"assets written in {time.perf_counter() - t0:.1f} s", flush=True)
     names = sorted(demo.adapter_dirs)
     engine_args = {"num_pages": args.num_pages, "max_num_seqs": args.max_num_seqs,

@@ -44,6 +44,21 @@ case "${1:-1}" in
         --new-tokens 64 --repeats 2 --out "$OUT/service-overhead-h200.json" 2>&1 | tail -20
     timeout 90 python3 -m bench.profile_gpu --shape llama2-7b --out "$OUT/profile.json" 2>&1 \
         | grep -v "USDT\|it/s]\|s/it]\|_warn_once\|UserWarning" ;;
+4)  # mixed-step graphs: correctness first (falls back to eager mixed steps if it fails), the
+    # serving scenarios they change, gRPC at Llama-2-7B shapes
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+    timeout 80 python3 -m bench.gpu_engine_check --out "$OUT/engine-gpu-check.json" 2>&1 \
+        | tail -22
+    EXTRA=()
+    python3 -c "import json,sys; m=json.load(open('$OUT/engine-gpu-check.json'))['modes']['all_graphs']; sys.exit(m['exact_token_match'] + m['diverged_at_near_tie'] != m['requests'])" \
+        || { EXTRA=(--no-mixed-graphs); echo "mixed graphs disagree with HF: serving without them"; }
+    timeout 250 python3 -m bench.serving "${COMMON[@]}" "${EXTRA[@]}" \
+        --scenarios overhead,scale,floor --requests 300 --rate 40 --many-adapters 2000 \
+        --scale-caps 256 --out "$OUT/serving-h200.json" 2>&1 | grep -v "it/s]\|s/it]"
+    timeout 250 python3 -m bench.service_overhead --device cuda --dtype float16 \
+        --shape llama2-7b --num-pages 1024 --max-num-seqs 64 --requests 128 --new-tokens 64 \
+        --repeats 1 --out "$OUT/service-overhead-7b-h200.json" 2>&1 | tail -20 ;;
 esac
 mkdir -p /tmp/tc && tar czf /tmp/tc/triton-cache.tgz -C ~/.triton cache 2>/dev/null \
     && [ "$(stat -c %s /tmp/tc/triton-cache.tgz)" -lt 16000000 ] && cp /tmp/tc/triton-cache.tgz "$OUT/"

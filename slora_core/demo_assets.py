@@ -133,11 +133,13 @@ class DemoAssets:
 def write_demo_assets(root: str | Path, seed: int = 0, *,
                       model_overrides: dict[str, Any] | None = None,
                       adapters: tuple[str, ...] | None = None,
-                      dtype: torch.dtype = torch.float32) -> DemoAssets:
+                      dtype: torch.dtype = torch.float32, device: str = "cpu") -> DemoAssets:
     """Write root/model/, root/adapters/<name>/ for every spec in ADAPTERS (or those named in
     `adapters`), and root/manifest.json. The same seed writes byte-identical files.
     `model_overrides` changes the model's shape (benchmarks at real sizes, e.g. Llama-2-7B's
-    hidden_size/num_hidden_layers/...) and `dtype` the stored weights' dtype."""
+    hidden_size/num_hidden_layers/...), `dtype` the stored weights' dtype and `device` where the
+    random base weights are drawn (a GPU draws a 7B model in seconds; files then depend on the
+    device's generator as well as the seed)."""
     root = Path(root)
     model_dir = root / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +153,7 @@ def write_demo_assets(root: str | Path, seed: int = 0, *,
         "bos_token_id": config_dict["bos_token_id"], "eos_token_id": config_dict["eos_token_id"],
         "do_sample": False})
     config = ModelConfig.from_dict(config_dict)
-    save_file(base_weights(config, seed, dtype), str(model_dir / "model.safetensors"),
+    save_file(base_weights(config, seed, dtype, device), str(model_dir / "model.safetensors"),
               metadata={"format": "pt"})
     adapter_dirs = {}
     for i, spec in enumerate(ADAPTERS):
@@ -179,23 +181,23 @@ def train_tokenizer() -> Tokenizer:
     return tok
 
 
-def base_weights(config: ModelConfig, seed: int,
-                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def base_weights(config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> dict[str, torch.Tensor]:
     """Seeded HF-named float32 weights scaled so that the residual stream stays O(1) and the
     logits spread by a few units: a random tiny model whose greedy output depends on context
     (not one token forever)."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     out = {}
     for name, shape in checkpoint_shapes(config).items():
         if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
         elif name == "model.embed_tokens.weight":
-            t = torch.randn(shape, generator=gen)
+            t = torch.randn(shape, generator=gen, device=device)
         elif name == "lm_head.weight":
-            t = torch.randn(shape, generator=gen) * (3.0 / math.sqrt(shape[1]))
+            t = torch.randn(shape, generator=gen, device=device) * (3.0 / math.sqrt(shape[1]))
         else:
-            t = torch.randn(shape, generator=gen) * (1.0 / math.sqrt(shape[1]))
-        out[name] = t.to(dtype).contiguous()
+            t = torch.randn(shape, generator=gen, device=device) * (1.0 / math.sqrt(shape[1]))
+        out[name] = t.to(dtype).contiguous().cpu()
     return out
 
 
