@@ -59,6 +59,11 @@ case "${1:-1}" in
     timeout 250 python3 -m bench.service_overhead --device cuda --dtype float16 \
         --shape llama2-7b --num-pages 1024 --max-num-seqs 64 --requests 128 --new-tokens 64 \
         --repeats 1 --out "$OUT/service-overhead-7b-h200.json" 2>&1 | tail -20 ;;
+5)  # the rest with mixed-step graphs: the 32 x 32 batch against HF PEFT, reuse, a second
+    # sample of one adapter against the base model
+    timeout 300 python3 -m bench.serving "${COMMON[@]}" --scenarios peft32,reuse,overhead \
+        --hf --hf-max-time 40 --requests 300 --out "$OUT/serving-h200-b.json" 2>&1 \
+        | grep -v "it/s]\|s/it]" ;;
 esac
 mkdir -p /tmp/tc && tar czf /tmp/tc/triton-cache.tgz -C ~/.triton cache 2>/dev/null \
     && [ "$(stat -c %s /tmp/tc/triton-cache.tgz)" -lt 16000000 ] && cp /tmp/tc/triton-cache.tgz "$OUT/"
