@@ -121,7 +121,7 @@ class LLMEngine:
         modules gets its graphs on first use."""
         if self.runner.graphs is None:
             return
-        sets = [frozenset()]
+        sets: list[frozenset[int]] = [frozenset()]
         if lora if lora is not None else bool(self.adapters.names()):
             sets.append(self.adapters.target_module_ids()
                         or frozenset(range(len(LORA_MODULES))))

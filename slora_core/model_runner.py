@@ -43,7 +43,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, max_num_seqs, max_model_len)
             if mixed_graphs:
                 self.mixed = MixedGraphs(self, max_num_seqs, max_num_batched_tokens,
-                                         max_model_len, self.graphs.pool)
+                                         max_model_len, self.graphs)
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         has_lora = bool((inputs.token_slots >= 0).any())
@@ -231,7 +231,7 @@ class MixedGraphs:
     the same padded step without a graph (CPU tests check it against the unpadded step)."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, pool: object | None = None) -> None:
+                 max_model_len: int, decode_graphs: DecodeGraphs | None = None) -> None:
         self.runner = runner
         arena = runner.arena
         self.buckets = _token_buckets(max_num_batched_tokens)
@@ -258,7 +258,8 @@ class MixedGraphs:
         self.graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[MixedKey, torch.Tensor] = {}
         self.contexts: dict[MixedKey, StepContext] = {}
-        self.pool = pool
+        # One memory pool with the decode graphs: only one graph runs at a time.
+        self.pool = decode_graphs.pool if decode_graphs is not None else None
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.input_ids.size <= self.t_max and inputs.num_seqs <= self.b_max

@@ -3,6 +3,7 @@ device in one pinned, non-blocking copy."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -61,7 +62,7 @@ def build_step_inputs(scheduled: list[ScheduledSeq], pool: PagePool, block_size:
         ids = np.fromiter(chain.from_iterable(
             s.token_slice(s.num_computed_tokens, s.num_computed_tokens + item.num_new_tokens)
             for s, item in zip(seqs, scheduled, strict=True)), np.int64, num_tokens)
-    adapter_slot: dict[str | None, int] = {None: -1}
+    adapter_slot: dict[Hashable | None, int] = {None: -1}
     for s in seqs:
         if s.adapter not in adapter_slot:
             rec = pool.resident(s.adapter)
