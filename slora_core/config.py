@@ -169,7 +169,10 @@ class EngineConfig:
     max_rank: int = 64
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_adapters_per_batch: int = 8
+    # Distinct adapters one step may read. A cap below the number of concurrent requests makes
+    # requests wait for adapter room under many-adapter traffic (H200, 2,000 adapters: p99 TTFT
+    # 58x that of 5 adapters at a cap of 64, 1.4x at 256), so the default is max_num_seqs's.
+    max_adapters_per_batch: int = 64
     max_model_len: int = 2048
     host_cache_bytes: int = 1 << 30
     max_queue: int = 1024

@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-pages", type=int, default=256, help="arena size in pages")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-rank", type=int, default=64)
-    p.add_argument("--max-adapters-per-batch", type=int, default=8)
+    p.add_argument("--max-adapters-per-batch", type=int, default=64,
+                   help="distinct adapters one step may read (default: as many as sequences)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--no-progress", action="store_true")

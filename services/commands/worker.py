@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-rank", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-adapters-per-batch", type=int, default=8)
+    p.add_argument("--max-adapters-per-batch", type=int, default=64,
+                   help="distinct adapters one step may read (default: as many as sequences)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests past which new ones get RESOURCE_EXHAUSTED")
     p.add_argument("--capacity", type=int, default=0, help="adapter versions to keep warm")
