@@ -126,7 +126,7 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.logits: dict[GraphKey, torch.Tensor] = {}
         self.contexts: dict[GraphKey, StepContext] = {}  # captured graphs read these
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
 
     def capture_all(self, modules: frozenset[int]) -> None:
         """Capture every bucket for one LoRA module set now (start-up), so no request waits for
@@ -172,7 +172,8 @@ class DecodeGraphs:
                 self.logits[key] = model.compute_logits(model(self.input_ids[:b], ctx.positions))
         self.graphs[key] = graph
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def prepare(self, inputs: StepInputs) -> GraphKey:
+        """Copy the step's padded inputs into the static buffers; the graph key to run."""
         n = inputs.num_seqs
         b = next(s for s in self.buckets if s >= n)
         has_lora = bool((inputs.token_slots >= 0).any())
@@ -201,14 +202,30 @@ class DecodeGraphs:
         i32[7 * n_all :].reshape(n_all, self.max_blocks)[:n, :nb] = inputs.block_tables
         for static, host in ((self.i64, i64), (self.i32, i32)):
             src = torch.from_numpy(host.reshape(-1))
-            static.copy_(src.pin_memory(), non_blocking=True)
+            if static.is_cuda:
+                src = src.pin_memory()
+            static.copy_(src, non_blocking=static.is_cuda)
+        return key
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        key = self.prepare(inputs)
         if key not in self.graphs:
             # A bucket or module set not captured at start-up: capture it now. Its warm-up runs
             # read this step's inputs (already in the buffers), so the KV rows they write are
             # the ones the replay writes; stale inputs could overwrite pages reused since.
             self._capture(*key)
         self.graphs[key].replay()
-        return self.logits[key][:n]
+        return self.logits[key][: inputs.num_seqs]
+
+    def run_padded_eager(self, inputs: StepInputs) -> torch.Tensor:
+        """The padded step a graph replays, run without a graph (any device; CPU tests check
+        it against the unpadded step)."""
+        b, modules = self.prepare(inputs)
+        ctx = self._context(b, modules)
+        model = self.runner.model
+        with step_context(ctx):
+            logits = model.compute_logits(model(self.input_ids[:b], ctx.positions))
+        return logits[: inputs.num_seqs]
 
 
 MixedKey = tuple[int, frozenset[int]]  # (token bucket, LoRA module ids the graph runs)

@@ -263,3 +263,33 @@ def test_padded_mixed_step_gives_the_unpadded_logits(demo_dir, adapter_names):
     tokens, _ = run_all(engine, reqs)
     assert len(checked) >= 3 and any(n < 48 for n in checked)
     assert len(tokens) == len(reqs)
+
+
+def test_padded_decode_step_gives_the_unpadded_logits(demo_dir, adapter_names):
+    """The inputs decode CUDA graphs replay (rows padded to a bucket, the spare table slot on
+    base and padding rows, a padded LoRA tile list) give the unpadded logits on every decode
+    step of a batch of adapters and the base model."""
+    from slora_core.model_runner import DecodeGraphs
+    from slora_core.step_inputs import build_step_inputs
+
+    engine = make_engine(demo_dir, adapter_names[:5], max_num_seqs=12)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner, 12, engine.config.max_model_len)
+    run = runner.run
+    checked = []
+
+    def both(scheduled):
+        logits = run(scheduled)
+        inputs = build_step_inputs(scheduled, runner.pool, runner.arena.block_size)
+        if graphs.can_run(inputs):
+            with torch.inference_mode():
+                padded = graphs.run_padded_eager(inputs)
+            torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-5)
+            checked.append(inputs.num_seqs)
+        return logits
+
+    runner.run = both  # type: ignore[method-assign]
+    reqs = _requests(adapter_names[:5])
+    tokens, _ = run_all(engine, reqs)
+    assert len(checked) >= 3 and any(n not in graphs.buckets for n in checked)
+    assert len(tokens) == len(reqs)
