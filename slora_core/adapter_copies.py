@@ -17,10 +17,16 @@ class AdapterCopier:
         dev = arena.pages.device
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._pending: dict[int, torch.cuda.Event] = {}
+        # With asynchronous steps a launched step may still read pages or table rows that this
+        # copier is about to overwrite (freed by a request that finished on the host meanwhile):
+        # then each write first waits for the compute stream's work.
+        self.after_compute = False
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
         if self._stream is None:
             return contextlib.nullcontext()
+        if self.after_compute:
+            self._stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(self._stream)
 
     def write(self, slot: int, pages: list[int], host: HostAdapter) -> None:

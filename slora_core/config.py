@@ -180,6 +180,10 @@ class EngineConfig:
     # Steps with prefill tokens replay CUDA graphs too, inputs padded to token buckets (CUDA
     # only, with cuda_graphs); otherwise they run eagerly, host-bound at 7B sizes.
     mixed_graphs: bool = True
+    # Launch step N+1 before the host has step N's sampled ids (they feed N+1 on the device),
+    # so scheduling and output handling overlap the GPU. Outputs then come one step() call
+    # later. Off by default: checked on the CPU only so far (same tokens as synchronous steps).
+    async_steps: bool = False
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

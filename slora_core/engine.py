@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
@@ -23,10 +24,10 @@ from slora_core.config import LORA_MODULES, ConfigError, EngineConfig, ModelConf
 from slora_core.detokenizer import TextStream
 from slora_core.lora import wrap_lora
 from slora_core.model import LlamaForCausalLM
-from slora_core.model_runner import ModelRunner
+from slora_core.model_runner import ModelRunner, TokenPatch
 from slora_core.outputs import RequestOutput, TokenLogprob
 from slora_core.page_pool import PagePool
-from slora_core.sampler import SampledToken, Sampler, make_generator
+from slora_core.sampler import PendingSample, SampledToken, Sampler, make_generator
 from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from slora_core.sequence import Sequence
@@ -54,6 +55,18 @@ class _Request:
     seq: Sequence
     stream: TextStream
     generator: torch.Generator | None
+
+
+@dataclass
+class _Inflight:
+    """A step whose sampled ids are still on their way to the host (asynchronous steps): row i
+    of `pending` belongs to seqs[i], whose last output token is a placeholder until then."""
+
+    seqs: list[Sequence]
+    pending: PendingSample
+
+
+PLACEHOLDER = -1  # an output token id sampled on the device, not yet read by the host
 
 
 @dataclass
@@ -106,6 +119,8 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.copier = AdapterCopier(self.arena)
+        self.copier.after_compute = config.async_steps
+        self._inflight: _Inflight | None = None  # async steps: the sampled batch not yet read
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
@@ -215,7 +230,7 @@ class LLMEngine:
         return self._final(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self._inflight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -227,7 +242,10 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one batch; returns the outputs of requests that made progress."""
+        """Schedule and run one batch; returns the outputs of requests that made progress
+        (with `async_steps`, those of the batch launched by the previous call)."""
+        if self.config.async_steps:
+            return self._step_async()
         sched = self.scheduler.schedule()
         outputs = self._apply_memory_changes(sched)
         outputs += [self._expire(seq) for seq in sched.expired]
@@ -252,6 +270,78 @@ class LLMEngine:
             self.eos_token_ids,
         )
         for req, tok in zip(reqs, sampled, strict=True):
+            outputs.append(self._append_token(req, tok))
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch this step, then read the previous step's sampled ids (the GPU is
+        busy with this one meanwhile), then launch this step's sampling. Sequences sampled by
+        the previous step carry a placeholder last token: the scheduler counts it, and its id
+        reaches this step's inputs on the device (TokenPatch). A sequence that turns out to
+        have finished computed one token too many; it is dropped before sampling."""
+        inflight, self._inflight = self._inflight, None
+        sched = self.scheduler.schedule()
+        outputs = self._apply_memory_changes(sched)
+        outputs += [self._expire(seq) for seq in sched.expired]
+        logits = None
+        sampling: list[Sequence] = []
+        if sched.scheduled:
+            self.stats.steps += 1
+            self.stats.tokens += sched.num_tokens
+            self.stats.last_distinct_adapters = sched.distinct_adapters()
+            self._wait_for_copies(sched)
+            logits = self.runner.run(sched.scheduled, self._patch(sched, inflight))
+            sampling = [s.seq for s in sched.scheduled if s.samples]
+            for item in sched.scheduled:
+                item.seq.num_computed_tokens += item.num_new_tokens
+        if inflight is not None:
+            outputs += self._complete(inflight)
+        live = [i for i, s in enumerate(sampling) if s.request_id in self._requests
+                and self._requests[s.request_id].seq is s]
+        if logits is not None and live:
+            seqs = [sampling[i] for i in live]
+            if len(live) < len(sampling):
+                logits = logits[torch.tensor(live, device=logits.device)]
+            reqs = [self._requests[s.request_id] for s in seqs]
+            pending = self.sampler.sample_async(
+                logits, [s.params for s in seqs], [r.generator for r in reqs],
+                [s.token_ids() if s.params.repetition_penalty != 1.0 else () for s in seqs],
+                [len(s.output_token_ids) for s in seqs], self.eos_token_ids)
+            for s in seqs:
+                s.output_token_ids.append(PLACEHOLDER)
+            self._inflight = _Inflight(seqs, pending)
+        return outputs
+
+    @staticmethod
+    def _patch(sched: SchedulerOutput, inflight: _Inflight | None) -> TokenPatch | None:
+        """Where this step's inputs are the previous step's placeholders."""
+        if inflight is None:
+            return None
+        row_of = {id(s): i for i, s in enumerate(inflight.seqs)}
+        dst, rows = [], []
+        start = 0
+        for item in sched.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            row = row_of.get(id(seq))
+            last = seq.num_computed_tokens + n - 1  # index of the step's last token of seq
+            if row is not None and last == seq.num_tokens - 1 and seq.output_token_ids \
+                    and seq.output_token_ids[-1] == PLACEHOLDER:
+                dst.append(start + n - 1)
+                rows.append(row)
+            start += n
+        if not dst:
+            return None
+        return TokenPatch(np.asarray(dst, dtype=np.int64), np.asarray(rows, dtype=np.int64),
+                          inflight.pending.tokens)
+
+    def _complete(self, inflight: _Inflight) -> list[RequestOutput]:
+        """Read a launched step's sampled ids: fill the placeholders, stream, finish."""
+        outputs = []
+        for seq, tok in zip(inflight.seqs, inflight.pending.result(), strict=True):
+            req = self._requests.get(seq.request_id)
+            if req is None or req.seq is not seq:
+                continue  # aborted or failed while the step ran
+            seq.output_token_ids.pop()  # the placeholder
             outputs.append(self._append_token(req, tok))
         return outputs
 

@@ -9,6 +9,8 @@ at mixed-step sizes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -26,6 +28,28 @@ from slora_core.model import LlamaForCausalLM
 from slora_core.page_pool import PagePool
 from slora_core.scheduler import ScheduledSeq
 from slora_core.step_inputs import StepInputs, build_step_inputs, to_device
+
+
+@dataclass(frozen=True)
+class TokenPatch:
+    """Input ids the host does not know yet: token `dst[i]` of the step is `src[rows[i]]`, an id
+    the previous step sampled that is still on the device (asynchronous steps)."""
+
+    dst: np.ndarray  # [n] int64 token indices within the step
+    rows: np.ndarray  # [n] int64 rows of src
+    src: torch.Tensor  # [B_prev] int64, on the device
+
+
+def apply_patch(input_ids: torch.Tensor, patch: TokenPatch | None) -> None:
+    """input_ids[dst] = src[rows], on the device; the indices travel pinned and non-blocking
+    (a pageable copy would wait for the previous step's work)."""
+    if patch is None or patch.dst.size == 0:
+        return
+    idx = torch.from_numpy(np.stack([patch.dst, patch.rows]).astype(np.int64))
+    if input_ids.is_cuda:
+        idx = idx.pin_memory()
+    idx = idx.to(input_ids.device, non_blocking=True)
+    input_ids[idx[0]] = patch.src[idx[1]]
 
 
 class ModelRunner:
@@ -72,14 +96,17 @@ class ModelRunner:
         return dev[0], ctx
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Forward the step; float32 logits [num_sampling_seqs, vocab] in scheduled order."""
+    def run(self, scheduled: list[ScheduledSeq], patch: TokenPatch | None = None
+            ) -> torch.Tensor:
+        """Forward the step; float32 logits [num_sampling_seqs, vocab] in scheduled order.
+        `patch` supplies input ids still on the device (see TokenPatch)."""
         inputs = build_step_inputs(scheduled, self.pool, self.arena.block_size)
         if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)
+            return self.graphs.run(inputs, patch)
         if self.mixed is not None and self.mixed.can_run(inputs):
-            return self.mixed.run(inputs)
+            return self.mixed.run(inputs, patch)
         input_ids, ctx = self.build_context(inputs)
+        apply_patch(input_ids, patch)
         with step_context(ctx):
             hidden = self.model(input_ids, ctx.positions)
             return self.model.compute_logits(hidden[ctx.logits_indices])
@@ -172,7 +199,7 @@ class DecodeGraphs:
                 self.logits[key] = model.compute_logits(model(self.input_ids[:b], ctx.positions))
         self.graphs[key] = graph
 
-    def prepare(self, inputs: StepInputs) -> GraphKey:
+    def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         """Copy the step's padded inputs into the static buffers; the graph key to run."""
         n = inputs.num_seqs
         b = next(s for s in self.buckets if s >= n)
@@ -205,10 +232,11 @@ class DecodeGraphs:
             if static.is_cuda:
                 src = src.pin_memory()
             static.copy_(src, non_blocking=static.is_cuda)
+        apply_patch(self.input_ids, patch)
         return key
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        key = self.prepare(inputs)
+    def run(self, inputs: StepInputs, patch: TokenPatch | None = None) -> torch.Tensor:
+        key = self.prepare(inputs, patch)
         if key not in self.graphs:
             # A bucket or module set not captured at start-up: capture it now. Its warm-up runs
             # read this step's inputs (already in the buffers), so the KV rows they write are
@@ -328,7 +356,7 @@ class MixedGraphs:
             self.logits[key] = self._forward(t, ctx)
         self.graphs[key] = graph
 
-    def prepare(self, inputs: StepInputs) -> MixedKey:
+    def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> MixedKey:
         """Copy the step's padded inputs into the static buffers; the graph key to run."""
         n_tok, n_seq = int(inputs.input_ids.size), inputs.num_seqs
         t = next(s for s in self.buckets if s >= n_tok)
@@ -365,10 +393,11 @@ class MixedGraphs:
             if static.is_cuda:
                 src = src.pin_memory()
             static.copy_(src, non_blocking=static.is_cuda)
+        apply_patch(self.input_ids, patch)
         return (t, self.runner.arena.active_lora_modules if has_lora else frozenset())
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        key = self.prepare(inputs)
+    def run(self, inputs: StepInputs, patch: TokenPatch | None = None) -> torch.Tensor:
+        key = self.prepare(inputs, patch)
         if key not in self.graphs:
             # Its warm-up runs read this step's inputs (already copied), so the KV rows they
             # write are the ones the replay writes.

@@ -151,6 +151,24 @@ class Sampler:
         penalty); `num_generated[b]` counts generated tokens (for `min_new_tokens`). Greedy rows
         (temperature 0) take the argmax of the penalised, masked logits and draw nothing. Makes
         one device-to-host transfer."""
+        chosen, raw_logprobs = self._choose(logits, params, generators, token_history,
+                                            num_generated, eos_token_ids)
+        return _to_host(chosen, raw_logprobs, params)
+
+    def sample_async(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                     generators: Sequence[torch.Generator | None],
+                     token_history: Sequence[Sequence[int]], num_generated: Sequence[int],
+                     eos_token_ids: Sequence[int]) -> PendingSample:
+        """`sample` without waiting: the chosen ids stay on the device (the next step reads
+        them there) and the host copy is started; `PendingSample.result()` waits for it."""
+        chosen, raw_logprobs = self._choose(logits, params, generators, token_history,
+                                            num_generated, eos_token_ids)
+        return PendingSample(chosen, _pack(chosen, raw_logprobs, params), params)
+
+    def _choose(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None],
+                token_history: Sequence[Sequence[int]], num_generated: Sequence[int],
+                eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         _check_batch(logits, params, generators, token_history, num_generated)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -161,7 +179,7 @@ class Sampler:
             sampled = self._sample_rows(_warp(scores, params), params, generators)
             greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
             chosen = torch.where(greedy, chosen, sampled)
-        return _to_host(chosen, raw_logprobs, params)
+        return chosen, raw_logprobs
 
     @staticmethod
     def _penalise(scores: torch.Tensor, params: Sequence[SamplingParams],
@@ -231,16 +249,20 @@ def _warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tenso
     return apply_top_p(scores, [1.0 if p.is_greedy else p.top_p for p in params])
 
 
-def _to_host(chosen: torch.Tensor, raw_logprobs: torch.Tensor,
-             params: Sequence[SamplingParams]) -> list[SampledToken]:
-    """Pack tokens, their logprobs and the top-k logprobs into one float64 tensor (exact for
-    token ids below 2**53) so the batch costs a single device-to-host copy."""
+def _pack(chosen: torch.Tensor, raw_logprobs: torch.Tensor,
+          params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Tokens, their logprobs and the top-k logprobs in one float64 tensor (exact for token ids
+    below 2**53), so the batch costs a single device-to-host copy."""
     k = max((p.top_logprobs for p in params), default=0)
     parts = [chosen[:, None].double(), raw_logprobs.gather(1, chosen[:, None]).double()]
     if k:
         top = raw_logprobs.topk(k, dim=-1)
         parts += [top.indices.double(), top.values.double()]
-    rows = torch.cat(parts, dim=1).cpu().tolist()
+    return torch.cat(parts, dim=1)
+
+
+def _unpack(rows: list[list[float]], params: Sequence[SamplingParams]) -> list[SampledToken]:
+    k = max((p.top_logprobs for p in params), default=0)
     out: list[SampledToken] = []
     for row, p in zip(rows, params, strict=True):
         n = p.top_logprobs
@@ -248,3 +270,32 @@ def _to_host(chosen: torch.Tensor, raw_logprobs: torch.Tensor,
         pairs = tuple((int(top_ids[i]), top_vals[i]) for i in range(n))
         out.append(SampledToken(token_id=int(row[0]), logprob=row[1], top_logprobs=pairs))
     return out
+
+
+def _to_host(chosen: torch.Tensor, raw_logprobs: torch.Tensor,
+             params: Sequence[SamplingParams]) -> list[SampledToken]:
+    return _unpack(_pack(chosen, raw_logprobs, params).cpu().tolist(), params)
+
+
+class PendingSample:
+    """A sampled batch whose host copy may still be in flight. `tokens` ([B] int64, on the
+    device) can feed the next step's inputs before the host has seen them."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor,
+                 params: Sequence[SamplingParams]) -> None:
+        self.tokens = tokens
+        self.params = list(params)
+        self._event: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+
+    def result(self) -> list[SampledToken]:
+        """Wait for the host copy (not for later work on the stream) and unpack it."""
+        if self._event is not None:
+            self._event.synchronize()
+        return _unpack(self._host.tolist(), self.params)

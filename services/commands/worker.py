@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="distinct adapters one step may read (default: as many as sequences)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="waiting requests past which new ones get RESOURCE_EXHAUSTED")
+    p.add_argument("--async-steps", action="store_true",
+                   help="launch each step before reading the previous one's tokens (overlaps "
+                        "host work with the GPU; not yet measured on one)")
     p.add_argument("--capacity", type=int, default=0, help="adapter versions to keep warm")
     p.add_argument("--cache-dir", default="", help="disk cache of adapters (default: temp dir)")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size, max_rank=args.max_rank, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_adapters_per_batch=args.max_adapters_per_batch, max_queue=args.max_queue,
+        async_steps=args.async_steps,
     )
     port = args.listen.rsplit(":", 1)[-1]
     worker_id = args.worker_id or f"{socket.gethostname()}-{port}"

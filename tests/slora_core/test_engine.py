@@ -293,3 +293,68 @@ def test_padded_decode_step_gives_the_unpadded_logits(demo_dir, adapter_names):
     tokens, _ = run_all(engine, reqs)
     assert len(checked) >= 3 and any(n not in graphs.buckets for n in checked)
     assert len(tokens) == len(reqs)
+
+
+def _varied_run(demo_dir, adapter_names, **config):
+    """Every request's (tokens, text, finish reason, logprobs) on a workload that exercises
+    greedy and seeded sampling, stop ids and strings, EOS, min_new_tokens, the repetition
+    penalty, top logprobs, a small arena (preemption) and an abort half-way."""
+    engine = make_engine(demo_dir, adapter_names[:6], num_pages=24, max_num_seqs=10,
+                         max_num_batched_tokens=40, **config)
+    run = engine.runner.run
+    patched = []
+
+    def counting(scheduled, patch=None):
+        patched.append(0 if patch is None else int(patch.dst.size))
+        return run(scheduled, patch)
+
+    engine.runner.run = counting  # type: ignore[method-assign]
+    rng = torch.Generator().manual_seed(7)
+    kinds = [
+        SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, top_logprobs=2),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_new_tokens=16),
+        SamplingParams(temperature=0.7, top_k=5, seed=3, max_new_tokens=12, min_new_tokens=6),
+        SamplingParams(temperature=0, max_new_tokens=30, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_new_tokens=25, stop_token_ids=(100, 200, 300)),
+        SamplingParams(temperature=1.0, seed=5, max_new_tokens=18, stop=("e",)),
+    ]
+    names = [None, *adapter_names[:6]]
+    for i in range(21):
+        n = int(torch.randint(3, 60, (1,), generator=rng))
+        prompt = torch.randint(3, 500, (n,), generator=rng).tolist()
+        engine.add_request(str(i), prompt, kinds[i % len(kinds)], adapter=names[i % len(names)])
+    got: dict[str, list] = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps == 9:
+            out = engine.abort_request("4")
+            if out is not None:
+                got.setdefault("4", []).append((out.token_ids, out.text, out.finish_reason, []))
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(
+                (out.token_ids, out.text, out.finish_reason,
+                 [(lp.token_id, round(lp.logprob, 4)) for lp in out.logprobs]))
+    engine.stats.patched_tokens = sum(patched)  # type: ignore[attr-defined]
+    merged = {}
+    for rid, parts in got.items():
+        merged[rid] = ([t for p in parts for t in p[0]], "".join(p[1] for p in parts),
+                       [p[2] for p in parts if p[2]], [lp for p in parts for lp in p[3]])
+    return merged, engine.stats
+
+
+def test_async_steps_give_the_same_outputs_as_synchronous_steps(demo_dir, adapter_names):
+    """Launching step N+1 before the host reads step N's ids (placeholders patched on the
+    device) changes nothing a client sees: same tokens, text and finish reasons for every
+    request, logprobs equal to float32 noise (a finished request's extra row changes the batch
+    shape of one step), with preemptions and an abort in the run."""
+    sync_out, sync_stats = _varied_run(demo_dir, adapter_names)
+    async_out, async_stats = _varied_run(demo_dir, adapter_names, async_steps=True)
+    assert sync_stats.preemptions > 0
+    assert sync_stats.patched_tokens == 0 and async_stats.patched_tokens > 100
+    assert set(sync_out) == set(async_out) and len(sync_out) == 21
+    for rid in sync_out:
+        assert async_out[rid][:3] == sync_out[rid][:3], rid
+        a_lp, s_lp = async_out[rid][3], sync_out[rid][3]
+        assert [t for t, _ in a_lp] == [t for t, _ in s_lp], rid
+        assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(a_lp, s_lp, strict=True)), rid
