@@ -41,17 +41,18 @@ def hf_run(model_dir: Path, adapter: Path | None, prompt: list[int], n: int, dty
     return ids[len(prompt):], first, margins
 
 
-def engine_run(demo: Path, names: list[str], dtype: str, graphs: bool, mixed: bool, n: int):
+def engine_run(demo: Path, names: list[str], dtype: str, graphs: bool, mixed: bool,
+               async_steps: bool, n: int):
     engine = LLMEngine.from_model_dir(demo / "model", EngineConfig(
         dtype=dtype, device="cuda", max_adapters_per_batch=16, cuda_graphs=graphs,
-        mixed_graphs=mixed))
+        mixed_graphs=mixed, async_steps=async_steps))
     for name in names:
         engine.register_adapter(name, demo / "adapters" / name)
     first: dict[str, torch.Tensor] = {}
     run = engine.runner.run
 
-    def spy(scheduled):
-        logits = run(scheduled)
+    def spy(scheduled, patch=None):
+        logits = run(scheduled, patch)
         for s, row in zip([s.seq for s in scheduled if s.samples], logits, strict=True):
             first.setdefault(s.request_id, row.float().cpu())
         return logits
@@ -84,10 +85,13 @@ def main() -> int:
         for a in [None, *names]:
             hf[(tuple(p), a)] = hf_run(demo / "model", demo / "adapters" / a if a else None, p,
                                        args.new_tokens, dtype)
-    # eager; decode steps as graphs; every step as a graph (prefill steps padded to buckets)
-    modes = {"eager": (False, False), "cuda_graphs": (True, False), "all_graphs": (True, True)}
-    for mode, (graphs, mixed) in modes.items():
-        reqs, tokens, first = engine_run(demo, names, args.dtype, graphs, mixed, args.new_tokens)
+    # eager; decode steps as graphs; every step as a graph (prefill steps padded to buckets);
+    # the same with asynchronous steps
+    modes = {"eager": (False, False, False), "cuda_graphs": (True, False, False),
+             "all_graphs": (True, True, False), "all_graphs_async": (True, True, True)}
+    for mode, (graphs, mixed, async_steps) in modes.items():
+        reqs, tokens, first = engine_run(demo, names, args.dtype, graphs, mixed, async_steps,
+                                         args.new_tokens)
         exact, first_div_ok, rel = 0, 0, []
         for i, (p, a) in enumerate(reqs):
             ref, ref_logits, margins = hf[(tuple(p), a)]
