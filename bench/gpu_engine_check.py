@@ -27,7 +27,7 @@ PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8, 77, 150, 151, 152, 3, 9], list(range
 @torch.no_grad()
 def hf_run(model_dir: Path, adapter: Path | None, prompt: list[int], n: int, dtype: torch.dtype
            ) -> tuple[list[int], torch.Tensor, list[float]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).cuda()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).cuda()  # type: ignore[call-arg]
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
@@ -38,6 +38,7 @@ def hf_run(model_dir: Path, adapter: Path | None, prompt: list[int], n: int, dty
         margins.append(float(top2[0] - top2[1]))
         first = logits.cpu() if first is None else first
         ids.append(int(logits.argmax()))
+    assert first is not None
     return ids[len(prompt):], first, margins
 
 
@@ -57,7 +58,7 @@ def engine_run(demo: Path, names: list[str], dtype: str, graphs: bool, mixed: bo
             first.setdefault(s.request_id, row.float().cpu())
         return logits
 
-    engine.runner.run = spy
+    engine.runner.run = spy  # type: ignore[method-assign]
     reqs = [(p, a) for a in [None, *names] for p in PROMPTS]
     params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
     for i, (p, a) in enumerate(reqs):

@@ -29,17 +29,18 @@ from bench.kernels_timing import copy_bandwidth_gbs
 from kernels.lora import DECODE_TILES, PREFILL_TILES, LoraTiles
 from kernels.paged_attention import DEFAULT_TILES, AttentionTiles
 
-DECODE_BATCHES = (1, 16, 64, 256)
-RANKS = (8, 16, 64)
+DECODE_BATCHES: tuple[int, ...] = (1, 16, 64, 256)
+RANKS: tuple[int, ...] = (8, 16, 64)
 PREFILL_REQUESTS, PREFILL_TOKENS = 16, 256
-ATTN_DECODE = ((1, 4096), (16, 2048), (64, 2048), (256, 1024))
+ATTN_DECODE: tuple[tuple[int, int], ...] = ((1, 4096), (16, 2048), (64, 2048), (256, 1024))
 ATTN_PREFILL = ([(1024, 1024)] * 4, [(4096, 512)])
 
 # Shapes the tile sweeps run on: (batch, adapters, rank), (adapters, rank) of the prefill
 # batch, (model, batch, context).
-SWEEP_LORA_DECODE = ((256, 256, 16), (64, 16, 16), (1, 1, 16))
-SWEEP_LORA_PREFILL = ((4, 16), (16, 64))
-SWEEP_ATTN_DECODE = (("llama2-7b", 64, 2048), ("llama3-8b", 64, 2048), ("llama3-8b", 1, 4096))
+SWEEP_LORA_DECODE: tuple[tuple[int, int, int], ...] = ((256, 256, 16), (64, 16, 16), (1, 1, 16))
+SWEEP_LORA_PREFILL: tuple[tuple[int, int], ...] = ((4, 16), (16, 64))
+SWEEP_ATTN_DECODE: tuple[tuple[str, int, int], ...] = (
+    ("llama2-7b", 64, 2048), ("llama3-8b", 64, 2048), ("llama3-8b", 1, 4096))
 LORA_DECODE_SWEEP = {
     "default": DECODE_TILES,
     "k128_n128": LoraTiles(16, 128, 16, 128),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ def rotation_count(bytes_per_call: int) -> int:
     return max(1, min(MAX_ROTATION, -(-ROTATION_BYTES // max(1, bytes_per_call))))
 
 
-def graph_time_us(calls: list[Callable[[], object]], replays: int = 15) -> float:
+def graph_time_us(calls: Sequence[Callable[[], object]], replays: int = 15) -> float:
     """Median device time of one call, in microseconds, from replaying a CUDA graph that runs
     every call of `calls` in order (each typically reads its own input set), repeated until
     the graph holds at least MIN_CALLS_PER_GRAPH calls."""

@@ -182,7 +182,8 @@ def hf_peft_run(b: Bench, prompts: list[list[int]], new_tokens: int, max_time: f
     torch.cuda.empty_cache()
 
     cfg = b.cfg
-    hf_cfg = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+    hf_cfg = LlamaConfig(hidden_size=cfg.hidden_size,  # type: ignore[call-arg]
+                         intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=cfg.num_hidden_layers,
                          num_attention_heads=cfg.num_attention_heads,
                          num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
@@ -193,9 +194,9 @@ def hf_peft_run(b: Bench, prompts: list[list[int]], new_tokens: int, max_time: f
     torch.set_default_dtype(torch.float32)
     names = [f"a{i}" for i in range(len(prompts))]
     lcfg = LoraConfig(r=16, lora_alpha=32, target_modules=list(ATTN), init_lora_weights=False)
-    model = get_peft_model(model, lcfg, adapter_name=names[0])
+    model = get_peft_model(model, lcfg, adapter_name=names[0])  # type: ignore[assignment]
     for n in names[1:]:
-        model.add_adapter(n, lcfg)
+        model.add_adapter(n, lcfg)  # type: ignore[arg-type]
     model = model.to(b.dtype).eval()
     ids = torch.tensor(prompts, device=b.args.device)
     sync_dev(b.args.device)

@@ -1,5 +1,5 @@
-"""Static checks in the normal suite: ruff over the tree, mypy over the engine, the kernels and
-the services (STYLE 10). Each runs the tool the repo pins in its test extras."""
+"""Static checks in the normal suite: ruff over the tree, mypy over the engine, the kernels, the
+benchmarks and the services (STYLE 10). Each runs the tool the repo pins in its test extras."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def test_ruff_is_clean():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_mypy_on_the_engine_and_kernels():
-    res = run("mypy", "slora_core", "kernels", "--ignore-missing-imports",
+def test_mypy_on_the_engine_kernels_and_benchmarks():
+    res = run("mypy", "slora_core", "kernels", "bench", "--ignore-missing-imports",
               "--cache-dir", str(ROOT / ".mypy_cache"))
     assert res.returncode == 0, res.stdout + res.stderr
 
