@@ -66,7 +66,8 @@ class Bench:
                   max_num_batched_tokens=a.max_num_batched_tokens,
                   max_adapters_per_batch=a.max_adapters_per_batch, max_model_len=1100,
                   max_queue=100_000, mixed_graphs=not getattr(a, "no_mixed_graphs", False),
-                  async_steps=getattr(a, "async_steps", False))
+                  async_steps=getattr(a, "async_steps", False),
+                  graph_lora_split_k=getattr(a, "graph_lora_split_k", None))
         kw.update(overrides)
         # Undo a previous engine's LoRA wrapping: each engine wraps the bare base layers.
         unwrap_lora(self.model)
@@ -295,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run steps with prefill tokens eagerly (EngineConfig.mixed_graphs=False)")
     p.add_argument("--async-steps", action="store_true",
                    help="EngineConfig.async_steps: overlap host work with the GPU")
+    p.add_argument("--graph-lora-split-k", type=int, default=None,
+                   help="EngineConfig.graph_lora_split_k (default: chosen at capture)")
     p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)

@@ -67,8 +67,12 @@ case "${1:-1}" in
 6)  # after the vectorized step inputs: one adapter against the base model, the decode floor
     timeout 150 python3 -m bench.serving "${COMMON[@]}" --scenarios floor,overhead \
         --requests 300 --out "$OUT/serving-h200-c.json" 2>&1 | grep -v "it/s]\|s/it]" ;;
-7)  # next: the K split decode graphs should capture with (not run yet)
-    timeout 300 python3 -m bench.lora_graph_split --out "$OUT/lora-graph-split-h200.json" ;;
+7)  # next: the K split graphs should capture with (not run yet), then one adapter against the
+    # base model with that split (SPLIT=4 bash bench/serving_h200.sh 7)
+    timeout 200 python3 -m bench.lora_graph_split --out "$OUT/lora-graph-split-h200.json"
+    timeout 200 python3 -m bench.serving "${COMMON[@]}" --scenarios overhead,floor \
+        --requests 300 --graph-lora-split-k "${SPLIT:-4}" \
+        --out "$OUT/serving-split-h200.json" 2>&1 | grep -v "it/s]\|s/it]" ;;
 esac
 mkdir -p /tmp/tc && tar czf /tmp/tc/triton-cache.tgz -C ~/.triton cache 2>/dev/null \
     && [ "$(stat -c %s /tmp/tc/triton-cache.tgz)" -lt 16000000 ] && cp /tmp/tc/triton-cache.tgz "$OUT/"

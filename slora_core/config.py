@@ -184,6 +184,10 @@ class EngineConfig:
     # so scheduling and output handling overlap the GPU. Outputs then come one step() call
     # later. Off by default: checked on the CPU only so far (same tokens as synchronous steps).
     async_steps: bool = False
+    # The LoRA shrink's K split inside CUDA graphs. None: chosen at capture from the graph's
+    # tile capacity (1 for large buckets, too few programs when one adapter serves the batch);
+    # bench/lora_graph_split.py measures which fixed split serves both cases.
+    graph_lora_split_k: int | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -193,6 +197,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.graph_lora_split_k is not None and not 1 <= self.graph_lora_split_k <= 64:
+            raise ConfigError(f"graph_lora_split_k must be in 1..64, got "
+                              f"{self.graph_lora_split_k}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -111,7 +111,8 @@ class LLMEngine:
                                   max_model_len=config.max_model_len,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   use_cuda_graphs=config.cuda_graphs,
-                                  mixed_graphs=config.mixed_graphs)
+                                  mixed_graphs=config.mixed_graphs,
+                                  graph_lora_split_k=config.graph_lora_split_k)
         self.sampler = Sampler()
         # Without a tokenizer (benchmarks on token ids) no text is produced.
         tok_eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()

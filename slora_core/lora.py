@@ -64,7 +64,7 @@ class LoraLinear(nn.Module):
         ops.add_lora(
             y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), t.arena, t.a_offsets[layer],
             t.b_offsets[layer], t.ranks[layer], t.scales[layer], module_ids,
-            out_slices, ctx.lora, max_rank=t.max_rank or None,
+            out_slices, ctx.lora, max_rank=t.max_rank or None, split_k=ctx.lora_split_k,
         )
         return y
 

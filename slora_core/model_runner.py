@@ -56,10 +56,11 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, arena: PageArena, pool: PagePool, *,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
-                 mixed_graphs: bool = True) -> None:
+                 mixed_graphs: bool = True, graph_lora_split_k: int | None = None) -> None:
         self.model = model
         self.arena = arena
         self.pool = pool
+        self.graph_lora_split_k = graph_lora_split_k
         self.device = arena.pages.device
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
@@ -184,6 +185,7 @@ class DecodeGraphs:
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if with_lora else None, lora_modules=modules,
+            lora_split_k=r.graph_lora_split_k,
         )
 
     def _capture(self, b: int, modules: frozenset[int]) -> None:
@@ -337,6 +339,7 @@ class MixedGraphs:
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
+            lora_split_k=r.graph_lora_split_k,
         )
 
     def _forward(self, t: int, ctx: StepContext) -> torch.Tensor:

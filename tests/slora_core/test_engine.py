@@ -358,3 +358,35 @@ def test_async_steps_give_the_same_outputs_as_synchronous_steps(demo_dir, adapte
         a_lp, s_lp = async_out[rid][3], sync_out[rid][3]
         assert [t for t, _ in a_lp] == [t for t, _ in s_lp], rid
         assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(a_lp, s_lp, strict=True)), rid
+
+
+def test_graph_lora_split_reaches_the_lora_launch(demo_dir, adapter_names, monkeypatch):
+    """EngineConfig.graph_lora_split_k is what the LoRA launches of the graphs' padded steps
+    use (the eager path keeps the launcher's choice); out-of-range values are refused."""
+    from slora_core import lora as lora_module
+    from slora_core.config import ConfigError, EngineConfig
+    from slora_core.model_runner import DecodeGraphs
+    from slora_core.step_inputs import build_step_inputs
+
+    with pytest.raises(ConfigError, match="graph_lora_split_k"):
+        EngineConfig(graph_lora_split_k=0)
+    splits: list[object] = []
+    real = lora_module.ops.add_lora
+
+    def spy(*args, **kwargs):
+        splits.append(kwargs.get("split_k"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lora_module.ops, "add_lora", spy)
+    engine = make_engine(demo_dir, adapter_names[:2], graph_lora_split_k=3)
+    graphs = DecodeGraphs(engine.runner, 8, engine.config.max_model_len)
+    for i, name in enumerate(adapter_names[:2]):
+        engine.add_request(str(i), PROMPTS[i], SamplingParams(max_new_tokens=3), adapter=name)
+    engine.step()  # prefill, eager
+    assert splits and set(splits) == {None}
+    splits.clear()
+    sched = engine.scheduler.schedule()
+    inputs = build_step_inputs(sched.scheduled, engine.pool, engine.arena.block_size)
+    with torch.inference_mode():
+        graphs.run_padded_eager(inputs)
+    assert splits and set(splits) == {3}
