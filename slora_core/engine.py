@@ -243,49 +243,19 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one batch; returns the outputs of requests that made progress
-        (with `async_steps`, those of the batch launched by the previous call)."""
-        if self.config.async_steps:
-            return self._step_async()
-        sched = self.scheduler.schedule()
-        outputs = self._apply_memory_changes(sched)
-        outputs += [self._expire(seq) for seq in sched.expired]
-        if not sched.scheduled:
-            return outputs
-        self.stats.steps += 1
-        self.stats.tokens += sched.num_tokens
-        self.stats.last_distinct_adapters = sched.distinct_adapters()
-        self._wait_for_copies(sched)
-        logits = self.runner.run(sched.scheduled)
-        sampling = [s.seq for s in sched.scheduled if s.samples]
-        for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        if not sampling:
-            return outputs
-        reqs = [self._requests[s.request_id] for s in sampling]
-        sampled = self.sampler.sample(
-            logits, [s.params for s in sampling], [r.generator for r in reqs],
-            # Only the repetition penalty reads the history: skip the O(context) copy elsewhere.
-            [s.token_ids() if s.params.repetition_penalty != 1.0 else () for s in sampling],
-            [len(s.output_token_ids) for s in sampling],
-            self.eos_token_ids,
-        )
-        for req, tok in zip(reqs, sampled, strict=True):
-            outputs.append(self._append_token(req, tok))
-        return outputs
+        """Schedule and run one batch; returns the outputs of requests that made progress.
 
-    def _step_async(self) -> list[RequestOutput]:
-        """Schedule and launch this step, then read the previous step's sampled ids (the GPU is
-        busy with this one meanwhile), then launch this step's sampling. Sequences sampled by
-        the previous step carry a placeholder last token: the scheduler counts it, and its id
-        reaches this step's inputs on the device (TokenPatch). A sequence that turns out to
-        have finished computed one token too many; it is dropped before sampling."""
+        With `async_steps` the step is launched before the previous step's sampled ids are read
+        (the GPU works on it meanwhile), and the outputs returned are the previous step's.
+        Sequences that step sampled carry a placeholder last token: the scheduler counts it,
+        and its id reaches this step's inputs on the device (TokenPatch). A sequence found
+        finished when the ids arrive computed one token too many; it is dropped before
+        sampling."""
         inflight, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         outputs = self._apply_memory_changes(sched)
         outputs += [self._expire(seq) for seq in sched.expired]
-        logits = None
-        sampling: list[Sequence] = []
+        logits, sampling = None, []
         if sched.scheduled:
             self.stats.steps += 1
             self.stats.tokens += sched.num_tokens
@@ -297,21 +267,31 @@ class LLMEngine:
                 item.seq.num_computed_tokens += item.num_new_tokens
         if inflight is not None:
             outputs += self._complete(inflight)
-        live = [i for i, s in enumerate(sampling) if s.request_id in self._requests
-                and self._requests[s.request_id].seq is s]
-        if logits is not None and live:
-            seqs = [sampling[i] for i in live]
-            if len(live) < len(sampling):
-                logits = logits[torch.tensor(live, device=logits.device)]
-            reqs = [self._requests[s.request_id] for s in seqs]
-            pending = self.sampler.sample_async(
-                logits, [s.params for s in seqs], [r.generator for r in reqs],
-                [s.token_ids() if s.params.repetition_penalty != 1.0 else () for s in seqs],
-                [len(s.output_token_ids) for s in seqs], self.eos_token_ids)
-            for s in seqs:
-                s.output_token_ids.append(PLACEHOLDER)
-            self._inflight = _Inflight(seqs, pending)
+            keep = [i for i, s in enumerate(sampling) if self._is_live(s)]
+            if len(keep) < len(sampling) and logits is not None:
+                sampling = [sampling[i] for i in keep]
+                logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+        if logits is None or not sampling:
+            return outputs
+        reqs = [self._requests[s.request_id] for s in sampling]
+        args = (logits, [s.params for s in sampling], [r.generator for r in reqs],
+                # Only the repetition penalty reads the history: skip the O(context) copy.
+                [s.token_ids() if s.params.repetition_penalty != 1.0 else () for s in sampling],
+                [len(s.output_token_ids) for s in sampling], self.eos_token_ids)
+        if not self.config.async_steps:
+            for req, tok in zip(reqs, self.sampler.sample(*args), strict=True):
+                outputs.append(self._append_token(req, tok))
+            return outputs
+        pending = self.sampler.sample_async(*args)
+        for seq in sampling:
+            seq.output_token_ids.append(PLACEHOLDER)
+        self._inflight = _Inflight(sampling, pending)
         return outputs
+
+    def _is_live(self, seq: Sequence) -> bool:
+        """The sequence's request is still being served (not finished, aborted or failed)."""
+        req = self._requests.get(seq.request_id)
+        return req is not None and req.seq is seq
 
     @staticmethod
     def _patch(sched: SchedulerOutput, inflight: _Inflight | None) -> TokenPatch | None:
@@ -324,9 +304,8 @@ class LLMEngine:
         for item in sched.scheduled:
             seq, n = item.seq, item.num_new_tokens
             row = row_of.get(id(seq))
-            last = seq.num_computed_tokens + n - 1  # index of the step's last token of seq
-            if row is not None and last == seq.num_tokens - 1 and seq.output_token_ids \
-                    and seq.output_token_ids[-1] == PLACEHOLDER:
+            # The placeholder is the sequence's last token; a decode step's only one.
+            if row is not None and seq.num_computed_tokens + n == seq.num_tokens:
                 dst.append(start + n - 1)
                 rows.append(row)
             start += n
@@ -339,11 +318,10 @@ class LLMEngine:
         """Read a launched step's sampled ids: fill the placeholders, stream, finish."""
         outputs = []
         for seq, tok in zip(inflight.seqs, inflight.pending.result(), strict=True):
-            req = self._requests.get(seq.request_id)
-            if req is None or req.seq is not seq:
+            if not self._is_live(seq):
                 continue  # aborted or failed while the step ran
             seq.output_token_ids.pop()  # the placeholder
-            outputs.append(self._append_token(req, tok))
+            outputs.append(self._append_token(self._requests[seq.request_id], tok))
         return outputs
 
     def _apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:

@@ -10,6 +10,7 @@ at mixed-step sizes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,15 +42,12 @@ class TokenPatch:
 
 
 def apply_patch(input_ids: torch.Tensor, patch: TokenPatch | None) -> None:
-    """input_ids[dst] = src[rows], on the device; the indices travel pinned and non-blocking
-    (a pageable copy would wait for the previous step's work)."""
+    """input_ids[dst] = src[rows], on the device (the indices travel pinned and non-blocking:
+    a pageable copy would wait for the previous step's work)."""
     if patch is None or patch.dst.size == 0:
         return
-    idx = torch.from_numpy(np.stack([patch.dst, patch.rows]).astype(np.int64))
-    if input_ids.is_cuda:
-        idx = idx.pin_memory()
-    idx = idx.to(input_ids.device, non_blocking=True)
-    input_ids[idx[0]] = patch.src[idx[1]]
+    dst, rows = to_device([patch.dst, patch.rows], input_ids.device)
+    input_ids[dst] = patch.src[rows]
 
 
 class ModelRunner:
@@ -113,7 +111,97 @@ class ModelRunner:
             return self.model.compute_logits(hidden[ctx.logits_indices])
 
 
-GraphKey = tuple[int, frozenset[int]]  # (batch bucket, LoRA module ids the graph runs)
+GraphKey = tuple[int, frozenset[int]]  # (bucket, LoRA module ids the graph runs)
+
+
+class _StepGraphs:
+    """What decode and mixed-step graphs share: one CUDA graph per (bucket, LoRA module set)
+    captured into one memory pool, and replayed after `prepare` has copied the step's padded
+    inputs into the static buffers (`i64`, `i32`: two host-to-device copies a step).
+    `run_padded_eager` runs the same padded step without a graph (on any device: CPU tests
+    check it against the unpadded step). Subclasses define `buckets`, the buffers, `_context`
+    and `prepare`."""
+
+    buckets: list[int]
+    input_ids: torch.Tensor
+    i64: torch.Tensor
+    i32: torch.Tensor
+
+    # `pool`: a torch.cuda.graph_pool_handle() (a private torch type) or None off CUDA.
+    def __init__(self, runner: ModelRunner, pool: Any) -> None:
+        self.runner = runner
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[GraphKey, torch.Tensor] = {}
+        self.contexts: dict[GraphKey, StepContext] = {}  # captured graphs read these
+        self.pool = pool
+
+    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
+        raise NotImplementedError
+
+    def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
+        """Copy the step's padded inputs into the static buffers; the graph key to run."""
+        raise NotImplementedError
+
+    def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
+        model = self.runner.model
+        with step_context(ctx):
+            hidden = model(self.input_ids[:bucket], ctx.positions)
+            return model.compute_logits(hidden[ctx.logits_indices])
+
+    def capture_all(self, modules: frozenset[int]) -> None:
+        """Capture every bucket for one LoRA module set now (start-up), so no request waits for
+        a capture later. An empty set captures the base-model (no LoRA) graphs."""
+        with torch.inference_mode():
+            for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
+                if (bucket, modules) not in self.graphs:
+                    self._capture(bucket, modules)
+
+    def _capture(self, bucket: int, modules: frozenset[int]) -> None:
+        key = (bucket, modules)
+        ctx = self.contexts[key] = self._context(bucket, modules)
+        for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+            self._forward(bucket, ctx)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[key] = self._forward(bucket, ctx)
+        self.graphs[key] = graph
+
+    def run(self, inputs: StepInputs, patch: TokenPatch | None = None) -> torch.Tensor:
+        key = self.prepare(inputs, patch)
+        if key not in self.graphs:
+            # A bucket or module set not captured at start-up: capture it now. Its warm-up runs
+            # read this step's inputs (already in the buffers), so the KV rows they write are
+            # the ones the replay writes; stale inputs could overwrite pages reused since.
+            self._capture(*key)
+        self.graphs[key].replay()
+        return self.logits[key][: inputs.logits_indices.size]
+
+    def run_padded_eager(self, inputs: StepInputs) -> torch.Tensor:
+        """The padded step a graph replays, run without a graph."""
+        key = self.prepare(inputs)
+        return self._forward(key[0], self._context(*key))[: inputs.logits_indices.size]
+
+    def _key(self, bucket: int, inputs: StepInputs) -> GraphKey:
+        has_lora = bool((inputs.token_slots >= 0).any())
+        return (bucket, self.runner.arena.active_lora_modules if has_lora else frozenset())
+
+    def _upload(self, i64: np.ndarray, i32: np.ndarray, patch: TokenPatch | None) -> None:
+        for static, host in ((self.i64, i64), (self.i32, i32)):
+            src = torch.from_numpy(host.reshape(-1))
+            if static.is_cuda:
+                src = src.pin_memory()
+            static.copy_(src, non_blocking=static.is_cuda)
+        apply_patch(self.input_ids, patch)
+
+
+def _fill_lora(token_slots: np.ndarray, block_m: int, starts: np.ndarray, lens: np.ndarray,
+               slots: np.ndarray, tile_segs: np.ndarray, tile_m0: np.ndarray) -> None:
+    """Write the step's LoRA segments and tile list into the front of padded host arrays."""
+    seg = lora_segments(token_slots)
+    for dst, src in zip((starts, lens, slots, tile_segs, tile_m0),
+                        (*seg, *lora_tiles(seg[1], block_m)), strict=True):
+        dst[: src.size] = src
 
 
 def _buckets(max_num_seqs: int) -> list[int]:
@@ -121,23 +209,20 @@ def _buckets(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
-class DecodeGraphs:
-    """CUDA graphs of the decode step (one token per sequence), one per batch-size bucket.
-
-    A graph is keyed by (bucket, LoRA modules): the module ids whose LoRA kernels it runs
-    (those some resident adapter targets; empty for steps with no adapter token). LoRA runs
-    over one-token segments; base-model and padding rows point at the arena's spare table row,
-    whose ranks are always 0."""
+class DecodeGraphs(_StepGraphs):
+    """CUDA graphs of the decode step (one token per sequence), one per batch-size bucket and
+    LoRA module set (the module ids some resident adapter targets; empty for steps with no
+    adapter token). LoRA runs over a tile list of up to one tile per row; base-model and
+    padding rows point at the arena's spare table row, whose ranks are always 0."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
-        self.runner = runner
+        dev = runner.device
+        super().__init__(runner, torch.cuda.graph_pool_handle() if dev.type == "cuda" else None)
         arena = runner.arena
         self.buckets = _buckets(max_num_seqs)
         self.max_blocks = -(-max_model_len // arena.block_size)
         self.empty_slot = arena.num_slots - 1
-        n, dev = self.buckets[-1], runner.device
-        self.n = n
-        # Static inputs in two packed buffers, each filled by one host-to-device copy a step.
+        n = self.n = self.buckets[-1]
         self.i64 = torch.zeros(3 * n, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self.i64.view(3, n)
         self.i32 = torch.zeros(7 * n + n * self.max_blocks, dtype=torch.int32, device=dev)
@@ -151,63 +236,38 @@ class DecodeGraphs:
         self.token_slots.fill_(self.empty_slot)
         self.tile_segs.fill_(-1)
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[GraphKey, torch.Tensor] = {}
-        self.contexts: dict[GraphKey, StepContext] = {}  # captured graphs read these
-        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
-
-    def capture_all(self, modules: frozenset[int]) -> None:
-        """Capture every bucket for one LoRA module set now (start-up), so no request waits for
-        a capture later. An empty set captures the base-model (no LoRA) graphs."""
-        with torch.inference_mode():
-            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool
-                if (b, modules) not in self.graphs:
-                    self._capture(b, modules)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.max_query_len == 1 and inputs.logits_indices.size == inputs.num_seqs
                 and inputs.num_seqs <= self.buckets[-1]
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
-    def _context(self, b: int, modules: frozenset[int]) -> StepContext:
-        r = self.runner
-        with_lora = bool(modules)
-        # Up to b segments and b tiles; run() fills them and marks unused tiles -1.
+    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
+        r, b = self.runner, bucket
+        # Up to b segments and b tiles; prepare() fills them and marks unused tiles -1.
         lora = LoraMeta(seg_starts=self.seg_starts[:b], seg_lens=self.seg_lens[:b],
                         seg_slots=self.seg_slots[:b], token_slots=self.token_slots[:b],
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
                         tile_segs=self.tile_segs[:b], tile_m0=self.tile_m0[:b], num_tiles=b,
-                        block_m=DECODE_BLOCK_M) if with_lora else None
+                        block_m=DECODE_BLOCK_M) if modules else None
         return StepContext(
             positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
             block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b],
             query_starts=self.arange[: b + 1], max_query_len=1,
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
-            lora_tables=r.arena.tables if with_lora else None, lora_modules=modules,
+            lora_tables=r.arena.tables if modules else None, lora_modules=modules,
             lora_split_k=r.graph_lora_split_k,
         )
 
-    def _capture(self, b: int, modules: frozenset[int]) -> None:
-        key = (b, modules)
-        ctx = self.contexts[key] = self._context(b, modules)
-        model = self.runner.model
+    def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
+        model = self.runner.model  # every row samples: no gather of the hidden states
         with step_context(ctx):
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                model.compute_logits(model(self.input_ids[:b], ctx.positions))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[key] = model.compute_logits(model(self.input_ids[:b], ctx.positions))
-        self.graphs[key] = graph
+            return model.compute_logits(model(self.input_ids[:bucket], ctx.positions))
 
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
-        """Copy the step's padded inputs into the static buffers; the graph key to run."""
-        n = inputs.num_seqs
-        b = next(s for s in self.buckets if s >= n)
-        has_lora = bool((inputs.token_slots >= 0).any())
-        key = (b, self.runner.arena.active_lora_modules if has_lora else frozenset())
-        n_all, nb = self.n, inputs.block_tables.shape[1]
+        n, n_all, nb = inputs.num_seqs, self.n, inputs.block_tables.shape[1]
+        key = self._key(next(s for s in self.buckets if s >= n), inputs)
         i64 = np.zeros((3, n_all), dtype=np.int64)
         i64[0, :n] = inputs.input_ids
         i64[1, :n] = inputs.positions
@@ -220,45 +280,11 @@ class DecodeGraphs:
         rows[1, :] = self.empty_slot
         rows[1, :n] = np.where(inputs.token_slots >= 0, inputs.token_slots, self.empty_slot)
         rows[5, :] = -1
-        if has_lora:
-            starts, lens, seg_slots = lora_segments(inputs.token_slots)
-            tile_segs, tile_m0 = lora_tiles(lens, DECODE_BLOCK_M)
-            rows[2, : starts.size] = starts
-            rows[3, : lens.size] = lens
-            rows[4, : seg_slots.size] = seg_slots
-            rows[5, : tile_segs.size] = tile_segs
-            rows[6, : tile_m0.size] = tile_m0
+        if key[1]:
+            _fill_lora(inputs.token_slots, DECODE_BLOCK_M, *rows[2:7])
         i32[7 * n_all :].reshape(n_all, self.max_blocks)[:n, :nb] = inputs.block_tables
-        for static, host in ((self.i64, i64), (self.i32, i32)):
-            src = torch.from_numpy(host.reshape(-1))
-            if static.is_cuda:
-                src = src.pin_memory()
-            static.copy_(src, non_blocking=static.is_cuda)
-        apply_patch(self.input_ids, patch)
+        self._upload(i64, i32, patch)
         return key
-
-    def run(self, inputs: StepInputs, patch: TokenPatch | None = None) -> torch.Tensor:
-        key = self.prepare(inputs, patch)
-        if key not in self.graphs:
-            # A bucket or module set not captured at start-up: capture it now. Its warm-up runs
-            # read this step's inputs (already in the buffers), so the KV rows they write are
-            # the ones the replay writes; stale inputs could overwrite pages reused since.
-            self._capture(*key)
-        self.graphs[key].replay()
-        return self.logits[key][: inputs.num_seqs]
-
-    def run_padded_eager(self, inputs: StepInputs) -> torch.Tensor:
-        """The padded step a graph replays, run without a graph (any device; CPU tests check
-        it against the unpadded step)."""
-        b, modules = self.prepare(inputs)
-        ctx = self._context(b, modules)
-        model = self.runner.model
-        with step_context(ctx):
-            logits = model.compute_logits(model(self.input_ids[:b], ctx.positions))
-        return logits[: inputs.num_seqs]
-
-
-MixedKey = tuple[int, frozenset[int]]  # (token bucket, LoRA module ids the graph runs)
 
 
 def _token_buckets(max_tokens: int) -> list[int]:
@@ -266,7 +292,7 @@ def _token_buckets(max_tokens: int) -> list[int]:
     return [t for t in sizes if t < max_tokens] + [max_tokens]
 
 
-class MixedGraphs:
+class MixedGraphs(_StepGraphs):
     """Steps with prefill tokens (mixed prefill + decode, or prefill alone) as CUDA graphs, one
     per token-count bucket and LoRA module set.
 
@@ -274,25 +300,24 @@ class MixedGraphs:
     write no KV; no attention tile and no LoRA tile covers them; their rows of the activations
     are garbage that nothing reads) and sequences are padded to `max_num_seqs` with zero
     queries. Attention runs the general (prefill) kernel and LoRA 64-row tiles, whose grids are
-    sized for the bucket's worst case; unused programs exit at once. `run_padded_eager` runs
-    the same padded step without a graph (CPU tests check it against the unpadded step)."""
+    sized for the bucket's worst case; unused programs exit at once."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, decode_graphs: DecodeGraphs | None = None) -> None:
-        self.runner = runner
-        arena = runner.arena
+        # One memory pool with the decode graphs: only one graph runs at a time.
+        super().__init__(runner, decode_graphs.pool if decode_graphs is not None else None)
         self.buckets = _token_buckets(max_num_batched_tokens)
         self.t_max, self.b_max = self.buckets[-1], max_num_seqs
-        self.max_blocks = -(-max_model_len // arena.block_size)
+        self.max_blocks = -(-max_model_len // runner.arena.block_size)
         t, b, nb = self.t_max, self.b_max, self.max_blocks
-        self.tile_cap = -(-t // PREFILL_BLOCK_M) + b
+        tile_cap = -(-t // PREFILL_BLOCK_M) + b
         dev = runner.device
         self.i64 = torch.zeros(3 * t + b, dtype=torch.int64, device=dev)
         self.input_ids, self.positions, self.slot_mapping = self.i64[: 3 * t].view(3, t)
         self.logits_indices = self.i64[3 * t :]
         # seq_lens [b], query_starts [b+1], token_slots [t], segment starts/lens/slots [b each]
         # (a segment is a run of one sequence or more), tile segs/first rows, block tables.
-        sizes = (b, b + 1, t, b, b, b, self.tile_cap, self.tile_cap, b * nb)
+        sizes = (b, b + 1, t, b, b, b, tile_cap, tile_cap, b * nb)
         self.i32 = torch.zeros(sum(sizes), dtype=torch.int32, device=dev)
         self._offsets = np.cumsum((0, *sizes))
         views = [self.i32[lo:hi] for lo, hi in zip(self._offsets[:-1], self._offsets[1:],
@@ -302,36 +327,21 @@ class MixedGraphs:
         self.block_tables = views[8].view(b, nb)
         self.slot_mapping.fill_(-1)
         self.tile_segs.fill_(-1)
-        self.graphs: dict[MixedKey, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[MixedKey, torch.Tensor] = {}
-        self.contexts: dict[MixedKey, StepContext] = {}
-        # One memory pool with the decode graphs: only one graph runs at a time.
-        self.pool = decode_graphs.pool if decode_graphs is not None else None
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.input_ids.size <= self.t_max and inputs.num_seqs <= self.b_max
                 and inputs.logits_indices.size <= self.b_max
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
-    def capture_all(self, modules: frozenset[int]) -> None:
-        """Capture every token bucket for one LoRA module set (start-up)."""
-        with torch.inference_mode():
-            for t in reversed(self.buckets):
-                if (t, modules) not in self.graphs:
-                    self._capture(t, modules)
-
-    def _num_tiles(self, t: int) -> int:
-        return -(-t // PREFILL_BLOCK_M) + min(self.b_max, t)
-
-    def _context(self, t: int, modules: frozenset[int]) -> StepContext:
-        r = self.runner
-        b = self.b_max
-        tiles = self._num_tiles(t)
+    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
+        r, t = self.runner, bucket
+        # Tiles: at most one partial tile per segment plus t / 64 full ones.
+        tiles = -(-t // PREFILL_BLOCK_M) + min(self.b_max, t)
         lora = LoraMeta(seg_starts=self.seg_starts, seg_lens=self.seg_lens,
                         seg_slots=self.seg_slots, token_slots=self.token_slots[:t],
-                        max_seg_len=t, num_segments=b, tile_segs=self.tile_segs[:tiles],
-                        tile_m0=self.tile_m0[:tiles], num_tiles=tiles,
-                        block_m=PREFILL_BLOCK_M) if modules else None
+                        max_seg_len=t, num_segments=self.b_max,
+                        tile_segs=self.tile_segs[:tiles], tile_m0=self.tile_m0[:tiles],
+                        num_tiles=tiles, block_m=PREFILL_BLOCK_M) if modules else None
         return StepContext(
             positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
             block_tables=self.block_tables, seq_lens=self.seq_lens,
@@ -342,28 +352,9 @@ class MixedGraphs:
             lora_split_k=r.graph_lora_split_k,
         )
 
-    def _forward(self, t: int, ctx: StepContext) -> torch.Tensor:
-        model = self.runner.model
-        with step_context(ctx):
-            hidden = model(self.input_ids[:t], ctx.positions)
-            return model.compute_logits(hidden[ctx.logits_indices])
-
-    def _capture(self, t: int, modules: frozenset[int]) -> None:
-        key = (t, modules)
-        ctx = self.contexts[key] = self._context(t, modules)
-        for _ in range(2):  # warm up: Triton compiles outside the capture
-            self._forward(t, ctx)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[key] = self._forward(t, ctx)
-        self.graphs[key] = graph
-
-    def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> MixedKey:
-        """Copy the step's padded inputs into the static buffers; the graph key to run."""
+    def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n_tok, n_seq = int(inputs.input_ids.size), inputs.num_seqs
-        t = next(s for s in self.buckets if s >= n_tok)
-        has_lora = bool((inputs.token_slots >= 0).any())
+        key = self._key(next(s for s in self.buckets if s >= n_tok), inputs)
         tm = self.t_max
         i64 = np.zeros(self.i64.numel(), dtype=np.int64)
         i64[:n_tok] = inputs.input_ids
@@ -381,34 +372,9 @@ class MixedGraphs:
         part[2][:] = -1
         part[2][:n_tok] = inputs.token_slots
         part[6][:] = -1
-        if has_lora:
-            starts, lens, seg_slots = lora_segments(inputs.token_slots)
-            tile_segs, tile_m0 = lora_tiles(lens, PREFILL_BLOCK_M)
-            part[3][: starts.size] = starts
-            part[4][: lens.size] = lens
-            part[5][: seg_slots.size] = seg_slots
-            part[6][: tile_segs.size] = tile_segs
-            part[7][: tile_m0.size] = tile_m0
+        if key[1]:
+            _fill_lora(inputs.token_slots, PREFILL_BLOCK_M, *part[3:8])
         nb = inputs.block_tables.shape[1]
         part[8].reshape(self.b_max, self.max_blocks)[:n_seq, :nb] = inputs.block_tables
-        for static, host in ((self.i64, i64), (self.i32, i32)):
-            src = torch.from_numpy(host)
-            if static.is_cuda:
-                src = src.pin_memory()
-            static.copy_(src, non_blocking=static.is_cuda)
-        apply_patch(self.input_ids, patch)
-        return (t, self.runner.arena.active_lora_modules if has_lora else frozenset())
-
-    def run(self, inputs: StepInputs, patch: TokenPatch | None = None) -> torch.Tensor:
-        key = self.prepare(inputs, patch)
-        if key not in self.graphs:
-            # Its warm-up runs read this step's inputs (already copied), so the KV rows they
-            # write are the ones the replay writes.
-            self._capture(*key)
-        self.graphs[key].replay()
-        return self.logits[key][: inputs.logits_indices.size]
-
-    def run_padded_eager(self, inputs: StepInputs) -> torch.Tensor:
-        """The padded step without a graph (any device)."""
-        key = self.prepare(inputs)
-        return self._forward(key[0], self._context(*key))[: inputs.logits_indices.size]
+        self._upload(i64, i32, patch)
+        return key

@@ -1,5 +1,6 @@
 """The cluster credential: one shared secret that workers and gateways present, as a bearer
-token, on the control plane's PlacementService streams.
+token, on the control plane's PlacementService streams; and `bearer_token`, which every service
+uses to read a bearer token (cluster token or API key) from call metadata.
 
 Those streams are not for API keys (data-plane processes hold none), yet they must not be open
 to whoever reaches the control plane's port: the routing stream carries API-key hashes and
@@ -12,6 +13,7 @@ import argparse
 import hmac
 import os
 import secrets
+from collections.abc import Iterable
 
 CLUSTER_TOKEN_ENV = "SLORA_CLUSTER_TOKEN"
 
@@ -32,6 +34,16 @@ def add_cluster_token_argument(parser: argparse.ArgumentParser, role: str) -> No
 def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata that presents `token` as a bearer token; none for an empty token."""
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The token of an `authorization: Bearer <token>` metadata entry, or ''."""
+    for key, value in metadata or ():
+        if key.lower() == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
 
 
 def token_matches(presented: str, expected: str) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from services.common.cluster_token import token_matches
+from services.common.cluster_token import bearer_token, token_matches
 from services.control_plane.errors import PermissionDenied, Unauthenticated, status_for
 from services.control_plane.keys import ADMIN, KeyStore, Principal
 
@@ -42,16 +42,6 @@ def current_principal() -> Principal:
     if principal is None:
         raise Unauthenticated("no authenticated caller (is the AuthInterceptor installed?)")
     return principal
-
-
-def bearer_token(metadata: Any) -> str:
-    """The token of an `authorization: Bearer <token>` metadata entry, or ''."""
-    for key, value in metadata or ():
-        if key.lower() == "authorization":
-            text = value.decode() if isinstance(value, bytes) else value
-            scheme, _, token = text.partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else ""
-    return ""
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler, guard: Guard) -> grpc.RpcMethodHandler:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common import errors as e
+from services.common.cluster_token import bearer_token
 from services.common.server import CHANNEL_OPTIONS
 from services.gateway.evidence import RoutedEvidence, Served, ServedLog, check_labels
 from services.gateway.metrics import GatewayMetrics
@@ -24,15 +25,6 @@ log = logging.getLogger(__name__)
 # retried on the next worker.
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
-
-
-def bearer_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str:
-    for key, value in metadata or ():
-        if key.lower() == "authorization":
-            text = value.decode() if isinstance(value, bytes) else value
-            scheme, _, token = text.partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else ""
-    return ""
 
 
 class WorkerFailed(Exception):

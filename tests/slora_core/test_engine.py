@@ -77,8 +77,8 @@ def run_all(engine: LLMEngine, reqs, capture_logits: bool = False):
     if capture_logits:
         run = engine.runner.run
 
-        def spy(scheduled):
-            logits = run(scheduled)
+        def spy(scheduled, patch=None):
+            logits = run(scheduled, patch)
             sampling = [s.seq for s in scheduled if s.samples]
             for seq, row in zip(sampling, logits, strict=True):
                 first_logits.setdefault(seq.request_id, row.clone())
@@ -248,8 +248,8 @@ def test_padded_mixed_step_gives_the_unpadded_logits(demo_dir, adapter_names):
     run = runner.run
     checked = []
 
-    def both(scheduled):
-        logits = run(scheduled)
+    def both(scheduled, patch=None):
+        logits = run(scheduled, patch)
         inputs = build_step_inputs(scheduled, runner.pool, runner.arena.block_size)
         if inputs.max_query_len > 1:
             with torch.inference_mode():
@@ -278,8 +278,8 @@ def test_padded_decode_step_gives_the_unpadded_logits(demo_dir, adapter_names):
     run = runner.run
     checked = []
 
-    def both(scheduled):
-        logits = run(scheduled)
+    def both(scheduled, patch=None):
+        logits = run(scheduled, patch)
         inputs = build_step_inputs(scheduled, runner.pool, runner.arena.block_size)
         if graphs.can_run(inputs):
             with torch.inference_mode():

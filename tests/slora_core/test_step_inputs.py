@@ -62,7 +62,7 @@ def test_vectorized_inputs_equal_the_loop_on_every_step() -> None:
     run = engine.runner.run
     steps = []
 
-    def check(scheduled):
+    def check(scheduled, patch=None):
         got = build_step_inputs(scheduled, engine.pool, engine.arena.block_size)
         want = _loop_reference(scheduled, engine.pool, engine.arena.block_size)
         for field in ("input_ids", "positions", "slot_mapping", "token_slots", "seq_lens",
@@ -71,7 +71,7 @@ def test_vectorized_inputs_equal_the_loop_on_every_step() -> None:
             assert a.dtype == b.dtype and np.array_equal(a, b), field
         assert got.max_query_len == want.max_query_len
         steps.append(got.max_query_len)
-        return run(scheduled)
+        return run(scheduled, patch)
 
     engine.runner.run = check  # type: ignore[method-assign]
     while engine.has_unfinished():
