@@ -10,7 +10,7 @@ import torch
 
 from bench.kernels_timing import DEVICE, graph_time_us, rotation_count
 from kernels.lora import LoraTiles, add_lora_triton
-from kernels.lora_reference import LoraMeta
+from kernels.lora_meta import LoraMeta
 
 K = N = 4096
 DTYPE = torch.float16

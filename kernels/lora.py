@@ -16,7 +16,7 @@ import triton
 
 from kernels.lora_common import MAX_MODULES_PER_LAUNCH
 from kernels.lora_expand import lora_expand
-from kernels.lora_reference import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
+from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
 from kernels.lora_shrink import lora_shrink
 
 

@@ -27,7 +27,7 @@ from kernels.lora_common import (
     dot_precision,
     select3,
 )
-from kernels.lora_reference import LoraMeta
+from kernels.lora_meta import LoraMeta
 
 
 @triton.jit

@@ -15,82 +15,9 @@ Tokens of no segment (base-model requests) are left untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 
-# Token rows per kernel tile: decode-like steps (every segment at most 16 tokens) use 16-row
-# tiles, longer segments (prefill) 64-row ones. The tile list is built for one of these.
-DECODE_BLOCK_M = 16
-PREFILL_BLOCK_M = 64
-
-
-def tile_rows(max_seg_len: int) -> int:
-    """The tile height for a step whose longest segment has `max_seg_len` tokens."""
-    return DECODE_BLOCK_M if max_seg_len <= DECODE_BLOCK_M else PREFILL_BLOCK_M
-
-
-@dataclass(frozen=True)
-class LoraMeta:
-    """Per-step segment metadata, built once per step and shared by every layer.
-
-    The kernels' programs walk a tile list: tile i covers rows tile_m0[i] .. + block_m of
-    segment tile_segs[i] (-1: an unused entry, so CUDA graphs can capture a fixed-size list).
-    A segment of n tokens is read as cdiv(n, block_m) tiles, each loading the adapter once:
-    many decode requests on one adapter share its reads."""
-
-    seg_starts: torch.Tensor  # [S] int32: first token of each segment
-    seg_lens: torch.Tensor  # [S] int32
-    seg_slots: torch.Tensor  # [S] int32: adapter slot of each segment
-    token_slots: torch.Tensor  # [T] int32: adapter slot of each token, -1 = none
-    max_seg_len: int  # host-side
-    num_segments: int  # host-side
-    tile_segs: torch.Tensor  # [>= num_tiles] int32: segment of each tile, -1 = unused
-    tile_m0: torch.Tensor  # [>= num_tiles] int32: first row of each tile within its segment
-    num_tiles: int  # host-side: kernel grid size along tiles
-    block_m: int  # host-side: rows per tile the list was built for
-
-    @staticmethod
-    def from_token_slots(token_slots: list[int], device: torch.device | str = "cpu",
-                         block_m: int | None = None) -> LoraMeta:
-        """Segments are maximal runs of equal slots >= 0 in `token_slots`."""
-        slots = np.asarray(token_slots, dtype=np.int64)
-        starts, lens, seg_slots = lora_segments(slots)
-        max_len = int(lens.max()) if lens.size else 0
-        block_m = block_m or tile_rows(max_len)
-        tile_segs, tile_m0 = lora_tiles(lens, block_m)
-
-        def t(v: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(v, dtype=torch.int32, device=device)
-
-        return LoraMeta(
-            seg_starts=t(starts), seg_lens=t(lens), seg_slots=t(seg_slots),
-            token_slots=t(slots), max_seg_len=max_len, num_segments=int(starts.size),
-            tile_segs=t(tile_segs), tile_m0=t(tile_m0), num_tiles=int(tile_segs.size),
-            block_m=block_m,
-        )
-
-
-def lora_segments(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Maximal runs of equal slots >= 0 in a 1-D int array: (starts, lengths, slots)."""
-    if token_slots.size == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    change = np.flatnonzero(np.diff(token_slots)) + 1
-    starts = np.concatenate(([0], change))
-    ends = np.concatenate((change, [token_slots.size]))
-    keep = token_slots[starts] >= 0
-    return starts[keep], (ends - starts)[keep], token_slots[starts][keep]
-
-
-def lora_tiles(seg_lens: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """The tile list of segments of these lengths: (segment of each tile, first row)."""
-    per_seg = -(-seg_lens.astype(np.int64) // block_m)
-    segs = np.repeat(np.arange(seg_lens.size, dtype=np.int64), per_seg)
-    first = np.cumsum(per_seg) - per_seg  # index of each segment's first tile
-    m0 = (np.arange(segs.size, dtype=np.int64) - np.repeat(first, per_seg)) * block_m
-    return segs, m0
+from kernels.lora_meta import LoraMeta
 
 
 def add_lora_reference(

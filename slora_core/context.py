@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.lora_reference import LoraMeta
+from kernels.lora_meta import LoraMeta
 
 
 @dataclass(frozen=True)

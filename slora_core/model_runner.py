@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.lora_reference import (
+from kernels.lora_meta import (
     DECODE_BLOCK_M,
     PREFILL_BLOCK_M,
     LoraMeta,

@@ -11,7 +11,8 @@ import torch
 
 from kernels.attention_reference import paged_attention_reference, write_kv_reference
 from kernels.fused_reference import rms_norm_reference, rotary_reference, silu_mul_reference
-from kernels.lora_reference import LoraMeta, add_lora_reference
+from kernels.lora_meta import LoraMeta
+from kernels.lora_reference import add_lora_reference
 
 
 def _use_triton(t: torch.Tensor) -> bool:

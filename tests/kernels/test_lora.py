@@ -196,7 +196,7 @@ def test_segments_and_tile_list() -> None:
     adapter shared by many decode rows is read once per tile, not once per row."""
     import numpy as np
 
-    from kernels.lora_reference import lora_segments, lora_tiles
+    from kernels.lora_meta import lora_segments, lora_tiles
 
     slots = np.array([2, 2, 2, 2, 2, -1, -1, 0, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])
     starts, lens, seg_slots = lora_segments(slots)

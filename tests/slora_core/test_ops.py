@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels.attention_reference import paged_attention_reference
-from kernels.lora_reference import LoraMeta, add_lora_reference
+from kernels.lora_meta import LoraMeta
+from kernels.lora_reference import add_lora_reference
 from slora_core import ops
 
 
@@ -18,7 +19,7 @@ def test_cpu_processes_never_import_triton() -> None:
     code = (
         "import sys, torch\n"
         "from slora_core import ops\n"
-        "from kernels.lora_reference import LoraMeta\n"
+        "from kernels.lora_meta import LoraMeta\n"
         "y = torch.zeros(1, 4); x = torch.ones(1, 4); t = torch.zeros(1, 7, dtype=torch.int64)\n"
         "ops.add_lora(y, x, torch.zeros(8), t, t, t.int(), t.float(), (0,), ((0, 4),),\n"
         "             LoraMeta.from_token_slots([0]))\n"
