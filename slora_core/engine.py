@@ -82,10 +82,13 @@ class EngineStats:
 class LLMEngine:
     def __init__(
         self, model: LlamaForCausalLM, model_config: ModelConfig, tokenizer: Tokenizer | None,
-        config: EngineConfig,
+        config: EngineConfig, *, detokenize: bool = True,
     ) -> None:
+        """`detokenize=False`: outputs carry token ids only, and stop strings are refused; an
+        engine core whose front process detokenizes and matches stop strings runs so."""
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.detokenize = detokenize and tokenizer is not None
         self.config = config
         config.check_model(model_config)
         block_size = config.resolve_block_size(model_config)
@@ -124,10 +127,12 @@ class LLMEngine:
         self._inflight: _Inflight | None = None  # async steps: the sampled batch not yet read
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> LLMEngine:
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, *,
+                       detokenize: bool = True) -> LLMEngine:
         model_config = ModelConfig.from_hf_dir(model_dir)
         model = load_model(model_dir, config.torch_dtype, config.device)
-        return cls(model, model_config, Tokenizer.from_dir(model_dir), config)
+        return cls(model, model_config, Tokenizer.from_dir(model_dir), config,
+                   detokenize=detokenize)
 
     def warmup(self, lora: bool | None = None) -> None:
         """Capture the CUDA graphs of every decode batch bucket and every mixed-step token
@@ -193,9 +198,9 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, adapter=adapter or None, adapter_pages=pages,
                        tenant=tenant, arrival=now,
                        deadline=None if deadline_s is None else now + deadline_s)
-        if self.tokenizer is None and params.stop:
-            raise RequestError("stop strings need a tokenizer; this engine has none")
-        stream = TextStream(self.tokenizer or _NoText(), ids, params.stop,
+        if not self.detokenize and params.stop:
+            raise RequestError("stop strings need a detokenizing engine; this one is not")
+        stream = TextStream(self.tokenizer if self.detokenize else _NoText(), ids, params.stop,
                             min_tokens=params.min_new_tokens)
         self._requests[request_id] = _Request(seq, stream, make_generator(params, self.config.device))
         self.scheduler.add(seq)
