@@ -168,6 +168,27 @@ class LLMEngine:
         """Register an adapter already parsed or built in memory (kept in host memory)."""
         self.adapters.add_loaded(name, adapter)
 
+    def load_adapter(self, name: str) -> None:
+        """Parse and validate a registered adapter into host memory (or touch it in the host
+        LRU). Thread-safe against steps: the host tier has its own lock, so a caller may run
+        this beside the step loop. Raises an AdapterError naming the problem."""
+        self.adapters.get(name)
+
+    def unregister_adapter(self, name: str) -> None:
+        """Forget an adapter's registration and host copy; requests already using it go on
+        with the pages they hold."""
+        self.adapters.unregister(name)
+
+    def warm_adapters(self) -> list[str]:
+        """Registered adapters held in host memory or in arena pages."""
+        return [n for n in self.adapters.names()
+                if self.adapters.is_cached(n) or self.pool.is_resident(n)]
+
+    def request_started(self, request_id: str) -> bool:
+        """The request was scheduled at least once (it left the waiting queue)."""
+        req = self._requests.get(request_id)
+        return req is None or req.seq.num_computed_tokens > 0
+
     # ---- requests --------------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
