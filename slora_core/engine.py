@@ -25,7 +25,7 @@ from slora_core.detokenizer import TextStream
 from slora_core.lora import wrap_lora
 from slora_core.model import LlamaForCausalLM
 from slora_core.model_runner import ModelRunner, TokenPatch
-from slora_core.outputs import RequestOutput, TokenLogprob
+from slora_core.outputs import RequestOutput, TokenLogprob, nonfinite_logits_error
 from slora_core.page_pool import PagePool
 from slora_core.sampler import PendingSample, SampledToken, Sampler, make_generator
 from slora_core.sampling_params import SamplingParams
@@ -397,6 +397,8 @@ class LLMEngine:
         return outs
 
     def _append_token(self, req: _Request, tok: SampledToken) -> RequestOutput:
+        if not tok.finite:
+            return self._fail_nonfinite(req)
         seq = req.seq
         seq.output_token_ids.append(tok.token_id)
         text = req.stream.append(tok.token_id)
@@ -411,6 +413,15 @@ class LLMEngine:
             del self._requests[seq.request_id]
             out.text += req.stream.flush()
             out.finished, out.finish_reason = True, reason
+        return out
+
+    def _fail_nonfinite(self, req: _Request) -> RequestOutput:
+        """Logits with a NaN or inf end the request with an error: the id sampled from them is
+        the argmax of garbage, so no token is emitted. Other rows of the batch are untouched."""
+        self.scheduler.finish(req.seq)
+        del self._requests[req.seq.request_id]
+        out = self._final(req, "error")
+        out.error = nonfinite_logits_error(len(req.seq.output_token_ids))
         return out
 
     def _finish_reason(self, req: _Request, token_id: int) -> str | None:

@@ -27,6 +27,23 @@ class RequestOutput:
     completion_tokens: int = 0
 
 
+# The start of `RequestOutput.error` for a request ended because its logits were NaN or inf
+# (finish_reason "error"): the worker counts these as non-finite outputs in canary evidence.
+NONFINITE_LOGITS = "non-finite logits"
+
+
+def nonfinite_logits_error(position: int) -> str:
+    """The error message of a request whose logits for output token `position` (0-based) were
+    not finite."""
+    return (f"{NONFINITE_LOGITS} (NaN or inf) for output token {position}: the model's "
+            "numerics failed on this request, so no token was produced")
+
+
+def is_nonfinite_failure(out: RequestOutput) -> bool:
+    """The output ends a request that failed on non-finite logits."""
+    return out.finish_reason == "error" and (out.error or "").startswith(NONFINITE_LOGITS)
+
+
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One delta covering two consecutive deltas of the same request (streams that fall behind
     send fewer, larger chunks); the later one's status and counts win."""

@@ -33,6 +33,9 @@ class SampledToken:
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]  # best `top_logprobs` (token, logprob), best first
+    # False when the row of logits held a NaN or an infinity: `token_id` is then meaningless
+    # (the argmax of garbage) and must not be emitted.
+    finite: bool = True
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -151,9 +154,9 @@ class Sampler:
         penalty); `num_generated[b]` counts generated tokens (for `min_new_tokens`). Greedy rows
         (temperature 0) take the argmax of the penalised, masked logits and draw nothing. Makes
         one device-to-host transfer."""
-        chosen, raw_logprobs = self._choose(logits, params, generators, token_history,
-                                            num_generated, eos_token_ids)
-        return _to_host(chosen, raw_logprobs, params)
+        chosen, raw_logprobs, finite = self._choose(logits, params, generators, token_history,
+                                                    num_generated, eos_token_ids)
+        return _unpack(_pack(chosen, raw_logprobs, finite, params).cpu().tolist(), params)
 
     def sample_async(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[torch.Generator | None],
@@ -161,16 +164,18 @@ class Sampler:
                      eos_token_ids: Sequence[int]) -> PendingSample:
         """`sample` without waiting: the chosen ids stay on the device (the next step reads
         them there) and the host copy is started; `PendingSample.result()` waits for it."""
-        chosen, raw_logprobs = self._choose(logits, params, generators, token_history,
-                                            num_generated, eos_token_ids)
-        return PendingSample(chosen, _pack(chosen, raw_logprobs, params), params)
+        chosen, raw_logprobs, finite = self._choose(logits, params, generators, token_history,
+                                                    num_generated, eos_token_ids)
+        return PendingSample(chosen, _pack(chosen, raw_logprobs, finite, params), params)
 
     def _choose(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None],
                 token_history: Sequence[Sequence[int]], num_generated: Sequence[int],
-                eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(chosen ids [B], raw logprobs [B, V], finite [B] bool), all left on the device."""
         _check_batch(logits, params, generators, token_history, num_generated)
         logits = logits.float()
+        finite = torch.isfinite(logits).all(dim=-1)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         scores = self._penalise(logits, params, token_history)
         scores = _mask_min_tokens(scores, params, num_generated, eos_token_ids)
@@ -179,7 +184,7 @@ class Sampler:
             sampled = self._sample_rows(_warp(scores, params), params, generators)
             greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
             chosen = torch.where(greedy, chosen, sampled)
-        return chosen, raw_logprobs
+        return chosen, raw_logprobs, finite
 
     @staticmethod
     def _penalise(scores: torch.Tensor, params: Sequence[SamplingParams],
@@ -249,12 +254,13 @@ def _warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tenso
     return apply_top_p(scores, [1.0 if p.is_greedy else p.top_p for p in params])
 
 
-def _pack(chosen: torch.Tensor, raw_logprobs: torch.Tensor,
+def _pack(chosen: torch.Tensor, raw_logprobs: torch.Tensor, finite: torch.Tensor,
           params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Tokens, their logprobs and the top-k logprobs in one float64 tensor (exact for token ids
-    below 2**53), so the batch costs a single device-to-host copy."""
+    """Tokens, their logprobs, the finite flags and the top-k logprobs in one float64 tensor
+    (exact for token ids below 2**53), so the batch costs a single device-to-host copy."""
     k = max((p.top_logprobs for p in params), default=0)
-    parts = [chosen[:, None].double(), raw_logprobs.gather(1, chosen[:, None]).double()]
+    parts = [chosen[:, None].double(), raw_logprobs.gather(1, chosen[:, None]).double(),
+             finite[:, None].double()]
     if k:
         top = raw_logprobs.topk(k, dim=-1)
         parts += [top.indices.double(), top.values.double()]
@@ -266,15 +272,11 @@ def _unpack(rows: list[list[float]], params: Sequence[SamplingParams]) -> list[S
     out: list[SampledToken] = []
     for row, p in zip(rows, params, strict=True):
         n = p.top_logprobs
-        top_ids, top_vals = row[2:2 + k], row[2 + k:]
+        top_ids, top_vals = row[3:3 + k], row[3 + k:]
         pairs = tuple((int(top_ids[i]), top_vals[i]) for i in range(n))
-        out.append(SampledToken(token_id=int(row[0]), logprob=row[1], top_logprobs=pairs))
+        out.append(SampledToken(token_id=int(row[0]), logprob=row[1], top_logprobs=pairs,
+                                finite=row[2] == 1.0))
     return out
-
-
-def _to_host(chosen: torch.Tensor, raw_logprobs: torch.Tensor,
-             params: Sequence[SamplingParams]) -> list[SampledToken]:
-    return _unpack(_pack(chosen, raw_logprobs, params).cpu().tolist(), params)
 
 
 class PendingSample:

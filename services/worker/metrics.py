@@ -85,6 +85,14 @@ class WorkerMetrics:
         c.errors += 1
         c.errors_by_code[code] = c.errors_by_code.get(code, 0) + 1
 
+    def record_nonfinite_failure(self, key: VersionKey) -> None:
+        """A request the engine ended because its logits were NaN or inf (finish_reason "error",
+        `slora_core.outputs.is_nonfinite_failure`). Counted as a non-finite output, which canary
+        evidence already counts as a failure, and not again under `errors`, so the failure rate
+        counts it once."""
+        self.errors.labels(*key).inc()
+        self.version(key).nonfinite_outputs += 1
+
     def record_finish(self, key: VersionKey, ttft: float | None, e2e: float, tokens: int,
                       nonfinite: bool = False) -> None:
         """A finished request: `nonfinite` when a generated token's logprob was NaN/inf."""
