@@ -12,6 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.wire import DecodeErrorInterceptor
+
 log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -48,11 +50,15 @@ class GrpcServer:
 
 
 async def start_server(listen: str, add_services: Callable[[grpc.aio.Server], None],
-                       service_names: Sequence[str], *, serving: bool = True) -> GrpcServer:
+                       service_names: Sequence[str], *, serving: bool = True,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> GrpcServer:
     """Bind `listen` (host:port), add the services, health and reflection, and start.
 
-    Raises RuntimeError when the address cannot be bound."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    `interceptors` run in order, before the one that refuses undecodable requests with
+    INVALID_ARGUMENT (installed on every server). Raises RuntimeError when the address cannot
+    be bound."""
+    server = grpc.aio.server(options=SERVER_OPTIONS,
+                             interceptors=[*interceptors, DecodeErrorInterceptor()])
     add_services(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 from sqlalchemy.exc import OperationalError
 
+from services.common.errors import ServiceError
 from services.control_plane.lifecycle import IllegalTransition, UnknownVersion
 from slora_core.adapters import AdapterFormatError, AdapterIncompatibleError
 
@@ -65,6 +66,8 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 
 def status_for(exc: BaseException) -> grpc.StatusCode | None:
     """The gRPC code for an expected error, or None for a bug (reported as INTERNAL)."""
+    if isinstance(exc, ServiceError):  # shared checks (services.common.names, limits)
+        return exc.code
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return code

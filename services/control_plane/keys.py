@@ -8,7 +8,6 @@ database does not leak working keys.
 from __future__ import annotations
 
 import hashlib
-import re
 import secrets
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common.names import check_name, shown
 from services.control_plane.audit import record_event
 from services.control_plane.errors import (
     AlreadyExists,
@@ -29,9 +29,9 @@ from services.control_plane.records import KeyRecord, TenantRecord
 
 ADMIN, TENANT = "admin", "tenant"
 SCOPES = (ADMIN, TENANT)
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 BOOTSTRAP_KEY_ID = "bootstrap"
 MIN_BOOTSTRAP_TOKEN_CHARS = 16
+MAX_KEY_NAME_CHARS = 256
 
 
 def hash_token(token: str) -> str:
@@ -68,12 +68,6 @@ class Principal:
 
 # The principal recorded for changes made by the control plane itself (bootstrap, migrations).
 SYSTEM = Principal(key_id="system", scope=ADMIN)
-
-
-def check_name(kind: str, name: str) -> str:
-    if not NAME_RE.fullmatch(name):
-        raise InvalidArgument(f"{kind} {name!r} must match {NAME_RE.pattern}")
-    return name
 
 
 class KeyStore:
@@ -139,9 +133,13 @@ class KeyStore:
         """A new key and its token; the token is not stored and cannot be shown again."""
         actor.require_admin()
         if scope not in SCOPES:
-            raise InvalidArgument(f"scope must be one of {SCOPES}, got {scope!r}")
+            raise InvalidArgument(f"scope must be one of {SCOPES}, got {shown(scope)}")
         if (scope == TENANT) != bool(tenant):
             raise InvalidArgument("tenant keys need a tenant; admin keys take none")
+        if tenant:
+            check_name("tenant", tenant)
+        if len(name) > MAX_KEY_NAME_CHARS:
+            raise InvalidArgument(f"key name is {len(name)} chars; at most {MAX_KEY_NAME_CHARS}")
         key_id = secrets.token_hex(8)
         token = f"slk_{key_id}_{secrets.token_urlsafe(32)}"
         with self._sessions.begin() as s:
@@ -167,7 +165,7 @@ class KeyStore:
         with self._sessions.begin() as s:
             key = s.get(ApiKey, key_id)
             if key is None:
-                raise NotFound(f"API key {key_id!r} does not exist")
+                raise NotFound(f"API key {shown(key_id)} does not exist")
             if key.revoked_at is None:
                 key.revoked_at = utcnow()
                 record_event(s, actor, "revoke_key", tenant=key.tenant, details={"key_id": key_id})

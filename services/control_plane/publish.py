@@ -16,19 +16,19 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from services.common.names import check_adapter_id, check_name, check_version, shown
 from services.control_plane.audit import record_event
 from services.control_plane.errors import AlreadyExists, FailedPrecondition, InvalidArgument
-from services.control_plane.keys import Principal, check_name
+from services.control_plane.keys import Principal
 from services.control_plane.lifecycle import VersionState
 from services.control_plane.models import Adapter, AdapterVersion, Route
 from services.control_plane.storage import StorageConfig, fetch_adapter
 from slora_core.adapters import AdapterError, LoraAdapter, digest_adapter_dir, load_adapter
 from slora_core.config import ModelConfig
 
-ADAPTER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
-VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_LABELS = 32
+MAX_URI_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -44,17 +44,18 @@ class RegisterRequest:
 
 def check_request(req: RegisterRequest, base_models: Mapping[str, ModelConfig]) -> None:
     """Raise InvalidArgument for a malformed request, before anything is fetched."""
-    if not ADAPTER_ID_RE.fullmatch(req.adapter_id):
-        raise InvalidArgument(f"adapter_id {req.adapter_id!r} must match {ADAPTER_ID_RE.pattern}")
-    if not VERSION_RE.fullmatch(req.version):
-        raise InvalidArgument(f"version {req.version!r} must match {VERSION_RE.pattern}")
+    check_adapter_id(req.adapter_id)
+    check_version(req.version)
     if not SHA256_RE.fullmatch(req.sha256):
         raise InvalidArgument("sha256 must be 64 lowercase hex digits (see `slora admin digest`)")
     if req.base_model not in base_models:
         raise InvalidArgument(
-            f"unknown base model {req.base_model!r}; this control plane serves {sorted(base_models)}"
+            f"unknown base model {shown(req.base_model)}; this control plane serves "
+            f"{sorted(base_models)}"
         )
     check_name("tenant", req.tenant)
+    if len(req.storage_uri) > MAX_URI_CHARS:
+        raise InvalidArgument(f"storage_uri is {len(req.storage_uri)} chars; at most {MAX_URI_CHARS}")
     if len(req.labels) > MAX_LABELS or any(len(k) > 63 or len(v) > 256 for k, v in req.labels.items()):
         raise InvalidArgument(f"at most {MAX_LABELS} labels, keys up to 63 and values up to 256 chars")
 

@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 
+from services.common.names import MAX_NAME, check_adapter_id, check_name, check_version, shown
 from services.control_plane import lifecycle
 from services.control_plane.audit import record_event
 from services.control_plane.canary_policy import CanaryPolicy
@@ -46,6 +47,7 @@ from slora_core.adapters import LoraAdapter
 from slora_core.config import ModelConfig
 
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 50, 500
+MAX_REASON_CHARS = 1024
 COMMIT_ATTEMPTS = 3
 Transition = Callable[[AdapterState], AdapterState]
 # Runs inside a route change's transaction, after the route and versions were written, with the
@@ -153,8 +155,13 @@ class Registry:
         checks `etag`, advances the route's revision and records an audit event `action`.
         Raises Aborted when the etag is stale or a concurrent change won."""
         actor.require_admin()
+        check_adapter_id(adapter_id)
+        if version is not None:
+            check_version(version)
         if not etag:
             raise InvalidArgument("etag is required: read the adapter first and pass its etag")
+        if len(reason) > MAX_REASON_CHARS:
+            raise InvalidArgument(f"reason is {len(reason)} chars; at most {MAX_REASON_CHARS}")
         try:
             with self._sessions.begin() as s:
                 # Lock the route row before reading anything else: under READ COMMITTED each
@@ -165,7 +172,8 @@ class Registry:
                     raise NotFound(f"adapter {adapter_id!r} is not registered")
                 adapter = route.adapter
                 if etag != etag_of(route.revision):
-                    raise Aborted(f"stale etag {etag!r}: {adapter_id} is now at {etag_of(route.revision)}")
+                    raise Aborted(f"stale etag {shown(etag)}: {adapter_id} is now at "
+                                  f"{etag_of(route.revision)}")
                 rows = {v.version: v for v in adapter.versions}
                 before = state_of(route, {name: VersionState(r.state) for name, r in rows.items()})
                 after = transition(before)
@@ -195,6 +203,7 @@ class Registry:
     # -- reads --------------------------------------------------------------------------------
 
     def get_adapter(self, adapter_id: str, viewer: Principal) -> AdapterRecord:
+        check_adapter_id(adapter_id)
         with self._sessions() as s:
             adapter = self._load(s, adapter_id)
             viewer.check_tenant(adapter.tenant)
@@ -213,6 +222,8 @@ class Registry:
         """One page of adapters ordered by id, and the token of the next page ('' at the end).
         A tenant key sees its own tenant only."""
         tenant = self._visible_tenant(viewer, tenant)
+        if base_model and len(base_model) > MAX_NAME:
+            raise InvalidArgument(f"base_model {shown(base_model)} is not a base model name")
         limit = _page_size(page_size)
         query = select(Adapter).order_by(Adapter.adapter_id).limit(limit + 1)
         if page_token:
@@ -241,6 +252,8 @@ class Registry:
     ) -> tuple[list[EventRecord], str]:
         """One page of audit events, oldest first; a tenant key sees its tenant's events only."""
         tenant = self._visible_tenant(viewer, tenant)
+        if adapter_id:
+            check_adapter_id(adapter_id)
         limit = _page_size(page_size)
         query = select(AuditEvent).order_by(AuditEvent.id).limit(limit + 1)
         if page_token:
@@ -256,6 +269,8 @@ class Registry:
         return page, _encode_token(str(page[-1].id)) if more else ""
 
     def _visible_tenant(self, viewer: Principal, tenant: str | None) -> str | None:
+        if tenant:
+            check_name("tenant", tenant)
         if viewer.is_admin:
             return tenant or None
         viewer.check_tenant(tenant or viewer.tenant)

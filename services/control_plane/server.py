@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.metrics import serve_metrics
 from services.common.server import SERVER_OPTIONS
+from services.common.wire import DecodeErrorInterceptor
 from services.control_plane.analyzer import DEFAULT_TICK_S, Analyzer
 from services.control_plane.db import make_engine, make_session_factory, upgrade
 from services.control_plane.evidence import EvidenceStore
@@ -83,7 +84,9 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
     if config.bootstrap_admin_key:
         await asyncio.to_thread(keys.ensure_bootstrap_key, config.bootstrap_admin_key)
     server = grpc.aio.server(
-        interceptors=[ErrorInterceptor(), AuthInterceptor(keys, METHOD_SCOPES, config.cluster_token)],
+        # Decode checks innermost: an unauthenticated caller hears UNAUTHENTICATED first.
+        interceptors=[ErrorInterceptor(), AuthInterceptor(keys, METHOD_SCOPES, config.cluster_token),
+                      DecodeErrorInterceptor()],
         options=SERVER_OPTIONS,  # accepts the watch streams' keepalive pings
     )
     if not config.cluster_token:

@@ -12,6 +12,8 @@ from typing import Any
 
 import fsspec
 
+from services.common.errors import InvalidArgument
+from services.common.names import check_adapter_id, check_version, inside
 from slora_core.adapters import AdapterFormatError, digest_adapter_dir
 from slora_core.adapters.files import DIGEST_FILES
 
@@ -40,7 +42,14 @@ class DiskCache:
         self._verified: set[Path] = set()
 
     def path_of(self, src: VersionSource) -> Path:
-        return self.root / src.adapter_id / f"{src.version}-{src.sha256[:16]}"
+        """Where `src` is kept; AdapterFormatError for names that are not valid ids or a path
+        that would leave `root` (the control plane checks names too: this is the last line)."""
+        try:
+            check_adapter_id(src.adapter_id)
+            check_version(src.version)
+            return inside(self.root, src.adapter_id, f"{src.version}-{src.sha256[:16]}")
+        except InvalidArgument as e:
+            raise AdapterFormatError(str(e)) from None
 
     def fetch(self, src: VersionSource) -> tuple[Path, bool]:
         """The verified local directory of `src` and whether it was downloaded now.
