@@ -2,17 +2,20 @@
 
 Special token ids come from the files a Hugging Face directory carries: `tokenizer_config.json`
 (bos/eos token strings, `add_bos_token` / `add_eos_token`), `generation_config.json` and
-`config.json` (`bos_token_id`, `eos_token_id` as an int or a list).
+`config.json` (`bos_token_id`, `eos_token_id` as an int or a list). The chat template (if any)
+comes from `chat_template.jinja` or tokenizer_config.json (see `slora_core.chat_template`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tokenizers
+
+from slora_core.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 
 
 class TokenizerError(ValueError):
@@ -63,7 +66,7 @@ class Tokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer, bos_token_id: int | None,
                  eos_token_ids: Sequence[int], add_bos_token: bool | None = None,
-                 add_eos_token: bool = False) -> None:
+                 add_eos_token: bool = False, chat_template: ChatTemplate | None = None) -> None:
         if add_bos_token and bos_token_id is None:
             raise TokenizerError("add_bos_token is set but the tokenizer has no BOS token")
         self._backend = backend
@@ -71,13 +74,14 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
+        self.chat_template = chat_template
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         """Load `tokenizer.json` and the special-token settings of a Hugging Face directory.
 
-        Raises TokenizerError when tokenizer.json is missing or invalid, or a config file is not
-        valid JSON. EOS ids are the union of generation_config.json, config.json and the
+        Raises TokenizerError when tokenizer.json is missing or invalid, a config file is not
+        valid JSON, or the chat template cannot be used (bad form, does not compile). EOS ids are the union of generation_config.json, config.json and the
         tokenizer config's eos token, in that order."""
         root = Path(model_dir)
         backend = _load_backend(root / "tokenizer.json")
@@ -95,9 +99,14 @@ class Tokenizer:
         eos = (_ids(gen_cfg.get("eos_token_id")) + _ids(model_cfg.get("eos_token_id"))
                + token_id("eos_token"))
         add_bos = tok_cfg.get("add_bos_token")
+        try:
+            template = load_chat_template(root, tok_cfg, _read_json(root / "special_tokens_map.json"))
+        except ChatTemplateError as e:
+            raise TokenizerError(f"{root}: {e}") from None
         return cls(backend, bos[0] if bos else None, eos,
                    add_bos_token=None if add_bos is None else bool(add_bos),
-                   add_eos_token=bool(tok_cfg.get("add_eos_token", False)))
+                   add_eos_token=bool(tok_cfg.get("add_eos_token", False)),
+                   chat_template=template)
 
     @property
     def vocab_size(self) -> int:
@@ -119,6 +128,28 @@ class Tokenizer:
         if add_special_tokens and self.add_eos_token and self.eos_token_ids:
             ids.append(self.eos_token_ids[0])
         return ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        """The model directory carries a chat template (chat input is possible)."""
+        return self.chat_template is not None
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The prompt text of a chat, as transformers' apply_chat_template(tokenize=False).
+        Raises ChatTemplateError (no template, malformed messages, template refused them)."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template (neither chat_template.jinja "
+                                    "nor tokenizer_config.json chat_template): send a text prompt")
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat prompt, as transformers' apply_chat_template(tokenize=True): the
+        rendered text carries its own special tokens (BOS included), so none are added here.
+        Raises ChatTemplateError like `render_chat`."""
+        return self.encode(self.render_chat(messages, add_generation_prompt),
+                           add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form complete UTF-8 characters become U+FFFD."""
