@@ -58,6 +58,16 @@ MODEL_CONFIG: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+# A ChatML-style chat template (as Qwen2's, without its default system prompt). The tokenizer
+# has no <|im_start|>/<|im_end|> tokens (adding them would retrain the BPE and change every
+# demo output), so the markers are plain text: a few byte-level tokens each. BOS comes from
+# the template, as in real models, since chat prompts are tokenized without special tokens.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # Built-in training text for the tokenizer (written for this project).
 CORPUS = """\
 The quick brown fox jumps over the lazy dog while the farmer watches from the porch.
@@ -281,6 +291,7 @@ def _tokenizer_config() -> dict[str, Any]:
         "eos_token": EOS,
         "model_max_length": MODEL_CONFIG["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

@@ -220,3 +220,16 @@ def test_a_template_list_without_default_is_refused(bpe, tmp_path):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(TokenizerError, match="none named 'default'"):
         Tokenizer.from_dir(d)
+
+
+def test_the_demo_model_ships_a_chatml_style_template(demo_dir):
+    model_dir = demo_dir / "model"
+    tok = Tokenizer.from_dir(model_dir)
+    assert tok.has_chat_template
+    text = tok.render_chat(MULTI)
+    assert text.startswith(f"{BOS}<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    ids = tok.encode_chat(MULTI)
+    assert (text, ids) == hf_chat(model_dir, MULTI, True)
+    # One BOS (the template's), markers as plain text that decodes back unchanged.
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+    assert tok.decode(ids) == text.removeprefix(BOS)
