@@ -33,6 +33,11 @@ class LoraTiles:
     # The expand re-reads every K split's partial sums once per output tile, which costs more
     # than it saves once segments are long enough to fill the GPU with row tiles.
     max_split_k: int = 16  # MAX_SPLIT_K
+    # The expand re-reads split_k x block_r partial sums per output tile: with a budget, the
+    # split is capped at budget // block_r (None: no cap).
+    split_rank_budget: int | None = None
+    # Segments of rank <= 16 (<= 32) run 16- (32-) wide rank tiles instead of the launch's.
+    rank_buckets: bool = True
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -75,6 +80,14 @@ def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int) 
     return max(1, min(want, cap, k // MIN_K_PER_SPLIT))
 
 
+def split_cap(tiles: LoraTiles, k: int, block_r: int) -> int:
+    """The most K splits these tiles allow for this K and rank tile."""
+    cap = min(tiles.max_split_k, max(1, k // MIN_K_PER_SPLIT))
+    if tiles.split_rank_budget is not None:
+        cap = min(cap, max(1, tiles.split_rank_budget // block_r))
+    return cap
+
+
 def add_lora_triton(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -114,17 +127,22 @@ def add_lora_triton(
                          f"step's tile list has {meta.block_m}")
     block_r = rank_block(max_rank)
     k = x.shape[1]
+    cap = split_cap(tiles, k, block_r)
+    # A padded tile list (CUDA graphs) has its real length only on the device: the kernels
+    # count it and pick the split there, so one capture serves 1 or 256 adapters alike.
+    target = PROGRAMS_PER_SM * _num_sms(x.device) if meta.padded_tiles and not split_k else 0
     for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
-        programs = meta.num_tiles
-        splits = split_k or pick_split_k(programs * len(mods), k, x.device, tiles.max_split_k)
+        splits = split_k or (cap if target else min(
+            cap, pick_split_k(meta.num_tiles * len(mods), k, x.device, tiles.max_split_k)))
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)
-        lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta,
-                    block_m=tiles.shrink_block_m, block_r=block_r,
-                    block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
-                    num_stages=tiles.num_stages)
+        lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
+                    block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
+                    num_stages=tiles.num_stages, device_split_target=target,
+                    rank_buckets=tiles.rank_buckets)
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
-                    block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                    block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                    device_split_target=target, rank_buckets=tiles.rank_buckets)

@@ -249,7 +249,7 @@ class DecodeGraphs(_StepGraphs):
                         seg_slots=self.seg_slots[:b], token_slots=self.token_slots[:b],
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
                         tile_segs=self.tile_segs[:b], tile_m0=self.tile_m0[:b], num_tiles=b,
-                        block_m=DECODE_BLOCK_M) if modules else None
+                        block_m=DECODE_BLOCK_M, padded_tiles=True) if modules else None
         return StepContext(
             positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
             block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b],
@@ -341,7 +341,8 @@ class MixedGraphs(_StepGraphs):
                         seg_slots=self.seg_slots, token_slots=self.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
                         tile_segs=self.tile_segs[:tiles], tile_m0=self.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=PREFILL_BLOCK_M) if modules else None
+                        num_tiles=tiles, block_m=PREFILL_BLOCK_M,
+                        padded_tiles=True) if modules else None
         return StepContext(
             positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
             block_tables=self.block_tables, seq_lens=self.seq_lens,
