@@ -1,29 +1,39 @@
-# One image for every slora service: control plane, gateway, workers, migrations, demo assets.
-#   docker compose --profile cpu up     (see docker-compose.yml)
-# torch comes from the package index pip is configured with; pass
-# --build-arg PIP_EXTRA_INDEX_URL=<index of CPU-only torch wheels> for a smaller CPU image.
+# One image for every slora service: control plane, migrations, gateway, workers, demo assets.
+#   docker build -t slora:latest .                            CPU target (the default)
+#   docker build -t slora:gpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#       --build-arg TRITON_VERSION= .                         GPU target
+# Pinned: torch 2.13.0, the CPU build from PyTorch's CPU index, with triton 3.9.0; the GPU target
+# takes torch 2.13.0's CUDA 12.8 build and the triton version that build pins (TRITON_VERSION
+# empty). Everything else: deploy/requirements-image.txt, the versions the test suite ran with
+# (regenerate with deploy/pin_image_deps.py).
 FROM python:3.11-slim
 
-ARG PIP_EXTRA_INDEX_URL=""
+# Triton compiles small C launchers when it first runs a kernel: it needs a C compiler.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 ENV PIP_NO_CACHE_DIR=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL}
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1
 
-WORKDIR /app
 # Dependencies first, so code changes do not reinstall torch.
-COPY pyproject.toml README.md ./
-RUN pip install "torch>=2.4" "grpcio-tools>=1.62" "psycopg[binary]>=3.1"
-COPY proto ./proto
-COPY slora ./slora
-COPY slora_core ./slora_core
-COPY kernels ./kernels
-COPY services ./services
-COPY migrations ./migrations
-COPY alembic.ini ./
-# Generated protobuf code is a build product (DESIGN section 2).
-RUN python -m services.codegen && pip install -e .
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TRITON_VERSION=3.9.0
+RUN pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"
+COPY deploy/requirements-image.txt /tmp/requirements-image.txt
+RUN pip install -r /tmp/requirements-image.txt ${TRITON_VERSION:+"triton==$TRITON_VERSION"}
 
-RUN useradd --create-home slora && mkdir -p /data && chown slora /data
+# The package itself, non-editable: the build compiles proto/ into slora/v1 and the wheel
+# carries the migrations, so the sources are not kept in the image.
+COPY . /tmp/src
+RUN pip install --no-deps --no-build-isolation /tmp/src \
+ && rm -rf /tmp/src \
+ && pip check
+
+RUN useradd --create-home --uid 10001 slora && mkdir -p /data && chown slora /data
 USER slora
-EXPOSE 50051 50061 50071 9100
+WORKDIR /home/slora
+EXPOSE 50051 50061 50071 8080 9100
 CMD ["slora", "--help"]

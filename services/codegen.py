@@ -1,7 +1,8 @@
 """Generate the gRPC/protobuf Python package `slora.v1` from `proto/slora/v1/*.proto`.
 
 Generated code is a build product: it is written next to `slora/v1/__init__.py` at set-up and
-ignored by git. Run `python -m services.codegen`.
+ignored by git. Run `python -m services.codegen`; building a wheel runs it too (setup.py), so
+the wheel carries the generated modules.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def generate(root: Path = ROOT) -> list[Path]:
-    """Compile every proto under proto/slora/v1 into root/slora/v1; return the proto files."""
+def generate(root: Path = ROOT, out: Path | None = None) -> list[Path]:
+    """Compile every proto under root/proto/slora/v1 into out/slora/v1 (default: root's);
+    return the proto files."""
     import grpc_tools
     from grpc_tools import protoc
 
@@ -21,13 +23,15 @@ def generate(root: Path = ROOT) -> list[Path]:
     if not protos:
         return []
     include = Path(grpc_tools.__file__).parent / "_proto"
+    out = out or root
+    (out / "slora" / "v1").mkdir(parents=True, exist_ok=True)
     args = [
         "protoc",
         f"-I{root / 'proto'}",
         f"-I{include}",
-        f"--python_out={root}",
-        f"--pyi_out={root}",
-        f"--grpc_python_out={root}",
+        f"--python_out={out}",
+        f"--pyi_out={out}",
+        f"--grpc_python_out={out}",
         *[str(p.relative_to(root / "proto")) for p in protos],
     ]
     if protoc.main(args) != 0:

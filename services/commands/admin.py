@@ -1,7 +1,9 @@
 """`slora admin ...`: operate the adapter registry through the control plane's admin API.
 
-Human tables by default, `--json` for scripts. `--target` (env SLORA_TARGET) and `--key`
-(env SLORA_KEY) say where and as whom. Route changes read the adapter's etag first unless
+Human tables by default, `--json` for scripts. `--target` (env SLORA_TARGET) and `--key` or
+`--key-file` (env SLORA_KEY, SLORA_KEY_FILE) say where and as whom; without them, the stack
+`slora up` started from this folder (.slora/up/connection.env and its 0600 admin key file).
+Route changes read the adapter's etag first unless
 `--etag` is given, so a change made by someone else in between fails with ABORTED.
 Canary policies and `status` live in admin_rollout.py.
 """
@@ -13,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -20,9 +23,11 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("admin", help="publish, canary, promote, roll back adapters; keys")
-    p.add_argument("--target", default=os.environ.get("SLORA_TARGET", DEFAULT_TARGET),
-                   help="control plane HOST:PORT; env SLORA_TARGET")
-    p.add_argument("--key", default=os.environ.get("SLORA_KEY", ""), help="API token; env SLORA_KEY")
+    p.add_argument("--target", default="", help=f"control plane HOST:PORT; env SLORA_TARGET, "
+                                                  f"else slora up's, else {DEFAULT_TARGET}")
+    p.add_argument("--key", default="", help="API token; env SLORA_KEY")
+    p.add_argument("--key-file", default="", help="a file holding the API token; env "
+                                                   "SLORA_KEY_FILE, else slora up's admin key")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
     cmds = p.add_subparsers(dest="admin_command", required=True)
@@ -136,7 +141,8 @@ def call_command(action: Callable[[Any, argparse.Namespace], Any],
 
         from services.control_plane.client import AdminClient
 
-        client = AdminClient.connect(args.target, args.key, args.timeout)
+        target, key = resolve_target_and_key(args)
+        client = AdminClient.connect(target, key, args.timeout)
         try:
             result = action(client, args)
         except grpc.RpcError as e:
@@ -146,6 +152,25 @@ def call_command(action: Callable[[Any, argparse.Namespace], Any],
         return 0
 
     return run
+
+
+def resolve_target_and_key(args: argparse.Namespace) -> tuple[str, str]:
+    """Flags, then env, then what `slora up` wrote under .slora/up/; the saved admin key is
+    only sent to the control plane saved with it, never to another target."""
+    from services.commands.generate import connection_settings
+
+    saved = connection_settings()
+    target = args.target or os.environ.get("SLORA_TARGET") or saved.get("SLORA_TARGET", "")
+    key = args.key or os.environ.get("SLORA_KEY", "")
+    key_file = args.key_file or os.environ.get("SLORA_KEY_FILE", "")
+    if not key and not key_file and target in ("", saved.get("SLORA_TARGET")):
+        key_file = saved.get("SLORA_KEY_FILE", "")
+    if not key and key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as e:
+            raise SystemExit(f"error: cannot read the key file {key_file}: {e.strerror}") from None
+    return target or DEFAULT_TARGET, key
 
 
 def _digest(args: argparse.Namespace) -> int:

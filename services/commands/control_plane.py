@@ -54,8 +54,12 @@ def run(args: argparse.Namespace) -> int:
     from services.control_plane.server import ControlPlaneConfig, serve
     from services.control_plane.storage import StorageConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _ensure_sqlite_dir(args.db)
+    if not args.migrate_only:
+        refusal = _refusal(args)
+        if refusal:  # one line, before logging is set up (no migration chatter around it)
+            raise SystemExit(f"slora control-plane: {refusal}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.migrate_only:
         upgrade(args.db)
         return 0
@@ -74,6 +78,19 @@ def run(args: argparse.Namespace) -> int:
     )
     asyncio.run(serve(config))
     return 0
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why the control plane cannot start with these settings (short admin key, database not
+    migrated), or None."""
+    from services.control_plane.db import migration_problem
+    from services.control_plane.keys import MIN_BOOTSTRAP_TOKEN_CHARS
+
+    key = args.bootstrap_admin_key
+    if key and len(key) < MIN_BOOTSTRAP_TOKEN_CHARS:
+        return (f"the bootstrap admin key ({BOOTSTRAP_ENV} or --bootstrap-admin-key) has "
+                f"{len(key)} chars; it needs {MIN_BOOTSTRAP_TOKEN_CHARS}+")
+    return None if args.migrate else migration_problem(args.db)
 
 
 def _ensure_sqlite_dir(url: str) -> None:

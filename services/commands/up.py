@@ -8,6 +8,7 @@ finds it.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 from services.commands.generate import CONNECTION_FILE
 
 STATE_DIR = Path(".slora/up")
+ADMIN_KEY_FILE = "admin.key"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,10 +68,13 @@ def run(args: argparse.Namespace) -> int:
                 wait_serving(address, child, timeout_s=180)
         gateway = stack.gateway_addresses["gateway"]
         wait_until_routable(gateway, token, [])
-        connection = state / CONNECTION_FILE
-        connection.write_text(f"SLORA_GATEWAY={gateway}\nSLORA_API_KEY={token}\n")
-        connection.chmod(0o600)
-        print_howto(gateway, token, stack.cp_address, state, demo)
+        key_file = state / ADMIN_KEY_FILE
+        write_private(key_file, stack.admin_token + "\n")
+        # `slora generate` and `slora admin` read this file when no flag or env says otherwise.
+        write_private(state / CONNECTION_FILE, (
+            f"SLORA_GATEWAY={gateway}\nSLORA_API_KEY={token}\n"
+            f"SLORA_TARGET={stack.cp_address}\nSLORA_KEY_FILE={key_file}\n"))
+        print_howto(gateway, stack.cp_address, state, demo)
         while not stopping:
             dead = [c for c in stack.children() if not c.alive]
             if dead:
@@ -85,21 +90,33 @@ def run(args: argparse.Namespace) -> int:
         stack.stop()
 
 
-def print_howto(gateway: str, token: str, control_plane: str, state: Path, demo: Path) -> None:
+def print_howto(gateway: str, control_plane: str, state: Path, demo: Path) -> None:
     adapters = sorted(p.name for p in (demo / "adapters").iterdir())
+    slora = sys.argv[0] if Path(sys.argv[0]).name == "slora" else "slora"
     sys.stdout.write(
         f"\nslora is up.\n"
         f"  gateway        {gateway}  (InferenceService.Generate, gRPC)\n"
-        f"  control plane  {control_plane}  (admin API; admin key in the "
-        f"SLORA_ADMIN_KEY of its process)\n"
+        f"  control plane  {control_plane}  (admin API)\n"
+        f"  admin key      {state / ADMIN_KEY_FILE}  (mode 0600)\n"
+        f"  connection     {state / CONNECTION_FILE}  (mode 0600; read by `slora generate` "
+        f"and `slora admin` run from this folder)\n"
         f"  logs           {state / 'logs'}\n"
         f"  adapters       {', '.join(adapters)} (version v1, tenant demo)\n\n"
-        f"Try, in another terminal:\n"
-        f"  .venv/bin/slora generate --adapter {adapters[0]} \"The quick brown fox\"\n"
-        f"  .venv/bin/slora generate \"The quick brown fox\"          # base model only\n"
-        f"(connection details in {state / CONNECTION_FILE}; tenant key: {token})\n\n"
+        f"Try, in another terminal in this folder:\n"
+        f"  {slora} generate --adapter {adapters[0]} \"The quick brown fox\"\n"
+        f"  {slora} generate \"The quick brown fox\"          # base model only\n"
+        f"  {slora} admin list\n\n"
         f"Ctrl-C stops everything.\n")
     sys.stdout.flush()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to a file only its owner can read, created with mode 0600 (no window in
+    which a secret sits in a world-readable file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its old mode otherwise
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def say(msg: str) -> None:

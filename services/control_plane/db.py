@@ -9,10 +9,11 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
+import services.control_plane
 from services.control_plane.models import AuditEvent
 
-ROOT = Path(__file__).resolve().parents[2]
-MIGRATIONS_DIR = ROOT / "migrations"
+# Inside the package (package data of the wheel), so an installed slora finds its migrations.
+MIGRATIONS_DIR = Path(services.control_plane.__file__).resolve().parent / "migrations"
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
@@ -63,10 +64,10 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 
 
 def alembic_config(url: str) -> Any:
-    """An Alembic `Config` for the migrations of this repository, targeting `url`."""
+    """An Alembic `Config` for the registry's migrations, targeting `url`."""
     from alembic.config import Config
 
-    cfg = Config(str(ROOT / "alembic.ini"))
+    cfg = Config(str(MIGRATIONS_DIR / "alembic.ini"))
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     # ConfigParser interpolation would choke on '%' in URL-encoded passwords.
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -78,3 +79,25 @@ def upgrade(url: str, revision: str = "head") -> None:
     from alembic import command
 
     command.upgrade(alembic_config(url), revision)
+
+
+def migration_problem(url: str) -> str | None:
+    """None when the database at `url` is at the migrations' head; else one line saying what is
+    wrong and what to run (instead of a traceback from the first query of a missing table)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from sqlalchemy.exc import DBAPIError
+
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+    except DBAPIError as e:
+        return f"cannot read the registry database: {str(e.orig).splitlines()[0]}"
+    finally:
+        engine.dispose()
+    if current == head:
+        return None
+    return (f"the registry database is at migration {current or 'none (empty)'}, this slora "
+            f"needs {head}: run `slora control-plane --migrate-only` or start with --migrate")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from alembic import context
+from sqlalchemy import Connection
 
 from services.control_plane.db import make_engine
 from services.control_plane.models import Base
@@ -43,7 +44,7 @@ def run_online() -> None:
         engine.dispose()
 
 
-def _run(connection: object) -> None:
+def _run(connection: Connection) -> None:
     # Batch mode lets later migrations alter tables on SQLite (copy-and-move).
     context.configure(connection=connection, target_metadata=target_metadata,
                       render_as_batch=True, compare_type=True)
