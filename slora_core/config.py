@@ -129,6 +129,21 @@ class ModelConfig:
             raise ConfigError(f"{p} is not valid JSON: {e}") from None
 
     @property
+    def max_model_len(self) -> int:
+        """The longest sequence the model serves: max_position_embeddings, scaled as vLLM reads
+        rope scaling. "linear" and "dynamic" configs give the pre-scaling length (so times
+        `factor`), "yarn" scales `original_max_position_embeddings`; "llama3" and "longrope"
+        configs already give the extended length."""
+        params = dict(self.rope_scaling or self.raw.get("rope_parameters") or {})
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        length = float(self.max_position_embeddings)
+        if rope_type in ("linear", "dynamic", "yarn"):
+            if rope_type == "yarn" and "original_max_position_embeddings" in params:
+                length = float(params["original_max_position_embeddings"])
+            length *= float(params.get("factor", 1.0))
+        return int(length)
+
+    @property
     def o_proj_bias(self) -> bool:
         """Llama's `attention_bias` also gives o_proj a bias; Qwen2's q/k/v biases do not."""
         return self.attention_bias and self.model_type == "llama"
@@ -173,7 +188,9 @@ class EngineConfig:
     # requests wait for adapter room under many-adapter traffic (H200, 2,000 adapters: p99 TTFT
     # 58x that of 5 adapters at a cap of 64, 1.4x at 256), so the default is max_num_seqs's.
     max_adapters_per_batch: int = 64
-    max_model_len: int = 2048
+    # Longest prompt + output. None: the model's (ModelConfig.max_model_len, capped at a
+    # sliding window, which this engine serves as full attention); see resolve_max_model_len.
+    max_model_len: int | None = None
     host_cache_bytes: int = 1 << 30
     max_queue: int = 1024
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA devices only)
@@ -192,11 +209,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         for name in ("num_pages", "max_rank", "max_num_seqs", "max_num_batched_tokens",
-                     "max_adapters_per_batch", "max_model_len"):
+                     "max_adapters_per_batch"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.block_size is not None and self.block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        for name in ("block_size", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}")
         if self.graph_lora_split_k is not None and not 1 <= self.graph_lora_split_k <= 64:
             raise ConfigError(f"graph_lora_split_k must be in 1..64, got "
                               f"{self.graph_lora_split_k}")
@@ -205,14 +224,31 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
 
-    def check_model(self, model: ModelConfig) -> None:
-        """Refuse a model this engine would serve wrongly within `max_model_len`."""
-        if model.sliding_window is not None and self.max_model_len > model.sliding_window:
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        """`max_model_len` for `model`: the model's own limit when unset; a value above that
+        limit is refused, and so is one past a sliding window (this engine attends fully, which
+        equals the window only within it)."""
+        limit = model.max_model_len
+        window = model.sliding_window
+        if self.max_model_len is None:
+            return limit if window is None else min(limit, window)
+        if self.max_model_len > limit:
             raise ConfigError(
-                f"the model uses sliding-window attention (window {model.sliding_window}), which "
-                f"this engine does not implement: set max_model_len <= {model.sliding_window} "
-                f"(now {self.max_model_len}) so full attention gives the same result"
+                f"max_model_len={self.max_model_len} exceeds the model's limit of {limit} tokens "
+                f"(config.json max_position_embeddings={model.max_position_embeddings}"
+                f"{', with rope scaling' if limit != model.max_position_embeddings else ''})"
             )
+        if window is not None and self.max_model_len > window:
+            raise ConfigError(
+                f"the model uses sliding-window attention (window {window}), which this engine "
+                f"does not implement: set max_model_len <= {window} (now {self.max_model_len}) "
+                f"so full attention gives the same result"
+            )
+        return self.max_model_len
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse a model this engine would serve wrongly (see resolve_max_model_len)."""
+        self.resolve_max_model_len(model)
 
     def resolve_block_size(self, model: ModelConfig) -> int:
         """The KV block size whose page fits the largest A or B matrix at `max_rank`."""

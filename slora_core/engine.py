@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -89,8 +89,9 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.detokenize = detokenize and tokenizer is not None
-        self.config = config
-        config.check_model(model_config)
+        self.max_model_len = config.resolve_max_model_len(model_config)  # checks the model too
+        # Resolved, so that readers of engine.config see the limit in force, never None.
+        self.config = config = replace(config, max_model_len=self.max_model_len)
         block_size = config.resolve_block_size(model_config)
         device = torch.device(config.device)
         # One spare table row beyond the pool's slots stays empty (rank 0): CUDA-graph decode
@@ -111,7 +112,10 @@ class LLMEngine:
         wrap_lora(model, model_config)
         self.runner = ModelRunner(model, self.arena, self.pool,
                                   max_num_seqs=config.max_num_seqs,
-                                  max_model_len=config.max_model_len,
+                                  # Graph block tables need no more columns than the arena
+                                  # has pages, whatever the model's context length.
+                                  max_model_len=min(self.max_model_len,
+                                                    config.num_pages * block_size),
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   use_cuda_graphs=config.cuda_graphs,
                                   mixed_graphs=config.mixed_graphs,
@@ -234,10 +238,10 @@ class LLMEngine:
         if bad:
             raise RequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
         total = len(ids) + params.max_new_tokens
-        if total > self.config.max_model_len:
+        if total > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"max_model_len {self.config.max_model_len}"
+                f"the context length max_model_len={self.max_model_len}"
             )
 
     def _check_fits(self, total_tokens: int, adapter_pages: int) -> None:
@@ -434,7 +438,7 @@ class LLMEngine:
                 return "stop"
             if req.stream.stopped:
                 return "stop"
-        if n >= p.max_new_tokens or seq.num_tokens >= self.config.max_model_len:
+        if n >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
