@@ -34,9 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_route_commands(cmds)
     _add_read_commands(cmds)
     _add_key_commands(cmds)
+    from services.commands.admin_demo import add_demo_commands
     from services.commands.admin_rollout import add_rollout_commands
 
     add_rollout_commands(cmds)
+    add_demo_commands(cmds)
     d = cmds.add_parser("digest", help="print an adapter directory's sha256 (no server needed)")
     d.add_argument("path")
     d.set_defaults(func=_digest)

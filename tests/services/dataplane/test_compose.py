@@ -1,5 +1,7 @@
-"""docker-compose.yml: valid against the Compose Specification schema, and every service's
-command, run as a local process (a local PostgreSQL instead of the container), serves Generate.
+"""docker-compose.yml: valid against the Compose Specification schema (and to `docker-compose
+config` where it is installed), refuses to start without its three secrets, and every service's
+command, run as a local process in dependency order (a local PostgreSQL instead of the
+container), serves Generate; the one-shot publish-demo prints a key that works.
 
 The schema is `compose_spec.json` as shipped in the docker-compose 1.29.2 wheel (Apache-2.0),
 vendored in data/ because tests run without network access."""
@@ -7,24 +9,29 @@ vendored in data/ because tests run without network access."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import jsonschema
 import pytest
 import yaml
 
-from services.common.demo_stack import publish_demo_adapters, wait_until_routable
 from services.common.processes import Child, free_port, start_child, wait_serving
-from services.control_plane.client import AdminClient
 from tests.services.dataplane.dp_support import generate, request
 
 ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = Path(__file__).parent / "data" / "compose_spec.json"
 ONE_SHOT = ("demo-assets", "migrate")
 LONG_RUNNING = ("control-plane", "worker-cpu", "gateway")
+LAST = "publish-demo"  # one-shot, after the control plane and the gateway are healthy
+SECRETS = {"SLORA_ADMIN_KEY": "test-admin-key-0123456789",
+           "SLORA_CLUSTER_TOKEN": "test-cluster-token-0123456789", "SLORA_DB_PASSWORD": "pw0123"}
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -41,7 +48,7 @@ def test_compose_file_matches_the_compose_spec_schema() -> None:
     broken["services"]["gateway"]["depends_on"]["control-plane"]["condition"] = "healthy"
     assert not validator.is_valid(broken)  # the schema does check what we rely on
     services = doc["services"]
-    assert set(services) == {"postgres", *ONE_SHOT, *LONG_RUNNING, "worker-gpu"}
+    assert set(services) == {"postgres", *ONE_SHOT, *LONG_RUNNING, "worker-gpu", LAST}
     assert services["worker-cpu"]["profiles"] == ["cpu"]
     assert services["worker-gpu"]["profiles"] == ["gpu"]
     devices = services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"]
@@ -51,19 +58,46 @@ def test_compose_file_matches_the_compose_spec_schema() -> None:
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["control-plane"]["depends_on"]["migrate"]["condition"] == \
         "service_completed_successfully"
-    for name in ("gateway", "worker-cpu", "worker-gpu"):
+    for name in ("gateway", "worker-cpu", "worker-gpu", LAST):
         assert services[name]["depends_on"]["control-plane"]["condition"] == "service_healthy"
+    assert services[LAST]["depends_on"]["gateway"]["condition"] == "service_healthy"
     # One cluster token for the control plane and everything that watches it.
-    tokens = {interpolate(services[name]["environment"]["SLORA_CLUSTER_TOKEN"], {})
+    tokens = {interpolate(services[name]["environment"]["SLORA_CLUSTER_TOKEN"], SECRETS)
               for name in (*LONG_RUNNING, "worker-gpu")}
-    assert len(tokens) == 1 and all(tokens)
+    assert tokens == {SECRETS["SLORA_CLUSTER_TOKEN"]}
+
+
+def test_compose_refuses_to_start_without_real_secrets() -> None:
+    env = compose()["x-slora"]["environment"]
+    for name in SECRETS:  # no public default: each one missing stops compose
+        with pytest.raises(KeyError, match=name):
+            interpolate(str(env), {k: v for k, v in SECRETS.items() if k != name})
+    assert "change-me" not in (ROOT / "docker-compose.yml").read_text()
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None,
+                    reason="docker-compose (pip install docker-compose) is not installed here")
+def test_docker_compose_config_accepts_the_file_only_with_secrets() -> None:
+    base = {k: v for k, v in os.environ.items() if k not in SECRETS}
+
+    def config(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["docker-compose", "--profile", "cpu", "config", "--quiet"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    res = config({**base, **SECRETS})
+    assert res.returncode == 0, res.stderr
+    res = config({**base, **{k: v for k, v in SECRETS.items() if k != "SLORA_ADMIN_KEY"}})
+    assert res.returncode != 0 and "set SLORA_ADMIN_KEY" in res.stderr, res.stderr
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:
-    """Compose's ${NAME:-default} and ${NAME} substitution."""
+    """Compose's ${NAME}, ${NAME:-default} and ${NAME:?message} substitution (KeyError for a
+    required variable that is unset or empty)."""
     def sub(m: re.Match[str]) -> str:
-        return env.get(m.group(1)) or (m.group(3) or "")
-    return re.sub(r"\$\{(\w+)(:-([^}]*))?\}", sub, value)
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        if op == ":?" and not env.get(name):
+            raise KeyError(f"{name}: {arg}")
+        return env.get(name) or (arg if op == ":-" else "")
+    return re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", sub, value)
 
 
 class LocalCompose:
@@ -72,7 +106,8 @@ class LocalCompose:
 
     def __init__(self, tmp: Path, db_url: str) -> None:
         self.tmp, self.db_url = tmp, db_url
-        self.ports = {p: free_port() for p in ("50051", "50061", "50071", "9100", "9101")}
+        self.ports = {p: free_port() for p in ("50051", "50061", "50071", "8080", "9100",
+                                               "9101")}
         self.rewrites = [
             ("/data", str(tmp / "data")),
             *[(f"{host}:{p}", f"127.0.0.1:{local}") for p, local in self.ports.items()
@@ -95,7 +130,7 @@ class LocalCompose:
         return out
 
     def env(self, service: dict) -> dict[str, str]:
-        env = {k: interpolate(str(v), {}) for k, v in service.get("environment", {}).items()}
+        env = {k: interpolate(str(v), SECRETS) for k, v in service.get("environment", {}).items()}
         env["SLORA_DB_URL"] = self.db_url  # the local PostgreSQL, one schema per test
         env["SLORA_HEARTBEAT_S"] = "0.5"
         return env
@@ -142,10 +177,18 @@ def test_every_compose_service_runs_locally_and_serves_generate(pg_url: str, tmp
             check = stack.argv(services[name]["healthcheck"]["test"][1:])
             assert start_child(f"{name}-health", check, tmp_path / "logs", cwd=ROOT
                                ).popen.wait(30) == 0
-        key = stack.env(services["control-plane"])["SLORA_ADMIN_KEY"]
-        admin = AdminClient.connect(stack.local("50051"), key)
-        token = publish_demo_adapters(admin, tmp_path / "data" / "demo", ["qv-r4"])
-        wait_until_routable(stack.local("50071"), token, ["qv-r4"])
+        publish = stack.start(LAST, services[LAST])
+        children.append(publish)
+        assert publish.popen.wait(180) == 0, publish.log_tail()
+        printed = publish.log_tail()
+        token = re.search(r"tenant API key \(shown once\): (\S+)", printed).group(1)
+        http = f"http://{stack.local('8080')}/v1"  # --public-http, rewritten like the rest
+        assert f"{http}/completions" in printed
+        answer = httpx.post(f"{http}/completions", headers={"Authorization": f"Bearer {token}"},
+                            json={"model": "qv-r4", "prompt": "Hello", "max_tokens": 4},
+                            timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 4
         res = generate(stack.local("50071"), request(adapter="qv-r4", temperature=0), token)
         assert res.error is None and res.complete is not None, res
         assert res.complete.served_by.worker_id == "worker-cpu"
