@@ -9,7 +9,6 @@ transaction.
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +16,19 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 
 from services.common.names import check_adapter_id, check_name, check_version, shown
+from services.control_plane.adapter_check import (
+    MAX_CONFIG_BYTES,
+    AdapterSummary,
+    max_weights_bytes,
+    validate_adapter_dir,
+)
 from services.control_plane.audit import record_event
 from services.control_plane.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from services.control_plane.keys import Principal
 from services.control_plane.lifecycle import VersionState
 from services.control_plane.models import Adapter, AdapterVersion, Route
-from services.control_plane.storage import StorageConfig, fetch_adapter
-from slora_core.adapters import AdapterError, LoraAdapter, digest_adapter_dir, load_adapter
+from services.control_plane.storage import StorageConfig, fetch_adapter, staging_dir
+from slora_core.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 from slora_core.config import ModelConfig
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -85,25 +90,23 @@ def existing_version(session: Session, req: RegisterRequest) -> AdapterVersion |
 
 def fetch_and_validate(
     req: RegisterRequest, model: ModelConfig, storage: StorageConfig, max_rank: int
-) -> LoraAdapter:
-    """Download into a temporary folder, compare digests, run the engine's validator.
+) -> AdapterSummary:
+    """Download into a temporary folder (streamed, hashed on the way), compare digests, and
+    validate one tensor at a time (`adapter_check`): memory stays bounded whatever the size.
 
-    Raises InvalidArgument (fetch, digest), AdapterFormatError or AdapterIncompatibleError.
-    """
-    with tempfile.TemporaryDirectory(prefix="slora-register-") as tmp:
-        local = fetch_adapter(req.storage_uri, Path(tmp), storage)
-        digest = digest_adapter_dir(local)
+    A weights file larger than an adapter of `model` at `max_rank` can be is refused before it
+    is downloaded. Raises InvalidArgument (fetch, size, digest), AdapterFormatError or
+    AdapterIncompatibleError."""
+    limits = {CONFIG_FILE: MAX_CONFIG_BYTES, WEIGHTS_FILE: max_weights_bytes(model, max_rank)}
+    with staging_dir() as tmp:
+        digest = fetch_adapter(req.storage_uri, Path(tmp), storage, limits)
         if digest != req.sha256:
             raise InvalidArgument(f"sha256 mismatch: the files at {req.storage_uri} hash to {digest}")
-        try:
-            return load_adapter(local, model, max_rank=max_rank, expected_sha256=req.sha256)
-        except AdapterError as e:
-            # Name the caller's URI, not our temporary folder, in the message.
-            raise type(e)(str(e).replace(str(local), req.storage_uri.rstrip("/"))) from None
+        return validate_adapter_dir(Path(tmp), model, max_rank, req.storage_uri.rstrip("/"))
 
 
 def insert_version(
-    session: Session, req: RegisterRequest, adapter: LoraAdapter, actor: Principal
+    session: Session, req: RegisterRequest, adapter: AdapterSummary, actor: Principal
 ) -> AdapterVersion:
     """Insert (adapter and route if new,) the VALIDATED version and its audit event."""
     row = session.get(Adapter, req.adapter_id)

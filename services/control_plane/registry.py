@@ -21,6 +21,7 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from services.common.names import MAX_NAME, check_adapter_id, check_name, check_version, shown
 from services.control_plane import lifecycle
+from services.control_plane.adapter_check import AdapterSummary
 from services.control_plane.audit import record_event
 from services.control_plane.canary_policy import CanaryPolicy
 from services.control_plane.errors import Aborted, InvalidArgument, NotFound
@@ -43,7 +44,6 @@ from services.control_plane.records import (
 )
 from services.control_plane.rollout_rows import write_policy
 from services.control_plane.storage import StorageConfig
-from slora_core.adapters import LoraAdapter
 from slora_core.config import ModelConfig
 
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 50, 500
@@ -98,7 +98,7 @@ class Registry:
                                      self._max_rank)
         return self._commit_version(req, adapter, actor)
 
-    def _commit_version(self, req: RegisterRequest, adapter: LoraAdapter,
+    def _commit_version(self, req: RegisterRequest, adapter: AdapterSummary,
                         actor: Principal) -> VersionRecord:
         # A unique-key clash means a concurrent registration committed first: the adapter row
         # (then simply retry: it exists now) or this very version (then it is a no-op, or a

@@ -30,7 +30,7 @@ from services.control_plane.rollout_status import RolloutView
 from services.control_plane.routing import SERVICE_NAME as PLACEMENT_SERVICE
 from services.control_plane.routing import attach_placement
 from services.control_plane.servicer import METHOD_SCOPES, SERVICE_NAME, AdapterAdminServicer
-from services.control_plane.storage import StorageConfig
+from services.control_plane.storage import StorageConfig, clean_stale_staging
 from slora.v1 import admin_pb2_grpc as pb_grpc
 from slora_core.config import ModelConfig
 
@@ -114,6 +114,8 @@ async def serve(config: ControlPlaneConfig) -> None:
     """Run until SIGINT/SIGTERM, then shut down gracefully."""
     if config.migrate:
         await asyncio.to_thread(upgrade, config.db_url)
+    for path in await asyncio.to_thread(clean_stale_staging):
+        log.info("removed %s, left by a registration that never finished", path)
     engine = make_engine(config.db_url)
     sessions = make_session_factory(engine)
     plane = await build_server(config, sessions)
