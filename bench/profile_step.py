@@ -31,16 +31,7 @@ def timed_steps(engine, n: int) -> list[dict[str, float]]:
         logits = engine.runner.run(sched.scheduled)
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        sampling = [s.seq for s in sched.scheduled if s.samples]
-        for item in sched.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        reqs = [engine._requests[s.request_id] for s in sampling]
-        sampled = engine.sampler.sample(
-            logits, [s.params for s in sampling], [r.generator for r in reqs],
-            [s.token_ids() for s in sampling], [len(s.output_token_ids) for s in sampling],
-            engine.eos_token_ids)
-        for req, tok in zip(reqs, sampled, strict=True):
-            engine._append_token(req, tok)
+        engine._sample(sched, logits, [s.seq for s in sched.scheduled if s.samples])
         t4 = time.perf_counter()
         rows.append({"tokens": sched.num_tokens, "seqs": len(sched.scheduled),
                      "schedule_ms": (t1 - t0) * 1e3, "memory_ms": (t2 - t1) * 1e3,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from slora_core.outputs import RequestOutput, TokenLogprob, nonfinite_logits_err
 from slora_core.page_pool import PagePool
 from slora_core.sampler import PendingSample, SampledToken, Sampler, make_generator
 from slora_core.sampling_params import SamplingParams
-from slora_core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from slora_core.scheduler import PLACEHOLDER, Scheduler, SchedulerLimits, SchedulerOutput
 from slora_core.sequence import Sequence
 from slora_core.tokenizer import Tokenizer
 from slora_core.weights import load_model
@@ -66,9 +67,6 @@ class _Inflight:
     pending: PendingSample
 
 
-PLACEHOLDER = -1  # an output token id sampled on the device, not yet read by the host
-
-
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -99,10 +97,12 @@ class LLMEngine:
         self.arena = PageArena(model_config, config.num_pages, block_size, config.num_pages + 1,
                                config.torch_dtype, device, max_rank=config.max_rank)
         self.pool = PagePool(config.num_pages, num_slots=config.num_pages)
+        tok_eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
+        self.eos_token_ids = tok_eos or model_config.eos_token_ids
         self.scheduler = Scheduler(
             SchedulerLimits(block_size, config.max_num_seqs, config.max_num_batched_tokens,
-                            config.max_adapters_per_batch),
-            self.pool,
+                            config.max_adapters_per_batch, max_model_len=config.max_model_len),
+            self.pool, self.eos_token_ids,
         )
         self.adapters = AdapterStore(
             model_config, max_rank=config.max_rank, dtype=config.torch_dtype,
@@ -121,9 +121,6 @@ class LLMEngine:
                                   mixed_graphs=config.mixed_graphs,
                                   graph_lora_split_k=config.graph_lora_split_k)
         self.sampler = Sampler()
-        # Without a tokenizer (benchmarks on token ids) no text is produced.
-        tok_eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
-        self.eos_token_ids = tok_eos or model_config.eos_token_ids
         self._requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.copier = AdapterCopier(self.arena)
@@ -293,30 +290,48 @@ class LLMEngine:
             self._wait_for_copies(sched)
             logits = self.runner.run(sched.scheduled, self._patch(sched, inflight))
             sampling = [s.seq for s in sched.scheduled if s.samples]
-            for item in sched.scheduled:
-                item.seq.num_computed_tokens += item.num_new_tokens
         if inflight is not None:
             outputs += self._complete(inflight)
-            keep = [i for i, s in enumerate(sampling) if self._is_live(s)]
-            if len(keep) < len(sampling) and logits is not None:
-                sampling = [sampling[i] for i in keep]
-                logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-        if logits is None or not sampling:
-            return outputs
+            logits, sampling = self._drop_finished(logits, sampling)
+        if not self.config.async_steps:
+            return outputs + self._sample(sched, logits, sampling)
+        self._inflight = self._sample_async(sched, logits, sampling)
+        return outputs
+
+    def _sampler_args(self, logits: torch.Tensor, sampling: list[Sequence]) -> tuple[Any, ...]:
         reqs = [self._requests[s.request_id] for s in sampling]
-        args = (logits, [s.params for s in sampling], [r.generator for r in reqs],
+        return (logits, [s.params for s in sampling], [r.generator for r in reqs],
                 # Only the repetition penalty reads the history: skip the O(context) copy.
                 [s.token_ids() if s.params.repetition_penalty != 1.0 else () for s in sampling],
                 [len(s.output_token_ids) for s in sampling], self.eos_token_ids)
-        if not self.config.async_steps:
-            for req, tok in zip(reqs, self.sampler.sample(*args), strict=True):
-                outputs.append(self._append_token(req, tok))
-            return outputs
-        pending = self.sampler.sample_async(*args)
-        for seq in sampling:
-            seq.output_token_ids.append(PLACEHOLDER)
-        self._inflight = _Inflight(sampling, pending)
-        return outputs
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor | None,
+                sampling: list[Sequence]) -> list[RequestOutput]:
+        """Sample the step's tokens, let the scheduler book the step, stream the tokens."""
+        tokens = (self.sampler.sample(*self._sampler_args(logits, sampling))
+                  if logits is not None and sampling else [])
+        ids = [t.token_id if t.finite else None for t in tokens]
+        reasons = self.scheduler.postprocess(sched.scheduled, list(zip(sampling, ids, strict=True)))
+        return [self._append_token(self._requests[seq.request_id], tok, reason)
+                for seq, tok, reason in zip(sampling, tokens, reasons, strict=True)]
+
+    def _sample_async(self, sched: SchedulerOutput, logits: torch.Tensor | None,
+                      sampling: list[Sequence]) -> _Inflight | None:
+        """Launch the step's sampling; the scheduler books the step with placeholder tokens."""
+        pending = (self.sampler.sample_async(*self._sampler_args(logits, sampling))
+                   if logits is not None and sampling else None)
+        self.scheduler.postprocess(sched.scheduled, [(seq, PLACEHOLDER) for seq in sampling])
+        return _Inflight(sampling, pending) if pending is not None else None
+
+    def _drop_finished(self, logits: torch.Tensor | None, sampling: list[Sequence]
+                       ) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Sequences finished after the step was launched (it computed one token too many for
+        them) are not sampled."""
+        keep = [i for i, s in enumerate(sampling) if self._is_live(s)]
+        if len(keep) == len(sampling) or logits is None:
+            return logits, sampling
+        rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
+        return logits[rows], [sampling[i] for i in keep]
 
     def _is_live(self, seq: Sequence) -> bool:
         """The sequence's request is still being served (not finished, aborted or failed)."""
@@ -350,8 +365,8 @@ class LLMEngine:
         for seq, tok in zip(inflight.seqs, inflight.pending.result(), strict=True):
             if not self._is_live(seq):
                 continue  # aborted or failed while the step ran
-            seq.output_token_ids.pop()  # the placeholder
-            outputs.append(self._append_token(self._requests[seq.request_id], tok))
+            reason = self.scheduler.resolve(seq, tok.token_id if tok.finite else None)
+            outputs.append(self._append_token(self._requests[seq.request_id], tok, reason))
         return outputs
 
     def _apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
@@ -400,20 +415,24 @@ class LLMEngine:
             self.arena.clear_slot(self.pool.evict_adapter(name).slot)
         return outs
 
-    def _append_token(self, req: _Request, tok: SampledToken) -> RequestOutput:
+    def _append_token(self, req: _Request, tok: SampledToken, reason: str | None
+                      ) -> RequestOutput:
+        """Stream a token the scheduler has appended; `reason`: it finished the request. A
+        stop string in the text finishes it too (as "stop", which wins over "length")."""
         if not tok.finite:
             return self._fail_nonfinite(req)
         seq = req.seq
-        seq.output_token_ids.append(tok.token_id)
         text = req.stream.append(tok.token_id)
         out = RequestOutput(
             request_id=seq.request_id, token_ids=[tok.token_id], text=text,
             logprobs=[TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs)],
             prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
         )
-        reason = self._finish_reason(req, tok.token_id)
+        if req.stream.stopped:  # only ever set once min_new_tokens were produced
+            if reason is None:
+                self.scheduler.finish(seq)
+            reason = "stop"
         if reason is not None:
-            self.scheduler.finish(seq)
             del self._requests[seq.request_id]
             out.text += req.stream.flush()
             out.finished, out.finish_reason = True, reason
@@ -427,20 +446,6 @@ class LLMEngine:
         out = self._final(req, "error")
         out.error = nonfinite_logits_error(len(req.seq.output_token_ids))
         return out
-
-    def _finish_reason(self, req: _Request, token_id: int) -> str | None:
-        seq, p = req.seq, req.seq.params
-        n = len(seq.output_token_ids)
-        if n >= p.min_new_tokens:
-            if token_id in p.stop_token_ids:
-                return "stop"
-            if not p.ignore_eos and token_id in self.eos_token_ids:
-                return "stop"
-            if req.stream.stopped:
-                return "stop"
-        if n >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _final(self, req: _Request, reason: str) -> RequestOutput:
         seq = req.seq

@@ -19,6 +19,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_adapters_per_batch: int
     prefetch_depth: int = 8  # waiting requests whose adapters are loaded ahead into free pages
+    max_model_len: int | None = None  # a sequence this long finishes ("length"); None: no cap
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,15 @@ class SchedulerOutput:
         return len({s.seq.adapter for s in self.scheduled if s.seq.adapter is not None})
 
 
+PLACEHOLDER = -1  # an output token id sampled on the device, not yet read by the host
+
+
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, pool: PagePool) -> None:
+    def __init__(self, limits: SchedulerLimits, pool: PagePool,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.limits = limits
         self.pool = pool
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -221,3 +227,43 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, n))
+
+    # ---- after a step --------------------------------------------------------------------
+    def postprocess(self, scheduled: list[ScheduledSeq],
+                    sampled: list[tuple[Sequence, int | None]]) -> list[str | None]:
+        """Book a step that ran: every scheduled chunk counts as computed, then each sequence of
+        `sampled` gets its token (see `append_token`). Returns their finish reasons in order."""
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        return [self.append_token(seq, token_id) for seq, token_id in sampled]
+
+    def append_token(self, seq: Sequence, token_id: int | None) -> str | None:
+        """Give `seq` its sampled token; when a stop token, EOS, `max_new_tokens` or
+        `max_model_len` ends it, finish it (its pages are freed) and return the finish reason.
+        `PLACEHOLDER`: the id is still on the device (asynchronous steps), no decision is made
+        until `resolve`. None: no token (the step's logits were not usable)."""
+        if token_id is None:
+            return None
+        seq.output_token_ids.append(token_id)
+        if token_id == PLACEHOLDER:
+            return None
+        reason = self._finish_reason(seq, token_id)
+        if reason is not None:
+            self.finish(seq)
+        return reason
+
+    def resolve(self, seq: Sequence, token_id: int | None) -> str | None:
+        """The id behind `seq`'s placeholder (its last token) has reached the host."""
+        seq.output_token_ids.pop()
+        return self.append_token(seq, token_id)
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        p, n = seq.params, len(seq.output_token_ids)
+        if n >= p.min_new_tokens and (
+                token_id in p.stop_token_ids
+                or (not p.ignore_eos and token_id in self.eos_token_ids)):
+            return "stop"
+        max_len = self.limits.max_model_len
+        if n >= p.max_new_tokens or (max_len is not None and seq.num_tokens >= max_len):
+            return "length"
+        return None

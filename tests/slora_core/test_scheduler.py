@@ -1,12 +1,13 @@
 from slora_core.page_pool import PagePool
 from slora_core.sampling_params import SamplingParams
-from slora_core.scheduler import Scheduler, SchedulerLimits
+from slora_core.scheduler import PLACEHOLDER, Scheduler, SchedulerLimits
 from slora_core.sequence import SeqStatus, Sequence
 
 
-def make(num_pages=32, max_seqs=8, budget=64, max_adapters=2, bs=4):
+def make(num_pages=32, max_seqs=8, budget=64, max_adapters=2, bs=4, max_model_len=None):
     pool = PagePool(num_pages, num_slots=num_pages)
-    return Scheduler(SchedulerLimits(bs, max_seqs, budget, max_adapters), pool), pool
+    limits = SchedulerLimits(bs, max_seqs, budget, max_adapters, max_model_len=max_model_len)
+    return Scheduler(limits, pool, eos_token_ids=(2,)), pool
 
 
 def seq(rid, n=6, adapter=None, pages=2, max_new=4):
@@ -14,20 +15,17 @@ def seq(rid, n=6, adapter=None, pages=2, max_new=4):
                     adapter=adapter, adapter_pages=pages if adapter else 0)
 
 
-def advance(out):
-    """What the engine does after a forward: count computed tokens, sample where due."""
-    for s in out.scheduled:
-        done = s.samples
-        s.seq.num_computed_tokens += s.num_new_tokens
-        if done:
-            s.seq.output_token_ids.append(7)
+def sampled(out, token=7):
+    """Every sequence the step samples drew `token` (what the engine hands to postprocess)."""
+    return [(s.seq, token) for s in out.scheduled if s.samples]
 
 
 def test_prefill_and_decode_share_a_step():
     sched, _ = make()
     a = seq("a")
     sched.add(a)
-    advance(sched.schedule())
+    out = sched.schedule()
+    sched.postprocess(out.scheduled, sampled(out))
     b = seq("b")
     sched.add(b)
     out = sched.schedule()
@@ -42,7 +40,7 @@ def test_chunked_prefill_respects_the_token_budget():
     for _ in range(3):
         out = sched.schedule()
         chunks.append([(s.num_new_tokens, s.samples) for s in out.scheduled])
-        advance(out)
+        sched.postprocess(out.scheduled, sampled(out))
     assert chunks == [[(4, False)], [(4, False)], [(2, True)]]
     assert a.output_token_ids == [7]
 
@@ -82,13 +80,14 @@ def test_preemption_instead_of_failure_and_resume():
     a, b = seq("a", n=4, max_new=8), seq("b", n=4, max_new=8)
     sched.add(a)
     sched.add(b)
-    advance(sched.schedule())  # each holds 2 blocks: arena full
+    out = sched.schedule()
+    sched.postprocess(out.scheduled, sampled(out))  # each holds 2 blocks: arena full
     assert pool.num_free == 0
     out = sched.schedule()  # a's next token needs a third block -> preempt youngest (b)
     assert [s.seq.request_id for s in out.scheduled] == ["a"]
     assert out.preempted == [b] and b.status is SeqStatus.WAITING and b.num_computed_tokens == 0
     assert b.output_token_ids == [7]  # generated tokens are kept and recomputed
-    advance(out)
+    sched.postprocess(out.scheduled, sampled(out))
     sched.finish(a)
     out = sched.schedule()
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("b", 5)]
@@ -98,10 +97,70 @@ def test_finish_frees_pages_and_adapter_reference():
     sched, pool = make()
     a = seq("a", adapter="x")
     sched.add(a)
-    advance(sched.schedule())
+    out = sched.schedule()
+    sched.postprocess(out.scheduled, sampled(out))
     sched.finish(a)
     assert pool.num_kv_pages == 0 and pool.resident("x").refcount == 0
     assert a.status is SeqStatus.FINISHED and not sched.has_work()
+
+
+def _decode_until_done(sched, s, tokens):
+    """Prefill `s`, then feed it `tokens` one step each; the finish reason of each step."""
+    sched.add(s)
+    reasons = []
+    for tok in tokens:
+        out = sched.schedule()
+        reasons += sched.postprocess(out.scheduled, sampled(out, tok))
+        if reasons[-1] is not None:
+            break
+    return reasons
+
+
+def test_postprocess_finishes_on_stop_ids_eos_and_lengths_and_frees_pages():
+    def params(**kw):
+        return SamplingParams(**{"max_new_tokens": 5, **kw})
+
+    cases = [
+        (params(stop_token_ids=(9,)), [7, 9, 7], [None, "stop"]),
+        (params(), [7, 2], [None, "stop"]),  # EOS (2)
+        (params(ignore_eos=True), [2, 2, 2, 2, 2], [None] * 4 + ["length"]),
+        (params(min_new_tokens=3), [2, 2, 2], [None, None, "stop"]),
+        (params(max_new_tokens=2), [7, 7], [None, "length"]),
+    ]
+    for p, tokens, want in cases:
+        sched, pool = make()
+        s = Sequence("a", [1, 2, 3], p)
+        assert _decode_until_done(sched, s, tokens) == want, (p, tokens)
+        assert s.output_token_ids == tokens[: len(want)]
+        assert s.status is SeqStatus.FINISHED and pool.num_kv_pages == 0
+        assert s.num_computed_tokens == s.num_tokens - 1  # the last token was never input
+    sched, _ = make(max_model_len=5)
+    s = Sequence("a", [1, 2, 3], SamplingParams(max_new_tokens=10))
+    assert _decode_until_done(sched, s, [7, 7, 7]) == [None, "length"]  # 3 + 2 = max_model_len
+
+
+def test_placeholders_wait_for_their_ids_and_missing_tokens_are_not_appended():
+    sched, pool = make()
+    s = seq("a", max_new=2)
+    sched.add(s)
+    out = sched.schedule()
+    assert sched.postprocess(out.scheduled, sampled(out, PLACEHOLDER)) == [None]
+    assert s.output_token_ids == [PLACEHOLDER] and s.num_uncomputed == 1
+    # The engine's order: the next step is scheduled (the placeholder is its input) and
+    # launched, the previous step's ids arrive, then this step's placeholders are appended.
+    out = sched.schedule()
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(s, 1)]
+    assert sched.resolve(s, 7) is None and s.output_token_ids == [7]
+    # This placeholder reaches max_new_tokens: no decision until its id arrives.
+    assert sched.postprocess(out.scheduled, sampled(out, PLACEHOLDER)) == [None]
+    assert s.status is SeqStatus.RUNNING and s.output_token_ids == [7, PLACEHOLDER]
+    assert sched.resolve(s, 8) == "length" and s.output_token_ids == [7, 8]
+    assert s.status is SeqStatus.FINISHED and pool.num_kv_pages == 0
+    b = seq("b")
+    sched.add(b)
+    out = sched.schedule()
+    assert sched.postprocess(out.scheduled, [(b, None)]) == [None]
+    assert b.output_token_ids == [] and b.num_computed_tokens == 6
 
 
 def test_unready_adapter_does_not_block_others():
