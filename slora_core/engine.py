@@ -77,6 +77,20 @@ class EngineStats:
     last_distinct_adapters: int = 0
 
 
+@dataclass
+class EngineSnapshot:
+    running: int
+    waiting: int
+    kv_pages: int
+    adapter_pages: int
+    free_pages: int
+    adapter_loads: int
+    adapter_evictions: int
+    steps: int
+    running_adapters: list[str]
+    waiting_adapters: list[str]
+
+
 class LLMEngine:
     def __init__(
         self, model: LlamaForCausalLM, model_config: ModelConfig, tokenizer: Tokenizer | None,
@@ -185,6 +199,22 @@ class LLMEngine:
         return [n for n in self.adapters.names()
                 if self.adapters.is_cached(n) or self.pool.is_resident(n)]
 
+    def request_ids(self) -> list[str]:
+        """Requests queued or running."""
+        return list(self._requests)
+
+    def state_snapshot(self) -> EngineSnapshot:
+        """Load and memory figures a server reports (cheap enough to take every step)."""
+        pool, sched = self.pool, self.scheduler
+        return EngineSnapshot(
+            running=len(sched.running), waiting=len(sched.waiting),
+            kv_pages=pool.num_kv_pages, adapter_pages=pool.num_adapter_pages,
+            free_pages=pool.num_free, adapter_loads=self.stats.adapter_loads,
+            adapter_evictions=self.stats.adapter_evictions, steps=self.stats.steps,
+            running_adapters=sorted({str(s.adapter) for s in sched.running if s.adapter}),
+            waiting_adapters=sorted({str(s.adapter) for s in sched.waiting if s.adapter}),
+        )
+
     def request_started(self, request_id: str) -> bool:
         """The request was scheduled at least once (it left the waiting queue)."""
         req = self._requests.get(request_id)
@@ -222,7 +252,8 @@ class LLMEngine:
                        deadline=None if deadline_s is None else now + deadline_s)
         if not self.detokenize and params.stop:
             raise RequestError("stop strings need a detokenizing engine; this one is not")
-        stream = TextStream(self.tokenizer if self.detokenize else _NoText(), ids, params.stop,
+        decoder = self.tokenizer if self.detokenize and self.tokenizer is not None else _NoText()
+        stream = TextStream(decoder, ids, params.stop,
                             min_tokens=params.min_new_tokens)
         self._requests[request_id] = _Request(seq, stream, make_generator(params, self.config.device))
         self.scheduler.add(seq)

@@ -10,21 +10,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from services.common.convert import engine_adapter_name
-from services.common.errors import NotFound
+from services.common.errors import NotFound, ServiceError
+from services.worker.core_client import CoreClient
 from services.worker.disk_cache import DiskCache, VersionSource
-from services.worker.engine_loop import EngineLoop
-from services.worker.metrics import VersionKey
+from services.worker.errors import to_service_error
+from services.worker.metrics import VersionKey, WorkerMetrics
 from slora.v1 import placement_pb2 as ppb
 from slora_core.adapters import AdapterError
-from slora_core.engine import LLMEngine
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 WARM = (ppb.RESIDENCY_PREFETCH, ppb.RESIDENCY_PIN)
 # Prefetches run at most this many at a time, so placement never starves on-demand loads.
 MAX_PARALLEL_PREFETCH = 2
@@ -47,20 +46,21 @@ def key_of_name(name: str) -> VersionKey:
 class AdapterManager:
     """The versions this worker may serve (from placement) and their load state."""
 
-    def __init__(self, engine_loop: EngineLoop, cache: DiskCache) -> None:
-        self.engine_loop = engine_loop
+    def __init__(self, core: CoreClient, cache: DiskCache, metrics: WorkerMetrics) -> None:
+        self.core = core
         self.cache = cache
+        self.metrics = metrics
         self.known: dict[VersionKey, KnownVersion] = {}
         self._registered: set[str] = set()
         self._loading: dict[VersionKey, asyncio.Task[str]] = {}
         self._prefetch_slots = asyncio.Semaphore(MAX_PARALLEL_PREFETCH)
         self._background: set[asyncio.Task[None]] = set()
-        self._failed: dict[VersionKey, tuple[float, AdapterError]] = {}
+        self._failed: dict[VersionKey, tuple[float, ServiceError]] = {}
 
     async def ensure(self, adapter_id: str, version: str) -> str:
         """The engine name of a version, ready in host memory; fetches and registers it when it
-        is cold. Raises NotFound for a version placement never announced, AdapterError when
-        its files are bad (digest mismatch, unreadable, incompatible)."""
+        is cold. Raises NotFound for a version placement never announced, a ServiceError with
+        `adapter_error` when its files are bad (digest mismatch, unreadable, incompatible)."""
         key = (adapter_id, version)
         if key not in self.known:
             raise NotFound(f"adapter {adapter_id!r} version {version!r} is not known here")
@@ -82,9 +82,11 @@ class AdapterManager:
         key = (src.adapter_id, src.version)
         try:
             name = await self._fetch_and_register(src)
-        except AdapterError as e:
-            self._failed[key] = (time.monotonic(), e)
-            raise
+        except (ServiceError, AdapterError) as exc:  # AdapterError: the disk cache's digest check
+            err = to_service_error(exc)
+            if err.adapter_error:
+                self._failed[key] = (time.monotonic(), err)
+            raise err from None
         self._failed.pop(key, None)
         return name
 
@@ -92,20 +94,13 @@ class AdapterManager:
         name = engine_adapter_name(src.adapter_id, src.version)
         path, downloaded = await asyncio.to_thread(self.cache.fetch, src)
         if downloaded:
-            self.engine_loop.metrics.adapter_downloads.inc()
-        await self._on_engine(lambda e: e.register_adapter(name, path, src.sha256, preload=False))
-        try:
-            # AdapterStore guards its LRU with a lock, so the parse and validation run here in
-            # a thread and overlap engine steps instead of stalling the batch.
-            await asyncio.to_thread(self.engine_loop.engine.adapters.get, name)
-        except AdapterError:
-            await self._on_engine(lambda e: e.adapters.unregister(name))
-            raise
+            self.metrics.adapter_downloads.inc()
+        await self.core.call("register_adapter", name, str(path), src.sha256)
+        # The core parses and validates on a thread of its own, overlapping engine steps; a
+        # bad adapter comes back as an adapter error and is unregistered there.
+        await self.core.call("load_adapter", name)
         self._registered.add(name)
         return name
-
-    async def _on_engine(self, fn: Callable[[LLMEngine], T]) -> T:
-        return await asyncio.wrap_future(self.engine_loop.call(fn))
 
     # ---- placement ----------------------------------------------------------------------
     async def apply(self, update: ppb.PlacementUpdate) -> None:
@@ -133,7 +128,7 @@ class AdapterManager:
         async with self._prefetch_slots:
             try:
                 await self.ensure(*key)
-            except (AdapterError, NotFound, OSError) as e:
+            except (ServiceError, OSError) as e:
                 log.warning("prefetch of %s@%s failed: %s", key[0], key[1], e)
 
     async def _release(self, key: VersionKey) -> None:
@@ -144,31 +139,24 @@ class AdapterManager:
             return
 
         known = self.known.get(key)
-        path = self.cache.path_of(known.source) if known is not None else None
-
-        def drop(e: LLMEngine) -> None:
-            e.adapters.unregister(name)
-            if known is not None and path is not None:
-                e.register_adapter(name, path, known.source.sha256, preload=False)
-
-        await self._on_engine(drop)
-        if key not in self.known:
+        await self.core.call("unregister_adapter", name)
+        if known is not None:
+            path = self.cache.path_of(known.source)
+            await self.core.call("register_adapter", name, str(path), known.source.sha256)
+        else:
             self._registered.discard(name)
 
     async def refresh_pins(self) -> None:
         """Touch pinned versions in the host LRU so they stay warm."""
-        for key, kv in list(self.known.items()):
-            name = engine_adapter_name(*key)
-            if kv.residency == ppb.RESIDENCY_PIN and name in self._registered:
-                await asyncio.to_thread(self.engine_loop.engine.adapters.get, name)
+        pinned = [engine_adapter_name(*key) for key, kv in self.known.items()
+                  if kv.residency == ppb.RESIDENCY_PIN]
+        names = [n for n in pinned if n in self._registered]
+        if names:
+            await self.core.call("touch_adapters", names)
 
     async def resident(self) -> list[VersionKey]:
         """Versions warm in host memory or arena pages."""
-        def warm(e: LLMEngine) -> list[str]:
-            return [n for n in e.adapters.names() if e.adapters.is_cached(n) or e.pool.is_resident(n)]
-
-        names = await self._on_engine(warm)
-        return [key_of_name(n) for n in names]
+        return [key_of_name(n) for n in await self.core.call("warm_adapters")]
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

@@ -1,12 +1,11 @@
-"""Wiring of a worker process: engine thread, gRPC server, metrics, placement, drain."""
+"""Wiring of a worker: the front process (gRPC server, tokenization, streams, metrics, placement
+follower) and its engine-core process (engine_core.py), which owns the device."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,16 +16,17 @@ from services.common.server import (
     install_stop_handlers,
     start_server,
 )
+from services.worker import core_protocol as m
 from services.worker.adapters import AdapterManager
+from services.worker.core_client import CoreClient
 from services.worker.debug_hooks import slow_versions_from_env
 from services.worker.disk_cache import DiskCache
-from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import WorkerMetrics
 from services.worker.placement_client import PlacementClient, WorkerIdentity
 from services.worker.servicer import WorkerServicer
 from slora.v1 import inference_pb2, inference_pb2_grpc
 from slora_core.config import EngineConfig
-from slora_core.engine import LLMEngine
+from slora_core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -56,46 +56,66 @@ def advertised_address(listen: str, port: int) -> str:
     return address
 
 
-# The engine thread and the asyncio (gRPC) thread share the GIL. When the engine thread comes
-# back from waiting on the GPU, Python's default 5 ms switch interval can leave it waiting that
-# long for the GIL while the loop streams tokens: a delayed step per step. 0.5 ms hands it over
-# sooner. SLORA_GIL_SWITCH_INTERVAL_S overrides it (benchmarks compare settings).
-GIL_SWITCH_INTERVAL_S = 0.0005
+# The exit code of a worker whose engine core died: its supervisor (`slora up`, compose,
+# Kubernetes) restarts it.
+EXIT_ENGINE_CORE_DIED = 3
+
+
+def publish_state(metrics: WorkerMetrics, out: m.StepOutput) -> None:
+    st = out.state
+    metrics.set_engine_state(running=st.running, waiting=st.waiting, kv_pages=st.kv_pages,
+                             adapter_pages=st.adapter_pages, free_pages=st.free_pages,
+                             loads=st.adapter_loads, evictions=st.adapter_evictions)
 
 
 async def serve_worker(opts: WorkerOptions) -> int:
     """Run a worker until SIGTERM/SIGINT, then drain: health NOT_SERVING, refuse new requests,
-    finish running ones (at most `drain_grace_s`), exit 0."""
-    sys.setswitchinterval(float(os.environ.get("SLORA_GIL_SWITCH_INTERVAL_S",
-                                               GIL_SWITCH_INTERVAL_S)))
-    engine = await asyncio.to_thread(LLMEngine.from_model_dir, opts.model_dir, opts.engine)
-    # CUDA: compile kernels and capture every decode graph before the first request (no-op on CPU).
-    await asyncio.to_thread(engine.warmup, True)
+    finish running ones (at most `drain_grace_s`), exit 0. If the engine core dies: in-flight
+    streams end UNAVAILABLE, health turns NOT_SERVING and the worker exits non-zero."""
     metrics = WorkerMetrics()
+    stop = asyncio.Event()
+    died: list[str] = []
+
+    def on_death(why: str) -> None:
+        died.append(why)
+        stop.set()
+
+    core = CoreClient(opts.model_dir, opts.engine, on_death=on_death,
+                      on_step=lambda out: publish_state(metrics, out),
+                      on_started=metrics.queue_time.observe)
+    tokenizer = await asyncio.to_thread(Tokenizer.from_dir, opts.model_dir)
+    await core.start()  # loads the model and, on CUDA, compiles kernels and captures graphs
     if opts.metrics_port is not None:
         port = serve_metrics(opts.metrics_port, metrics.registry)
         log.info("metrics on :%d/metrics", port)
-    engine_loop = EngineLoop(engine, metrics)
-    engine_loop.start()
-    adapters = AdapterManager(engine_loop, DiskCache(opts.cache_dir))
-    servicer = WorkerServicer(opts.worker_id, engine_loop, adapters, metrics,
+    adapters = AdapterManager(core, DiskCache(opts.cache_dir), metrics)
+    servicer = WorkerServicer(opts.worker_id, core, tokenizer, adapters, metrics,
                               slow_versions=slow_versions_from_env())
     handle = await start_server(
         opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
         [SERVICE])
     address = opts.advertise or advertised_address(opts.listen, handle.port)
     identity = WorkerIdentity(opts.worker_id, address, opts.capacity, opts.model_dir.name)
-    placement = PlacementClient(opts.control_plane, identity, adapters, engine_loop, metrics,
+    placement = PlacementClient(opts.control_plane, identity, adapters, core, metrics,
                                 is_draining=lambda: servicer.draining,
                                 cluster_token=opts.cluster_token)
     watch = asyncio.create_task(placement.run())
-    stop = asyncio.Event()
     install_stop_handlers(stop.set)
-    log.info("worker %s serving %s on %s", opts.worker_id, opts.model_dir, address)
+    log.info("worker %s serving %s on %s (engine core pid %s)", opts.worker_id,
+             opts.model_dir, address, core.pid)
     await stop.wait()
+    if died:
+        log.error("worker %s: %s; exiting", opts.worker_id, died[0])
+        servicer.begin_drain()
+        await handle.set_serving(False)
+        watch.cancel()
+        # The failed streams have their UNAVAILABLE already; give them a moment to go out.
+        await handle.server.stop(grace=0.5)
+        await core.close()
+        return EXIT_ENGINE_CORE_DIED
     log.info("worker %s draining (%d in flight)", opts.worker_id, servicer.inflight)
     servicer.begin_drain()
     await drain_and_stop(handle, servicer.wait_idle, opts.drain_grace_s)
     watch.cancel()
-    engine_loop.stop()
+    await core.close()
     return 0

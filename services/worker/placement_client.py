@@ -12,7 +12,7 @@ import grpc
 from services.common.cluster_token import cluster_metadata
 from services.common.watch import Outbox, watch_forever
 from services.worker.adapters import AdapterManager
-from services.worker.engine_loop import EngineLoop
+from services.worker.core_client import CoreClient
 from services.worker.metrics import WorkerMetrics
 from slora.v1 import placement_pb2 as ppb
 from slora.v1 import placement_pb2_grpc as ppb_grpc
@@ -30,14 +30,14 @@ class WorkerIdentity:
 
 class PlacementClient:
     def __init__(self, target: str, identity: WorkerIdentity, adapters: AdapterManager,
-                 engine_loop: EngineLoop, metrics: WorkerMetrics,
+                 core: CoreClient, metrics: WorkerMetrics,
                  is_draining: Callable[[], bool] = lambda: False, cluster_token: str = "",
                  ) -> None:
         self.target = target
         self.cluster_token = cluster_token
         self.identity = identity
         self.adapters = adapters
-        self.engine_loop = engine_loop
+        self.core = core
         self.metrics = metrics
         self.is_draining = is_draining
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
@@ -77,11 +77,8 @@ class PlacementClient:
     async def heartbeat(self) -> ppb.Heartbeat:
         """Load, residency, pages and per-version counters, as of now."""
         resident = await self.adapters.resident()
-        e = self.engine_loop.engine
-        pool = await asyncio.wrap_future(self.engine_loop.call(
-            lambda eng: (eng.num_running, eng.num_waiting, eng.pool.num_kv_pages,
-                         eng.pool.num_adapter_pages, eng.pool.num_free)))
-        running, waiting, kv, adapter_pages, free = pool
+        state = self.core.state  # as of the core's latest step
+        running, waiting = state.running, state.waiting
         counters = [
             ppb.VersionCounters(adapter_id=k[0], version=k[1], requests=c.requests,
                                 errors=c.errors, completion_tokens=c.completion_tokens,
@@ -93,10 +90,19 @@ class PlacementClient:
             for k, c in list(self.metrics.counters.items())
         ]
         # Requests still on their way to the engine count as load too.
-        inflight = max(self.engine_loop.num_inflight, running + waiting)
+        inflight = max(len(self.core.streams), running + waiting)
         return ppb.Heartbeat(
-            running=running, waiting=waiting, load=inflight / e.config.max_num_seqs,
+            running=running, waiting=waiting, load=inflight / self.core.config.max_num_seqs,
             resident=[ppb.VersionKey(adapter_id=a, version=v) for a, v in resident],
-            counters=counters, kv_pages=kv, adapter_pages=adapter_pages, free_pages=free,
+            counters=counters, kv_pages=state.kv_pages, adapter_pages=state.adapter_pages,
+            free_pages=state.free_pages,
             started_at_ms=self.started_at_ms, draining=self.is_draining(),
+            running_adapters=[version_key(n) for n in state.running_adapters],
+            waiting_adapters=[version_key(n) for n in state.waiting_adapters],
+            max_num_seqs=self.core.config.max_num_seqs,
         )
+
+
+def version_key(engine_name: str) -> ppb.VersionKey:
+    adapter_id, _, version = engine_name.rpartition("@")
+    return ppb.VersionKey(adapter_id=adapter_id, version=version)

@@ -1,61 +1,103 @@
-"""InferenceService on a worker: convert, hand to the engine thread, stream back, convert."""
+"""InferenceService on a worker's front: convert, tokenize, hand to the engine core, stream back.
+
+The front does everything per request that is not the step loop: tokenization, incremental
+detokenization and stop strings (`TextStream`), per-request streams, metrics. A stop string is
+matched here; the request is then aborted in the core (which may have computed a token or two
+more, dropped here).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import grpc
 
 from services.common import errors as e
 from services.common.convert import prompt_of, sampling_kwargs
+from services.worker import core_protocol as m
 from services.worker.adapters import AdapterManager
-from services.worker.engine_loop import EngineLoop
+from services.worker.core_client import CoreClient, TokenStream, error_of
 from services.worker.errors import to_service_error
 from services.worker.metrics import VersionKey, WorkerMetrics
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
-from slora_core.outputs import RequestOutput, merge_outputs
+from slora_core.detokenizer import TextStream
 from slora_core.sampling_params import SamplingParams
+from slora_core.tokenizer import Tokenizer
+
+# Prompts longer than this many bytes are tokenized on a thread, so one huge prompt does not
+# stall every other stream on the event loop.
+INLINE_TOKENIZE_BYTES = 4096
 
 
-def chunk_of(out: RequestOutput) -> pb.GenerateResponse:
+@dataclass
+class Delta:
+    """What one chunk carries: new tokens, their logprobs, the text they released."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+    text: str
+
+
+def chunk_of(d: Delta) -> pb.GenerateResponse:
+    tops = d.top or [[] for _ in d.token_ids]
     logprobs = [
-        pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v)
-                                      for t, v in lp.top_logprobs])
-        for lp in out.logprobs
+        pb.TokenLogprob(token_id=t, logprob=lp,
+                        top_logprobs=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
+        for t, lp, top in zip(d.token_ids, d.logprobs, tops, strict=True)
     ]
-    return pb.GenerateResponse(chunk=pb.Chunk(token_ids=out.token_ids, text=out.text,
+    return pb.GenerateResponse(chunk=pb.Chunk(token_ids=d.token_ids, text=d.text,
                                               logprobs=logprobs))
 
 
-def coalesce(item: RequestOutput | BaseException,
-             outputs: asyncio.Queue[RequestOutput | BaseException]) -> RequestOutput:
-    """`item` merged with the deltas already waiting behind it: when the engine outruns the
-    stream, one chunk carries several tokens instead of one message per token."""
-    while True:
-        if isinstance(item, BaseException):
-            raise item
-        if item.finished or item.error or outputs.empty():
-            return item
-        later = outputs.get_nowait()
-        if isinstance(later, BaseException):
-            raise later
-        item = merge_outputs(item, later)
+class Detokenized:
+    """A request's TokenStream turned into deltas: text released by TextStream, tokens cut at
+    a matched stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
+                 tokens: TokenStream) -> None:
+        self.text = TextStream(tokenizer, prompt_ids, params.stop,
+                               min_tokens=params.min_new_tokens)
+        self.tokens = tokens
+        self.completion_tokens = 0
+        self.stopped = False
+
+    async def next(self) -> tuple[Delta, m.Finish | None]:
+        """The tokens that arrived since the last call (waiting for at least one, or the end)."""
+        s = self.tokens
+        if not s.token_ids and s.finish is None:
+            await s.event.wait()
+        ids, lps, top = s.take()
+        pieces = []
+        for n, tok in enumerate(ids, 1):
+            pieces.append(self.text.append(tok))
+            if self.text.stopped:  # this token completed a stop string: the rest is dropped
+                ids, lps, top = ids[:n], lps[:n], top[:n]
+                self.stopped = True
+                break
+        self.completion_tokens += len(ids)
+        finish = s.finish
+        if self.stopped:
+            finish = m.Finish(0, "stop")
+        if finish is not None and not finish.code:
+            pieces.append(self.text.flush())
+        return Delta(ids, lps, top, "".join(pieces)), finish
 
 
 class WorkerServicer(pb_grpc.InferenceServiceServicer):
     """Serves explicit versions only: routing (stable/canary) is the gateway's job."""
 
-    def __init__(self, worker_id: str, engine_loop: EngineLoop, adapters: AdapterManager,
-                 metrics: WorkerMetrics,
+    def __init__(self, worker_id: str, core: CoreClient, tokenizer: Tokenizer,
+                 adapters: AdapterManager, metrics: WorkerMetrics,
                  slow_versions: Mapping[VersionKey, float] | None = None) -> None:
         self.worker_id = worker_id
-        self.engine_loop = engine_loop
+        self.core = core
+        self.tokenizer = tokenizer
         self.adapters = adapters
         self.metrics = metrics
         # Test hook (debug_hooks.SLOW_VERSIONS_ENV): seconds to sleep before each chunk.
@@ -78,11 +120,11 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         self.inflight += 1
         self._idle.clear()
         try:
-            async for response in self._generate(request, key):
+            async for response in self._generate(request, key, context.time_remaining()):
                 yield response
         except (e.ServiceError, Exception) as exc:
             err = to_service_error(exc)
-            if not isinstance(exc, e.Unavailable | e.ResourceExhausted):
+            if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                 self.metrics.record_error(key, err.code.name)
             await e.abort_with(context, err)
         finally:
@@ -90,47 +132,53 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             if self.inflight == 0:
                 self._idle.set()
 
-    async def _generate(self, request: pb.GenerateRequest, key: VersionKey
-                        ) -> AsyncIterator[pb.GenerateResponse]:
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        prompt = prompt_of(request)
+        if prompt is None:
+            raise e.InvalidArgument("the request has neither text nor token_ids")
+        if not isinstance(prompt, str):
+            return prompt
+        if len(prompt) > INLINE_TOKENIZE_BYTES:
+            return await asyncio.to_thread(self.tokenizer.encode, prompt)
+        return self.tokenizer.encode(prompt)
+
+    async def _generate(self, request: pb.GenerateRequest, key: VersionKey,
+                        time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
         if self.draining:
             raise e.Unavailable(f"worker {self.worker_id} is draining")
         adapter_id, version = key
         if adapter_id and not request.adapter.HasField("version"):
             raise e.InvalidArgument("workers serve explicit versions; call the gateway to route")
-        prompt = prompt_of(request)
-        if prompt is None:
-            raise e.InvalidArgument("the request has neither text nor token_ids")
         params = SamplingParams(**sampling_kwargs(request.sampling))
+        ids = await self._prompt_ids(request)
         self.metrics.record_request(key)
         start = time.monotonic()
         name = await self.adapters.ensure(adapter_id, version) if adapter_id else None
-        # Client ids need not be unique across gateways; the engine's must be.
-        engine_id = uuid.uuid4().hex
-        outputs = self.engine_loop.submit(engine_id, prompt, params, name)
-        finished = nonfinite = False
+        rid, tokens = self.core.add(ids, params, name, deadline_s=time_remaining)
+        stream = Detokenized(self.tokenizer, ids, params, tokens)
         first: float | None = None
+        nonfinite = False
         delay = self.slow_versions.get(key, 0.0)
         try:
             while True:
-                item = coalesce(await outputs.get(), outputs)
-                if item.error:
-                    raise e.FailedPrecondition(item.error, adapter_error=True)
-                if item.token_ids or item.text:
+                delta, finish = await stream.next()
+                if finish is not None and finish.code:
+                    raise error_of(finish.code, finish.error, finish.adapter_error)
+                if delta.token_ids or delta.text:
                     if delay:
                         await asyncio.sleep(delay)
                     first = first or time.monotonic()
-                    nonfinite = nonfinite or not all(math.isfinite(lp.logprob)
-                                                     for lp in item.logprobs)
-                    yield chunk_of(item)
-                if item.finished:
-                    finished = True
-                    self._record_finish(key, start, first, item.completion_tokens, nonfinite)
-                    yield self._complete(item, key, request.request_id)
+                    nonfinite = nonfinite or not all(map(math.isfinite, delta.logprobs))
+                    yield chunk_of(delta)
+                if finish is not None:
+                    self._record_finish(key, start, first, stream.completion_tokens, nonfinite)
+                    yield self._complete(finish.reason, len(ids), stream.completion_tokens,
+                                         key, request.request_id)
                     return
         finally:
-            if not finished:
-                # Cancelled call, expired deadline or a failed write: free the pages now.
-                self.engine_loop.abort(engine_id)
+            # Cancelled call, expired deadline, a failed write or a stop string: free the
+            # pages now (a no-op for a request the core already finished).
+            self.core.abort(rid)
 
     def _record_finish(self, key: VersionKey, start: float, first: float | None,
                        tokens: int, nonfinite: bool) -> None:
@@ -140,12 +188,11 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             self.metrics.ttft.observe(ttft)
         self.metrics.record_finish(key, ttft, now - start, tokens, nonfinite)
 
-    def _complete(self, out: RequestOutput, key: VersionKey,
-                  request_id: str) -> pb.GenerateResponse:
+    def _complete(self, reason: str, prompt_tokens: int, completion_tokens: int,
+                  key: VersionKey, request_id: str) -> pb.GenerateResponse:
         return pb.GenerateResponse(complete=pb.Complete(
-            request_id=request_id,
-            finish_reason=out.finish_reason or "stop",
-            usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens),
+            request_id=request_id, finish_reason=reason,
+            usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
             served_by=pb.ServedBy(adapter_id=key[0], adapter_version=key[1],
                                   worker_id=self.worker_id),
         ))

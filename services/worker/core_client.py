@@ -1,0 +1,246 @@
+"""The front's handle on its engine-core process: start it, feed it, route its step outputs.
+
+One reader task takes each `StepOutput` and appends every request's new tokens to that request's
+`TokenStream`, waking the stream's consumer once per step (a consumer that falls behind finds
+several tokens waiting and sends them as one chunk). Commands (`call`) are answered through the
+same output socket. If the core process dies, every stream and pending call ends with
+`UNAVAILABLE` at once and `on_death` runs (the worker then exits non-zero for its supervisor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import zmq
+import zmq.asyncio
+
+from services.common import errors as e
+from services.worker import core_protocol as m
+from services.worker.engine_core import CoreSpec, run_engine_core
+from slora_core.config import EngineConfig
+from slora_core.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+STOP_TIMEOUT_S = 10.0
+
+
+class TokenStream:
+    """One request's tokens as they arrive from the core; `finish` is set once, last."""
+
+    __slots__ = ("token_ids", "logprobs", "top", "finish", "submitted", "event")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish: m.Finish | None = None
+        self.submitted = time.monotonic()
+        self.event = asyncio.Event()
+
+    def take(self) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+        """Everything that arrived since the last take."""
+        out = self.token_ids, self.logprobs, self.top
+        self.token_ids, self.logprobs, self.top = [], [], []
+        self.event.clear()
+        return out
+
+
+def sampling_msg(p: SamplingParams) -> m.SamplingMsg:
+    return m.SamplingMsg(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        repetition_penalty=p.repetition_penalty, seed=p.seed, max_new_tokens=p.max_new_tokens,
+        min_new_tokens=p.min_new_tokens, stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos, top_logprobs=p.top_logprobs)
+
+
+def error_of(code: str, message: str, adapter_error: bool = False) -> e.ServiceError:
+    err = e.ServiceError(message, adapter_error=adapter_error)
+    err.code = getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
+    return err
+
+
+class CoreClient:
+    def __init__(self, model_dir: Path, config: EngineConfig,
+                 on_death: Callable[[str], None] = lambda _why: None,
+                 on_step: Callable[[m.StepOutput], None] = lambda _out: None,
+                 on_started: Callable[[float], None] = lambda _queued_s: None) -> None:
+        self.model_dir = model_dir
+        self.config = config
+        self.on_death = on_death
+        self.on_step = on_step
+        self.on_started = on_started  # a request left the core's queue after so many seconds
+        self.streams: dict[int, TokenStream] = {}
+        self.state = m.EngineState()
+        self.ready: m.Ready | None = None
+        self.dead: str | None = None
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+        self._dir = tempfile.TemporaryDirectory(prefix="slora-core-")
+        self._ctx = zmq.asyncio.Context()
+        self._sync_ctx = zmq.Context()
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # ---- life cycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn the core and wait until it has loaded the model and warmed up. Must run on
+        the main thread: the core dies with the thread that started it (PR_SET_PDEATHSIG)."""
+        base = Path(self._dir.name)
+        self._inputs = self._sync_ctx.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._inputs.setsockopt(zmq.LINGER, 0)
+        self._inputs.bind(f"ipc://{base / 'in'}")
+        self._outputs = self._ctx.socket(zmq.PULL)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
+        self._outputs.bind(f"ipc://{base / 'out'}")
+        spec = CoreSpec(self.model_dir, self.config, f"ipc://{base / 'in'}",
+                        f"ipc://{base / 'out'}", logging.getLevelName(log.getEffectiveLevel()))
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(spec, os.getpid()), name="slora-engine-core")
+        proc.start()
+        self._proc = proc
+        loop = asyncio.get_running_loop()
+        loop.add_reader(proc.sentinel, self._on_exit)
+        self._reader = asyncio.create_task(self._read())
+        while self.ready is None:
+            if self.dead is not None:
+                raise RuntimeError(self.dead)
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        """Ask the core to stop and wait for it (killing it after STOP_TIMEOUT_S)."""
+        self._closing = True
+        proc = self._proc
+        if proc is not None and proc.exitcode is None:
+            self._send(m.Shutdown())
+            await asyncio.to_thread(proc.join, STOP_TIMEOUT_S)
+            if proc.exitcode is None:
+                proc.kill()
+                await asyncio.to_thread(proc.join, 2)
+        if proc is not None:
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._dir.cleanup()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    # ---- requests and commands ----------------------------------------------------------
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
+            tenant: str = "", deadline_s: float | None = None) -> tuple[int, TokenStream]:
+        """Queue a request in the core; its tokens arrive on the returned stream."""
+        if self.dead is not None:
+            raise e.Unavailable(self.dead)
+        rid = next(self._ids)
+        stream = TokenStream()
+        self.streams[rid] = stream
+        self._send(m.AddRequest(rid, prompt_token_ids, sampling_msg(params), adapter, tenant,
+                                deadline_s))
+        return rid, stream
+
+    def abort(self, rid: int) -> None:
+        """Stop a request now (its pages are freed by the core's next loop turn)."""
+        if self.streams.pop(rid, None) is not None and self.dead is None:
+            self._send(m.Abort([rid]))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run a command in the core (see engine_core.Commands); raises its ServiceError."""
+        if self.dead is not None:
+            raise e.Unavailable(self.dead)
+        cid = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[cid] = fut
+        self._send(m.Call(cid, method, list(args)))
+        try:
+            return await fut
+        finally:
+            self._calls.pop(cid, None)
+
+    def _send(self, msg: m.ToCore) -> None:
+        self._inputs.send(m.encoder.encode(msg), copy=False)
+
+    # ---- outputs ------------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            frame = await self._outputs.recv(copy=False)
+            msg = m.from_core_decoder.decode(frame.buffer)
+            if isinstance(msg, m.StepOutput):
+                self._dispatch(msg)
+            elif isinstance(msg, m.CallResult):
+                self._answer(msg)
+            else:
+                self.ready = msg
+
+    def _dispatch(self, out: m.StepOutput) -> None:
+        streams = self.streams
+        woken: set[int] = set()
+        tops = out.top
+        for i, rid in enumerate(out.rids):
+            s = streams.get(rid)
+            if s is None:
+                continue  # aborted by the front meanwhile
+            s.token_ids.append(out.token_ids[i])
+            s.logprobs.append(out.logprobs[i])
+            if tops is not None:
+                s.top.append(tops[i])
+            woken.add(rid)
+        if out.started:
+            now = time.monotonic()
+            for rid in out.started:
+                s = streams.get(rid)
+                if s is not None:
+                    self.on_started(now - s.submitted)
+        for fin in out.finished:
+            s = streams.pop(rid := fin.rid, None)
+            if s is not None:
+                s.finish = fin
+                s.event.set()
+                woken.discard(rid)
+        for rid in woken:
+            streams[rid].event.set()
+        self.state = out.state
+        self.on_step(out)
+
+    def _answer(self, res: m.CallResult) -> None:
+        fut = self._calls.get(res.cid)
+        if fut is None or fut.done():
+            return
+        if res.code:
+            fut.set_exception(error_of(res.code, res.error, res.adapter_error))
+        else:
+            fut.set_result(res.value)
+
+    def _on_exit(self) -> None:
+        """The core process ended: fail everything in flight at once."""
+        proc = self._proc
+        assert proc is not None
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        proc.join(1.0)  # the sentinel fires as it exits; reaping it may take a moment
+        why = f"the engine core exited (code {proc.exitcode})"
+        self.dead = why
+        if self._closing:
+            return
+        log.error("%s; failing %d requests", why, len(self.streams))
+        for rid, s in self.streams.items():
+            s.finish = m.Finish(rid, "error", why, "UNAVAILABLE")
+            s.event.set()
+        self.streams.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(e.Unavailable(why))
+        self.on_death(why)

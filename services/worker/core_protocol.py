@@ -1,0 +1,120 @@
+"""Messages between a worker's front process and its engine-core process (msgpack via msgspec).
+
+    front --(PUSH/PULL: AddRequest, Abort, Call, Shutdown)--> engine core
+    front <--(PUSH/PULL: Ready, StepOutput, CallResult)------ engine core
+
+The hot path is `StepOutput`: one message per engine step carrying every request's new token ids
+as flat parallel arrays (no per-request or per-token messages). Structs are encoded as arrays
+(`array_like`), so a 64-request step is a few hundred bytes. Requests are numbered by the front
+(`rid`); the engine core never sees client request ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class SamplingMsg(msgspec.Struct, array_like=True, frozen=True):
+    """SamplingParams without stop strings (the front matches those on the text)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    seed: int | None
+    max_new_tokens: int
+    min_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    top_logprobs: int
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    rid: int
+    prompt_token_ids: list[int]
+    sampling: SamplingMsg
+    adapter: str | None = None
+    tenant: str = ""
+    deadline_s: float | None = None
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    rids: list[int]
+
+
+class Call(msgspec.Struct, tag=True, array_like=True):
+    """A command for the engine core (adapter loading, residency); answered by a CallResult
+    with the same `cid`. `method` names a method of `engine_core.Commands`."""
+
+    cid: int
+    method: str
+    args: list[Any]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
+
+
+class Finish(msgspec.Struct, array_like=True):
+    """A request ends. `code` is a gRPC status name when it ended in an error the client should
+    see as such (empty for "stop", "length", "abort")."""
+
+    rid: int
+    reason: str
+    error: str = ""
+    code: str = ""
+    adapter_error: bool = False
+
+
+class EngineState(msgspec.Struct, array_like=True):
+    running: int = 0
+    waiting: int = 0
+    kv_pages: int = 0
+    adapter_pages: int = 0
+    free_pages: int = 0
+    adapter_loads: int = 0
+    adapter_evictions: int = 0
+    steps: int = 0
+    # Adapters running or waiting in the engine now (the Gateway API Inference Extension's
+    # running/waiting LoRA adapters).
+    running_adapters: list[str] = []
+    waiting_adapters: list[str] = []
+
+
+class StepOutput(msgspec.Struct, tag=True, array_like=True):
+    """Everything one engine step produced. Token i belongs to request `rids[i]` (a request
+    appears once per new token, in order); `logprobs[i]` is its log-probability; `top[i]` its
+    top alternatives as [id, logprob] pairs, present only when some request asked for them.
+    `started` lists requests that were scheduled for the first time (queue time ends)."""
+
+    rids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+    finished: list[Finish]
+    started: list[int]
+    state: EngineState
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    max_num_seqs: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+class CallResult(msgspec.Struct, tag=True, array_like=True):
+    cid: int
+    value: Any = None
+    error: str = ""
+    code: str = ""         # gRPC status name of the error
+    adapter_error: bool = False
+
+
+ToCore = AddRequest | Abort | Call | Shutdown
+FromCore = StepOutput | CallResult | Ready
+
+to_core_decoder = msgspec.msgpack.Decoder(ToCore)
+from_core_decoder = msgspec.msgpack.Decoder(FromCore)
+encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,289 @@
+"""The engine-core process: owns the device and runs the step loop, never waiting on the front.
+
+Started by the front (`core_client.CoreClient`) with multiprocessing's spawn; connects two ZeroMQ
+sockets the front has bound (requests in, step outputs out). Each loop turn takes every message
+already waiting, then runs one engine step and sends one `StepOutput` with every request's new
+tokens. It exits when asked, when its input says the front closed, or when the front process is
+gone (a PR_SET_PDEATHSIG signal on Linux, and a parent-pid check as a fallback), so no orphan
+keeps the GPU.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from services.worker import core_protocol as m
+from services.worker.errors import to_service_error
+from slora_core.config import EngineConfig
+from slora_core.engine import LLMEngine
+from slora_core.outputs import RequestOutput
+from slora_core.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+# How long an idle core waits for input before it looks at background work and its parent.
+IDLE_POLL_MS = 200
+# While adapter loads run in the background, idle polls are short so their results go out soon.
+BUSY_POLL_MS = 5
+PR_SET_PDEATHSIG = 1
+# Commands that parse adapter files: run on a thread so they overlap engine steps.
+BACKGROUND = ("load_adapter", "touch_adapters")
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    model_dir: Path
+    config: EngineConfig
+    input_address: str   # the front's PUSH socket (bound by the front)
+    output_address: str  # the front's PULL socket
+    log_level: str = "INFO"
+
+
+def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
+    """Process entry point (spawned by the front)."""
+    logging.basicConfig(level=spec.log_level,
+                        format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
+    _die_with_parent(parent_pid)
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(spec.input_address)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 1000)
+    outputs.connect(spec.output_address)
+    engine = LLMEngine.from_model_dir(spec.model_dir, spec.config, detokenize=False)
+    # CUDA: compile kernels and capture every graph before the first request (no-op on CPU).
+    engine.warmup(True)
+    outputs.send(m.encoder.encode(m.Ready(
+        max_num_seqs=spec.config.max_num_seqs, max_model_len=engine.max_model_len,
+        eos_token_ids=list(engine.eos_token_ids))))
+    try:
+        EngineCore(engine, outputs, parent_pid).run(inputs)
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        ctx.term()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the front dies (no orphan holding the GPU)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid check")
+    if os.getppid() != parent_pid:  # the front died before prctl took effect
+        os._exit(1)
+
+
+class EngineCore:
+    """The loop: drain inputs, run one step, send its outputs; commands between steps."""
+
+    def __init__(self, engine: LLMEngine, outputs: zmq.Socket, parent_pid: int) -> None:
+        self.engine = engine
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.commands = Commands(engine)
+        self._failed: list[m.Finish] = []     # refused requests, sent with the next output
+        self._unstarted: set[int] = set()     # rids not yet scheduled
+        self._last_state: m.EngineState | None = None
+
+    def run(self, inputs: zmq.Socket) -> None:
+        while True:
+            busy = self.engine.has_unfinished()
+            timeout = 0 if busy else (BUSY_POLL_MS if self.commands.pending else IDLE_POLL_MS)
+            if inputs.poll(timeout) and not self._drain(inputs):
+                return
+            for result in self.commands.done():
+                self.outputs.send(m.encoder.encode(result))
+            if self.engine.has_unfinished():
+                self._step()
+            elif self._failed or self._state_changed():
+                self._send([])
+            elif os.getppid() != self.parent_pid:
+                log.error("the front process is gone; exiting")
+                return
+
+    def _drain(self, inputs: zmq.Socket) -> bool:
+        """Handle every message already waiting; False once asked to shut down."""
+        while True:
+            try:
+                raw = inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            msg = m.to_core_decoder.decode(raw.buffer)
+            if isinstance(msg, m.AddRequest):
+                self._add(msg)
+            elif isinstance(msg, m.Abort):
+                for rid in msg.rids:
+                    self.engine.abort_request(str(rid))
+                    self._unstarted.discard(rid)
+            elif isinstance(msg, m.Call):
+                self.commands.start(msg)
+            else:
+                return False
+
+    def _add(self, msg: m.AddRequest) -> None:
+        s = msg.sampling
+        try:
+            params = SamplingParams(
+                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                repetition_penalty=s.repetition_penalty, seed=s.seed,
+                max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
+                stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+                top_logprobs=s.top_logprobs)
+            self.engine.add_request(str(msg.rid), msg.prompt_token_ids, params,
+                                    adapter=msg.adapter, tenant=msg.tenant,
+                                    deadline_s=msg.deadline_s)
+        except Exception as exc:
+            err = to_service_error(exc)
+            self._failed.append(m.Finish(msg.rid, "error", str(err), err.code.name,
+                                         err.adapter_error))
+            return
+        self._unstarted.add(msg.rid)
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as exc:
+            # A failed step leaves the batch in an unknown state: fail every request in it
+            # (abort frees their pages) and keep serving new ones.
+            log.exception("engine step failed")
+            self._fail_all(exc)
+            return
+        self._send(outs)
+
+    def _fail_all(self, exc: Exception) -> None:
+        err = to_service_error(exc)
+        for rid in self._live_rids():
+            self.engine.abort_request(str(rid))
+            self._failed.append(m.Finish(rid, "error", str(err), err.code.name))
+        self._send([])
+
+    def _live_rids(self) -> list[int]:
+        return [int(r) for r in self.engine.request_ids()]
+
+    def _send(self, outs: list[RequestOutput]) -> None:
+        self.outputs.send(m.encoder.encode(self._step_output(outs)), copy=False)
+
+    def _step_output(self, outs: list[RequestOutput]) -> m.StepOutput:
+        rids: list[int] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
+        any_top = False
+        finished, self._failed = self._failed, []
+        for out in outs:
+            rid = int(out.request_id)
+            for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+                rids.append(rid)
+                token_ids.append(tok)
+                logprobs.append(lp.logprob)
+                tops.append(list(lp.top_logprobs))
+                any_top = any_top or bool(lp.top_logprobs)
+            if out.finished:
+                self._unstarted.discard(rid)
+                finished.append(finish_of(rid, out))
+        started = [r for r in self._unstarted if self.engine.request_started(str(r))]
+        self._unstarted.difference_update(started)
+        return m.StepOutput(rids, token_ids, logprobs, tops if any_top else None, finished,
+                            started, self._state())
+
+    def _state(self) -> m.EngineState:
+        state = m.EngineState(**dataclasses.asdict(self.engine.state_snapshot()))
+        self._last_state = state
+        return state
+
+    def _state_changed(self) -> bool:
+        now = m.EngineState(**dataclasses.asdict(self.engine.state_snapshot()))
+        return now != self._last_state
+
+
+def finish_of(rid: int, out: RequestOutput) -> m.Finish:
+    """How a finished request's end reaches the front, with the status code of an error."""
+    reason = out.finish_reason or "stop"
+    if not out.error:
+        return m.Finish(rid, reason)
+    if out.error.startswith("adapter "):  # the engine's message for an adapter it cannot load
+        return m.Finish(rid, reason, out.error, "FAILED_PRECONDITION", adapter_error=True)
+    if reason == "abort":  # only a deadline aborts with an error message
+        return m.Finish(rid, reason, out.error, "DEADLINE_EXCEEDED")
+    return m.Finish(rid, reason, out.error, "INTERNAL")
+
+
+class Commands:
+    """Adapter commands from the front. Parsing an adapter's files runs on a thread of this
+    process (the host tier has its own lock), so a load overlaps engine steps."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="adapter-load")
+        self._done: queue.SimpleQueue[m.CallResult] = queue.SimpleQueue()
+        self._background: set[int] = set()
+        self.pending = 0  # background commands not yet answered
+
+    def start(self, call: m.Call) -> None:
+        fn = getattr(self, f"do_{call.method}", None)
+        if fn is None:
+            self._done.put(m.CallResult(call.cid, error=f"unknown command {call.method!r}",
+                                        code="INTERNAL"))
+            return
+        if call.method not in BACKGROUND:
+            self._done.put(self._call(call.cid, fn, call.args))
+            return
+        self.pending += 1
+        self._background.add(call.cid)
+        self._pool.submit(lambda: self._done.put(self._call(call.cid, fn, call.args)))
+
+    def done(self) -> list[m.CallResult]:
+        """Results ready to send (background ones included)."""
+        results = []
+        while not self._done.empty():
+            result = self._done.get_nowait()
+            if result.cid in self._background:
+                self._background.discard(result.cid)
+                self.pending -= 1
+            results.append(result)
+        return results
+
+    def _call(self, cid: int, fn: Any, args: list[Any]) -> m.CallResult:
+        try:
+            return m.CallResult(cid, value=fn(*args))
+        except Exception as exc:
+            err = to_service_error(exc)
+            return m.CallResult(cid, error=str(err), code=err.code.name,
+                                adapter_error=err.adapter_error)
+
+    # ---- the commands (run on the loop thread unless listed as background above) --------
+    def do_register_adapter(self, name: str, path: str, sha256: str) -> None:
+        self.engine.register_adapter(name, path, sha256 or None, preload=False)
+
+    def do_load_adapter(self, name: str) -> None:
+        """Background: parse and validate into host memory; a bad adapter is unregistered."""
+        try:
+            self.engine.load_adapter(name)
+        except Exception:
+            self.engine.unregister_adapter(name)
+            raise
+
+    def do_unregister_adapter(self, name: str) -> None:
+        self.engine.unregister_adapter(name)
+
+    def do_warm_adapters(self) -> list[str]:
+        return self.engine.warm_adapters()
+
+    def do_touch_adapters(self, names: list[str]) -> None:
+        """Background: keep pinned versions in the host LRU."""
+        for name in names:
+            self.engine.load_adapter(name)

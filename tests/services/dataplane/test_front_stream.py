@@ -1,0 +1,77 @@
+"""The worker front's side of a request: tokens from the engine core become chunks. A consumer
+that falls behind gets every waiting token in one delta; a stop string cuts the tokens after it;
+an error end carries no flushed text."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from services.worker import core_protocol as m
+from services.worker.core_client import TokenStream
+from services.worker.servicer import Detokenized
+from slora_core.sampling_params import SamplingParams
+from slora_core.tokenizer import Tokenizer
+
+
+def feed(stream: TokenStream, ids: list[int]) -> None:
+    for t in ids:
+        stream.token_ids.append(t)
+        stream.logprobs.append(-0.5)
+        stream.top.append([(t, -0.5)])
+    stream.event.set()
+
+
+def test_waiting_tokens_come_as_one_delta_then_the_end(demo_dir: Path) -> None:
+    tok = Tokenizer.from_dir(demo_dir / "model")
+    ids = tok.encode("the quick brown fox jumps over the lazy dog")
+
+    async def scenario() -> None:
+        s = TokenStream()
+        d = Detokenized(tok, [5], SamplingParams(max_new_tokens=64), s)
+        feed(s, ids[:3])
+        feed(s, ids[3:])
+        delta, finish = await d.next()
+        assert delta.token_ids == ids and finish is None
+        assert len(delta.logprobs) == len(ids) == len(delta.top)
+        s.finish = m.Finish(1, "length")
+        s.event.set()
+        end, finish = await d.next()
+        assert finish is not None and finish.reason == "length" and end.token_ids == []
+        assert delta.text + end.text == tok.decode(ids)
+        assert d.completion_tokens == len(ids)
+
+    asyncio.run(scenario())
+
+
+def test_a_stop_string_cuts_the_tokens_after_it(demo_dir: Path) -> None:
+    tok = Tokenizer.from_dir(demo_dir / "model")
+    ids = tok.encode(" one two three four five")
+
+    async def scenario() -> None:
+        s = TokenStream()
+        d = Detokenized(tok, [5], SamplingParams(max_new_tokens=64, stop=("three",)), s)
+        feed(s, ids)
+        delta, finish = await d.next()
+        assert finish is not None and finish.reason == "stop"
+        assert "three" not in delta.text and delta.text.strip().startswith("one two")
+        # The token that completed the stop string is the last one sent, as in the engine.
+        assert tok.decode(delta.token_ids).rstrip().endswith("three")
+        assert len(delta.token_ids) < len(ids) and d.completion_tokens == len(delta.token_ids)
+
+    asyncio.run(scenario())
+
+
+def test_an_error_end_flushes_no_text(demo_dir: Path) -> None:
+    tok = Tokenizer.from_dir(demo_dir / "model")
+
+    async def scenario() -> None:
+        s = TokenStream()
+        d = Detokenized(tok, [5], SamplingParams(max_new_tokens=64, stop=("zzzz",)), s)
+        feed(s, tok.encode(" zz"))  # held back: it could grow into the stop string
+        s.finish = m.Finish(1, "error", "the engine core exited", "UNAVAILABLE")
+        delta, finish = await d.next()
+        assert finish is not None and finish.code == "UNAVAILABLE"
+        assert "zz" not in delta.text
+
+    asyncio.run(scenario())
