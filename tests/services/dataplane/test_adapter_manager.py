@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import services.worker.adapters as adapters_mod
-from services.worker.adapters import AdapterManager
 from services.common.errors import ServiceError
+from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient
 from services.worker.disk_cache import DiskCache
 from services.worker.metrics import WorkerMetrics
