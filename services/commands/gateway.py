@@ -14,7 +14,12 @@ from services.common.cluster_token import add_cluster_token_argument
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gateway", help="authenticate, route and forward Generate calls")
     p.add_argument("--control-plane", required=True, help="control plane host:port")
-    p.add_argument("--listen", default="0.0.0.0:50071", help="host:port to serve on")
+    p.add_argument("--listen", default="0.0.0.0:50071", help="host:port to serve gRPC on")
+    p.add_argument("--http-listen", default="",
+                   help="host:port of the OpenAI-compatible HTTP API, e.g. 0.0.0.0:8000 "
+                        "(default: off)")
+    p.add_argument("--base-model-name", default="base",
+                   help="the HTTP `model` that names the base model without an adapter")
     p.add_argument("--gateway-id", default="", help="default: hostname-port")
     add_cluster_token_argument(p, "presented to the control plane on the routing stream")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port")
@@ -32,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
         control_plane=args.control_plane, listen=args.listen,
         gateway_id=args.gateway_id or f"{socket.gethostname()}-{port}",
         metrics_port=args.metrics_port, drain_grace_s=args.drain_grace,
-        cluster_token=args.cluster_token,
+        cluster_token=args.cluster_token, http_listen=args.http_listen,
+        base_model_name=args.base_model_name,
     )
     return asyncio.run(serve_gateway(opts))

@@ -45,6 +45,7 @@ class Stack:
     worker_addresses: dict[str, str] = field(default_factory=dict)
     gateways: dict[str, Child] = field(default_factory=dict)
     gateway_addresses: dict[str, str] = field(default_factory=dict)
+    http_urls: dict[str, str] = field(default_factory=dict)  # gateway -> OpenAI API base URL
 
     @property
     def env(self) -> dict[str, str]:
@@ -88,10 +89,13 @@ class Stack:
 
     def start_gateway(self, name: str = "gateway", wait: bool = True) -> Child:
         address = f"{self.config.host}:{free_port()}"
+        http = f"{self.config.host}:{free_port()}"  # the OpenAI-compatible HTTP API
         child = start_child(name, slora_argv(
             "gateway", "--control-plane", self.cp_address, "--listen", address,
+            "--http-listen", http, "--base-model-name", BASE_MODEL,
             "--gateway-id", name), self.config.state_dir / "logs", self.env)
         self.gateways[name], self.gateway_addresses[name] = child, address
+        self.http_urls[name] = f"http://{http}/v1"
         if wait:
             wait_serving(address, child)
         return child

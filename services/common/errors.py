@@ -103,3 +103,37 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> ServiceError:
                        retry_after_ms=int(retry) if isinstance(retry, str) and retry.isdigit() else None)
     err.code = exc.code()
     return err
+
+
+# ---- the HTTP edge ------------------------------------------------------------------------
+# The one table from a gRPC status code to what an OpenAI-compatible HTTP client sees: the HTTP
+# status and OpenAI's error `type`. The gateway's gRPC and HTTP fronts raise the same
+# ServiceErrors; only this table tells them apart.
+HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+HTTP_INTERNAL = (500, "api_error")  # INTERNAL, UNKNOWN, DATA_LOSS and anything unlisted
+
+
+def http_status(err: ServiceError) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of `err`."""
+    return HTTP_ERRORS.get(err.code, HTTP_INTERNAL)
+
+
+def retry_after_seconds(err: ServiceError) -> int | None:
+    """The `Retry-After` header's value (whole seconds, at least 1), when the error has one."""
+    if err.retry_after_ms is None:
+        return None
+    return max(1, -(-err.retry_after_ms // 1000))

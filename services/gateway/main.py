@@ -13,7 +13,10 @@ from services.common.metrics import serve_metrics
 from services.common.server import GrpcServer, drain_and_stop, install_stop_handlers, start_server
 from services.common.watch import Outbox, watch_forever
 from services.gateway.evidence import RoutedEvidence
+from services.gateway.http_api import HttpApi
+from services.gateway.http_server import start_http
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
 from services.gateway.table import RoutingTable
 from slora.v1 import inference_pb2, inference_pb2_grpc
@@ -32,6 +35,8 @@ class GatewayOptions:
     metrics_port: int | None = None
     drain_grace_s: float = 30.0
     cluster_token: str = ""    # presented on the routing stream (SLORA_CLUSTER_TOKEN)
+    http_listen: str = ""      # host:port of the OpenAI-compatible HTTP API ("" = off)
+    base_model_name: str = "base"  # the `model` that names the base model (no adapter) on HTTP
 
 
 DEFAULT_REPORT_S = 1.0
@@ -89,17 +94,21 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     if opts.metrics_port is not None:
         serve_metrics(opts.metrics_port, metrics.registry)
     table = RoutingTable()
-    servicer = GatewayServicer(table, metrics)
+    router = Router(table, metrics)
+    servicer = GatewayServicer(router)
     handle: GrpcServer = await start_server(
         opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
         [SERVICE], serving=False)
+    http = (await start_http(opts.http_listen, HttpApi(router, metrics, opts.base_model_name))
+            if opts.http_listen else None)
     synced = asyncio.Event()
     watcher = asyncio.create_task(
         RoutingWatcher(opts.control_plane, opts.gateway_id, table, metrics, synced,
-                       servicer.evidence, opts.cluster_token).run())
+                       router.evidence, opts.cluster_token).run())
     stop = asyncio.Event()
     install_stop_handlers(stop.set)
-    log.info("gateway %s on port %d, waiting for the routing table", opts.gateway_id, handle.port)
+    log.info("gateway %s on port %d%s, waiting for the routing table", opts.gateway_id,
+             handle.port, f" (HTTP on {opts.http_listen})" if http else "")
     waiter = asyncio.create_task(synced.wait())
     await asyncio.wait([waiter, asyncio.create_task(stop.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
@@ -107,6 +116,10 @@ async def serve_gateway(opts: GatewayOptions) -> int:
         await handle.set_serving(True)
         log.info("gateway %s ready (routing revision %d)", opts.gateway_id, table.revision)
     await stop.wait()
-    await drain_and_stop(handle, servicer.wait_idle, opts.drain_grace_s)
+    router.draining = True
+    await drain_and_stop(handle, router.wait_idle, opts.drain_grace_s)
+    if http is not None:
+        await http.stop()
     watcher.cancel()
+    await router.channels.close()
     return 0

@@ -1,4 +1,4 @@
-"""The gateway's Prometheus metrics."""
+"""The gateway's Prometheus metrics (gRPC and HTTP calls share the routing counters)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,10 @@ class GatewayMetrics:
                                  "Calls served by the fallback version", registry=r)
         self.revision = Gauge("slora_gateway_routing_revision",
                               "Revision of the routing table applied", registry=r)
+        self.http_requests = Counter("slora_gateway_http_requests",
+                                     "HTTP API requests answered, by route and status",
+                                     ["route", "status"], registry=r)
+        self.http_disconnects = Counter("slora_gateway_http_disconnects",
+                                        "HTTP generation requests whose client went away before "
+                                        "the end (their worker calls were cancelled)",
+                                        registry=r)

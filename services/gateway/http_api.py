@@ -1,0 +1,254 @@
+"""The gateway's OpenAI-compatible HTTP API (FastAPI), on the same routing path as gRPC
+`Generate`: `/v1/completions`, `/v1/chat/completions` (streaming as server-sent events, or
+not), `/v1/models`, `/v1/feedback`, plus `/health` and `/metrics`.
+
+Errors use OpenAI's JSON shape with the status from `services.common.errors.HTTP_ERRORS` (the
+table shared with gRPC codes). A client that goes away cancels its worker calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+
+from services.common import errors as e
+from services.common.cluster_token import bearer_token
+from services.gateway.fanout import Fanout
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Plan,
+    chat_plan,
+    completion_plan,
+)
+from services.gateway.openai_responses import (
+    DONE,
+    ChoiceState,
+    Header,
+    Kind,
+    chunk_event,
+    error_body,
+    full_body,
+    served_header,
+    served_name,
+    sse,
+    usage_event,
+)
+from services.gateway.router import Router
+from slora.v1 import inference_pb2 as pb
+
+SERVED_BY_HEADER = "x-slora-served-by"
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str
+    score: float = Field(ge=-1.0, le=1.0)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+def error_response(err: e.ServiceError) -> JSONResponse:
+    status, _kind = e.http_status(err)
+    retry = e.retry_after_seconds(err)
+    headers = {"retry-after": str(retry)} if retry is not None else None
+    return JSONResponse(error_body(err), status_code=status, headers=headers)
+
+
+class HttpApi:
+    def __init__(self, router: Router, metrics: GatewayMetrics, base_model: str) -> None:
+        self.router, self.metrics, self.base_model = router, metrics, base_model
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="slora gateway", docs_url=None, redoc_url=None, openapi_url=None)
+        route = self._route
+        app.add_api_route("/v1/completions", route("completions", self._completions),
+                          methods=["POST"])
+        app.add_api_route("/v1/chat/completions", route("chat", self._chat), methods=["POST"])
+        app.add_api_route("/v1/models", route("models", self._models), methods=["GET"])
+        app.add_api_route("/v1/feedback", route("feedback", self._feedback), methods=["POST"])
+        app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/metrics", self._prometheus, methods=["GET"])
+        app.add_exception_handler(HTTPException, _http_exception)
+        return app
+
+    def _route(self, name: str, handler: Callable[[Request], Awaitable[Response]],
+               ) -> Callable[[Request], Awaitable[Response]]:
+        """`handler` with ServiceErrors (and bugs) answered in OpenAI's shape, counted."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except e.ServiceError as err:
+                response = error_response(err)
+            except Exception as exc:  # noqa: BLE001 - a bug: answer 500, never a bare trace
+                response = error_response(e.as_service_error(exc))
+            self.metrics.http_requests.labels(name, str(response.status_code)).inc()
+            return response
+        return endpoint
+
+    # ---- generation ------------------------------------------------------------------------
+    async def _completions(self, request: Request) -> Response:
+        token = self._token(request)
+        req = _parse(CompletionRequest, await _json(request))
+        rid = "cmpl-" + uuid.uuid4().hex
+        return await self._generate(request, "completion", req,
+                                    completion_plan(req, self.base_model, rid), token, rid)
+
+    async def _chat(self, request: Request) -> Response:
+        token = self._token(request)
+        req = _parse(ChatCompletionRequest, await _json(request))
+        rid = "chatcmpl-" + uuid.uuid4().hex
+        return await self._generate(request, "chat", req,
+                                    chat_plan(req, self.base_model, rid), token, rid)
+
+    def _token(self, request: Request) -> str:
+        """The caller's key, checked before the body is read (401 comes before 400)."""
+        token = bearer_token(request.headers.items())
+        self.router.authenticate(token)
+        return token
+
+    async def _generate(self, request: Request, kind: Kind,
+                        req: CompletionRequest | ChatCompletionRequest, plan: Plan, token: str,
+                        rid: str) -> Response:
+        fanout = Fanout([self.router.call(c, token) for c in plan.calls])
+        if not await self._unless_disconnected(request, fanout, fanout.start()):
+            return Response(status_code=499)  # nobody reads it; counted as a disconnect
+        served = fanout.calls[0].served_by or pb.ServedBy()
+        header = Header(kind, rid, req.model, served_name(served, self.base_model))
+        headers = {SERVED_BY_HEADER: served_header(served, self.base_model)}
+        choices = [ChoiceState(i) for i in range(len(plan.calls))]
+        n = req.n
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            events = self._stream(fanout, header, choices, n, plan.top_logprobs is not None,
+                                  usage)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={**headers, "cache-control": "no-cache"})
+        try:
+            if not await self._unless_disconnected(request, fanout, _read(fanout, choices)):
+                return Response(status_code=499)
+        finally:
+            await fanout.close()
+        body = full_body(header, choices, n, plan.top_logprobs is not None)
+        return JSONResponse(body, headers=headers)
+
+    async def _unless_disconnected(self, request: Request, fanout: Fanout,
+                                   work: Awaitable[None]) -> bool:
+        """Run `work`; if the client goes away first, cancel it and every call of `fanout`
+        (the workers free the pages) and return False. Starlette watches for a disconnect only
+        once a streaming body is being sent; before that (waiting for the first token, or for
+        a whole non-streamed answer) this does."""
+        working = asyncio.ensure_future(work)
+        watching = asyncio.create_task(_disconnected(request))
+        try:
+            await asyncio.wait({working, watching}, return_when=asyncio.FIRST_COMPLETED)
+            if not working.done():
+                self.metrics.http_disconnects.inc()
+                working.cancel()
+                await asyncio.wait({working})
+                await fanout.close()
+                return False
+            working.result()  # a ServiceError of any call fails the request
+            return True
+        finally:
+            watching.cancel()
+
+    async def _stream(self, fanout: Fanout, header: Header, choices: list[ChoiceState],
+                      n: int, with_logprobs: bool, include_usage: bool,
+                      ) -> AsyncIterator[bytes]:
+        """Server-sent events; an error after the first event is sent as an event (the status
+        is already out), and the stream ends without [DONE]."""
+        try:
+            async for i, r in fanout.events():
+                choices[i].add(r)
+                yield chunk_event(header, choices[i], r, with_logprobs, include_usage)
+            if include_usage:
+                yield usage_event(header, choices, n)
+            yield DONE
+        except e.ServiceError as err:
+            yield sse(error_body(err))
+        except asyncio.CancelledError:
+            self.metrics.http_disconnects.inc()  # the client went away: calls cancelled
+            raise
+        finally:
+            await fanout.close()
+
+    # ---- the rest --------------------------------------------------------------------------
+    async def _models(self, request: Request) -> Response:
+        grant = self.router.authenticate(bearer_token(request.headers.items()))
+        data: list[dict[str, Any]] = [{"id": self.base_model, "object": "model", "created": 0,
+                                       "owned_by": "slora", "root": self.base_model,
+                                       "parent": None}]
+        for a in sorted(self.router.table.adapters.values(), key=lambda a: a.adapter_id):
+            if not (grant.admin or a.tenant == grant.tenant):
+                continue
+            data.append({"id": a.adapter_id, "object": "model", "created": 0,
+                         "owned_by": a.tenant, "root": a.adapter_id, "parent": self.base_model,
+                         "stable_version": a.stable_version or None,
+                         "canary_version": a.canary_version or None,
+                         "canary_traffic_ratio": a.traffic_ratio if a.canary_version else 0.0,
+                         "fallback_version": a.fallback_version or None})
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _feedback(self, request: Request) -> Response:
+        token = bearer_token(request.headers.items())
+        self.router.authenticate(token)
+        req = _parse(FeedbackRequest, await _json(request))
+        self.router.feedback(pb.ReportFeedbackRequest(
+            request_id=req.request_id, score=req.score, labels=req.labels), token)
+        return JSONResponse({"object": "feedback", "request_id": req.request_id})
+
+    async def _health(self) -> Response:
+        ready = self.router.table.synced and not self.router.draining
+        return JSONResponse({"status": "ok" if ready else "unavailable"},
+                            status_code=200 if ready else 503)
+
+    async def _prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise e.InvalidArgument(f"the body is not valid JSON: {exc}") from None
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse(model: type[M], body: Any) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}"
+                             for err in exc.errors())
+        raise e.InvalidArgument(problems) from None
+
+
+async def _read(fanout: Fanout, choices: list[ChoiceState]) -> None:
+    async for i, r in fanout.events():
+        choices[i].add(r)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body was read before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _http_exception(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code,
+                                                                       "invalid_request_error")
+    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None,
+                                   "code": None}}, status_code=exc.status_code)

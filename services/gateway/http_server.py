@@ -1,0 +1,61 @@
+"""uvicorn serving the HTTP API inside the gateway's own event loop (next to its gRPC server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from services.gateway.http_api import HttpApi
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # The gateway's own handlers drain gRPC and HTTP together; uvicorn must not take them.
+        yield
+
+
+class HttpServer:
+    def __init__(self, server: _Server, task: asyncio.Task[None], port: int) -> None:
+        self.server, self.task, self.port = server, task, port
+
+    async def stop(self) -> None:
+        """Stop accepting, let open responses finish (the caller drained the calls first)."""
+        self.server.should_exit = True
+        await self.task
+
+
+def bind(listen: str) -> socket.socket:
+    """A listening socket on host:port ('[::]' or a host name allowed). RuntimeError if taken."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot bind the HTTP API to {listen}: {exc}") from None
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+async def start_http(listen: str, api: HttpApi) -> HttpServer:
+    """Serve `api` on `listen` until `stop()`; returns once the socket accepts connections."""
+    sock = bind(listen)
+    config = uvicorn.Config(api.app(), log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError(f"the HTTP API on {listen} did not start")
+        await asyncio.sleep(0.01)
+    return HttpServer(server, task, sock.getsockname()[1])

@@ -1,0 +1,226 @@
+"""The gateway's one routing path, below both of its protocol edges (gRPC `Generate` and the
+OpenAI-compatible HTTP API): authenticate, resolve the version (sticky canary split by routing
+key), pick a worker, forward with retries before the first token and the route's fallback, and
+count the per-version evidence. The edges convert requests to a `GenerateRequest`, iterate a
+`RoutedCall`, and turn a `ServiceError` into their own error form."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
+
+from services.common import errors as e
+from services.common.limits import check_generate
+from services.gateway.evidence import RoutedEvidence, Served, ServedLog, check_labels
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.table import Resolution, RoutingTable
+from services.gateway.upstream import DrainedCall, WorkerChannels
+from slora.v1 import inference_pb2 as pb
+from slora.v1 import placement_pb2 as ppb
+
+log = logging.getLogger(__name__)
+# Codes that mean "this worker cannot take the call now"; before the first token, the call is
+# retried on the next worker.
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+               grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
+
+
+class WorkerFailed(Exception):
+    """A worker failed before sending a token; the next one may be tried."""
+
+
+def all_failed(failures: list[e.ServiceError]) -> e.ServiceError:
+    """The error for a call no worker took: when every worker was full, RESOURCE_EXHAUSTED with
+    the shortest retry delay they asked for (the client should back off, not fail over);
+    otherwise UNAVAILABLE naming the last error."""
+    full = [f for f in failures if f.code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    if full and len(full) == len(failures):
+        delays = [f.retry_after_ms for f in full if f.retry_after_ms is not None]
+        return e.ResourceExhausted(f"every worker is busy: {full[-1]}",
+                                   retry_after_ms=min(delays) if delays else None)
+    return e.Unavailable(f"no worker could serve the request; last error: {failures[-1]}")
+
+
+class Router:
+    """State shared by every call of one gateway: table, worker channels, in-flight counts,
+    evidence and the served log (single-threaded: the gateway's event loop)."""
+
+    def __init__(self, table: RoutingTable, metrics: GatewayMetrics,
+                 served: ServedLog | None = None) -> None:
+        self.table = table
+        self.metrics = metrics
+        self.served = served or ServedLog()
+        self.evidence = RoutedEvidence()
+        self.inflight: dict[str, int] = {}
+        self.channels = WorkerChannels()
+        self.draining = False  # set at shutdown: health reports NOT_SERVING, calls still finish
+        self._calls = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def authenticate(self, token: str) -> ppb.KeyGrant:
+        if not self.table.synced:
+            raise e.Unavailable("the gateway has not received the routing table yet")
+        return self.table.authenticate(token)
+
+    def call(self, request: pb.GenerateRequest, token: str,
+             timeout_s: float | None = None) -> RoutedCall:
+        """One Generate call; iterate it for the responses (chunks arriving together come as
+        one). Raises ServiceError from the iteration."""
+        return RoutedCall(self, request, token, timeout_s)
+
+    def feedback(self, request: pb.ReportFeedbackRequest, token: str) -> None:
+        """Charge a client's score to the version that served the request (canary evidence)."""
+        grant = self.authenticate(token)
+        if not request.request_id:
+            raise e.InvalidArgument("request_id is required")
+        if not (math.isfinite(request.score) and -1.0 <= request.score <= 1.0):
+            raise e.InvalidArgument(f"score must lie in [-1, 1], got {request.score}")
+        check_labels(request.labels)
+        served = self.served.peek(request.request_id)
+        if not grant.admin and grant.tenant != served.tenant:
+            raise e.PermissionDenied(f"key {grant.key_id} may not score request "
+                                     f"{request.request_id!r} of another tenant")
+        self.served.claim(request.request_id)
+        self.evidence.feedback((served.adapter_id, served.version), request.score,
+                               dict(request.labels))
+
+    def _enter(self) -> None:
+        self._calls += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self._calls -= 1
+        if self._calls == 0:
+            self._idle.set()
+
+
+class RoutedCall:
+    """One routed Generate call. `served_by` names the version and worker from the first
+    message a worker sends (before that: None); `request_id` is the caller's or a new one."""
+
+    def __init__(self, router: Router, request: pb.GenerateRequest, token: str,
+                 timeout_s: float | None) -> None:
+        self.router = router
+        self.request = request
+        self.token = token
+        self.timeout_s = timeout_s
+        self.request_id = request.request_id or uuid.uuid4().hex
+        self.served_by: pb.ServedBy | None = None
+
+    async def __aiter__(self) -> AsyncGenerator[pb.GenerateResponse, None]:
+        router = self.router
+        router._enter()
+        try:
+            async for r in self._route():
+                yield r
+        except e.ServiceError as err:
+            router.metrics.errors.labels(err.code.name).inc()
+            raise
+        finally:
+            router._leave()
+
+    async def _route(self) -> AsyncIterator[pb.GenerateResponse]:
+        router, request = self.router, self.request
+        grant = router.authenticate(self.token)
+        check_generate(request)
+        adapter_id = request.adapter.adapter_id
+        if adapter_id:
+            asked = request.adapter.version if request.adapter.HasField("version") else None
+            res = router.table.resolve(grant, adapter_id, asked,
+                                       request.routing_key or self.request_id)
+            tenant = router.table.adapters[adapter_id].tenant
+        else:
+            res, tenant = Resolution("", "", ""), grant.tenant
+        router.metrics.requests.inc()
+        key = (adapter_id, res.version)
+        router.evidence.routed(key)
+        try:
+            async for r in self._serve(res):
+                if r.HasField("complete"):
+                    r.complete.request_id = self.request_id
+                    version = r.complete.served_by.adapter_version
+                    router.served.remember(self.request_id, Served(adapter_id, version, tenant))
+                yield r
+        except e.ServiceError as err:
+            router.evidence.error(key, err.code.name)
+            raise
+
+    async def _serve(self, res: Resolution) -> AsyncIterator[pb.GenerateResponse]:
+        """The routed version, or its fallback when the routed one cannot be served."""
+        try:
+            async for r in self._forward(res, is_fallback=False):
+                yield r
+        except e.ServiceError as err:
+            if not (err.adapter_error and res.fallback):
+                raise
+            log.warning("%s@%s cannot be served (%s); falling back to %s", res.adapter_id,
+                        res.version, err, res.fallback)
+            self.router.metrics.fallbacks.inc()
+            self.router.evidence.fallback((res.adapter_id, res.version))
+            async for r in self._forward(Resolution(res.adapter_id, res.fallback, ""),
+                                         is_fallback=True):
+                yield r
+
+    async def _forward(self, res: Resolution, is_fallback: bool,
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        upstream = pb.GenerateRequest()
+        upstream.CopyFrom(self.request)
+        upstream.request_id = self.request_id
+        if res.adapter_id:
+            upstream.adapter.version = res.version
+        workers = self.router.table.candidates(res.adapter_id, res.version, self.router.inflight)
+        if not workers:
+            raise e.Unavailable("no worker is available")
+        failures: list[e.ServiceError] = []
+        for attempt, worker in enumerate(workers):
+            if attempt:
+                self.router.metrics.retries.inc()
+            try:
+                async for r in self._call(worker, upstream, is_fallback):
+                    yield r
+                return
+            except WorkerFailed as exc:
+                failures.append(exc.args[0])
+                log.info("worker %s failed before the first token: %s", worker.worker_id,
+                         failures[-1])
+        raise all_failed(failures)
+
+    async def _call(self, worker: ppb.WorkerEndpoint, upstream: pb.GenerateRequest,
+                    is_fallback: bool) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream from one worker. Raises WorkerFailed when it fails before its first message,
+        a ServiceError for the caller otherwise."""
+        inflight = self.router.inflight
+        call = DrainedCall(self.router.channels.stub(worker.address).Generate(
+            upstream, timeout=self.timeout_s))
+        inflight[worker.worker_id] = inflight.get(worker.worker_id, 0) + 1
+        started = False
+        try:
+            async for batch in call.batches():
+                if not started:
+                    started = True
+                    self.served_by = pb.ServedBy(
+                        adapter_id=upstream.adapter.adapter_id,
+                        adapter_version=upstream.adapter.version, is_fallback=is_fallback,
+                        worker_id=worker.worker_id)
+                for r in batch:
+                    if r.HasField("complete"):
+                        r.complete.served_by.is_fallback = is_fallback
+                    yield r
+        except grpc.aio.AioRpcError as exc:
+            err = e.error_from_rpc(exc)
+            if not started and exc.code() in RETRY_CODES:
+                raise WorkerFailed(err) from None
+            raise err from None
+        finally:
+            inflight[worker.worker_id] -= 1
+            # A client cancel or deadline ends this generator early: `batches()` cancels the
+            # worker call so the worker frees the request's pages at once.

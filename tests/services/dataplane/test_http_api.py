@@ -1,0 +1,254 @@
+"""The gateway's OpenAI-compatible HTTP API on a real stack (control plane, CPU worker,
+gateway), called with the official `openai` client, sync and async, streaming and not, and
+checked against gRPC `Generate` on the same gateway: same greedy tokens, same canary
+stickiness per routing key, and a rollback seen through HTTP within a second."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from services.common.demo_stack import BASE_MODEL
+from services.gateway.table import canary_share
+from slora.v1 import inference_pb2 as pb
+from tests.services.dataplane.dp_support import PROMPTS, Result, generate, request
+from tests.services.dataplane.http_support import (
+    ADAPTERS,
+    MODELS,
+    HttpStack,
+    http_stack,
+    token_ids,
+    wait_for,
+)
+
+pytestmark = pytest.mark.timeout(300)
+CHAT = [{"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "The quick brown fox"}]
+
+
+@pytest.fixture(scope="module")
+def hs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
+    with http_stack(demo_dir, tmp_path_factory.mktemp("http")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(hs: HttpStack) -> OpenAI:
+    return OpenAI(base_url=hs.url, api_key=hs.token, max_retries=0)
+
+
+def adapter_of(model: str) -> str:
+    return "" if model == BASE_MODEL else model
+
+
+def fingerprint(model: str, version: str = "v1") -> str:
+    return model if model == BASE_MODEL else f"{model}@{version}"
+
+
+def grpc_greedy(hs: HttpStack, prompt: str, model: str, tokens: int = 8) -> Result:
+    res = generate(hs.grpc, request(prompt, adapter_of(model), max_new_tokens=tokens,
+                                    temperature=0), hs.token)
+    assert res.error is None and res.complete is not None, res.details
+    return res
+
+
+def has_chat_template(demo_dir: Path) -> bool:
+    config = json.loads((demo_dir / "model" / "tokenizer_config.json").read_text())
+    return bool(config.get("chat_template")) or (demo_dir / "model" / "chat_template.jinja").exists()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_completions_equal_grpc_greedy_tokens(hs: HttpStack, client: OpenAI, model: str) -> None:
+    ref = grpc_greedy(hs, PROMPTS[1], model)
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=0)
+    r = raw.parse()
+    choice = r.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert token_ids(choice.logprobs.tokens) == ref.token_ids
+    assert choice.text == ref.text
+    assert choice.finish_reason == ref.complete.finish_reason  # type: ignore[union-attr]
+    assert r.usage is not None and r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.prompt_tokens == ref.complete.usage.prompt_tokens  # type: ignore[union-attr]
+    assert r.system_fingerprint == fingerprint(model) and r.object == "text_completion"
+    assert raw.headers["x-slora-served-by"] == f"{fingerprint(model)}; worker=w1"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_streamed_completion_with_usage_equals_grpc(hs: HttpStack, client: OpenAI,
+                                                    model: str) -> None:
+    ref = grpc_greedy(hs, PROMPTS[0], model)
+    stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8,
+                                       temperature=0, logprobs=0, stream=True,
+                                       stream_options={"include_usage": True})
+    events = list(stream)
+    *chunks, last = events
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks)
+    ids = [i for c in chunks if c.choices[0].logprobs
+           for i in token_ids(c.choices[0].logprobs.tokens or [])]
+    assert (text, ids) == (ref.text, ref.token_ids)
+    assert chunks[-1].choices[0].finish_reason == ref.complete.finish_reason  # type: ignore[union-attr]
+
+
+def test_prompt_as_token_ids_and_several_prompts(hs: HttpStack, client: OpenAI) -> None:
+    ref = [grpc_greedy(hs, p, "qv-r4", 5) for p in PROMPTS[:2]]
+    by_ids = client.completions.create(model="qv-r4", prompt=ref[0].token_ids, max_tokens=5,
+                                       temperature=0, logprobs=0)
+    grpc_ids = generate(hs.grpc, pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ref[0].token_ids), adapter=pb.AdapterRef(adapter_id="qv-r4"),
+        sampling=pb.SamplingOptions(max_new_tokens=5, temperature=0)), hs.token)
+    assert token_ids(by_ids.choices[0].logprobs.tokens) == grpc_ids.token_ids  # type: ignore[union-attr,arg-type]
+    both = client.completions.create(model="qv-r4", prompt=list(PROMPTS[:2]), max_tokens=5,
+                                      temperature=0)
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [r.text for r in ref]
+    prompt_tokens = sum(r.complete.usage.prompt_tokens for r in ref)  # type: ignore[union-attr]
+    assert both.usage is not None and both.usage.prompt_tokens == prompt_tokens
+
+
+def test_n_samples(client: OpenAI) -> None:
+    r = client.completions.create(model="attn-r8", prompt=PROMPTS[2], max_tokens=6, n=3,
+                                  temperature=1.0, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage is not None and r.usage.completion_tokens == 18
+    assert len({c.text for c in r.choices}) > 1  # seeds 7, 8, 9: different samples
+    again = client.completions.create(model="attn-r8", prompt=PROMPTS[2], max_tokens=6, n=3,
+                                      temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # reproducible
+    with pytest.raises(openai.BadRequestError, match="n is 17"):
+        client.completions.create(model="attn-r8", prompt=PROMPTS[2], n=17)
+
+
+def grpc_chat(hs: HttpStack, model: str, tokens: int) -> Result:
+    return generate(hs.grpc, pb.GenerateRequest(
+        messages=[pb.ChatMessage(**m) for m in CHAT], adapter=pb.AdapterRef(
+            adapter_id=adapter_of(model)),
+        sampling=pb.SamplingOptions(max_new_tokens=tokens, temperature=0)), hs.token)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_chat_equals_grpc_chat(hs: HttpStack, client: OpenAI, demo_dir: Path,
+                               model: str) -> None:
+    ref = grpc_chat(hs, model, 6)
+    if not has_chat_template(demo_dir):
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            client.chat.completions.create(model=model, messages=CHAT)  # type: ignore[arg-type]
+        return
+    if ref.error is not None and "neither text nor token_ids" in ref.details:
+        # A worker that predates GenerateRequest.messages: HTTP still answers as gRPC does.
+        with pytest.raises(openai.BadRequestError, match=ref.details):
+            client.chat.completions.create(model=model, messages=CHAT)  # type: ignore[arg-type]
+        pytest.xfail("the worker does not render chat messages yet")
+    assert ref.error is None, ref.details
+    r = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6,  # type: ignore[arg-type]
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert token_ids([t.token for t in choice.logprobs.content]) == ref.token_ids
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert r.object == "chat.completion" and r.system_fingerprint == fingerprint(model)
+    stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6,  # type: ignore[arg-type]
+                                            temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+
+
+def test_async_client_streams_and_not_concurrently(hs: HttpStack) -> None:
+    refs = {m: grpc_greedy(hs, PROMPTS[2], m, 10) for m in MODELS}
+
+    async def one(c: AsyncOpenAI, model: str, stream: bool) -> str:
+        if not stream:
+            r = await c.completions.create(model=model, prompt=PROMPTS[2], max_tokens=10,
+                                           temperature=0)
+            return r.choices[0].text
+        s = await c.completions.create(model=model, prompt=PROMPTS[2], max_tokens=10,
+                                       temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in s])
+
+    async def main() -> list[str]:
+        async with AsyncOpenAI(base_url=hs.url, api_key=hs.token, max_retries=0) as c:
+            return await asyncio.gather(*(one(c, m, s) for m in MODELS for s in (False, True)))
+
+    got = asyncio.run(main())
+    assert got == [refs[m].text for m in MODELS for _ in (False, True)]
+
+
+def test_models_lists_base_and_the_keys_adapters(hs: HttpStack, client: OpenAI) -> None:
+    models = {m.id: m for m in client.models.list()}
+    assert set(models) == {BASE_MODEL, *ADAPTERS}
+    assert models["qv-r4"].model_extra["stable_version"] == "v1"  # type: ignore[index]
+    assert models["qv-r4"].model_extra["parent"] == BASE_MODEL  # type: ignore[index]
+    other = OpenAI(base_url=hs.url, api_key=hs.other_tenant_key(), max_retries=0)
+    # a new key reaches the gateway with the next routing update
+    wait_for(lambda: _lists(other) is not None, 10, "the other tenant's key on the gateway")
+    assert _lists(other) == [BASE_MODEL]
+
+
+def _lists(c: OpenAI) -> list[str] | None:
+    try:
+        return [m.id for m in c.models.list()]
+    except openai.AuthenticationError:
+        return None
+
+
+def served_version(hs: HttpStack, client: OpenAI, key: str, how: str) -> str:
+    """The version of qv-r4 that serves routing key `key`, asked through `how`."""
+    if how == "grpc":
+        res = generate(hs.grpc, request(PROMPTS[0], "qv-r4", routing_key=key,
+                                        max_new_tokens=1, temperature=0), hs.token)
+        assert res.complete is not None, res.details
+        return res.complete.served_by.adapter_version
+    extra = {"user": key} if how == "user" else {"extra_body": {"routing_key": key}}
+    r = client.completions.create(model="qv-r4", prompt=PROMPTS[0], max_tokens=1,
+                                  temperature=0, **extra)  # type: ignore[arg-type]
+    assert r.system_fingerprint is not None
+    return r.system_fingerprint.split("@", 1)[1]
+
+
+def test_canary_is_as_sticky_over_http_as_over_grpc_and_a_rollback_shows_within_1s(
+        hs: HttpStack, client: OpenAI) -> None:
+    hs.register("qv-r4", "v2", hs.upload("qv-r4-v2", "qv-r4"))
+    hs.admin.canary("qv-r4", "v2", 0.5)
+    keys = [f"user-{i}" for i in range(12)]
+    expected = {k: "v2" if canary_share("qv-r4", k) < 0.5 else "v1" for k in keys}
+    assert set(expected.values()) == {"v1", "v2"}
+    on_canary = next(k for k in keys if expected[k] == "v2")
+    wait_for(lambda: served_version(hs, client, on_canary, "routing_key") == "v2", 10,
+             "the canary on the gateway")
+    for how in ("grpc", "user", "routing_key"):
+        assert {k: served_version(hs, client, k, how) for k in keys} == expected, how
+    pinned = client.completions.create(model="qv-r4", prompt=PROMPTS[0], max_tokens=1,
+                                       extra_body={"adapter_version": "v1",
+                                                   "routing_key": on_canary})
+    assert pinned.system_fingerprint == "qv-r4@v1"
+    hs.admin.rollback("qv-r4", reason="test: rollback seen over HTTP")
+    start = time.monotonic()
+    wait_for(lambda: served_version(hs, client, on_canary, "user") == "v1", 5, "the rollback")
+    assert time.monotonic() - start < 1.0
+
+
+def test_feedback_reaches_the_served_version(hs: HttpStack, client: OpenAI) -> None:
+    r = client.completions.create(model="attn-r8", prompt=PROMPTS[0], max_tokens=2)
+    url = f"{hs.url}/feedback"
+    auth = {"authorization": f"Bearer {hs.token}"}
+    ok = httpx.post(url, json={"request_id": r.id, "score": 0.5, "labels": {"k": "v"}},
+                    headers=auth)
+    assert ok.status_code == 200 and ok.json()["request_id"] == r.id
+    again = httpx.post(url, json={"request_id": r.id, "score": 0.5}, headers=auth)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "ALREADY_EXISTS"
+    unknown = httpx.post(url, json={"request_id": "cmpl-unknown", "score": 0}, headers=auth)
+    assert unknown.status_code == 404
+    out_of_range = httpx.post(url, json={"request_id": r.id, "score": 2}, headers=auth)
+    assert out_of_range.status_code == 400 and "score" in out_of_range.json()["error"]["message"]
