@@ -127,6 +127,8 @@ def main() -> int:
                          "(fp16, 3 of the demo adapters)")
     ap.add_argument("--num-pages", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="EngineConfig.max_model_len, in-process and worker (default: the model's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="slora-overhead-"))
@@ -144,10 +146,13 @@ def main() -> int:
     names = sorted(demo.adapter_dirs)
     engine_args = {"num_pages": args.num_pages, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": 512, "max_adapters_per_batch": 8}
-    worker_args = ("--num-pages", str(args.num_pages), "--max-num-seqs",
-                   str(args.max_num_seqs), "--max-num-batched-tokens", "512",
-                   "--max-adapters-per-batch", "8", "--device", args.device,
-                   "--dtype", args.dtype, "--max-queue", str(args.requests * 2))
+    worker_args: tuple[str, ...] = (
+        "--num-pages", str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", "512", "--max-adapters-per-batch", "8",
+        "--device", args.device, "--dtype", args.dtype, "--max-queue", str(args.requests * 2))
+    if args.max_model_len is not None:
+        engine_args["max_model_len"] = args.max_model_len
+        worker_args += ("--max-model-len", str(args.max_model_len))
     reqs = workload(names, args.requests, args.new_tokens, vocab=512)
     config = EngineConfig(dtype=args.dtype, device=args.device, **engine_args)
     stack = Stack(StackConfig(demo_dir=demo.root, state_dir=root / "state",

@@ -64,7 +64,8 @@ class Bench:
         kw = dict(dtype=a.dtype, device=a.device, num_pages=self.num_pages(),
                   max_rank=max(ranks), max_num_seqs=a.max_num_seqs,
                   max_num_batched_tokens=a.max_num_batched_tokens,
-                  max_adapters_per_batch=a.max_adapters_per_batch, max_model_len=1100,
+                  max_adapters_per_batch=a.max_adapters_per_batch,
+                  max_model_len=getattr(a, "max_model_len", 1100),
                   max_queue=100_000, mixed_graphs=not getattr(a, "no_mixed_graphs", False),
                   async_steps=getattr(a, "async_steps", False),
                   graph_lora_split_k=getattr(a, "graph_lora_split_k", None))
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse-batch", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=1100,
+                   help="EngineConfig.max_model_len (the model allows 4096; 1100 fits the "
+                        "longest workload request and keeps graph block tables small)")
     p.add_argument("--max-adapters-per-batch", type=int, default=64)
     p.add_argument("--no-mixed-graphs", action="store_true",
                    help="run steps with prefill tokens eagerly (EngineConfig.mixed_graphs=False)")

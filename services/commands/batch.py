@@ -10,13 +10,16 @@ from typing import Any
 
 from tqdm import tqdm
 
+from slora_core.chat_template import ChatTemplateError, check_messages
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
+from slora_core.tokenizer import Tokenizer
 
 _PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
                "min_new_tokens", "repetition_penalty", "stop_token_ids")
-_KNOWN_KEYS = {"prompt", "token_ids", "adapter", *_PARAM_KEYS}
+_INPUT_KEYS = ("prompt", "token_ids", "messages")
+_KNOWN_KEYS = {*_INPUT_KEYS, "adapter", *_PARAM_KEYS}
 
 
 class BatchInputError(ValueError):
@@ -28,7 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
                    help="a PEFT adapter directory, referred to by NAME in the input (repeatable)")
-    p.add_argument("--input", required=True, help="JSONL: {prompt|token_ids, adapter?, ...}")
+    p.add_argument("--input", required=True,
+                   help="JSONL: {prompt|token_ids|messages, adapter?, ...}; messages "
+                        "([{role, content}]) are rendered with the model's chat template")
     p.add_argument("--output", required=True, help="JSONL written in input order")
     p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
     p.add_argument("--device", default="cpu")
@@ -39,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="distinct adapters one step may read (default: as many as sequences)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context length)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
@@ -63,9 +70,16 @@ def parse_line(lineno: int, line: str, adapters: dict[str, str]) -> dict[str, An
     unknown = set(item) - _KNOWN_KEYS
     if unknown:
         raise BatchInputError(f"line {lineno}: unknown field(s) {sorted(unknown)}")
-    if ("prompt" in item) == ("token_ids" in item):
-        raise BatchInputError(f"line {lineno}: give exactly one of 'prompt' or 'token_ids'")
+    if sum(k in item for k in _INPUT_KEYS) != 1:
+        raise BatchInputError(f"line {lineno}: give exactly one of 'prompt', 'token_ids' or "
+                              f"'messages'")
     prompt = item.get("prompt", item.get("token_ids"))
+    messages = None
+    if "messages" in item:
+        try:
+            messages = check_messages(item["messages"])
+        except ChatTemplateError as e:
+            raise BatchInputError(f"line {lineno}: {e}") from None
     if "prompt" in item and not isinstance(prompt, str):
         raise BatchInputError(f"line {lineno}: 'prompt' must be a string")
     if "token_ids" in item and not (
@@ -79,7 +93,22 @@ def parse_line(lineno: int, line: str, adapters: dict[str, str]) -> dict[str, An
         params = SamplingParams(**{k: item[k] for k in _PARAM_KEYS if k in item})
     except (TypeError, ValueError) as e:
         raise BatchInputError(f"line {lineno}: {e}") from None
-    return {"prompt": prompt, "adapter": adapter, "params": params}
+    return {"prompt": prompt, "messages": messages, "line": lineno, "adapter": adapter,
+            "params": params}
+
+
+def render_chats(items: list[dict[str, Any]], model_dir: str) -> None:
+    """Give every `messages` item its prompt: the model's chat template, tokenized (as
+    transformers' apply_chat_template). Refuses the first line the template cannot render."""
+    chats = [item for item in items if item["messages"] is not None]
+    if not chats:
+        return
+    tokenizer = Tokenizer.from_dir(model_dir)
+    for item in chats:
+        try:
+            item["prompt"] = tokenizer.encode_chat(item["messages"])
+        except ChatTemplateError as e:
+            raise BatchInputError(f"line {item['line']}: {e}") from None
 
 
 def run_batch(engine: LLMEngine, items: list[dict[str, Any]], progress: bool) -> list[dict]:
@@ -111,18 +140,19 @@ def run(args: argparse.Namespace) -> int:
         adapters = parse_adapters(args.adapter)
         lines = Path(args.input).read_text().splitlines()
         items = [parse_line(i + 1, ln, adapters) for i, ln in enumerate(lines) if ln.strip()]
-    except (OSError, BatchInputError) as e:
+        render_chats(items, args.model)
+    except (OSError, ValueError) as e:  # BatchInputError, or an unreadable tokenizer
         print(f"slora batch: {e}", file=sys.stderr)
         return 2
-    config = EngineConfig(
-        dtype=args.dtype, device=args.device, num_pages=args.num_pages,
-        block_size=args.block_size, max_rank=args.max_rank,
-        max_adapters_per_batch=args.max_adapters_per_batch, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queue=max(1024, len(items)),
-    )
-    engine = LLMEngine.from_model_dir(args.model, config)
-    try:
+    try:  # ConfigError (a ValueError): e.g. a max_model_len above the model's
+        config = EngineConfig(
+            dtype=args.dtype, device=args.device, num_pages=args.num_pages,
+            block_size=args.block_size, max_rank=args.max_rank,
+            max_adapters_per_batch=args.max_adapters_per_batch, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, max_queue=max(1024, len(items)),
+        )
+        engine = LLMEngine.from_model_dir(args.model, config)
         for name, path in adapters.items():
             engine.register_adapter(name, path)
         results = run_batch(engine, items, progress=not args.no_progress)

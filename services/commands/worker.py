@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-rank", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context length)")
     p.add_argument("--max-adapters-per-batch", type=int, default=64,
                    help="distinct adapters one step may read (default: as many as sequences)")
     p.add_argument("--max-queue", type=int, default=256,
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         dtype=args.dtype, device=args.device, num_pages=args.num_pages,
         block_size=args.block_size, max_rank=args.max_rank, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_adapters_per_batch=args.max_adapters_per_batch, max_queue=args.max_queue,
         async_steps=args.async_steps,
     )

@@ -45,7 +45,7 @@ def test_outputs_in_input_order_with_text_and_finish_reason(demo_dir, tmp_path):
 
 @pytest.mark.parametrize("line,needle", [
     ("{not json", "line 1: not valid JSON"),
-    ({"prompt": "x", "token_ids": [1]}, "exactly one of 'prompt' or 'token_ids'"),
+    ({"prompt": "x", "token_ids": [1]}, "exactly one of 'prompt', 'token_ids' or 'messages'"),
     ({"prompt": "x", "adapter": "nope"}, "adapter 'nope' was not given"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "colour": "red"}, "unknown field(s) ['colour']"),
