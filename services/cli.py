@@ -20,16 +20,21 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with `command` (e.g. "control-plane"), only that subcommand's module is
+    imported, so a command does not pay for the others' imports (torch, for `batch`)."""
     parser = argparse.ArgumentParser(prog="slora", description="Multi-LoRA serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+        if command is None or name.rsplit(".", 1)[1].replace("_", "-") == command:
+            importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    known = {m.rsplit(".", 1)[1].replace("_", "-") for m in COMMAND_MODULES}
+    args = build_parser(argv[0] if argv and argv[0] in known else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

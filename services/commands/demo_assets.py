@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from slora_core.demo_assets import write_demo_assets
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo-assets",
@@ -17,6 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from slora_core.demo_assets import write_demo_assets  # torch: only when run (fast --help)
+
     assets = write_demo_assets(args.dir, seed=args.seed)
     sys.stdout.write(f"model:    {assets.model_dir}\n")
     for name, path in assets.adapter_dirs.items():

@@ -70,11 +70,14 @@ def run(args: argparse.Namespace) -> int:
         wait_until_routable(gateway, token, [])
         key_file = state / ADMIN_KEY_FILE
         write_private(key_file, stack.admin_token + "\n")
-        # `slora generate` and `slora admin` read this file when no flag or env says otherwise.
+        http = stack.http_urls["gateway"]
+        # `slora generate` and `slora admin` read this file when no flag or env says otherwise;
+        # OPENAI_BASE_URL and OPENAI_API_KEY are the names the `openai` client reads.
         write_private(state / CONNECTION_FILE, (
             f"SLORA_GATEWAY={gateway}\nSLORA_API_KEY={token}\n"
-            f"SLORA_TARGET={stack.cp_address}\nSLORA_KEY_FILE={key_file}\n"))
-        print_howto(gateway, stack.cp_address, state, demo)
+            f"SLORA_TARGET={stack.cp_address}\nSLORA_KEY_FILE={key_file}\n"
+            f"OPENAI_BASE_URL={http}\nOPENAI_API_KEY={token}\n"))
+        print_howto(gateway, http, stack.cp_address, state, demo)
         while not stopping:
             dead = [c for c in stack.children() if not c.alive]
             if dead:
@@ -90,12 +93,13 @@ def run(args: argparse.Namespace) -> int:
         stack.stop()
 
 
-def print_howto(gateway: str, control_plane: str, state: Path, demo: Path) -> None:
+def print_howto(gateway: str, http: str, control_plane: str, state: Path, demo: Path) -> None:
     adapters = sorted(p.name for p in (demo / "adapters").iterdir())
     slora = sys.argv[0] if Path(sys.argv[0]).name == "slora" else "slora"
     sys.stdout.write(
         f"\nslora is up.\n"
         f"  gateway        {gateway}  (InferenceService.Generate, gRPC)\n"
+        f"  OpenAI API     {http}  (model = adapter id, or 'demo' for the base model)\n"
         f"  control plane  {control_plane}  (admin API)\n"
         f"  admin key      {state / ADMIN_KEY_FILE}  (mode 0600)\n"
         f"  connection     {state / CONNECTION_FILE}  (mode 0600; read by `slora generate` "
@@ -105,7 +109,11 @@ def print_howto(gateway: str, control_plane: str, state: Path, demo: Path) -> No
         f"Try, in another terminal in this folder:\n"
         f"  {slora} generate --adapter {adapters[0]} \"The quick brown fox\"\n"
         f"  {slora} generate \"The quick brown fox\"          # base model only\n"
-        f"  {slora} admin list\n\n"
+        f"  {slora} admin list\n"
+        f"  env $(cat {state / CONNECTION_FILE}) {sys.executable} -c "
+        f"'from openai import OpenAI; "
+        f"print(OpenAI().completions.create(model=\"{adapters[0]}\", "
+        f"prompt=\"The quick brown fox\", max_tokens=16).choices[0].text)'\n\n"
         f"Ctrl-C stops everything.\n")
     sys.stdout.flush()
 
