@@ -25,6 +25,7 @@ from kernels.lora_meta import (
 )
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
+from slora_core.graph_buffers import BufferLayout, GraphBuffers
 from slora_core.model import LlamaForCausalLM
 from slora_core.page_pool import PagePool
 from slora_core.scheduler import ScheduledSeq
@@ -69,30 +70,34 @@ class ModelRunner:
                                          max_model_len, self.graphs)
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
+        """The step's input ids and context on the device (one copy for every array)."""
         has_lora = bool((inputs.token_slots >= 0).any())
-        seg = lora_segments(inputs.token_slots) if has_lora else None
-        arrays = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
-                  inputs.seq_lens, inputs.query_starts, inputs.block_tables]
-        block_m = tile_rows(int(seg[1].max())) if seg is not None else 0
-        if seg is not None:
-            arrays += [inputs.token_slots, *seg, *lora_tiles(seg[1], block_m)]
-        dev = to_device(arrays, self.device)
-        i32 = [t.to(torch.int32) for t in dev[4:]]
+        lora_arrays: list[np.ndarray] = []
+        if has_lora:
+            starts, lens, slots = lora_segments(inputs.token_slots)
+            block_m = tile_rows(int(lens.max()))
+            lora_arrays = [inputs.token_slots, starts, lens, slots, *lora_tiles(lens, block_m)]
+        input_ids, positions, slot_mapping, logits_indices, *meta = to_device(
+            [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
+             inputs.seq_lens, inputs.query_starts, inputs.block_tables, *lora_arrays],
+            self.device)
+        seq_lens, query_starts, block_tables, *lora_meta = [t.to(torch.int32) for t in meta]
         lora = None
-        if seg is not None:
-            lora = LoraMeta(seg_starts=i32[4], seg_lens=i32[5], seg_slots=i32[6],
-                            token_slots=i32[3], max_seg_len=int(seg[1].max()),
-                            num_segments=int(seg[0].size), tile_segs=i32[7], tile_m0=i32[8],
-                            num_tiles=int(i32[7].shape[0]), block_m=block_m)
+        if has_lora:
+            token_slots, seg_starts, seg_lens, seg_slots, tile_segs, tile_m0 = lora_meta
+            lora = LoraMeta(seg_starts=seg_starts, seg_lens=seg_lens, seg_slots=seg_slots,
+                            token_slots=token_slots, max_seg_len=int(lens.max()),
+                            num_segments=int(starts.size), tile_segs=tile_segs, tile_m0=tile_m0,
+                            num_tiles=int(tile_segs.shape[0]), block_m=block_m)
         ctx = StepContext(
-            positions=dev[1], slot_mapping=dev[2], block_tables=i32[2], seq_lens=i32[0],
-            query_starts=i32[1], max_query_len=inputs.max_query_len,
-            max_seq_len=int(inputs.seq_lens.max()), logits_indices=dev[3],
+            positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
+            seq_lens=seq_lens, query_starts=query_starts, max_query_len=inputs.max_query_len,
+            max_seq_len=int(inputs.seq_lens.max()), logits_indices=logits_indices,
             kv_caches=self.arena.kv_caches, lora=lora,
             lora_tables=self.arena.tables if lora is not None else None,
             lora_modules=self.arena.active_lora_modules,
         )
-        return dev[0], ctx
+        return input_ids, ctx
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], patch: TokenPatch | None = None
@@ -117,15 +122,14 @@ GraphKey = tuple[int, frozenset[int]]  # (bucket, LoRA module ids the graph runs
 class _StepGraphs:
     """What decode and mixed-step graphs share: one CUDA graph per (bucket, LoRA module set)
     captured into one memory pool, and replayed after `prepare` has copied the step's padded
-    inputs into the static buffers (`i64`, `i32`: two host-to-device copies a step).
-    `run_padded_eager` runs the same padded step without a graph (on any device: CPU tests
-    check it against the unpadded step). Subclasses define `buckets`, the buffers, `_context`
-    and `prepare`."""
+    inputs into the static buffers (`buf`, laid out by `layout`: two host-to-device copies a
+    step). `run_padded_eager` runs the same padded step without a graph (on any device: CPU
+    tests check it against the unpadded step). Subclasses define `buckets`, the layout and
+    buffers, `_context` and `prepare`."""
 
     buckets: list[int]
-    input_ids: torch.Tensor
-    i64: torch.Tensor
-    i32: torch.Tensor
+    layout: BufferLayout
+    buf: GraphBuffers[torch.Tensor]
 
     # `pool`: a torch.cuda.graph_pool_handle() (a private torch type) or None off CUDA.
     def __init__(self, runner: ModelRunner, pool: Any) -> None:
@@ -145,7 +149,7 @@ class _StepGraphs:
     def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
         model = self.runner.model
         with step_context(ctx):
-            hidden = model(self.input_ids[:bucket], ctx.positions)
+            hidden = model(self.buf.input_ids[:bucket], ctx.positions)
             return model.compute_logits(hidden[ctx.logits_indices])
 
     def capture_all(self, modules: frozenset[int]) -> None:
@@ -186,21 +190,27 @@ class _StepGraphs:
         has_lora = bool((inputs.token_slots >= 0).any())
         return (bucket, self.runner.arena.active_lora_modules if has_lora else frozenset())
 
-    def _upload(self, i64: np.ndarray, i32: np.ndarray, patch: TokenPatch | None) -> None:
-        for static, host in ((self.i64, i64), (self.i32, i32)):
-            src = torch.from_numpy(host.reshape(-1))
+    def _upload(self, host: GraphBuffers[np.ndarray], patch: TokenPatch | None) -> None:
+        for static, flat in ((self.buf.i64, host.i64), (self.buf.i32, host.i32)):
+            src = torch.from_numpy(flat)
             if static.is_cuda:
                 src = src.pin_memory()
             static.copy_(src, non_blocking=static.is_cuda)
-        apply_patch(self.input_ids, patch)
+        apply_patch(self.buf.input_ids, patch)
 
 
-def _fill_lora(token_slots: np.ndarray, block_m: int, starts: np.ndarray, lens: np.ndarray,
-               slots: np.ndarray, tile_segs: np.ndarray, tile_m0: np.ndarray) -> None:
-    """Write the step's LoRA segments and tile list into the front of padded host arrays."""
-    seg = lora_segments(token_slots)
-    for dst, src in zip((starts, lens, slots, tile_segs, tile_m0),
-                        (*seg, *lora_tiles(seg[1], block_m)), strict=True):
+def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:
+    """`values` at the front of `dst`, `pad` after them."""
+    dst[: values.size] = values
+    dst[values.size :] = pad
+
+
+def _fill_lora(token_slots: np.ndarray, block_m: int, host: GraphBuffers[np.ndarray]) -> None:
+    """Write the step's LoRA segments and tile list into the front of the padded host arrays."""
+    starts, lens, slots = lora_segments(token_slots)
+    tile_segs, tile_m0 = lora_tiles(lens, block_m)
+    for dst, src in ((host.seg_starts, starts), (host.seg_lens, lens), (host.seg_slots, slots),
+                     (host.tile_segs, tile_segs), (host.tile_m0, tile_m0)):
         dst[: src.size] = src
 
 
@@ -222,19 +232,17 @@ class DecodeGraphs(_StepGraphs):
         self.buckets = _buckets(max_num_seqs)
         self.max_blocks = -(-max_model_len // arena.block_size)
         self.empty_slot = arena.num_slots - 1
-        n = self.n = self.buckets[-1]
-        self.i64 = torch.zeros(3 * n, dtype=torch.int64, device=dev)
-        self.input_ids, self.positions, self.slot_mapping = self.i64.view(3, n)
-        self.i32 = torch.zeros(7 * n + n * self.max_blocks, dtype=torch.int32, device=dev)
-        rows = self.i32[: 7 * n].view(7, n)
-        (self.seq_lens, self.token_slots, self.seg_starts, self.seg_lens, self.seg_slots,
-         self.tile_segs, self.tile_m0) = rows
-        self.block_tables = self.i32[7 * n :].view(n, self.max_blocks)
+        n = self.buckets[-1]
+        # One row per sequence, token, segment and tile alike.
+        self.layout = BufferLayout(tokens=n, seqs=n, segments=n, tiles=n,
+                                   max_blocks=self.max_blocks)
+        buf = self.buf = self.layout.device(dev)
         # Start-up captures run the model on these: write no KV (slot -1), read no adapter.
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
-        self.token_slots.fill_(self.empty_slot)
-        self.tile_segs.fill_(-1)
+        buf.slot_mapping.fill_(-1)
+        buf.seq_lens.fill_(1)
+        buf.token_slots.fill_(self.empty_slot)
+        buf.tile_segs.fill_(-1)
+        # Every row is one query token and samples: query starts and logits rows are 0..n.
         self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
 
     def can_run(self, inputs: StepInputs) -> bool:
@@ -243,16 +251,16 @@ class DecodeGraphs(_StepGraphs):
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
     def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
-        r, b = self.runner, bucket
+        r, b, buf = self.runner, bucket, self.buf
         # Up to b segments and b tiles; prepare() fills them and marks unused tiles -1.
-        lora = LoraMeta(seg_starts=self.seg_starts[:b], seg_lens=self.seg_lens[:b],
-                        seg_slots=self.seg_slots[:b], token_slots=self.token_slots[:b],
+        lora = LoraMeta(seg_starts=buf.seg_starts[:b], seg_lens=buf.seg_lens[:b],
+                        seg_slots=buf.seg_slots[:b], token_slots=buf.token_slots[:b],
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
-                        tile_segs=self.tile_segs[:b], tile_m0=self.tile_m0[:b], num_tiles=b,
+                        tile_segs=buf.tile_segs[:b], tile_m0=buf.tile_m0[:b], num_tiles=b,
                         block_m=DECODE_BLOCK_M, padded_tiles=True) if modules else None
         return StepContext(
-            positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
-            block_tables=self.block_tables[:b], seq_lens=self.seq_lens[:b],
+            positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
+            block_tables=buf.block_tables[:b], seq_lens=buf.seq_lens[:b],
             query_starts=self.arange[: b + 1], max_query_len=1,
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
@@ -263,27 +271,23 @@ class DecodeGraphs(_StepGraphs):
     def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
         model = self.runner.model  # every row samples: no gather of the hidden states
         with step_context(ctx):
-            return model.compute_logits(model(self.input_ids[:bucket], ctx.positions))
+            return model.compute_logits(model(self.buf.input_ids[:bucket], ctx.positions))
 
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
-        n, n_all, nb = inputs.num_seqs, self.n, inputs.block_tables.shape[1]
+        n, nb = inputs.num_seqs, inputs.block_tables.shape[1]
         key = self._key(next(s for s in self.buckets if s >= n), inputs)
-        i64 = np.zeros((3, n_all), dtype=np.int64)
-        i64[0, :n] = inputs.input_ids
-        i64[1, :n] = inputs.positions
-        i64[2, :] = -1
-        i64[2, :n] = inputs.slot_mapping
-        i32 = np.zeros(self.i32.numel(), dtype=np.int32)
-        rows = i32[: 7 * n_all].reshape(7, n_all)
-        rows[0, :] = 1
-        rows[0, :n] = inputs.seq_lens
-        rows[1, :] = self.empty_slot
-        rows[1, :n] = np.where(inputs.token_slots >= 0, inputs.token_slots, self.empty_slot)
-        rows[5, :] = -1
+        host = self.layout.host()
+        host.input_ids[:n] = inputs.input_ids
+        host.positions[:n] = inputs.positions
+        _fill(host.slot_mapping, inputs.slot_mapping, -1)
+        _fill(host.seq_lens, inputs.seq_lens, 1)
+        _fill(host.token_slots, np.where(inputs.token_slots >= 0, inputs.token_slots,
+                                         self.empty_slot), self.empty_slot)
+        host.tile_segs[:] = -1
         if key[1]:
-            _fill_lora(inputs.token_slots, DECODE_BLOCK_M, *rows[2:7])
-        i32[7 * n_all :].reshape(n_all, self.max_blocks)[:n, :nb] = inputs.block_tables
-        self._upload(i64, i32, patch)
+            _fill_lora(inputs.token_slots, DECODE_BLOCK_M, host)
+        host.block_tables[:n, :nb] = inputs.block_tables
+        self._upload(host, patch)
         return key
 
 
@@ -309,24 +313,15 @@ class MixedGraphs(_StepGraphs):
         self.buckets = _token_buckets(max_num_batched_tokens)
         self.t_max, self.b_max = self.buckets[-1], max_num_seqs
         self.max_blocks = -(-max_model_len // runner.arena.block_size)
-        t, b, nb = self.t_max, self.b_max, self.max_blocks
-        tile_cap = -(-t // PREFILL_BLOCK_M) + b
-        dev = runner.device
-        self.i64 = torch.zeros(3 * t + b, dtype=torch.int64, device=dev)
-        self.input_ids, self.positions, self.slot_mapping = self.i64[: 3 * t].view(3, t)
-        self.logits_indices = self.i64[3 * t :]
-        # seq_lens [b], query_starts [b+1], token_slots [t], segment starts/lens/slots [b each]
-        # (a segment is a run of one sequence or more), tile segs/first rows, block tables.
-        sizes = (b, b + 1, t, b, b, b, tile_cap, tile_cap, b * nb)
-        self.i32 = torch.zeros(sum(sizes), dtype=torch.int32, device=dev)
-        self._offsets = np.cumsum((0, *sizes))
-        views = [self.i32[lo:hi] for lo, hi in zip(self._offsets[:-1], self._offsets[1:],
-                                                  strict=True)]
-        (self.seq_lens, self.query_starts, self.token_slots, self.seg_starts, self.seg_lens,
-         self.seg_slots, self.tile_segs, self.tile_m0) = views[:8]
-        self.block_tables = views[8].view(b, nb)
-        self.slot_mapping.fill_(-1)
-        self.tile_segs.fill_(-1)
+        t, b = self.t_max, self.b_max
+        # A segment is a run of one sequence or more: at most b. Tiles: one partial tile per
+        # segment plus t / 64 full ones.
+        self.layout = BufferLayout(tokens=t, seqs=b, segments=b,
+                                   tiles=-(-t // PREFILL_BLOCK_M) + b,
+                                   max_blocks=self.max_blocks, sampled=b, query_starts=b + 1)
+        self.buf = self.layout.device(runner.device)
+        self.buf.slot_mapping.fill_(-1)
+        self.buf.tile_segs.fill_(-1)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.input_ids.size <= self.t_max and inputs.num_seqs <= self.b_max
@@ -334,21 +329,21 @@ class MixedGraphs(_StepGraphs):
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
     def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
-        r, t = self.runner, bucket
+        r, t, buf = self.runner, bucket, self.buf
         # Tiles: at most one partial tile per segment plus t / 64 full ones.
         tiles = -(-t // PREFILL_BLOCK_M) + min(self.b_max, t)
-        lora = LoraMeta(seg_starts=self.seg_starts, seg_lens=self.seg_lens,
-                        seg_slots=self.seg_slots, token_slots=self.token_slots[:t],
+        lora = LoraMeta(seg_starts=buf.seg_starts, seg_lens=buf.seg_lens,
+                        seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
-                        tile_segs=self.tile_segs[:tiles], tile_m0=self.tile_m0[:tiles],
+                        tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
                         num_tiles=tiles, block_m=PREFILL_BLOCK_M,
                         padded_tiles=True) if modules else None
         return StepContext(
-            positions=self.positions[:t], slot_mapping=self.slot_mapping[:t],
-            block_tables=self.block_tables, seq_lens=self.seq_lens,
-            query_starts=self.query_starts, max_query_len=t,
+            positions=buf.positions[:t], slot_mapping=buf.slot_mapping[:t],
+            block_tables=buf.block_tables, seq_lens=buf.seq_lens,
+            query_starts=buf.query_starts, max_query_len=t,
             max_seq_len=self.max_blocks * r.arena.block_size,
-            logits_indices=self.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
+            logits_indices=buf.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
             lora_split_k=r.graph_lora_split_k,
         )
@@ -356,26 +351,18 @@ class MixedGraphs(_StepGraphs):
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n_tok, n_seq = int(inputs.input_ids.size), inputs.num_seqs
         key = self._key(next(s for s in self.buckets if s >= n_tok), inputs)
-        tm = self.t_max
-        i64 = np.zeros(self.i64.numel(), dtype=np.int64)
-        i64[:n_tok] = inputs.input_ids
-        i64[tm : tm + n_tok] = inputs.positions
-        i64[2 * tm : 3 * tm] = -1
-        i64[2 * tm : 2 * tm + n_tok] = inputs.slot_mapping
-        i64[3 * tm : 3 * tm + inputs.logits_indices.size] = inputs.logits_indices
-        i32 = np.zeros(self.i32.numel(), dtype=np.int32)
-        part = [i32[lo:hi] for lo, hi in zip(self._offsets[:-1], self._offsets[1:],
-                                            strict=True)]
-        part[0][:] = 1
-        part[0][:n_seq] = inputs.seq_lens
-        part[1][:] = n_tok
-        part[1][: n_seq + 1] = inputs.query_starts
-        part[2][:] = -1
-        part[2][:n_tok] = inputs.token_slots
-        part[6][:] = -1
+        host = self.layout.host()
+        host.input_ids[:n_tok] = inputs.input_ids
+        host.positions[:n_tok] = inputs.positions
+        _fill(host.slot_mapping, inputs.slot_mapping, -1)
+        host.logits_indices[: inputs.logits_indices.size] = inputs.logits_indices
+        _fill(host.seq_lens, inputs.seq_lens, 1)
+        _fill(host.query_starts, inputs.query_starts, n_tok)
+        _fill(host.token_slots, inputs.token_slots, -1)
+        host.tile_segs[:] = -1
         if key[1]:
-            _fill_lora(inputs.token_slots, PREFILL_BLOCK_M, *part[3:8])
+            _fill_lora(inputs.token_slots, PREFILL_BLOCK_M, host)
         nb = inputs.block_tables.shape[1]
-        part[8].reshape(self.b_max, self.max_blocks)[:n_seq, :nb] = inputs.block_tables
-        self._upload(i64, i32, patch)
+        host.block_tables[:n_seq, :nb] = inputs.block_tables
+        self._upload(host, patch)
         return key
