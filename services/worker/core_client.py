@@ -153,10 +153,13 @@ class CoreClient:
                                 deadline_s))
         return rid, stream
 
-    def abort(self, rid: int) -> None:
-        """Stop a request now (its pages are freed by the core's next loop turn)."""
-        if self.streams.pop(rid, None) is not None and self.dead is None:
-            self._send(m.Abort([rid]))
+    def abort(self, rid: int) -> bool:
+        """Stop a request now (its pages are freed by the core's next loop turn); False when
+        it had already ended."""
+        if self.streams.pop(rid, None) is None or self.dead is not None:
+            return False
+        self._send(m.Abort([rid]))
+        return True
 
     async def call(self, method: str, *args: Any) -> Any:
         """Run a command in the core (see engine_core.Commands); raises its ServiceError."""

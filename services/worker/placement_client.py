@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.cluster_token import cluster_metadata
+from services.common.identity import worker_metadata
 from services.common.watch import Outbox, watch_forever
 from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient
@@ -52,7 +52,7 @@ class PlacementClient:
 
     def _open(self, channel: grpc.aio.Channel, outbox: Outbox) -> grpc.aio.StreamStreamCall:
         return ppb_grpc.PlacementServiceStub(channel).WatchPlacement(
-            outbox.__aiter__(), metadata=cluster_metadata(self.cluster_token))
+            outbox.__aiter__(), metadata=worker_metadata(self.cluster_token))
 
     def _hello(self) -> ppb.WorkerMessage:
         i = self.identity

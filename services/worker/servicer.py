@@ -25,6 +25,7 @@ from services.worker.errors import to_service_error
 from services.worker.metrics import VersionKey, WorkerMetrics
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
+from slora_core.chat_template import ChatTemplateError
 from slora_core.detokenizer import TextStream
 from slora_core.sampling_params import SamplingParams
 from slora_core.tokenizer import Tokenizer
@@ -134,8 +135,16 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         prompt = prompt_of(request)
+        if request.messages:
+            if prompt is not None:
+                raise e.InvalidArgument("send either messages or text/token_ids, not both")
+            chat = [{"role": msg.role, "content": msg.content} for msg in request.messages]
+            try:
+                return await asyncio.to_thread(self.tokenizer.encode_chat, chat)
+            except ChatTemplateError as exc:
+                raise e.InvalidArgument(str(exc)) from None
         if prompt is None:
-            raise e.InvalidArgument("the request has neither text nor token_ids")
+            raise e.InvalidArgument("the request has neither text, token_ids nor messages")
         if not isinstance(prompt, str):
             return prompt
         if len(prompt) > INLINE_TOKENIZE_BYTES:
@@ -178,7 +187,8 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         finally:
             # Cancelled call, expired deadline, a failed write or a stop string: free the
             # pages now (a no-op for a request the core already finished).
-            self.core.abort(rid)
+            if self.core.abort(rid) and not stream.stopped:
+                self.metrics.aborts.inc()
 
     def _record_finish(self, key: VersionKey, start: float, first: float | None,
                        tokens: int, nonfinite: bool) -> None:

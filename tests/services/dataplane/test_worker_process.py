@@ -16,8 +16,9 @@ from slora.v1 import inference_pb2_grpc as pb_grpc
 from tests.services.dataplane.dp_support import generate, request, scrape
 
 pytestmark = pytest.mark.timeout(180)
-# Long enough to still be running when SIGTERM arrives (a few seconds on a CPU).
-LONG = 1500
+# Long enough to still be running when SIGTERM arrives (a few seconds on a CPU); within the
+# demo model's 512-token context.
+LONG = 450
 
 
 def test_queue_limit_drain_and_error_codes(demo_dir: Path, tmp_path: Path) -> None:
@@ -26,7 +27,7 @@ def test_queue_limit_drain_and_error_codes(demo_dir: Path, tmp_path: Path) -> No
         "worker", "--model", str(demo_dir / "model"), "--control-plane",
         f"127.0.0.1:{free_port()}", "--listen", address, "--worker-id", "solo",
         "--max-num-seqs", "1", "--max-queue", "1", "--metrics-port", str(metrics),
-        "--cache-dir", str(tmp_path / "cache")), tmp_path)
+        "--cache-dir", str(tmp_path / "cache"), "--drain-grace", "120"), tmp_path)
     try:
         wait_serving(address, worker, timeout_s=120)
         long_req = request(max_new_tokens=LONG, ignore_eos=True, temperature=0)
