@@ -1,0 +1,246 @@
+"""fp16/bf16 numerics on a Llama with "massive activations", against transformers + peft.
+
+A small random Llama (HF init, written by transformers) gets a few residual channels that reach
+`--massive` (1e3-1e4 in real Llama-2/3 checkpoints) for some tokens: layer 1's MLP routes three
+intermediate channels, scaled up, into three hidden channels, calibrated in float32. Adapters
+are written by peft: an rsLoRA r32 alpha 64 and an all-linear r16, both sized to move each
+layer's output by about its own size. Then, per dtype:
+
+- engine level, eager / all-graphs / asynchronous steps: 18 greedy requests (6 prompts x base
+  and the two adapters); non-finite rows met (each would have been a token before the guard)
+  and tokens emitted from non-finite rows (must be 0); greedy agreement with HF fp32 on the
+  engine's own trajectory (teacher forced) next to HF fp16/bf16's agreement on the same
+  positions; logits error against both;
+- op level (eager prefill, one request per adapter): every module's output (norms, q/k/v and
+  gate/up projections with their LoRA, attention, MLP, down projection, the residual stream,
+  logits) against HF fp32, next to HF in the same dtype, and the first op that goes non-finite.
+
+    python -m bench.gpu_numerics --out bench/results/gpu-numerics-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.numerics_common import (
+    ALL_LINEAR,
+    AdapterSpec,
+    Shape,
+    build_base,
+    commit_id,
+    hardware,
+    hf_logits,
+    hf_with_adapters,
+    make_engine,
+    nonfinite_rows,
+    rel_err,
+    run_engine,
+    write_adapters,
+)
+from bench.numerics_ops import compare_ops
+
+SHAPE = Shape("massive-1024", hidden=1024, inter=2816, layers=4, heads=16, kv_heads=4,
+              vocab=8192)
+ADAPTERS = [AdapterSpec("rslora-r32", 32, 64, ALL_LINEAR, rslora=True),
+            AdapterSpec("all-r16", 16, 32, ALL_LINEAR)]
+MASSIVE_CHANNELS = ((5, 3), (77, 17), (100, 42))  # (hidden channel, intermediate channel)
+# EngineConfig defaults otherwise (as `slora batch` runs: 512-token chunked prefill, 64 seqs).
+MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False}, "all_graphs": {},
+         "all_graphs_async": {"async_steps": True}, "all_graphs_one_seq": {"max_num_seqs": 1}}
+
+
+@torch.no_grad()
+def add_massive_activations(model: Any, prompts: list[list[int]], target: float) -> float:
+    """Route intermediate channel j of layer 1's MLP into hidden channel c (both scaled) so the
+    largest |residual| over `prompts` is `target`; returns the float32 value reached."""
+    mlp = model.model.layers[1].mlp
+    for c, j in MASSIVE_CHANNELS:
+        mlp.gate_proj.weight[j] *= 8.0
+        mlp.up_proj.weight[j] *= 8.0
+        mlp.down_proj.weight[:, j] = 0.0
+        mlp.down_proj.weight[c, j] = 1.0
+    peak = _peak_residual(model, prompts)
+    for c, j in MASSIVE_CHANNELS:
+        mlp.down_proj.weight[c, j] = target / peak
+    return _peak_residual(model, prompts)
+
+
+def _peak_residual(model: Any, prompts: list[list[int]]) -> float:
+    """The largest |residual stream| value after any decoder layer (hooks: HF's last hidden
+    state is taken after the final norm)."""
+    peaks: list[float] = []
+
+    def hook(module: Any, inputs: Any, output: Any) -> None:
+        h = output[0] if isinstance(output, tuple) else output
+        peaks.append(float(h.abs().max()))
+
+    handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
+    for p in prompts:
+        model(torch.tensor([p], device=model.device))
+    for h in handles:
+        h.remove()
+    return max(peaks)
+
+
+def make_prompts(vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [7, 33, 64, 130, 257, 500]
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def check_mode(model_dir: Path, adapters: dict[str, Path], dtype: str, device: str,
+               mode: dict[str, Any], requests: list[tuple[str, list[int], str | None]],
+               refs: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    engine = make_engine(model_dir, dtype, device, adapters, **mode)
+    run = run_engine(engine, requests, new_tokens)
+    met = sum(out.finish_reason == "error" for out in run.finish.values())
+    from_bad = sum(nonfinite_rows(run.logits[rid][: len(run.tokens[rid])]) for rid in run.tokens)
+    agree = agree_ref = total = 0
+    err_same, err_fp32, hf_nonfinite = 0.0, 0.0, 0
+    for rid, prompt, adapter in requests:
+        toks = run.tokens[rid]
+        if not toks:
+            continue
+        ids = prompt + toks
+        ref32 = hf_logits(refs["float32"], adapter, ids[:-1], len(toks))
+        ref = hf_logits(refs[dtype], adapter, ids[:-1], len(toks))
+        ours = torch.stack(run.logits[rid][: len(toks)])
+        best = ref32.argmax(-1)
+        agree += int((torch.tensor(toks, device=best.device) == best).sum())
+        agree_ref += int((ref.argmax(-1) == best).sum())
+        total += len(toks)
+        hf_nonfinite += nonfinite_rows(list(ref))
+        err_same = max(err_same, rel_err(ours, ref))
+        err_fp32 = max(err_fp32, rel_err(ours, ref32))
+    del engine
+    return {
+        "requests": len(requests), "nonfinite_rows_met": met,
+        "tokens_from_nonfinite_rows": from_bad,
+        "errored_requests": sorted(r for r, o in run.finish.items() if o.finish_reason == "error"),
+        "greedy_agreement_with_hf_fp32": agree / max(total, 1),
+        "hf_same_dtype_agreement_with_hf_fp32": agree_ref / max(total, 1),
+        "positions": total, "hf_same_dtype_nonfinite_rows": hf_nonfinite,
+        "max_logits_rel_err_vs_hf_same_dtype": err_same,
+        "max_logits_rel_err_vs_hf_fp32": err_fp32, "stats": run.stats,
+    }
+
+
+def check_guard(model_dir: Path, adapters: dict[str, Path], dtype: str, device: str,
+                mode: dict[str, Any], requests: list[tuple[str, list[int], str | None]],
+                new_tokens: int) -> dict[str, Any]:
+    """The guard on the GPU: a request on an adapter whose scale overflows float32 (every row
+    non-finite from its prefill on), and one whose logits row is set to NaN at its third
+    token, next to the other requests; those must equal a run without the two."""
+    clean = run_engine(make_engine(model_dir, dtype, device, adapters, **mode), requests,
+                       new_tokens, keep_logits=False)
+    engine = make_engine(model_dir, dtype, device, adapters, **mode)
+    good = engine.adapters.get(next(iter(adapters))).adapter
+    weights = {k: dataclasses.replace(w, scale=1e38) for k, w in good.weights.items()}
+    engine.add_adapter("poison", dataclasses.replace(good, weights=weights))
+    forced, calls = requests[3][0], {"n": 0}
+    run = engine.runner.run
+
+    def nan_row(scheduled: Any, patch: Any = None) -> torch.Tensor:
+        logits = run(scheduled, patch)
+        rows = [s.seq.request_id for s in scheduled if s.samples]
+        if forced in rows and len(engine._requests[forced].seq.output_token_ids) == 2:
+            logits = logits.clone()
+            logits[rows.index(forced)] = float("nan")
+        calls["n"] += 1
+        return logits
+
+    engine.runner.run = nan_row  # type: ignore[method-assign]
+    guarded = run_engine(engine, [*requests, ("poison", requests[-1][1], "poison")],
+                         new_tokens)
+    others = [r for r, _, _ in requests if r != forced]
+    return {
+        "poisoned_request": _ending(guarded, "poison"),
+        "forced_nan_request": _ending(guarded, forced),
+        "tokens_from_nonfinite_rows": sum(nonfinite_rows(guarded.logits[r][: len(
+            guarded.tokens[r])]) for r in guarded.tokens),
+        "others_equal_clean_run": all(guarded.tokens[r] == clean.tokens[r] for r in others),
+        "others": len(others),
+    }
+
+
+def _ending(run: Any, rid: str) -> dict[str, Any]:
+    out = run.finish[rid]
+    return {"finish_reason": out.finish_reason, "error": out.error,
+            "tokens": len(run.tokens[rid])}
+
+
+def check_strength(target: float, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    device = args.device
+    shape = SHAPE if not args.tiny else Shape("tiny", 128, 352, 2, 4, 2, 512)
+    prompts = make_prompts(shape.vocab, seed=1)
+    if args.tiny:
+        prompts = [p[:40] for p in prompts]
+    base = build_base(shape, seed=0, device=device)
+    reached = add_massive_activations(base, prompts, target)
+    model_dir = root / f"model-{target:g}"
+    base.save_pretrained(model_dir)
+    specs = ADAPTERS if not args.tiny else [AdapterSpec(a.name, min(a.r, 8), a.alpha, a.targets,
+                                                        a.rslora) for a in ADAPTERS]
+    adapters = write_adapters(base, specs, root / f"adapters-{target:g}", seed=2)
+    del base
+    requests = [(f"{i}-{a}", p, a) for a in [None, *adapters] for i, p in enumerate(prompts)]
+    out: dict[str, Any] = {"target_peak": target, "float32_peak_residual": reached, "dtypes": {}}
+    for dtype in args.dtypes:
+        refs = {d: hf_with_adapters(model_dir, adapters, getattr(torch, d), device)
+                for d in ("float32", dtype)}
+        modes = MODES if device == "cuda" else {"eager": {}}
+        res: dict[str, Any] = {name: check_mode(model_dir, adapters, dtype, device, mode,
+                                                requests, refs, args.new_tokens)
+                               for name, mode in modes.items()}
+        res["ops"] = compare_ops(model_dir, adapters, dtype, device, refs, prompts[-1])
+        if target == args.massive[0]:
+            mode = MODES["all_graphs"] if device == "cuda" else {}
+            res["guard"] = check_guard(model_dir, adapters, dtype, device, mode, requests,
+                                       args.new_tokens)
+        out["dtypes"][dtype] = res
+        del refs
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    ap.add_argument("--massive", nargs="+", type=float, default=[1e4, 4e4])
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp())
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "commit": commit_id(),
+                              "hardware": hardware(), "torch": torch.__version__,
+                              "shape": vars(SHAPE), "adapters": [vars(a) for a in ADAPTERS],
+                              "strengths": [check_strength(t, args, root) for t in args.massive]}
+    bad = sum(m["tokens_from_nonfinite_rows"] for s in report["strengths"]
+              for d in s["dtypes"].values() for k, m in d.items() if k not in ("ops", "guard"))
+    guards = [d["guard"] for s in report["strengths"] for d in s["dtypes"].values()
+              if "guard" in d]
+    bad += sum(g["tokens_from_nonfinite_rows"] for g in guards)
+    guard_ok = all(g["others_equal_clean_run"] and g["poisoned_request"]["tokens"] == 0
+                   and g["poisoned_request"]["finish_reason"] == "error"
+                   and g["forced_nan_request"]["tokens"] == 2
+                   and g["forced_nan_request"]["finish_reason"] == "error" for g in guards)
+    report["guard_ok"] = guard_ok
+    report["tokens_from_nonfinite_rows_total"] = bad
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if bad == 0 and guard_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Engine correctness at real widths under churn, against transformers + peft on the same GPU.
+
+Random-weight (HF init) Llama-2-7B and Llama-3-8B shapes (GQA, 128k vocabulary, rope theta
+500k) at full width with fewer layers (`--layers`, recorded), 8 peft adapters of mixed ranks
+(4..64) and target sets including two rsLoRA ones, base-model requests beside them, prompts of
+17..1,024 tokens and 64 new greedy tokens. The arena holds two of the largest adapters and
+three of the longest requests, so adapters are evicted and reloaded from the host tier and
+sequences are preempted inside the run (counts asserted > 0). Modes: eager, every step a CUDA
+graph, and the same with asynchronous steps.
+
+Per request, the engine's logits at every generated position are compared with HF + peft fed
+the engine's own tokens (teacher forced): relative error against HF in the same dtype, and
+greedy agreement with HF float32 next to HF's own same-dtype agreement with float32 (the
+yardstick). Tolerance: our error against HF float32 may exceed HF same-dtype's own error
+against float32 by at most 50% plus 1e-3 (both are roundings of the same function; a kernel
+bug shows up as a far larger error), and our agreement with float32 must be at least HF's.
+
+    python -m bench.gpu_suite --out bench/results/gpu-suite-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.numerics_common import (
+    ALL_LINEAR,
+    AdapterSpec,
+    Shape,
+    build_base,
+    commit_id,
+    hardware,
+    hf_logits,
+    hf_with_adapters,
+    make_engine,
+    nonfinite_rows,
+    rel_err,
+    run_engine,
+    write_adapters,
+)
+from slora_core.adapter_cache import AdapterStore
+from slora_core.config import EngineConfig, ModelConfig
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+ADAPTERS = [AdapterSpec("qv-r8", 8, 16, ("q_proj", "v_proj")),
+            AdapterSpec("attn-r16", 16, 32, ATTN),
+            AdapterSpec("all-r16", 16, 32, ALL_LINEAR),
+            AdapterSpec("rslora-all-r32", 32, 64, ALL_LINEAR, rslora=True),
+            AdapterSpec("mlp-r64", 64, 128, MLP),
+            AdapterSpec("all-r64", 64, 16, ALL_LINEAR),
+            AdapterSpec("ko-r4", 4, 8, ("k_proj", "o_proj")),
+            AdapterSpec("rslora-qvdown-r8", 8, 16, ("q_proj", "v_proj", "down_proj"), rslora=True)]
+PROMPT_LENGTHS = [1024, 17, 700, 333, 129, 64, 900, 512, 250, 1000, 40, 600, 128, 777, 300, 999]
+MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False}, "all_graphs": {},
+         "all_graphs_async": {"async_steps": True}}
+
+
+def shapes(layers: int, tiny: bool) -> list[Shape]:
+    if tiny:
+        return [Shape("tiny-mha", 128, 352, 2, 4, 4, 512), Shape("tiny-gqa", 128, 352, 2, 4, 2,
+                                                                 640, 500000.0)]
+    return [Shape(f"llama2-7b-{layers}layers", 4096, 11008, layers, 32, 32, 32000),
+            Shape(f"llama3-8b-{layers}layers", 4096, 14336, layers, 32, 8, 128256, 500000.0)]
+
+
+def arena_pages(model_dir: Path, adapters: dict[str, Path], dtype: str, max_rank: int,
+                longest: int) -> tuple[int, dict[str, int]]:
+    """An arena of two of the largest adapters plus three of the longest requests."""
+    mc = ModelConfig.from_hf_dir(model_dir)
+    cfg = EngineConfig(dtype=dtype, max_rank=max_rank)
+    block = cfg.resolve_block_size(mc)
+    page_numel = block * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim
+    store = AdapterStore(mc, max_rank=max_rank, dtype=cfg.torch_dtype, page_numel=page_numel,
+                         capacity_bytes=1 << 34)
+    pages = {}
+    for name, path in adapters.items():
+        store.register(name, path)
+        pages[name] = store.get(name).layout.num_pages
+    per_request = -(-longest // block)
+    return 2 * max(pages.values()) + 3 * per_request, pages
+
+
+def compare(run: Any, requests: list[tuple[str, list[int], str | None]],
+            refs: dict[str, Any], dtype: str, new_tokens: int) -> dict[str, Any]:
+    per_request = []
+    for rid, prompt, adapter in requests:
+        toks = run.tokens[rid]
+        ids = prompt + toks
+        ours = torch.stack(run.logits[rid][: len(toks)])
+        ref32 = hf_logits(refs["float32"], adapter, ids[:-1], len(toks))
+        ref = hf_logits(refs[dtype], adapter, ids[:-1], len(toks))
+        best = ref32.argmax(-1)
+        per_request.append({
+            "id": rid, "adapter": adapter, "prompt_tokens": len(prompt), "tokens": len(toks),
+            "finish_reason": run.finish[rid].finish_reason,
+            "rel_err_vs_hf_same_dtype": rel_err(ours, ref),
+            "rel_err_vs_hf_fp32": rel_err(ours, ref32),
+            "hf_same_dtype_rel_err_vs_fp32": rel_err(ref, ref32),
+            "agree_fp32": int((torch.tensor(toks, device=best.device) == best).sum()),
+            "hf_agree_fp32": int((ref.argmax(-1) == best).sum()),
+            "nonfinite_rows": nonfinite_rows(run.logits[rid]),
+        })
+    return summarize(per_request, run, new_tokens)
+
+
+def summarize(rows: list[dict[str, Any]], run: Any, new_tokens: int) -> dict[str, Any]:
+    positions = sum(r["tokens"] for r in rows)
+    within = all(r["rel_err_vs_hf_fp32"] <= 1.5 * r["hf_same_dtype_rel_err_vs_fp32"] + 1e-3
+                 for r in rows)
+    agree = sum(r["agree_fp32"] for r in rows) / max(positions, 1)
+    hf_agree = sum(r["hf_agree_fp32"] for r in rows) / max(positions, 1)
+    s = run.stats
+    churn = (s["adapter_evictions"] > 0 and s["preemptions"] > 0
+             and s["adapter_loads"] > len(ADAPTERS))
+    complete = all(r["finish_reason"] == "length" and r["tokens"] == new_tokens for r in rows)
+    return {
+        "ok": within and agree >= hf_agree and churn and complete,
+        "all_finished_with_all_tokens": complete, "logits_within_tolerance": within,
+        "max_rel_err_vs_hf_same_dtype": max(r["rel_err_vs_hf_same_dtype"] for r in rows),
+        "max_rel_err_vs_hf_fp32": max(r["rel_err_vs_hf_fp32"] for r in rows),
+        "max_hf_same_dtype_rel_err_vs_fp32": max(r["hf_same_dtype_rel_err_vs_fp32"]
+                                                 for r in rows),
+        "greedy_agreement_with_hf_fp32": agree, "hf_same_dtype_agreement_with_hf_fp32": hf_agree,
+        "positions": positions, "churn_counts_positive": churn, "stats": s,
+        "seconds": run.seconds, "requests": rows,
+    }
+
+
+def check_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    base = build_base(shape, seed=0, device=args.device)
+    model_dir = root / shape.name
+    base.to(getattr(torch, args.dtype)).save_pretrained(model_dir)
+    base.float()
+    specs = ADAPTERS if not args.tiny else [AdapterSpec(a.name, min(a.r, 8), a.alpha, a.targets,
+                                                        a.rslora) for a in ADAPTERS]
+    adapters = write_adapters(base, specs, root / f"{shape.name}-adapters", seed=1)
+    del base
+    gen = torch.Generator().manual_seed(3)
+    lengths = PROMPT_LENGTHS if not args.tiny else [n // 16 + 1 for n in PROMPT_LENGTHS]
+    names: list[str | None] = [None, *adapters]
+    requests = [(f"r{i}", torch.randint(3, shape.vocab, (n,), generator=gen).tolist(),
+                 names[i % len(names)]) for i, n in enumerate(lengths)]
+    max_rank = max(a.r for a in specs)
+    num_pages, pages = arena_pages(model_dir, adapters, args.dtype, max_rank,
+                                   max(lengths) + args.new_tokens)
+    refs = {d: hf_with_adapters(model_dir, adapters, getattr(torch, d), args.device)
+            for d in ("float32", args.dtype)}
+    out: dict[str, Any] = {"shape": vars(shape), "num_pages": num_pages,
+                           "adapter_pages": pages, "setup_seconds": time.perf_counter() - t0,
+                           "modes": {}}
+    modes = MODES if args.device == "cuda" else {"eager": {}}
+    for mode, kw in modes.items():
+        engine = make_engine(model_dir, args.dtype, args.device, adapters, num_pages=num_pages,
+                             max_rank=max_rank, max_num_seqs=16, max_num_batched_tokens=1024,
+                             max_model_len=2048, **kw)
+        run = run_engine(engine, requests, args.new_tokens)
+        del engine
+        out["modes"][mode] = compare(run, requests, refs, args.dtype, args.new_tokens)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp())
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "commit": commit_id(),
+                              "hardware": hardware(), "torch": torch.__version__,
+                              "dtype": args.dtype, "layers": args.layers,
+                              "note": "full width, fewer layers than the real models",
+                              "adapters": [vars(a) for a in ADAPTERS], "shapes": []}
+    for shape in shapes(args.layers, args.tiny):
+        report["shapes"].append(check_shape(shape, args, root))
+        if args.out:  # keep what is done if a later shape runs out of time
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    report["ok"] = all(m["ok"] for s in report["shapes"] for m in s["modes"].values())
+    text = json.dumps(report, indent=1)
+    print(json.dumps({k: v for k, v in report.items() if k != "shapes"}
+                     | {"modes": {s["shape"]["name"]: {m: {k: v for k, v in r.items()
+                                                            if k != "requests"}
+                                                        for m, r in s["modes"].items()}
+                                  for s in report["shapes"]}}, indent=1))
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Shared pieces of the GPU numerics checks: random-weight Llama checkpoints written by
+`transformers`, LoRA adapters written by `peft`, Hugging Face reference runs, engine runs that
+record every sampled row's logits, and the comparisons between them.
+
+References are nobody's code here: `transformers` + `peft` on the same device, in the model
+dtype and in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from slora_core.config import EngineConfig, ModelConfig
+from slora_core.engine import LLMEngine
+from slora_core.outputs import RequestOutput
+from slora_core.sampling_params import SamplingParams
+from slora_core.weights import load_model
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    r: int
+    alpha: int
+    targets: tuple[str, ...]
+    rslora: bool = False
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
+
+
+def commit_id() -> str:
+    """The commit under test: $SLORA_COMMIT (set where the tree travels without .git), else git."""
+    found = os.environ.get("SLORA_COMMIT")
+    if found:
+        return found
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def hardware() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def build_base(shape: Shape, seed: int, device: str) -> LlamaForCausalLM:
+    """A float32 HF Llama with HF's own random init (normal, std 0.02), built on `device`."""
+    cfg = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.inter,
+                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                      num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
+                      max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+                      tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.eval()
+
+
+@torch.no_grad()
+def write_adapters(base: LlamaForCausalLM, specs: list[AdapterSpec], root: Path, seed: int,
+                   gain: float = 1.0) -> dict[str, Path]:
+    """Save each adapter with `peft` (PEFT directory format). A and B are random (peft starts B
+    at zero, which would make every adapter a no-op); B is sized so that the LoRA delta is about
+    `gain` times the base layer's output whatever the rank, alpha or rsLoRA setting."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dirs = {}
+    for spec in specs:
+        cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+                         use_rslora=spec.rslora, lora_dropout=0.0)
+        peft_model = get_peft_model(base, cfg)  # type: ignore[arg-type]
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            elif "lora_B" in name:
+                std = 0.02 * math.sqrt(p.shape[0]) * gain / (spec.scale * math.sqrt(spec.r))
+                p.copy_(torch.randn(p.shape, generator=gen) * std / math.sqrt(p.shape[0]))
+        dirs[spec.name] = root / spec.name
+        peft_model.save_pretrained(str(dirs[spec.name]))
+        base = peft_model.unload()  # type: ignore[assignment]
+    return dirs
+
+
+def hf_with_adapters(model_dir: Path, adapters: dict[str, Path], dtype: torch.dtype,
+                     device: str) -> Any:
+    """The base model in `dtype` with every adapter loaded by peft (switch with set_adapter)."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    base = base.to(device)  # type: ignore[arg-type]
+    if not adapters:
+        return base.eval()
+    items = list(adapters.items())
+    model = PeftModel.from_pretrained(base, str(items[0][1]), adapter_name=items[0][0])
+    for name, path in items[1:]:
+        model.load_adapter(str(path), adapter_name=name)
+    return model.eval()
+
+
+@contextmanager
+def hf_adapter(model: Any, adapter: str | None) -> Iterator[Any]:
+    """`model` with `adapter` active (None: the base model, adapters disabled)."""
+    if adapter is None:
+        if isinstance(model, PeftModel):
+            with model.disable_adapter():
+                yield model
+        else:
+            yield model
+        return
+    model.set_adapter(adapter)
+    yield model
+
+
+@torch.no_grad()
+def hf_logits(model: Any, adapter: str | None, ids: list[int], n_last: int) -> torch.Tensor:
+    """float32 logits predicting positions len(ids)-n_last+1 .. len(ids) (teacher forced)."""
+    with hf_adapter(model, adapter) as m:
+        x = torch.tensor([ids], device=m.device)
+        out = m(x, logits_to_keep=n_last).logits[0].float()
+    return out[-n_last:]
+
+
+@dataclass
+class EngineRun:
+    tokens: dict[str, list[int]]
+    logits: dict[str, list[torch.Tensor]]  # one float32 row per sampled token, on the device
+    finish: dict[str, RequestOutput]
+    stats: dict[str, int]
+    seconds: float
+
+
+def make_engine(model_dir: Path, dtype: str, device: str, adapters: dict[str, Path],
+                **config: Any) -> LLMEngine:
+    cfg = EngineConfig(dtype=dtype, device=device, **config)
+    model = load_model(model_dir, cfg.torch_dtype, device)
+    engine = LLMEngine(model, ModelConfig.from_hf_dir(model_dir), None, cfg)
+    for name, path in adapters.items():
+        engine.register_adapter(name, path)
+    return engine
+
+
+def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], str | None]],
+               new_tokens: int, keep_logits: bool = True) -> EngineRun:
+    """Greedy, EOS ignored; records each request's sampled rows of logits (cloned: graph
+    replays return a static buffer)."""
+    logits: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in requests}
+    run = engine.runner.run
+
+    def spy(scheduled: Any, patch: Any = None) -> torch.Tensor:
+        out = run(scheduled, patch)
+        if keep_logits:
+            rows = [s.seq.request_id for s in scheduled if s.samples]
+            for rid, row in zip(rows, out.clone(), strict=True):
+                logits[rid].append(row)
+        return out
+
+    engine.runner.run = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    for rid, prompt, adapter in requests:
+        engine.add_request(rid, prompt, params, adapter=adapter)
+    tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in requests}
+    finish: dict[str, RequestOutput] = {}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+            if out.finished:
+                finish[out.request_id] = out
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    engine.runner.run = run  # type: ignore[method-assign]
+    # Asynchronous steps compute one row past a request's end; it was never sampled.
+    for rid in logits:
+        del logits[rid][len(tokens[rid]) + (finish[rid].finish_reason == "error"):]
+    s = engine.stats
+    stats = {"steps": s.steps, "preemptions": s.preemptions, "adapter_loads": s.adapter_loads,
+             "adapter_evictions": s.adapter_evictions}
+    return EngineRun(tokens, logits, finish, stats, seconds)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| over the last dim, max over rows (inf when a row of a is not finite)."""
+    if not bool(torch.isfinite(a).all()):
+        return math.inf
+    num = (a.double() - b.double()).norm(dim=-1)
+    return float((num / b.double().norm(dim=-1)).max())
+
+
+def nonfinite_rows(rows: list[torch.Tensor]) -> int:
+    return sum(int(not bool(torch.isfinite(r).all())) for r in rows)
