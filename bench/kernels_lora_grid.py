@@ -1,0 +1,161 @@
+"""Decode LoRA over the issue's grid, the way the engine's CUDA graphs run it, by graph replay.
+
+r in {8, 16, 64} x B in {1, 16, 64, 256} rows x U in {1, B/4, B} adapters, rows grouped by
+adapter (as the scheduler orders them) and in random order; one 4096x4096 module, fp16. Each
+case times, over inputs rotated past the L2:
+
+- `graph_device_split`: the tile list padded to the bucket's capacity (B), K split chosen on
+  the device from the real tiles (what decode graphs now capture);
+- `graph_capture_split`: the same list with the split fixed at capture from the capacity (the
+  previous behaviour);
+- `exact`: the real tile list, split chosen on the host (an eager step);
+- `budget256`: device split capped at 256 // rank tile (fewer partial sums for the expand);
+- `maxrank64` / `maxrank64_no_buckets` (r < 64): launches bounded at the engine's max rank 64,
+  with and without rank-bucketed tiles;
+- `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
+
+    python -m bench.kernels_lora_grid --out bench/results/lora-grid-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+from collections.abc import Callable
+
+import torch
+
+from bench import kernels_lora as kl
+from bench import kernels_timing as timing
+from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
+from bench.run_record import run_record
+from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split_k
+from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
+
+RANKS = (8, 16, 64)
+BATCHES = (1, 16, 64, 256)
+# vLLM's Triton LoRA kernels on the same H200 and inputs, as issue 15 quotes them (us); vLLM
+# is not on the device image, so they are not re-measured here.
+VLLM_US = {(16, 64, 1): 7.6, (16, 256, 1): 11.0, (16, 256, 64): 35.5, (16, 256, 256): 126.4,
+           (64, 16, 1): 8.2, (64, 64, 1): 9.4, (64, 256, 1): 12.6, (64, 256, 64): 59.4,
+           (64, 256, 256): 209.7, (8, 256, 1): 12.8}
+BUDGET = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
+NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
+
+
+def padded_meta(slots: list[int], capacity: int, device_split: bool) -> LoraMeta:
+    """The step's tile list padded with unused entries to the graph's capacity."""
+    meta = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
+    pad = torch.full((capacity - meta.num_tiles,), -1, dtype=torch.int32, device=DEVICE)
+    return dataclasses.replace(
+        meta, tile_segs=torch.cat([meta.tile_segs, pad]),
+        tile_m0=torch.cat([meta.tile_m0, torch.zeros_like(pad)]), num_tiles=capacity,
+        padded_tiles=device_split)
+
+
+def call(lay: kl.LoraLayer, meta: LoraMeta, max_rank: int, tiles: LoraTiles = DECODE_TILES,
+         split_k: int | None = None) -> Callable[[], None]:
+    return lambda: add_lora_triton(lay.y, lay.x, lay.arena, lay.a_offsets, lay.b_offsets,
+                                   lay.ranks, lay.scales, (0,), ((0, kl.N),), meta,
+                                   max_rank=max_rank, split_k=split_k, tiles=tiles)
+
+
+def rel_err_f64(lay: kl.LoraLayer, slots: list[int], fn: Callable[[], None]) -> float:
+    """One call's delta against float64 torch on the same layer."""
+    y0 = lay.y.clone()
+    fn()
+    got = lay.y.double() - y0.double()
+    lay.y.copy_(y0)
+    ref = torch.zeros_like(got)
+    idx = torch.tensor(slots, device=lay.y.device)
+    for u in sorted(set(slots)):
+        rows = idx == u
+        h = lay.x[rows].double() @ lay.a_stack[u].double().T
+        ref[rows] = h @ lay.b_stack[u].double().T * float(lay.scales[u, 0])
+    return float((got - ref).norm() / ref.norm())
+
+
+def variants(slots: list[int], rank: int) -> dict[str, tuple[LoraMeta, int, LoraTiles,
+                                                               int | None]]:
+    """name -> (meta, max_rank, tiles, fixed split) for one case."""
+    b = len(slots)
+    dev, grph = padded_meta(slots, b, True), padded_meta(slots, b, False)
+    capture = pick_split_k(b, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
+    exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
+    out = {"graph_device_split": (dev, rank, DECODE_TILES, None),
+           "graph_capture_split": (grph, rank, DECODE_TILES, capture),
+           "exact": (exact, rank, DECODE_TILES, None),
+           "budget256": (dev, rank, BUDGET, None)}
+    if rank < 64:
+        out["maxrank64"] = (dev, 64, DECODE_TILES, None)
+        out["maxrank64_no_buckets"] = (dev, 64, NO_BUCKETS, None)
+    return out
+
+
+def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float) -> dict[str, object]:
+    slots = kl.decode_slots(b, u)
+    if order == "random":
+        random.Random(b * 1000 + u).shuffle(slots)
+    layers = kl.build_layers(slots, u, rank)
+    row: dict[str, object] = {"rank": rank, "batch": b, "adapters": u, "order": order,
+                              "floor_us": kl.floor_bytes(b, u, rank) / (copy_gbs * 1e3)}
+    for name, (meta, max_rank, tiles, split) in variants(slots, rank).items():
+        row[f"{name}_us"] = graph_time_us([call(lay, meta, max_rank, tiles, split)
+                                           for lay in layers], replays=10)
+        row[f"{name}_rel_err"] = rel_err_f64(layers[0], slots,
+                                             call(layers[0], meta, max_rank, tiles, split))
+    sl = torch.tensor(slots, device=DEVICE)
+    row["gather_bmm_us"] = graph_time_us([kl.gather_bmm(lay, sl) for lay in layers[:4]],
+                                         replays=10)
+    if (rank, b, u) in VLLM_US and order == "grouped":
+        row["vllm_us_issue"] = VLLM_US[(rank, b, u)]
+    del layers
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def cases() -> list[tuple[int, int, int, str]]:
+    out = []
+    for rank in RANKS:
+        for b in BATCHES:
+            for u in sorted({1, max(1, b // 4), b}):
+                for order in ("grouped", "random") if u > 1 else ("grouped",):
+                    out.append((rank, b, u, order))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    global RANKS, BATCHES
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--toy", action="store_true", help="CPU smoke sizes (hidden 512)")
+    args = ap.parse_args(argv)
+    if args.toy:
+        kl.K = kl.N = 512
+        timing.MAX_ROTATION = 1
+        RANKS, BATCHES = (8, 64), (1, 16)
+    copy = copy_bandwidth_gbs(1 << 30 if DEVICE == "cuda" else 1 << 20)
+    copy_gbs = max(copy.values())
+    rows = []
+    for case in cases():
+        row = run_case(*case, copy_gbs)
+        rows.append(row)
+        print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in row.items() if not k.endswith("rel_err")), flush=True)
+    result = {**run_record(["bench.kernels_lora_grid", *(argv or sys.argv[1:])]),
+              "dtype": "float16", "hidden": kl.K, "copy_gbs": copy, "method":
+              "median of 10 CUDA-graph replays, >= 24 calls a graph over inputs rotated past "
+              "the L2", "vllm_source": "issue 15's quoted H200 times (not re-measured)",
+              "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""What every result JSON records about its run: the commit and the hardware."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+
+def commit_id() -> str:
+    """The commit measured: $SLORA_COMMIT (the device copy of the tree has no .git), else git."""
+    found = os.environ.get("SLORA_COMMIT")
+    if found:
+        return found
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_record(argv: list[str]) -> dict[str, object]:
+    """command, commit and hardware of this process, for the top of a result JSON."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"command": " ".join(["python", "-m", *argv]), "commit": commit_id(),
+            "hardware": gpu, "torch": torch.__version__, "python": sys.version.split()[0]}
