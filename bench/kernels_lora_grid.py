@@ -35,8 +35,8 @@ from bench.run_record import run_record
 from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split_k
 from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 
-RANKS = (8, 16, 64)
-BATCHES = (1, 16, 64, 256)
+RANKS: tuple[int, ...] = (8, 16, 64)
+BATCHES: tuple[int, ...] = (1, 16, 64, 256)
 # vLLM's Triton LoRA kernels on the same H200 and inputs, as issue 15 quotes them (us); vLLM
 # is not on the device image, so they are not re-measured here.
 VLLM_US = {(16, 64, 1): 7.6, (16, 256, 1): 11.0, (16, 256, 64): 35.5, (16, 256, 256): 126.4,
