@@ -124,7 +124,7 @@ class LLMEngine:
             pin_memory=device.type == "cuda",
         )
         wrap_lora(model, model_config)
-        self.runner = ModelRunner(model, self.arena, self.pool,
+        self.runner = ModelRunner(model, self.arena,
                                   max_num_seqs=config.max_num_seqs,
                                   # Graph block tables need no more columns than the arena
                                   # has pages, whatever the model's context length.
@@ -421,9 +421,8 @@ class LLMEngine:
         if not self.copier.has_pending:
             return
         for item in sched.scheduled:
-            rec = self.pool.resident(item.seq.adapter) if item.seq.adapter else None
-            if rec is not None:
-                self.copier.wait(rec.slot)
+            if item.adapter_slot >= 0:
+                self.copier.wait(item.adapter_slot)
 
     def _expire(self, seq: Sequence) -> RequestOutput:
         req = self._requests.pop(seq.request_id)

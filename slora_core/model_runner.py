@@ -15,19 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.lora_meta import (
-    DECODE_BLOCK_M,
-    PREFILL_BLOCK_M,
-    LoraMeta,
-    lora_segments,
-    lora_tiles,
-    tile_rows,
-)
+from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta, tile_rows
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
 from slora_core.graph_buffers import BufferLayout, GraphBuffers
 from slora_core.model import LlamaForCausalLM
-from slora_core.page_pool import PagePool
 from slora_core.scheduler import ScheduledSeq
 from slora_core.step_inputs import StepInputs, build_step_inputs, to_device
 
@@ -52,13 +44,12 @@ def apply_patch(input_ids: torch.Tensor, patch: TokenPatch | None) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, arena: PageArena, pool: PagePool, *,
+    def __init__(self, model: LlamaForCausalLM, arena: PageArena, *,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
                  mixed_graphs: bool = True, graph_lora_split_k: int | None = None) -> None:
         self.model = model
         self.arena = arena
-        self.pool = pool
         self.graph_lora_split_k = graph_lora_split_k
         self.device = arena.pages.device
         self.graphs: DecodeGraphs | None = None
@@ -71,12 +62,13 @@ class ModelRunner:
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         """The step's input ids and context on the device (one copy for every array)."""
-        has_lora = bool((inputs.token_slots >= 0).any())
+        has_lora = inputs.has_lora
         lora_arrays: list[np.ndarray] = []
         if has_lora:
-            starts, lens, slots = lora_segments(inputs.token_slots)
-            block_m = tile_rows(int(lens.max()))
-            lora_arrays = [inputs.token_slots, starts, lens, slots, *lora_tiles(lens, block_m)]
+            max_seg_len = int(inputs.seg_lens.max())
+            block_m = tile_rows(max_seg_len)
+            lora_arrays = [inputs.token_slots, inputs.seg_starts, inputs.seg_lens,
+                           inputs.seg_slots, *inputs.lora_tiles(block_m)]
         input_ids, positions, slot_mapping, logits_indices, *meta = to_device(
             [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
              inputs.seq_lens, inputs.query_starts, inputs.block_tables, *lora_arrays],
@@ -86,8 +78,9 @@ class ModelRunner:
         if has_lora:
             token_slots, seg_starts, seg_lens, seg_slots, tile_segs, tile_m0 = lora_meta
             lora = LoraMeta(seg_starts=seg_starts, seg_lens=seg_lens, seg_slots=seg_slots,
-                            token_slots=token_slots, max_seg_len=int(lens.max()),
-                            num_segments=int(starts.size), tile_segs=tile_segs, tile_m0=tile_m0,
+                            token_slots=token_slots, max_seg_len=max_seg_len,
+                            num_segments=int(inputs.seg_starts.size), tile_segs=tile_segs,
+                            tile_m0=tile_m0,
                             num_tiles=int(tile_segs.shape[0]), block_m=block_m)
         ctx = StepContext(
             positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
@@ -104,7 +97,7 @@ class ModelRunner:
             ) -> torch.Tensor:
         """Forward the step; float32 logits [num_sampling_seqs, vocab] in scheduled order.
         `patch` supplies input ids still on the device (see TokenPatch)."""
-        inputs = build_step_inputs(scheduled, self.pool, self.arena.block_size)
+        inputs = build_step_inputs(scheduled, self.arena.block_size)
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs, patch)
         if self.mixed is not None and self.mixed.can_run(inputs):
@@ -187,8 +180,7 @@ class _StepGraphs:
         return self._forward(key[0], self._context(*key))[: inputs.logits_indices.size]
 
     def _key(self, bucket: int, inputs: StepInputs) -> GraphKey:
-        has_lora = bool((inputs.token_slots >= 0).any())
-        return (bucket, self.runner.arena.active_lora_modules if has_lora else frozenset())
+        return (bucket, self.runner.arena.active_lora_modules if inputs.has_lora else frozenset())
 
     def _upload(self, host: GraphBuffers[np.ndarray], patch: TokenPatch | None) -> None:
         for static, flat in ((self.buf.i64, host.i64), (self.buf.i32, host.i32)):
@@ -205,12 +197,12 @@ def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:
     dst[values.size :] = pad
 
 
-def _fill_lora(token_slots: np.ndarray, block_m: int, host: GraphBuffers[np.ndarray]) -> None:
+def _fill_lora(inputs: StepInputs, block_m: int, host: GraphBuffers[np.ndarray]) -> None:
     """Write the step's LoRA segments and tile list into the front of the padded host arrays."""
-    starts, lens, slots = lora_segments(token_slots)
-    tile_segs, tile_m0 = lora_tiles(lens, block_m)
-    for dst, src in ((host.seg_starts, starts), (host.seg_lens, lens), (host.seg_slots, slots),
-                     (host.tile_segs, tile_segs), (host.tile_m0, tile_m0)):
+    tile_segs, tile_m0 = inputs.lora_tiles(block_m)
+    for dst, src in ((host.seg_starts, inputs.seg_starts), (host.seg_lens, inputs.seg_lens),
+                     (host.seg_slots, inputs.seg_slots), (host.tile_segs, tile_segs),
+                     (host.tile_m0, tile_m0)):
         dst[: src.size] = src
 
 
@@ -285,7 +277,7 @@ class DecodeGraphs(_StepGraphs):
                                          self.empty_slot), self.empty_slot)
         host.tile_segs[:] = -1
         if key[1]:
-            _fill_lora(inputs.token_slots, DECODE_BLOCK_M, host)
+            _fill_lora(inputs, DECODE_BLOCK_M, host)
         host.block_tables[:n, :nb] = inputs.block_tables
         self._upload(host, patch)
         return key
@@ -361,7 +353,7 @@ class MixedGraphs(_StepGraphs):
         _fill(host.token_slots, inputs.token_slots, -1)
         host.tile_segs[:] = -1
         if key[1]:
-            _fill_lora(inputs.token_slots, PREFILL_BLOCK_M, host)
+            _fill_lora(inputs, PREFILL_BLOCK_M, host)
         nb = inputs.block_tables.shape[1]
         host.block_tables[:n_seq, :nb] = inputs.block_tables
         self._upload(host, patch)

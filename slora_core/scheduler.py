@@ -26,6 +26,7 @@ class SchedulerLimits:
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    adapter_slot: int = -1  # the arena slot of the sequence's adapter; -1 = base model
 
     @property
     def samples(self) -> bool:
@@ -89,9 +90,8 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
             self._prefetch(out)
-        slot_of = {a: r.slot for a in self._adapters_running() if (r := self.pool.resident(a))}
         # Group by adapter so each adapter's tokens form one contiguous LoRA segment.
-        out.scheduled.sort(key=lambda s: (s.seq.adapter is None, slot_of.get(s.seq.adapter, -1)))
+        out.scheduled.sort(key=lambda s: (s.seq.adapter is None, s.adapter_slot))
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -108,10 +108,15 @@ class Scheduler:
                 if seq.status is not SeqStatus.RUNNING:
                     break
                 continue
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, self._slot(seq)))
             budget -= n
             i += 1
         return budget
+
+    def _slot(self, seq: Sequence) -> int:
+        """The slot of a running sequence's adapter (resident while it runs), -1 for none."""
+        rec = self.pool.resident(seq.adapter) if seq.adapter is not None else None
+        return rec.slot if rec is not None else -1
 
     def _grow(self, seq: Sequence, need: int, out: SchedulerOutput) -> bool:
         """Give `seq` `need` more KV blocks, preempting the youngest running sequence if the
@@ -226,7 +231,7 @@ class Scheduler:
         seq.block_table = pages
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        out.scheduled.append(ScheduledSeq(seq, n))
+        out.scheduled.append(ScheduledSeq(seq, n, self._slot(seq)))
 
     # ---- after a step --------------------------------------------------------------------
     def postprocess(self, scheduled: list[ScheduledSeq],

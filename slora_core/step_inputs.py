@@ -3,14 +3,13 @@ device in one pinned, non-blocking copy."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 import torch
 
-from slora_core.page_pool import PagePool
+from kernels.lora_meta import lora_segments, lora_tiles
 from slora_core.scheduler import ScheduledSeq
 
 
@@ -25,6 +24,18 @@ class StepInputs:
     block_tables: np.ndarray  # [B, max_blocks] int64
     logits_indices: np.ndarray  # [n] int64
     max_query_len: int
+    # LoRA segments (maximal runs of tokens on one adapter slot; base-model runs left out)
+    seg_starts: np.ndarray  # [S] int64
+    seg_lens: np.ndarray  # [S] int64
+    seg_slots: np.ndarray  # [S] int64
+
+    @property
+    def has_lora(self) -> bool:
+        return self.seg_starts.size > 0
+
+    def lora_tiles(self, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+        """The segments' tile list for `block_m`-row tiles: (segment, first row) per tile."""
+        return lora_tiles(self.seg_lens, block_m)
 
     @property
     def num_tokens(self) -> int:
@@ -35,8 +46,7 @@ class StepInputs:
         return int(self.seq_lens.shape[0])
 
 
-def build_step_inputs(scheduled: list[ScheduledSeq], pool: PagePool, block_size: int
-                      ) -> StepInputs:
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int) -> StepInputs:
     """Per-sequence values are read once each (a C-level iteration where possible); every
     per-token array is derived from them with vectorized numpy, so a 256-sequence decode step
     spends no Python loop per token."""
@@ -62,17 +72,15 @@ def build_step_inputs(scheduled: list[ScheduledSeq], pool: PagePool, block_size:
         ids = np.fromiter(chain.from_iterable(
             s.token_slice(s.num_computed_tokens, s.num_computed_tokens + item.num_new_tokens)
             for s, item in zip(seqs, scheduled, strict=True)), np.int64, num_tokens)
-    adapter_slot: dict[Hashable | None, int] = {None: -1}
-    for s in seqs:
-        if s.adapter not in adapter_slot:
-            rec = pool.resident(s.adapter)
-            adapter_slot[s.adapter] = rec.slot if rec is not None else -1
-    seq_slots = np.fromiter((adapter_slot[s.adapter] for s in seqs), np.int64, nseq)
+    seq_slots = np.fromiter((item.adapter_slot for item in scheduled), np.int64, nseq)
+    token_slots = seq_slots[seq_of_token]
+    seg_starts, seg_lens, seg_slots = lora_segments(token_slots)
     return StepInputs(
         input_ids=ids, positions=positions, slot_mapping=slot_mapping,
-        token_slots=seq_slots[seq_of_token], seq_lens=computed + counts, query_starts=starts,
+        token_slots=token_slots, seq_lens=computed + counts, query_starts=starts,
         block_tables=tables, logits_indices=starts[1:][samples] - 1,
-        max_query_len=int(counts.max()),
+        max_query_len=int(counts.max()), seg_starts=seg_starts, seg_lens=seg_lens,
+        seg_slots=seg_slots,
     )
 
 

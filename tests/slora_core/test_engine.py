@@ -250,7 +250,7 @@ def test_padded_mixed_step_gives_the_unpadded_logits(demo_dir, adapter_names):
 
     def both(scheduled, patch=None):
         logits = run(scheduled, patch)
-        inputs = build_step_inputs(scheduled, runner.pool, runner.arena.block_size)
+        inputs = build_step_inputs(scheduled, runner.arena.block_size)
         if inputs.max_query_len > 1:
             with torch.inference_mode():
                 padded = mixed.run_padded_eager(inputs)
@@ -280,7 +280,7 @@ def test_padded_decode_step_gives_the_unpadded_logits(demo_dir, adapter_names):
 
     def both(scheduled, patch=None):
         logits = run(scheduled, patch)
-        inputs = build_step_inputs(scheduled, runner.pool, runner.arena.block_size)
+        inputs = build_step_inputs(scheduled, runner.arena.block_size)
         if graphs.can_run(inputs):
             with torch.inference_mode():
                 padded = graphs.run_padded_eager(inputs)
@@ -386,7 +386,7 @@ def test_graph_lora_split_reaches_the_lora_launch(demo_dir, adapter_names, monke
     assert splits and set(splits) == {None}
     splits.clear()
     sched = engine.scheduler.schedule()
-    inputs = build_step_inputs(sched.scheduled, engine.pool, engine.arena.block_size)
+    inputs = build_step_inputs(sched.scheduled, engine.arena.block_size)
     with torch.inference_mode():
         graphs.run_padded_eager(inputs)
     assert splits and set(splits) == {3}

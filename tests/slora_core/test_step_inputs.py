@@ -31,6 +31,14 @@ def _loop_reference(scheduled, pool, block_size: int) -> StepInputs:
         counts.append(n)
         samples.append(item.samples)
         tables.append(list(seq.block_table))
+    seg_starts, seg_lens, seg_slots = [], [], []
+    for i, slot in enumerate(adapters):  # maximal runs of one adapter slot, base model left out
+        if slot >= 0 and (i == 0 or adapters[i - 1] != slot):
+            seg_starts.append(i)
+            seg_lens.append(0)
+            seg_slots.append(slot)
+        if slot >= 0:
+            seg_lens[-1] += 1
     width = max(len(t) for t in tables)
     table_arr = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
     starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
@@ -38,7 +46,8 @@ def _loop_reference(scheduled, pool, block_size: int) -> StepInputs:
     return StepInputs(input_ids=i64(ids), positions=i64(pos), slot_mapping=i64(slots),
                       token_slots=i64(adapters), seq_lens=i64(lens), query_starts=starts,
                       block_tables=table_arr, logits_indices=starts[1:][np.array(samples)] - 1,
-                      max_query_len=max(counts))
+                      max_query_len=max(counts), seg_starts=i64(seg_starts),
+                      seg_lens=i64(seg_lens), seg_slots=i64(seg_slots))
 
 
 def test_vectorized_inputs_equal_the_loop_on_every_step() -> None:
@@ -63,10 +72,11 @@ def test_vectorized_inputs_equal_the_loop_on_every_step() -> None:
     steps = []
 
     def check(scheduled, patch=None):
-        got = build_step_inputs(scheduled, engine.pool, engine.arena.block_size)
+        got = build_step_inputs(scheduled, engine.arena.block_size)
         want = _loop_reference(scheduled, engine.pool, engine.arena.block_size)
         for field in ("input_ids", "positions", "slot_mapping", "token_slots", "seq_lens",
-                      "query_starts", "block_tables", "logits_indices"):
+                      "query_starts", "block_tables", "logits_indices", "seg_starts",
+                      "seg_lens", "seg_slots"):
             a, b = getattr(got, field), getattr(want, field)
             assert a.dtype == b.dtype and np.array_equal(a, b), field
         assert got.max_query_len == want.max_query_len
