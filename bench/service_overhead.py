@@ -1,17 +1,26 @@
-"""gRPC service overhead: the same requests through gateway + worker processes and through the
-engine in-process, side by side in one run (throughput ratio, median TTFT difference).
+"""Service overhead: the same requests through the engine in-process, client -> worker (the
+worker hop alone), client -> gateway -> worker over gRPC, and (with --http) over the gateway's
+OpenAI-compatible HTTP API; interleaved repeats in one run, at each concurrency asked.
 
-    python -m bench.service_overhead [--device cuda --dtype float16] --out bench/results/service-overhead-cpu.json
+    python -m bench.service_overhead [--device cuda --dtype float16 --shape llama2-7b] \
+        --concurrency 64,256 --repeats 3 --out bench/results/service-overhead-cpu.json
+
+Every path keeps `c` requests in flight (a new one starts when one ends) until all requests are
+done; the in-process baseline does the same with `LLMEngine.add_request`. gRPC clients run in
+several processes (asyncio each), so the client's own CPU does not bound the service. Ratios are
+taken per repeat (each path against the in-process run next to it) and reported as median and
+spread; TTFT added compares the median and p99 TTFT of the same repeat.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing
 import platform
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.run_record import commit_id
 from bench.serving import SHAPES
 from services.common.demo_stack import (
+    BASE_MODEL,
     Stack,
     StackConfig,
     publish_demo_adapters,
@@ -32,167 +43,296 @@ from slora_core.demo_assets import write_demo_assets
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 
+Request = tuple[list[int], str]  # prompt ids, adapter ("" = base model)
+VERSION = "v1"  # what publish_demo_adapters registers
 
-def workload(names: list[str], n: int, new_tokens: int, vocab: int) -> list[tuple[list[int], str]]:
+
+def workload(names: list[str], n: int, vocab: int) -> list[Request]:
     rng = np.random.default_rng(0)
     adapters = ["", *names]
     return [(rng.integers(3, vocab, int(rng.integers(8, 64))).tolist(), adapters[i % len(adapters)])
             for i in range(n)]
 
 
-def run_in_process(model_dir: Path, adapters_dir: Path, reqs, config: EngineConfig,
-                   new_tokens: int) -> dict[str, Any]:
-    engine = LLMEngine.from_model_dir(model_dir, config)
-    for name in {a for _, a in reqs if a}:
-        engine.register_adapter(name, adapters_dir / name)
-    engine.warmup()
+def summarize(wall: float, tokens: int, ttft: list[float], errors: list[str] | None = None,
+              ) -> dict[str, Any]:
+    t = np.asarray(ttft, dtype=float)
+    return {"wall_s": wall, "output_tokens": tokens, "output_tok_per_s": tokens / wall,
+            "ttft_p50_s": float(np.median(t)), "ttft_p90_s": float(np.percentile(t, 90)),
+            "ttft_p99_s": float(np.percentile(t, 99)), "errors": errors or []}
+
+
+# ---- in process ---------------------------------------------------------------------------
+def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, concurrency: int,
+                   ) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    for i, (prompt, adapter) in enumerate(reqs):
-        engine.add_request(str(i), prompt, params, adapter=adapter or None)
+    pending = list(enumerate(reqs))[::-1]
     first: dict[str, float] = {}
-    tokens = 0
-    while engine.has_unfinished():
+    tokens, live = 0, 0
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and live < concurrency:
+            i, (prompt, adapter) = pending.pop()
+            engine.add_request(f"r{i}-{t0}", prompt, params, adapter=adapter or None)
+            live += 1
         for out in engine.step():
-            first.setdefault(out.request_id, time.perf_counter() - t0)
+            if out.token_ids:
+                first.setdefault(out.request_id, time.perf_counter() - t0)
             tokens += len(out.token_ids)
+            live -= int(out.finished)
     return summarize(time.perf_counter() - t0, tokens, list(first.values()))
 
 
-def run_grpc(gateway: str, token: str, reqs, new_tokens: int) -> dict[str, Any]:
+# ---- gRPC, from client processes -----------------------------------------------------------
+def _grpc_client(target: str, token: str, reqs: list[Request], new_tokens: int,
+                 concurrency: int, direct: bool, start_at: float,
+                 ) -> tuple[list[float], int, list[str]]:
+    """One client process: `reqs` with `concurrency` in flight, from wall-clock `start_at`."""
     import grpc
 
     from slora.v1 import inference_pb2 as pb
     from slora.v1 import inference_pb2_grpc as pb_grpc
 
-    ttft: list[float] = []
-    counts: list[int] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-    channel = grpc.insecure_channel(gateway)
-    stub = pb_grpc.InferenceServiceStub(channel)
-    md = (("authorization", f"Bearer {token}"),)
-    start = threading.Event()
-    t0 = 0.0
+    md = (("authorization", f"Bearer {token}"),) if token else ()
 
-    def call(prompt: list[int], adapter: str) -> None:
-        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
-                                 adapter=pb.AdapterRef(adapter_id=adapter),
-                                 sampling=pb.SamplingOptions(temperature=0,
-                                                             max_new_tokens=new_tokens,
-                                                             ignore_eos=True))
-        start.wait()
-        first, n = None, 0
-        try:
-            for resp in stub.Generate(req, timeout=600, metadata=md):
-                if resp.HasField("chunk") and resp.chunk.token_ids:
-                    first = first if first is not None else time.perf_counter() - t0
-                    n += len(resp.chunk.token_ids)
-        except grpc.RpcError as e:
-            with lock:
-                errors.append(f"{e.code().name}: {e.details()}")
-            return
-        with lock:
-            ttft.append(first if first is not None else float("nan"))
-            counts.append(n)
+    def message(prompt: list[int], adapter: str) -> pb.GenerateRequest:
+        ref = pb.AdapterRef(adapter_id=adapter)
+        if adapter and direct:
+            ref.version = VERSION  # workers serve explicit versions
+        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), adapter=ref,
+                                  sampling=pb.SamplingOptions(temperature=0,
+                                                              max_new_tokens=new_tokens,
+                                                              ignore_eos=True))
 
-    threads = [threading.Thread(target=call, args=r) for r in reqs]
-    for t in threads:
-        t.start()
-    t0 = time.perf_counter()
-    start.set()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    channel.close()
-    out = summarize(wall, sum(counts), ttft)
-    out["errors"] = errors
-    return out
+    async def run() -> tuple[list[float], int, list[str]]:
+        ttft: list[float] = []
+        errors: list[str] = []
+        count = 0
+        slots = asyncio.Semaphore(concurrency)
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+
+            async def call(req: pb.GenerateRequest) -> None:
+                nonlocal count
+                async with slots:
+                    sent, first = time.time(), None
+                    try:
+                        async for resp in stub.Generate(req, timeout=600, metadata=md):
+                            if resp.HasField("chunk") and resp.chunk.token_ids:
+                                first = first if first is not None else time.time() - start_at
+                                count += len(resp.chunk.token_ids)
+                    except grpc.aio.AioRpcError as e:
+                        errors.append(f"{e.code().name}: {e.details()}")
+                        return
+                    ttft.append(first if first is not None else time.time() - sent)
+
+            await asyncio.gather(*(call(message(p, a)) for p, a in reqs))
+        return ttft, count, errors
+
+    return asyncio.run(run())
 
 
-def summarize(wall: float, tokens: int, ttft: list[float]) -> dict[str, Any]:
-    return {"wall_s": wall, "output_tokens": tokens, "output_tok_per_s": tokens / wall,
-            "ttft_p50_s": float(np.median(ttft)), "ttft_p90_s": float(np.percentile(ttft, 90))}
+def run_grpc(pool: Any, procs: int, target: str, token: str, reqs: list[Request],
+             new_tokens: int, concurrency: int, direct: bool = False) -> dict[str, Any]:
+    start_at = time.time() + 0.5
+    shares = [(target, token, reqs[k::procs], new_tokens, max(1, concurrency // procs), direct,
+               start_at) for k in range(procs)]
+    got = pool.starmap(_grpc_client, shares)
+    wall = time.time() - start_at
+    ttft = [t for g in got for t in g[0]]
+    return summarize(wall, sum(g[1] for g in got), ttft, [e for g in got for e in g[2]])
 
 
-def main() -> int:
+# ---- HTTP (OpenAI-compatible SSE) ----------------------------------------------------------
+def run_http(base_url: str, token: str, reqs: list[Request], new_tokens: int,
+             concurrency: int) -> dict[str, Any]:
+    """The same requests streamed through the gateway's HTTP API from one asyncio client;
+    tokens counted from each stream's usage."""
+    import httpx
+
+    async def call(client: httpx.AsyncClient, slots: asyncio.Semaphore, prompt: list[int],
+                   adapter: str, t0: float) -> tuple[float, int]:
+        body = {"model": adapter, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        first: float | None = None
+        n = 0
+        async with slots, client.stream("POST", "/completions", json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event["choices"] and first is None:  # the first token's event
+                    first = time.perf_counter() - t0
+                if event.get("usage"):
+                    n = event["usage"]["completion_tokens"]
+        return (first if first is not None else float("nan")), n
+
+    async def run() -> tuple[float, list[tuple[float, int]]]:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        slots = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600,
+                                     headers={"authorization": f"Bearer {token}"}) as client:
+            t0 = time.perf_counter()
+            got = await asyncio.gather(*(call(client, slots, p, a or BASE_MODEL, t0)
+                                         for p, a in reqs))
+            return time.perf_counter() - t0, got
+
+    wall, got = asyncio.run(run())
+    return summarize(wall, sum(n for _, n in got), [f for f, _ in got])
+
+
+# ---- the run ------------------------------------------------------------------------------
+def compare(base: dict[str, Any], other: dict[str, Any]) -> dict[str, float]:
+    return {"throughput_ratio": other["output_tok_per_s"] / base["output_tok_per_s"],
+            "ttft_p50_added_ms": (other["ttft_p50_s"] - base["ttft_p50_s"]) * 1e3,
+            "ttft_p99_added_ms": (other["ttft_p99_s"] - base["ttft_p99_s"]) * 1e3}
+
+
+def spread(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """Median, min and max of each figure over the repeats."""
+    return {k: {"median": float(np.median([r[k] for r in rows])),
+                "min": min(r[k] for r in rows), "max": max(r[k] for r in rows)}
+            for k in rows[0]}
+
+
+def write_assets(args: argparse.Namespace, root: Path) -> Any:
+    if args.shape == "tiny":
+        return write_demo_assets(root / "demo", seed=0)
+    shape = {k: v for k, v in SHAPES[args.shape].items() if k != "vocab_size"}
+    shape |= {"head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+              "max_position_embeddings": 4096}
+    return write_demo_assets(root / "demo", seed=0, model_overrides=shape,
+                             adapters=("qv-r4", "attn-r8", "all-r16"), dtype=torch.float16,
+                             device=args.device)
+
+
+def engine_settings(args: argparse.Namespace, max_seqs: int) -> tuple[dict[str, Any],
+                                                                       tuple[str, ...]]:
+    """The same engine settings for the in-process engine and the worker."""
+    engine: dict[str, Any] = {
+        "num_pages": args.num_pages, "max_num_seqs": max_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_adapters_per_batch": 8, "max_queue": 4096, "async_steps": args.async_steps}
+    worker: tuple[str, ...] = (
+        "--num-pages", str(args.num_pages), "--max-num-seqs", str(max_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-adapters-per-batch", "8", "--device", args.device, "--dtype", args.dtype,
+        "--max-queue", "4096")
+    if args.async_steps:
+        worker += ("--async-steps",)
+    if args.max_model_len is not None:
+        engine["max_model_len"] = args.max_model_len
+        worker += ("--max-model-len", str(args.max_model_len))
+    return engine, worker
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", default="16",
+                    help="comma-separated numbers of requests in flight, e.g. 64,256")
+    ap.add_argument("--requests-per-stream", type=int, default=2,
+                    help="requests = this x the concurrency")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
                     help="model shape: the tiny demo model, or a real size written to disk "
                          "(fp16, 3 of the demo adapters)")
     ap.add_argument("--num-pages", type=int, default=128)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="EngineConfig.max_model_len, in-process and worker (default: the model's)")
+    ap.add_argument("--async-steps", action="store_true", help="asynchronous steps, both sides")
+    ap.add_argument("--client-procs", type=int, default=4, help="gRPC client processes")
+    ap.add_argument("--http", action="store_true",
+                    help="also stream the same workload through the gateway's HTTP API (SSE)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
+            pool: Any, reqs: list[Request], c: int) -> dict[str, Any]:
+    """Interleaved repeats of every path at concurrency `c`."""
+    gateway, worker = stack.gateway_addresses["gateway"], stack.worker_addresses["worker-0"]
+    runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "worker": [], "gateway": []}
+    if args.http:
+        runs["http"] = []
+    for r in range(args.repeats):
+        runs["in_process"].append(run_in_process(engine, reqs, args.new_tokens, c))
+        runs["worker"].append(run_grpc(pool, args.client_procs, worker, "", reqs,
+                                       args.new_tokens, c, direct=True))
+        runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, token, reqs,
+                                        args.new_tokens, c))
+        if args.http:
+            runs["http"].append(run_http(stack.http_urls["gateway"], token, reqs,
+                                         args.new_tokens, c))
+        line = {k: round(v[-1]["output_tok_per_s"], 1) for k, v in runs.items()}
+        print(f"c={c} repeat {r + 1}: tok/s {line}", flush=True)
+    ratios = {k: spread([compare(b, o) for b, o in zip(runs["in_process"], v, strict=True)])
+              for k, v in runs.items() if k != "in_process"}
+    return {"concurrency": c, "requests": len(reqs), "ratios": ratios, "runs": runs}
+
+
+def main() -> int:
+    args = parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
     root = Path(tempfile.mkdtemp(prefix="slora-overhead-"))
     t0 = time.perf_counter()
-    if args.shape == "tiny":
-        demo = write_demo_assets(root / "demo", seed=0)
-    else:
-        shape = {k: v for k, v in SHAPES[args.shape].items() if k != "vocab_size"}
-        shape |= {"head_dim": shape["hidden_size"] // shape["num_attention_heads"],
-                  "max_position_embeddings": 4096}
-        demo = write_demo_assets(root / "demo", seed=0, model_overrides=shape,
-                                 adapters=("qv-r4", "attn-r8", "all-r16"), dtype=torch.float16,
-                                 device=args.device)
+    demo = write_assets(args, root)
     print(f"assets written in {time.perf_counter() - t0:.1f} s", flush=True)
     names = sorted(demo.adapter_dirs)
-    engine_args = {"num_pages": args.num_pages, "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": 512, "max_adapters_per_batch": 8}
-    worker_args: tuple[str, ...] = (
-        "--num-pages", str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs),
-        "--max-num-batched-tokens", "512", "--max-adapters-per-batch", "8",
-        "--device", args.device, "--dtype", args.dtype, "--max-queue", str(args.requests * 2))
-    if args.max_model_len is not None:
-        engine_args["max_model_len"] = args.max_model_len
-        worker_args += ("--max-model-len", str(args.max_model_len))
-    reqs = workload(names, args.requests, args.new_tokens, vocab=512)
+    engine_args, worker_args = engine_settings(args, max(levels))
     config = EngineConfig(dtype=args.dtype, device=args.device, **engine_args)
     stack = Stack(StackConfig(demo_dir=demo.root, state_dir=root / "state",
                               worker_args=worker_args))
-    inproc_runs, grpc_runs = [], []
+    results = []
+    pool = multiprocessing.get_context("spawn").Pool(args.client_procs)
     try:
         stack.start_control_plane()
         token = publish_demo_adapters(AdminClient.connect(stack.cp_address, stack.admin_token),
                                       demo.root)
         stack.start_worker("worker-0")
         stack.start_gateway()
-        gateway = stack.gateway_addresses["gateway"]
-        wait_until_routable(gateway, token, names)
-        run_grpc(gateway, token, reqs[:8], 4)  # warm the path (connections, adapter loads)
-        # Interleaved repeats: both paths see the same machine noise; the best of each counts.
-        for _ in range(args.repeats):
-            inproc_runs.append(run_in_process(demo.model_dir, demo.root / "adapters", reqs,
-                                              config, args.new_tokens))
-            grpc_runs.append(run_grpc(gateway, token, reqs, args.new_tokens))
+        wait_until_routable(stack.gateway_addresses["gateway"], token, names)
+        engine = LLMEngine.from_model_dir(demo.model_dir, config)
+        for name in names:
+            engine.register_adapter(name, demo.root / "adapters" / name)
+        engine.warmup()
+        warm = workload(names, 8, vocab=512)  # connections, adapter loads, client imports
+        run_grpc(pool, args.client_procs, stack.gateway_addresses["gateway"], token, warm, 4, 8)
+        run_in_process(engine, warm, 4, 8)
+        for c in levels:
+            reqs = workload(names, c * args.requests_per_stream, vocab=512)
+            results.append(measure(args, stack, engine, token, pool, reqs, c))
     finally:
+        pool.terminate()
         stack.stop()
-    inproc = max(inproc_runs, key=lambda r: r["output_tok_per_s"])
-    served = max(grpc_runs, key=lambda r: r["output_tok_per_s"])
+    write_result(args, results)
+    return 0
+
+
+def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     result = {
         "command": "python -m bench.service_overhead " + " ".join(sys.argv[1:]),
+        "commit": commit_id(),
         "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda")
         else f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
-        "requests": args.requests, "new_tokens": args.new_tokens, "shape": args.shape,
-        "max_num_seqs": args.max_num_seqs,
-        "in_process": inproc, "grpc": served, "all_runs": {"in_process": inproc_runs,
-                                                             "grpc": grpc_runs},
-        "throughput_ratio": served["output_tok_per_s"] / inproc["output_tok_per_s"],
-        "ttft_p50_added_ms": (served["ttft_p50_s"] - inproc["ttft_p50_s"]) * 1e3,
-        "targets": {"throughput_ratio": 0.95, "ttft_p50_added_ms": 2.0},
+        "shape": args.shape, "new_tokens": args.new_tokens, "async_steps": args.async_steps,
+        "repeats": args.repeats, "client_procs": args.client_procs,
+        "targets": {"gateway throughput_ratio": ">= 0.95", "gateway ttft_p50_added_ms": "<= 3",
+                    "gateway ttft_p99_added_ms": "<= 10", "http throughput_ratio": ">= 0.9"},
+        "levels": results,
     }
-    print(json.dumps({k: v for k, v in result.items() if k != "all_runs"},
-                     indent=1))
+    for level in results:
+        print(f"c={level['concurrency']}:")
+        for path, figs in level["ratios"].items():
+            print(f"  {path:8s} " + "  ".join(
+                f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]" for k, v in figs.items()))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,166 @@
+"""Where the engine core's host time goes in one decode step: schedule, memory (adapter copies),
+step inputs, launch, sample (on a GPU this includes waiting for the step's results), booking
+(scheduler postprocess, outputs) and the output message (encode + ZeroMQ send), timed inside the
+real `EngineCore` loop with a real socket, for a batch of decoding requests.
+
+    python -m bench.profile_core --shape llama2-7b --device cuda --dtype float16 --batch 64 \
+        [--async-steps] --out bench/results/profile-core-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+import slora_core.model_runner as model_runner
+from bench.run_record import run_record
+from bench.serving import SHAPES
+from services.worker.engine_core import EngineCore
+from slora_core.config import EngineConfig
+from slora_core.demo_assets import write_demo_assets
+from slora_core.engine import LLMEngine
+from slora_core.sampling_params import SamplingParams
+
+
+class PhaseTimer:
+    """Wraps callables so each call adds its wall time to a phase of the current step."""
+
+    def __init__(self, sync: bool) -> None:
+        self.sync = sync
+        self.step: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        fn: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.step[phase] += (time.perf_counter() - t0) * 1e3
+
+        setattr(owner, name, timed)
+
+
+def drain(address: str, stop: threading.Event, ctx: zmq.Context) -> None:
+    """The front's end of the output socket: receive and drop."""
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(address)
+    while not stop.is_set():
+        if sock.poll(50):
+            sock.recv()
+    sock.close(linger=0)
+
+
+def build_engine(args: argparse.Namespace, root: Path) -> tuple[LLMEngine, list[str]]:
+    shape = {k: v for k, v in SHAPES[args.shape].items() if k != "vocab_size"}
+    shape |= {"head_dim": shape["hidden_size"] // shape["num_attention_heads"],
+              "max_position_embeddings": 4096}
+    tiny = args.shape == "tiny"
+    demo = write_demo_assets(root, seed=0, model_overrides=None if tiny else shape,
+                             adapters=("qv-r4", "attn-r8", "all-r16"),
+                             dtype=torch.float32 if tiny else torch.float16, device=args.device)
+    config = EngineConfig(dtype=args.dtype, device=args.device, num_pages=args.num_pages,
+                          max_num_seqs=args.batch, max_num_batched_tokens=2048,
+                          async_steps=args.async_steps,
+                          max_model_len=None if tiny else args.context + args.steps + 64)
+    engine = LLMEngine.from_model_dir(demo.model_dir, config, detokenize=False)
+    names = sorted(demo.adapter_dirs)
+    for name in names:
+        engine.register_adapter(name, root / "adapters" / name)
+    engine.warmup()
+    return engine, names
+
+
+def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace) -> list[dict]:
+    ctx = zmq.Context()
+    address = f"ipc://{tempfile.mkdtemp()}/out"
+    stop = threading.Event()
+    drainer = threading.Thread(target=drain, args=(address, stop, ctx))
+    drainer.start()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(address)
+    core = EngineCore(engine, out, os.getppid())
+    timer = PhaseTimer(sync=args.device.startswith("cuda"))
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine, "_apply_memory_changes", "memory")
+    timer.wrap(model_runner, "build_step_inputs", "inputs")
+    timer.wrap(engine.runner, "run", "forward_launch")
+    timer.wrap(engine.sampler, "sample", "sample")
+    timer.wrap(engine.sampler, "sample_async", "sample")
+    timer.wrap(engine.scheduler, "postprocess", "book")
+    timer.wrap(engine, "_append_token", "book")
+    timer.wrap(core, "_send", "output_send")
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_new_tokens=args.warm_steps + args.steps + 4,
+                            ignore_eos=True)
+    for i in range(args.batch):
+        prompt = rng.integers(3, 500, args.context).tolist()
+        adapter = names[i % len(names)] if args.adapters else None
+        engine.add_request(str(i), prompt, params, adapter=adapter)
+    rows = []
+    try:
+        for n in range(args.warm_steps + args.steps):
+            timer.step = defaultdict(float)
+            t0 = time.perf_counter()
+            core._step()
+            if timer.sync:
+                torch.cuda.synchronize()
+            total = (time.perf_counter() - t0) * 1e3
+            if n >= args.warm_steps:
+                row = dict(timer.step)
+                row["forward_launch"] -= row.get("inputs", 0.0)  # run() builds the inputs
+                row["step_total"] = total
+                rows.append(row)
+    finally:
+        stop.set()
+        drainer.join()
+        out.close(linger=0)
+        ctx.term()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    ap.add_argument("--num-pages", type=int, default=2400)
+    ap.add_argument("--adapters", action="store_true", help="requests spread over 3 adapters")
+    ap.add_argument("--async-steps", action="store_true")
+    ap.add_argument("--warm-steps", type=int, default=20, help="prefill and first decode steps")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    engine, names = build_engine(args, Path(tempfile.mkdtemp(prefix="slora-profile-core-")))
+    rows = profile(engine, names, args)
+    phases = sorted({k for r in rows for k in r})
+    median = {k: float(np.median([r.get(k, 0.0) for r in rows])) for k in phases}
+    result = {**run_record(["bench.profile_core", *sys.argv[1:]]), "batch": args.batch,
+              "context": args.context, "async_steps": args.async_steps,
+              "median_ms": median, "steps": rows,
+              "note": "sample includes waiting for the device (the tokens' copy to the host); "
+                      "with async steps it waits for the previous step instead"}
+    print("median ms per decode step: " + "  ".join(f"{k} {v:.3f}" for k, v in median.items()))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
