@@ -36,7 +36,65 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--migrate", action="store_true",
                    help="apply the Alembic migrations (upgrade head) before serving")
     p.add_argument("--migrate-only", action="store_true", help="apply the migrations and exit")
+    p.add_argument("--worker-auth", choices=("credential", "cluster-token"), default="credential",
+                   help="what makes a process a worker on the placement stream: its own "
+                        "credential (`slora worker-credential mint`; default) or, legacy and "
+                        "insecure, the cluster token alone")
     p.set_defaults(func=run)
+    register_credentials(sub)
+
+
+def register_credentials(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker-credential",
+                       help="mint, revoke or list worker credentials (run where the database is)")
+    p.add_argument("action", choices=("mint", "revoke", "list"))
+    p.add_argument("--db", default=os.environ.get("SLORA_DB_URL", "sqlite:///.slora/control-plane.db"),
+                   help="SQLAlchemy URL of the registry; env SLORA_DB_URL")
+    p.add_argument("--worker-id", default="", help="the worker the credential is bound to")
+    p.add_argument("--token-env", default="", metavar="VAR",
+                   help="mint: bind the token in this environment variable (32+ chars) instead "
+                        "of a random one, for deployments that provision secrets themselves")
+    p.set_defaults(func=run_credentials)
+
+
+def run_credentials(args: argparse.Namespace) -> int:
+    from services.common.errors import ServiceError
+    from services.control_plane.errors import RegistryError
+
+    try:
+        return _credentials(args)
+    except (ServiceError, RegistryError) as e:
+        raise SystemExit(f"worker-credential {args.action}: {e}") from None
+
+
+def _credentials(args: argparse.Namespace) -> int:
+    from services.control_plane.db import make_engine, make_session_factory
+    from services.control_plane.keys import SYSTEM
+    from services.control_plane.worker_credentials import WorkerCredentials, mint_with_database
+
+    if args.action == "list":
+        engine = make_engine(args.db)
+        for c in WorkerCredentials(make_session_factory(engine)).list():
+            state = f"revoked {c.revoked_at:%Y-%m-%d %H:%M}" if c.revoked_at else "active"
+            print(f"{c.worker_id}\t{state}\tminted {c.created_at:%Y-%m-%d %H:%M} by {c.created_by}")
+        engine.dispose()
+        return 0
+    if not args.worker_id:
+        raise SystemExit(f"worker-credential {args.action}: --worker-id is required")
+    if args.action == "revoke":
+        engine = make_engine(args.db)
+        WorkerCredentials(make_session_factory(engine)).revoke(args.worker_id, SYSTEM)
+        engine.dispose()
+        print(f"revoked the credential of {args.worker_id}")
+        return 0
+    token = os.environ.get(args.token_env, "") if args.token_env else None
+    if args.token_env and not token:
+        raise SystemExit(f"--token-env {args.token_env}: the variable is empty or unset")
+    minted = mint_with_database(args.db, args.worker_id, token)
+    # The token itself goes to stdout (and nowhere else): give it to the worker as
+    # SLORA_WORKER_CREDENTIAL. A provisioned token is not echoed.
+    print(minted if token is None else f"bound the token in ${args.token_env} to {args.worker_id}")
+    return 0
 
 
 def parse_base_models(specs: list[str]) -> dict[str, Path]:
@@ -74,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         migrate=args.migrate,
         metrics_port=args.metrics_port,
         cluster_token=args.cluster_token or None,
+        worker_auth=args.worker_auth,
         **({"analyzer_tick_s": args.analyzer_tick} if args.analyzer_tick else {}),
     )
     asyncio.run(serve(config))

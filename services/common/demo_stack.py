@@ -12,8 +12,10 @@ from pathlib import Path
 import grpc
 
 from services.common.cluster_token import CLUSTER_TOKEN_ENV, new_cluster_token
+from services.common.identity import WORKER_CREDENTIAL_ENV
 from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
 from services.control_plane.client import AdminClient
+from services.control_plane.worker_credentials import mint_with_database
 from slora.v1 import admin_pb2 as apb
 from slora_core.adapters import digest_adapter_dir
 
@@ -76,12 +78,14 @@ class Stack:
     def start_worker(self, name: str, wait: bool = True, extra: Sequence[str] = (),
                      env: Mapping[str, str] | None = None) -> Child:
         address = f"{self.config.host}:{free_port()}"
+        # Each worker gets its own credential: the cluster token alone makes no one a worker.
+        credential = mint_with_database(self.db_url, name)
         child = start_child(name, slora_argv(
             "worker", "--model", str(self.config.demo_dir / "model"),
             "--control-plane", self.cp_address, "--listen", address, "--worker-id", name,
             "--cache-dir", str(self.config.state_dir / "cache" / name),
             *self.config.worker_args, *extra), self.config.state_dir / "logs",
-            {**self.env, **(env or {})})
+            {**self.env, WORKER_CREDENTIAL_ENV: credential, **(env or {})})
         self.workers[name], self.worker_addresses[name] = child, address
         if wait:
             wait_serving(address, child, timeout_s=120)

@@ -3,8 +3,9 @@
 `ErrorInterceptor` turns the exceptions the registry raises into status codes (errors.status_for)
 so servicers never call `context.abort` themselves. `AuthInterceptor` checks the bearer token of
 every call except health and reflection, enforces the method's scope, and makes the caller's
-`Principal` available to the servicer through `current_principal()`. PlacementService calls
-(workers and gateways) present the cluster token instead of an API key.
+`Principal` available to the servicer through `current_principal()`. Gateways present the
+cluster token on PlacementService's routing stream; workers present their own credential on
+the placement stream (`worker_credentials.py`), whose worker id `current_worker_id()` gives.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 from services.common.cluster_token import bearer_token, token_matches
 from services.control_plane.errors import PermissionDenied, Unauthenticated, status_for
 from services.control_plane.keys import ADMIN, KeyStore, Principal
+from services.control_plane.worker_credentials import WorkerCredentials
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +30,22 @@ OPEN_PREFIXES: tuple[str, ...] = ("/grpc.health.v1.", "/grpc.reflection.")
 # The data plane's internal streams: workers and gateways carry no API key, they present the
 # cluster token (services/common/cluster_token.py).
 CLUSTER_PREFIXES: tuple[str, ...] = ("/slora.v1.PlacementService/",)
+WORKER_METHOD = "/slora.v1.PlacementService/WatchPlacement"
 ANY_SCOPE = "any"
 Guard = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextManager[None]]
 
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
     "slora_principal", default=None
 )
+_worker_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "slora_worker_id", default=None
+)
+
+
+def current_worker_id() -> str | None:
+    """The worker id the caller's credential is bound to, or None when the placement stream
+    was not authenticated by a worker credential (open, or the legacy cluster-token mode)."""
+    return _worker_id.get()
 
 
 def current_principal() -> Principal:
@@ -107,14 +119,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     `method_scopes` maps full method names ('/slora.v1.AdapterAdminService/GetAdapter') to
     ADMIN or ANY_SCOPE; a guarded method it does not name needs an admin key. Cluster methods
     (CLUSTER_PREFIXES) need `cluster_token` as their bearer token, and are open only when no
-    cluster token is configured (None or '').
+    cluster token is configured (None or ''); with `workers` given, the placement stream
+    (WORKER_METHOD) needs a worker credential instead.
     """
 
     def __init__(self, keys: KeyStore, method_scopes: Mapping[str, str],
-                 cluster_token: str | None = None) -> None:
+                 cluster_token: str | None = None,
+                 workers: WorkerCredentials | None = None) -> None:
         self._keys = keys
         self._scopes = dict(method_scopes)
         self._cluster_token = cluster_token or None
+        self._workers = workers
 
     async def intercept_service(
         self, continuation: Callable[..., Awaitable[grpc.RpcMethodHandler | None]],
@@ -128,6 +143,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             expected = self._cluster_token
             if expected is None:
                 return handler
+            workers = self._workers
+            if details.method == WORKER_METHOD and workers is not None:
+                return wrap_handler(handler, lambda _context: _worker(token, workers))
             return wrap_handler(handler, lambda _context: _cluster_member(token, expected))
         scope = self._scopes.get(details.method, ADMIN)
         return wrap_handler(handler, lambda _context: self._authenticated(token, scope))
@@ -143,6 +161,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             yield
         finally:
             _principal.reset(reset)
+
+
+@contextlib.asynccontextmanager
+async def _worker(token: str, workers: WorkerCredentials) -> AsyncIterator[None]:
+    worker_id = await asyncio.to_thread(workers.authenticate, token)
+    reset = _worker_id.set(worker_id)
+    try:
+        yield
+    finally:
+        _worker_id.reset(reset)
 
 
 @contextlib.asynccontextmanager

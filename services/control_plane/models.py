@@ -74,6 +74,19 @@ class ApiKey(Base):
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class WorkerCredential(Base):
+    """A worker's own credential, bound to its worker id (one active token per id; minting
+    again rotates it). Only the sha256 of the token is stored."""
+
+    __tablename__ = "worker_credentials"
+
+    worker_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(ID_LENGTH))
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+
+
 class Adapter(Base):
     __tablename__ = "adapters"
 

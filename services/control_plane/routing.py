@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 import grpc
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common.names import check_name, check_worker_id
 from services.control_plane.catalog import Catalog, fingerprint, load_catalog
+from services.control_plane.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from services.control_plane.evidence import EvidenceStore
+from services.control_plane.interceptors import current_worker_id
 from services.control_plane.placement import (
     PIN,
     PlannerConfig,
@@ -33,12 +36,15 @@ from services.control_plane.routing_state import (
     WorkerView,
     build_routing_state,
     routing_delta,
+    worker_endpoint,
 )
+from services.control_plane.worker_credentials import WorkerCredentials
 from slora.v1 import placement_pb2 as ppb
 from slora.v1 import placement_pb2_grpc as ppb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = ppb.DESCRIPTOR.services_by_name["PlacementService"].full_name
+MAX_ADDRESS_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,8 @@ class WorkerConn:
     acked: int = 0
     started_at_ms: int = 0
     requests: dict[VersionKey, int] = field(default_factory=dict)
+    heartbeat: ppb.Heartbeat | None = None  # the latest
+    bound: bool = False  # authenticated by a worker credential bound to worker_id
 
 
 @dataclass(eq=False)
@@ -85,8 +93,11 @@ class GatewayConn:
 
 class PlacementHub:
     def __init__(self, sessions: sessionmaker[Session], config: HubConfig = HubConfig(),
-                 evidence: EvidenceStore | None = None) -> None:
+                 evidence: EvidenceStore | None = None,
+                 credentials: WorkerCredentials | None = None) -> None:
         self.sessions = sessions
+        # Revoking a worker's credential also ends its live stream (checked on registry change).
+        self.credentials = credentials
         self.config = config
         # Per-version canary evidence from worker heartbeats and gateway reports.
         self.evidence = evidence or EvidenceStore()
@@ -128,6 +139,7 @@ class PlacementHub:
                 if fp != last_fp:
                     self.catalog = await asyncio.to_thread(load_catalog, self.sessions)
                     last_fp = fp
+                    await self._drop_revoked()
                     self.recompute()
             except Exception:
                 log.exception("placement: reading the registry failed; retrying")
@@ -139,6 +151,15 @@ class PlacementHub:
                 self.ready.set()
                 self.recompute()
             await asyncio.sleep(self.config.poll_s)
+
+    async def _drop_revoked(self) -> None:
+        if self.credentials is None:
+            return
+        active = await asyncio.to_thread(self.credentials.active_worker_ids)
+        for conn in self.workers.values():
+            if conn.bound and conn.worker_id not in active:
+                log.warning("worker %s: credential revoked; closing its stream", conn.worker_id)
+                conn.queue.put_nowait(None)
 
     def _grace_over(self) -> bool:
         # After a restart, workers need a moment to reconnect; a gateway that got a snapshot
@@ -171,8 +192,7 @@ class PlacementHub:
         self.plan = plan(routed, slots, self.popular, self.config.planner)
         for conn in self.workers.values():
             self._push_placement(conn, snapshot=False)
-        views = [WorkerView(w.worker_id, w.address, w.up, w.load, w.draining, w.resident)
-                 for w in self.workers.values()]
+        views = [_view(w) for w in self.workers.values()]
         new = build_routing_state(self.catalog, self.plan, views)
         if self.ready.is_set():
             delta = routing_delta(self.routing, new)
@@ -212,11 +232,16 @@ class PlacementHub:
             heartbeat_interval_ms=int(self.config.heartbeat_s * 1000)))
 
     # ---- subscribers --------------------------------------------------------------------
-    def connect_worker(self, hello: ppb.WorkerHello) -> WorkerConn:
+    def connect_worker(self, hello: ppb.WorkerHello, bound: bool = False) -> WorkerConn:
+        """Add a worker; AlreadyExists while another stream under the same id is live (a
+        duplicate is refused, not swapped in). A stale one (missed heartbeats) is replaced."""
         old = self.workers.get(hello.worker_id)
+        if old is not None and old.up:
+            raise AlreadyExists(f"worker {hello.worker_id} is already connected; a second "
+                                "process with the same id is refused")
         if old is not None:
-            old.queue.put_nowait(None)  # a newer stream of the same worker replaces it
-        conn = WorkerConn(hello.worker_id, hello.address, hello.capacity)
+            old.queue.put_nowait(None)
+        conn = WorkerConn(hello.worker_id, hello.address, hello.capacity, bound=bound)
         self.workers[conn.worker_id] = conn
         log.info("worker %s connected from %s", conn.worker_id, conn.address)
         self.recompute()
@@ -243,8 +268,24 @@ class PlacementHub:
         changed = (not conn.up or resident != conn.resident or hb.draining != conn.draining
                    or abs(hb.load - conn.load) >= 0.05)
         conn.up, conn.resident, conn.draining, conn.load = True, resident, hb.draining, hb.load
+        conn.heartbeat = hb
         if changed:
             self.recompute()
+        else:
+            self._push_load(conn)
+
+    def _push_load(self, conn: WorkerConn) -> None:
+        """Send gateways a worker whose load figures changed and nothing else (their
+        model-server metrics), without re-planning: one endpoint per heartbeat at most."""
+        old = self.routing.workers.get(conn.worker_id)
+        endpoint = worker_endpoint(_view(conn))
+        if old is None or old == endpoint:
+            return
+        self.routing.workers[conn.worker_id] = endpoint
+        if self.ready.is_set():
+            update = ppb.RoutingUpdate(revision=self.next_revision(), workers=[endpoint])
+            for gw in self.gateways:
+                gw.queue.put_nowait(update)
 
     def connect_gateway(self, gateway_id: str) -> GatewayConn:
         conn = GatewayConn(gateway_id)
@@ -281,7 +322,15 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
         if first is None or not first.HasField("hello") or not first.hello.worker_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send a hello with a worker_id first")
             return  # unreached: abort raises; this narrows `first` for the type checker
-        conn = self.hub.connect_worker(first.hello)
+        hello = first.hello
+        check_worker_id(hello.worker_id)
+        if len(hello.address) > MAX_ADDRESS_CHARS:
+            raise InvalidArgument(f"worker address is over {MAX_ADDRESS_CHARS} chars")
+        bound_id = current_worker_id()
+        if bound_id is not None and bound_id != hello.worker_id:
+            raise PermissionDenied(f"this credential belongs to worker {bound_id}, not "
+                                   f"{hello.worker_id}")
+        conn = self.hub.connect_worker(hello, bound=bound_id is not None)
         reader = asyncio.create_task(self._read_worker(request_iterator, conn))
         try:
             while (update := await conn.queue.get()) is not None:
@@ -307,6 +356,8 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
         if first is None or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "send a hello first")
             return  # unreached: abort raises; this narrows `first` for the type checker
+        if first.hello.gateway_id:
+            check_name("gateway_id", first.hello.gateway_id)
         conn = self.hub.connect_gateway(first.hello.gateway_id)
         tasks = [asyncio.create_task(self._read_gateway(request_iterator, conn)),
                  asyncio.create_task(self.hub.wait_ready_then_snapshot(conn))]
@@ -330,10 +381,16 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
             conn.queue.put_nowait(None)
 
 
+def _view(w: WorkerConn) -> WorkerView:
+    return WorkerView(w.worker_id, w.address, w.up, w.load, w.draining, w.resident, w.heartbeat)
+
+
 def attach_placement(server: grpc.aio.Server, sessions: sessionmaker[Session],
                      config: HubConfig | None = None,
-                     evidence: EvidenceStore | None = None) -> PlacementHub:
-    """Add PlacementService to `server`; run the returned hub's `run()` as a task."""
-    hub = PlacementHub(sessions, config or HubConfig.from_env(), evidence)
+                     evidence: EvidenceStore | None = None,
+                     credentials: WorkerCredentials | None = None) -> PlacementHub:
+    """Add PlacementService to `server`; run the returned hub's `run()` as a task. With
+    `credentials`, a revoked worker credential also closes that worker's live stream."""
+    hub = PlacementHub(sessions, config or HubConfig.from_env(), evidence, credentials)
     ppb_grpc.add_PlacementServiceServicer_to_server(PlacementServicer(hub), server)
     return hub

@@ -31,10 +31,12 @@ from services.control_plane.routing import SERVICE_NAME as PLACEMENT_SERVICE
 from services.control_plane.routing import attach_placement
 from services.control_plane.servicer import METHOD_SCOPES, SERVICE_NAME, AdapterAdminServicer
 from services.control_plane.storage import StorageConfig, clean_stale_staging
+from services.control_plane.worker_credentials import WorkerCredentials
 from slora.v1 import admin_pb2_grpc as pb_grpc
 from slora_core.config import ModelConfig
 
 log = logging.getLogger(__name__)
+WORKER_AUTH_MODES = ("credential", "cluster-token")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class ControlPlaneConfig:
     metrics_port: int | None = None       # Prometheus endpoint (evidence, canary analysis)
     analyzer_tick_s: float = DEFAULT_TICK_S
     cluster_token: str | None = None      # PlacementService needs it; open when None (warned)
+    # "credential": with a cluster token, workers present their own credential on the
+    # placement stream (docs/security.md); "cluster-token": the shared token suffices (legacy).
+    worker_auth: str = "credential"
 
 
 @dataclass
@@ -65,6 +70,7 @@ class ControlPlane:
     health: Any
     evidence: EvidenceStore
     analyzer: Analyzer
+    credentials: WorkerCredentials
 
     async def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING first so load balancers move away, then drain."""
@@ -81,11 +87,19 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
     """Wire registry, key store, interceptors, health and reflection; bind `config.listen`."""
     registry = build_registry(config, sessions)
     keys = KeyStore(sessions)
+    credentials = WorkerCredentials(sessions)
+    if config.worker_auth not in WORKER_AUTH_MODES:
+        raise ValueError(f"worker_auth must be one of {WORKER_AUTH_MODES}")
+    if config.worker_auth != "credential" and config.cluster_token:
+        log.warning("worker_auth=%s: any holder of the cluster token can act as a worker",
+                    config.worker_auth)
     if config.bootstrap_admin_key:
         await asyncio.to_thread(keys.ensure_bootstrap_key, config.bootstrap_admin_key)
     server = grpc.aio.server(
         # Decode checks innermost: an unauthenticated caller hears UNAUTHENTICATED first.
-        interceptors=[ErrorInterceptor(), AuthInterceptor(keys, METHOD_SCOPES, config.cluster_token),
+        interceptors=[ErrorInterceptor(),
+                      AuthInterceptor(keys, METHOD_SCOPES, config.cluster_token,
+                                      credentials if config.worker_auth == "credential" else None),
                       DecodeErrorInterceptor()],
         options=SERVER_OPTIONS,  # accepts the watch streams' keepalive pings
     )
@@ -107,7 +121,8 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
         raise OSError(f"cannot listen on {config.listen}")
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return ControlPlane(server, port, registry, keys, health_servicer, evidence, analyzer)
+    return ControlPlane(server, port, registry, keys, health_servicer, evidence, analyzer,
+                        credentials)
 
 
 async def serve(config: ControlPlaneConfig) -> None:
@@ -120,7 +135,8 @@ async def serve(config: ControlPlaneConfig) -> None:
     sessions = make_session_factory(engine)
     plane = await build_server(config, sessions)
     # PlacementService (data plane <-> control plane); see services/control_plane/routing.py.
-    hub = attach_placement(plane.server, sessions, evidence=plane.evidence)
+    hub = attach_placement(plane.server, sessions, evidence=plane.evidence,
+                           credentials=plane.credentials)
     if config.metrics_port is not None:
         port = serve_metrics(config.metrics_port, rollout_registry(plane.evidence, plane.analyzer))
         log.info("metrics on :%d/metrics", port)

@@ -1,6 +1,8 @@
-"""PlacementService behind the cluster token: a control plane configured with one refuses
-placement and routing watches that do not present it (UNAUTHENTICATED), serves those that do,
-and keeps health and reflection open. The admin API does not take the cluster token as a key."""
+"""PlacementService behind the cluster token and worker credentials: a control plane configured
+with a cluster token refuses routing watches that do not present it and placement watches that
+do not present a worker credential (UNAUTHENTICATED; the cluster token alone is not one unless
+worker_auth="cluster-token"), and keeps health and reflection open. The admin API does not take
+the cluster token as a key."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from services.common.cluster_token import cluster_metadata, new_cluster_token, t
 from services.control_plane.db import make_engine, make_session_factory, upgrade
 from services.control_plane.routing import HubConfig, attach_placement
 from services.control_plane.server import ControlPlaneConfig, build_server
+from services.control_plane.worker_credentials import mint_with_database
 from services.gateway.main import RoutingWatcher
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.table import RoutingTable
@@ -40,16 +43,15 @@ def test_cluster_token_helpers() -> None:
 
 
 def with_plane(tmp_path: Path, cluster_token: str | None,
-               body: Callable[[str], Awaitable[None]]) -> None:
+               body: Callable[[str], Awaitable[None]], worker_auth: str = "credential") -> None:
     """Run `body(address)` against a migrated SQLite control plane with PlacementService."""
-    db_url = f"sqlite:///{tmp_path / 'registry.db'}"
-    upgrade(db_url)
+    db_url = db_of(tmp_path)
     engine = make_engine(db_url)
 
     async def main() -> None:
         sessions = make_session_factory(engine)
         config = ControlPlaneConfig(db_url=db_url, listen="127.0.0.1:0",
-                                    cluster_token=cluster_token)
+                                    cluster_token=cluster_token, worker_auth=worker_auth)
         plane = await build_server(config, sessions)
         hub = attach_placement(plane.server, sessions,
                                HubConfig(poll_s=0.05, startup_grace_s=0.0))
@@ -109,10 +111,21 @@ async def placement_code(address: str, metadata: Any) -> grpc.StatusCode:
         return exc.code()
 
 
-def test_placement_watch_needs_the_cluster_token(tmp_path: Path) -> None:
+def db_of(tmp_path: Path) -> str:
+    """The migrated SQLite registry of `with_plane(tmp_path, ...)`."""
+    db_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    upgrade(db_url)
+    return db_url
+
+
+def test_placement_watch_needs_a_worker_credential(tmp_path: Path) -> None:
+    credential = mint_with_database(db_of(tmp_path), "w-test")
+
     async def body(address: str) -> None:
-        update = await first_placement(address, cluster_metadata(TOKEN))
+        update = await first_placement(address, cluster_metadata(credential))
         assert update.snapshot and update.revision > 0 and update.heartbeat_interval_ms > 0
+        assert await placement_code(address, cluster_metadata(TOKEN)) == \
+            grpc.StatusCode.UNAUTHENTICATED  # the cluster token alone makes no one a worker
         assert await placement_code(address, ()) == grpc.StatusCode.UNAUTHENTICATED
         assert await placement_code(address, cluster_metadata(TOKEN + "x")) == \
             grpc.StatusCode.UNAUTHENTICATED
@@ -124,6 +137,15 @@ def test_placement_watch_needs_the_cluster_token(tmp_path: Path) -> None:
         assert await routing_code(address, cluster_metadata(TOKEN)) == grpc.StatusCode.OK
 
     with_plane(tmp_path, TOKEN, body)
+
+
+def test_legacy_cluster_token_mode(tmp_path: Path) -> None:
+    async def body(address: str) -> None:
+        update = await first_placement(address, cluster_metadata(TOKEN))
+        assert update.snapshot
+        assert await placement_code(address, ()) == grpc.StatusCode.UNAUTHENTICATED
+
+    with_plane(tmp_path, TOKEN, body, worker_auth="cluster-token")
 
 
 def test_gateway_watcher_syncs_with_the_token_and_not_without(tmp_path: Path) -> None:
