@@ -72,8 +72,11 @@ class EngineStats:
     steps: int = 0
     tokens: int = 0
     preemptions: int = 0
-    adapter_loads: int = 0
+    adapter_loads: int = 0  # adapters copied into arena pages
     adapter_evictions: int = 0
+    # Where each of adapter_loads came from: the host tier, or a disk read in that step.
+    adapter_host_hits: int = 0
+    adapter_disk_loads: int = 0
     last_distinct_adapters: int = 0
 
 
@@ -407,6 +410,7 @@ class LLMEngine:
             self.copier.clear(rec.slot)
         failed: list[RequestOutput] = []
         for rec in sched.new_adapters:
+            disk_reads = self.adapters.loads
             try:
                 host = self.adapters.get(str(rec.key))
             except (AdapterError, UnknownAdapterError) as e:
@@ -414,6 +418,10 @@ class LLMEngine:
                 continue
             self.copier.write(rec.slot, rec.pages, host)
             self.stats.adapter_loads += 1
+            if self.adapters.loads > disk_reads:
+                self.stats.adapter_disk_loads += 1
+            else:
+                self.stats.adapter_host_hits += 1
         return failed
 
     def _wait_for_copies(self, sched: SchedulerOutput) -> None:
