@@ -41,6 +41,7 @@ from services.control_plane.client import AdminClient
 from slora_core.config import EngineConfig
 from slora_core.demo_assets import write_demo_assets
 from slora_core.engine import LLMEngine
+from slora_core.engine_args import add_engine_args, engine_cli_args, engine_config_kwargs
 from slora_core.sampling_params import SamplingParams
 
 Request = tuple[list[int], str]  # prompt ids, adapter ("" = base model)
@@ -210,28 +211,14 @@ def write_assets(args: argparse.Namespace, root: Path) -> Any:
 
 def engine_settings(args: argparse.Namespace, max_seqs: int) -> tuple[dict[str, Any],
                                                                        tuple[str, ...]]:
-    """The same engine settings for the in-process engine and the worker."""
-    engine: dict[str, Any] = {
-        "num_pages": args.num_pages, "max_num_seqs": max_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_adapters_per_batch": 8, "max_queue": 4096, "async_steps": args.async_steps}
-    worker: tuple[str, ...] = (
-        "--num-pages", str(args.num_pages), "--max-num-seqs", str(max_seqs),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-adapters-per-batch", "8", "--device", args.device, "--dtype", args.dtype,
-        "--max-queue", "4096")
-    if args.async_steps:
-        worker += ("--async-steps",)
-    if args.max_model_len is not None:
-        engine["max_model_len"] = args.max_model_len
-        worker += ("--max-model-len", str(args.max_model_len))
-    return engine, worker
+    """The same engine settings for the in-process engine and the worker (as its flags)."""
+    engine = engine_config_kwargs(args) | {
+        "max_num_seqs": max_seqs, "max_adapters_per_batch": 8, "max_queue": 4096}
+    return engine, tuple(engine_cli_args(engine))
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--concurrency", default="16",
                     help="comma-separated numbers of requests in flight, e.g. 64,256")
     ap.add_argument("--requests-per-stream", type=int, default=2,
@@ -241,15 +228,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
                     help="model shape: the tiny demo model, or a real size written to disk "
                          "(fp16, 3 of the demo adapters)")
-    ap.add_argument("--num-pages", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="EngineConfig.max_model_len, in-process and worker (default: the model's)")
-    ap.add_argument("--async-steps", action="store_true", help="asynchronous steps, both sides")
     ap.add_argument("--client-procs", type=int, default=4, help="gRPC client processes")
     ap.add_argument("--http", action="store_true",
                     help="also stream the same workload through the gateway's HTTP API (SSE)")
     ap.add_argument("--out", default=None)
+    # The same engine on both sides; max_num_seqs follows the highest concurrency.
+    add_engine_args(ap, defaults={"num_pages": 128},
+                    skip=("max_num_seqs", "max_adapters_per_batch", "max_queue"))
     return ap.parse_args()
 
 
@@ -285,7 +270,7 @@ def main() -> int:
     print(f"assets written in {time.perf_counter() - t0:.1f} s", flush=True)
     names = sorted(demo.adapter_dirs)
     engine_args, worker_args = engine_settings(args, max(levels))
-    config = EngineConfig(dtype=args.dtype, device=args.device, **engine_args)
+    config = EngineConfig(**engine_args)
     stack = Stack(StackConfig(demo_dir=demo.root, state_dir=root / "state",
                               worker_args=worker_args))
     results = []

@@ -25,8 +25,9 @@ import torch
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.workload import BenchRequest, WorkloadSpec, generate, reuse_batch
-from slora_core.config import EngineConfig, ModelConfig
+from slora_core.config import EngineConfig, ModelConfig, parse_dtype
 from slora_core.engine import LLMEngine
+from slora_core.engine_args import add_engine_args, engine_config_kwargs
 from slora_core.sampling_params import SamplingParams
 from slora_core.synthetic import random_adapter, shared_weight_view
 from slora_core.weights import build_random_model
@@ -54,21 +55,17 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.cfg = model_config(args.shape)
-        self.dtype = getattr(torch, args.dtype)
+        self.dtype = parse_dtype(args.dtype)
         self.model = build_random_model(self.cfg, self.dtype, args.device, seed=0)
         self._base_adapters: dict[int, Any] = {}
         self.warmup_s: list[float] = []
 
     def engine(self, num_adapters: int, ranks: tuple[int, ...], **overrides: Any) -> LLMEngine:
         a = self.args
-        kw = dict(dtype=a.dtype, device=a.device, num_pages=self.num_pages(),
-                  max_rank=max(ranks), max_num_seqs=a.max_num_seqs,
-                  max_num_batched_tokens=a.max_num_batched_tokens,
-                  max_adapters_per_batch=a.max_adapters_per_batch,
-                  max_model_len=getattr(a, "max_model_len", 1100),
-                  max_queue=100_000, mixed_graphs=not getattr(a, "no_mixed_graphs", False),
-                  async_steps=getattr(a, "async_steps", False),
-                  graph_lora_split_k=getattr(a, "graph_lora_split_k", None))
+        # Namespaces built by other scripts may lack engine flags: EngineConfig's defaults,
+        # but this bench's context length.
+        kw = {"max_model_len": MAX_MODEL_LEN, **engine_config_kwargs(a),
+              "num_pages": self.num_pages(), "max_rank": max(ranks), "max_queue": 100_000}
         kw.update(overrides)
         # Undo a previous engine's LoRA wrapping: each engine wraps the bare base layers.
         unwrap_lora(self.model)
@@ -199,7 +196,7 @@ def hf_peft_run(b: Bench, prompts: list[list[int]], new_tokens: int, max_time: f
     model = get_peft_model(model, lcfg, adapter_name=names[0])  # type: ignore[assignment]
     for n in names[1:]:
         model.add_adapter(n, lcfg)  # type: ignore[arg-type]
-    model = model.to(b.dtype).eval()
+    model = model.to(b.dtype).eval()  # type: ignore[arg-type]
     ids = torch.tensor(prompts, device=b.args.device)
     sync_dev(b.args.device)
     t0 = time.perf_counter()
@@ -274,11 +271,14 @@ SCENARIOS = {"overhead": scenario_overhead, "scale": scenario_scale, "reuse": sc
              "peft32": scenario_peft32, "floor": scenario_floor}
 
 
+# The model allows 4096; 1100 fits the longest workload request and keeps graph block tables
+# small.
+MAX_MODEL_LEN = 1100
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--scenarios", default="overhead,scale,reuse,peft32,floor")
     p.add_argument("--arena-gb", type=float, default=40.0,
                    help="page arena size (KV + resident adapters)")
@@ -290,21 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-caps", default="64,256",
                    help="max_adapters_per_batch values for the many-adapter runs of 'scale'")
     p.add_argument("--reuse-batch", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--max-model-len", type=int, default=1100,
-                   help="EngineConfig.max_model_len (the model allows 4096; 1100 fits the "
-                        "longest workload request and keeps graph block tables small)")
-    p.add_argument("--max-adapters-per-batch", type=int, default=64)
-    p.add_argument("--no-mixed-graphs", action="store_true",
-                   help="run steps with prefill tokens eagerly (EngineConfig.mixed_graphs=False)")
-    p.add_argument("--async-steps", action="store_true",
-                   help="EngineConfig.async_steps: overlap host work with the GPU")
-    p.add_argument("--graph-lora-split-k", type=int, default=None,
-                   help="EngineConfig.graph_lora_split_k (default: chosen at capture)")
     p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)
+    # num_pages comes from --arena-gb, max_rank from each scenario's adapters.
+    add_engine_args(p, skip=("num_pages", "max_rank", "max_queue"), defaults={
+        "dtype": "float16", "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": MAX_MODEL_LEN})
     args = p.parse_args(argv)
     bench = Bench(args)
     results: dict[str, Any] = {

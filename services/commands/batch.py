@@ -13,6 +13,7 @@ from tqdm import tqdm
 from slora_core.chat_template import ChatTemplateError, check_messages
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
+from slora_core.engine_args import add_engine_args, engine_config_from_args
 from slora_core.sampling_params import SamplingParams
 from slora_core.tokenizer import Tokenizer
 
@@ -35,18 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="JSONL: {prompt|token_ids|messages, adapter?, ...}; messages "
                         "([{role, content}]) are rendered with the model's chat template")
     p.add_argument("--output", required=True, help="JSONL written in input order")
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--num-pages", type=int, default=256, help="arena size in pages")
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-rank", type=int, default=64)
-    p.add_argument("--max-adapters-per-batch", type=int, default=64,
-                   help="distinct adapters one step may read (default: as many as sequences)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the model's context length)")
     p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p, skip=("max_queue",))  # every line is queued at once
     p.set_defaults(func=run)
 
 
@@ -145,13 +136,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"slora batch: {e}", file=sys.stderr)
         return 2
     try:  # ConfigError (a ValueError): e.g. a max_model_len above the model's
-        config = EngineConfig(
-            dtype=args.dtype, device=args.device, num_pages=args.num_pages,
-            block_size=args.block_size, max_rank=args.max_rank,
-            max_adapters_per_batch=args.max_adapters_per_batch, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len, max_queue=max(1024, len(items)),
-        )
+        config = engine_config_from_args(
+            args, max_queue=max(EngineConfig.max_queue, len(items)))
         engine = LLMEngine.from_model_dir(args.model, config)
         for name, path in adapters.items():
             engine.register_adapter(name, path)
