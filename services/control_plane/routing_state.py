@@ -19,6 +19,7 @@ class WorkerView:
     load: float
     draining: bool
     resident: frozenset[VersionKey]
+    heartbeat: ppb.Heartbeat | None = None  # the latest; its load figures go to gateways
 
 
 @dataclass
@@ -60,13 +61,27 @@ def build_routing_state(catalog: Catalog, plan: Mapping[str, Mapping[VersionKey,
             canary_version=a.canary or "", traffic_ratio=a.traffic_ratio,
             fallback_version=a.fallback or "", versions=routed)
     for w in workers:
-        state.workers[w.worker_id] = ppb.WorkerEndpoint(
-            worker_id=w.worker_id, address=w.address, up=w.up, load=round(w.load, 2),
-            draining=w.draining)
+        state.workers[w.worker_id] = worker_endpoint(w)
     for k in catalog.keys:
         state.keys[k.token_sha256] = ppb.KeyGrant(token_sha256=k.token_sha256, key_id=k.key_id,
                                                   admin=k.admin, tenant=k.tenant)
     return state
+
+
+def worker_endpoint(w: WorkerView) -> ppb.WorkerEndpoint:
+    """What gateways know of a worker: where it is, whether to use it, and the load figures
+    of its latest heartbeat."""
+    endpoint = ppb.WorkerEndpoint(worker_id=w.worker_id, address=w.address, up=w.up,
+                                  load=round(w.load, 2), draining=w.draining)
+    hb = w.heartbeat
+    if hb is not None:
+        endpoint.running, endpoint.waiting, endpoint.max_num_seqs = (
+            hb.running, hb.waiting, hb.max_num_seqs)
+        endpoint.kv_pages, endpoint.adapter_pages, endpoint.free_pages = (
+            hb.kv_pages, hb.adapter_pages, hb.free_pages)
+        endpoint.running_adapters.extend(hb.running_adapters)
+        endpoint.waiting_adapters.extend(hb.waiting_adapters)
+    return endpoint
 
 
 def routing_delta(old: RoutingState, new: RoutingState) -> ppb.RoutingUpdate | None:
