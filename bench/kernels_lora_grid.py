@@ -9,9 +9,9 @@ case times, over inputs rotated past the L2:
 - `graph_capture_split`: the same list with the split fixed at capture from the capacity (the
   previous behaviour);
 - `exact`: the real tile list, split chosen on the host (an eager step);
-- `budget256`: device split capped at 256 // rank tile (fewer partial sums for the expand);
-- `maxrank64` / `maxrank64_no_buckets` (r < 64): launches bounded at the engine's max rank 64,
-  with and without rank-bucketed tiles;
+- `budget256` (r 64): device split capped at 256 // rank tile (fewer partial sums to add);
+- `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
+  max rank 64, with and without rank-bucketed tiles;
 - `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
 
     python -m bench.kernels_lora_grid --out bench/results/lora-grid-h200.json
@@ -87,9 +87,10 @@ def variants(slots: list[int], rank: int) -> dict[str, tuple[LoraMeta, int, Lora
     exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
     out = {"graph_device_split": (dev, rank, DECODE_TILES, None),
            "graph_capture_split": (grph, rank, DECODE_TILES, capture),
-           "exact": (exact, rank, DECODE_TILES, None),
-           "budget256": (dev, rank, BUDGET, None)}
-    if rank < 64:
+           "exact": (exact, rank, DECODE_TILES, None)}
+    if rank == 64:  # below rank 64 the budget allows every split anyway
+        out["budget256"] = (dev, rank, BUDGET, None)
+    elif slots == sorted(slots):
         out["maxrank64"] = (dev, 64, DECODE_TILES, None)
         out["maxrank64_no_buckets"] = (dev, 64, NO_BUCKETS, None)
     return out

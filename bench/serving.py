@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.churn import scenario_churn, scenario_coldttft
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.workload import BenchRequest, WorkloadSpec, generate, reuse_batch
@@ -73,6 +74,8 @@ class Bench:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         engine = LLMEngine(self.model, self.cfg, None, EngineConfig(**kw))
+        if getattr(a, "graph_lora_split_k", None) is not None:
+            engine.runner.fix_graph_lora_split(a.graph_lora_split_k)
         for i in range(num_adapters):
             rank = ranks[i % len(ranks)]
             if rank not in self._base_adapters:
@@ -268,7 +271,8 @@ def random_adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
 
 
 SCENARIOS = {"overhead": scenario_overhead, "scale": scenario_scale, "reuse": scenario_reuse,
-             "peft32": scenario_peft32, "floor": scenario_floor}
+             "peft32": scenario_peft32, "floor": scenario_floor, "churn": scenario_churn,
+             "coldttft": scenario_coldttft}
 
 
 # The model allows 4096; 1100 fits the longest workload request and keeps graph block tables
@@ -290,6 +294,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-caps", default="64,256",
                    help="max_adapters_per_batch values for the many-adapter runs of 'scale'")
     p.add_argument("--reuse-batch", type=int, default=64)
+    p.add_argument("--churn-requests", type=int, default=1000,
+                   help="requests of each 'churn' run (alpha 1.0: ~400 distinct of 2,000)")
+    p.add_argument("--churn-disk-requests", type=int, default=300,
+                   help="requests of the disk-tier run of 'churn'")
+    p.add_argument("--churn-rate", type=float, default=60.0, help="arrivals/s in 'churn'")
+    p.add_argument("--churn-max-output", type=int, default=128)
+    p.add_argument("--churn-host-gb", type=float, default=4.0,
+                   help="host tier of the disk variant of 'churn'")
+    p.add_argument("--churn-disk-dir", default=None,
+                   help="where 'churn' and 'coldttft' write adapter files (default: $TMPDIR)")
+    p.add_argument("--graph-lora-split-k", type=int, default=None,
+                   help="a fixed LoRA K split inside CUDA graphs, for split experiments "
+                        "(default: the kernels' choice)")
     p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)
