@@ -25,6 +25,8 @@ import dataclasses
 import json
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,14 +179,17 @@ def _ending(run: Any, rid: str) -> dict[str, Any]:
             "tokens": len(run.tokens[rid])}
 
 
-def check_strength(target: float, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def check_strength(target: float, args: argparse.Namespace, root: Path,
+                   out: dict[str, Any], save: Callable[[], None]) -> None:
+    """Fill `out` piece by piece, calling `save` after each (a run cut short keeps the rest)."""
     device = args.device
     shape = SHAPE if not args.tiny else Shape("tiny", 128, 352, 2, 4, 2, 512)
     prompts = make_prompts(shape.vocab, seed=1)
     if args.tiny:
         prompts = [p[:40] for p in prompts]
     base = build_base(shape, seed=0, device=device)
-    reached = add_massive_activations(base, prompts, target)
+    out.update(target_peak=target, float32_peak_residual=add_massive_activations(
+        base, prompts, target), dtypes={})
     model_dir = root / f"model-{target:g}"
     base.save_pretrained(model_dir)
     specs = ADAPTERS if not args.tiny else [AdapterSpec(a.name, min(a.r, 8), a.alpha, a.targets,
@@ -192,22 +197,41 @@ def check_strength(target: float, args: argparse.Namespace, root: Path) -> dict[
     adapters = write_adapters(base, specs, root / f"adapters-{target:g}", seed=2)
     del base
     requests = [(f"{i}-{a}", p, a) for a in [None, *adapters] for i, p in enumerate(prompts)]
-    out: dict[str, Any] = {"target_peak": target, "float32_peak_residual": reached, "dtypes": {}}
+    modes = {m: MODES[m] for m in args.modes} if device == "cuda" else {"eager": {}}
     for dtype in args.dtypes:
         refs = {d: hf_with_adapters(model_dir, adapters, getattr(torch, d), device)
                 for d in ("float32", dtype)}
-        modes = MODES if device == "cuda" else {"eager": {}}
-        res: dict[str, Any] = {name: check_mode(model_dir, adapters, dtype, device, mode,
-                                                requests, refs, args.new_tokens)
-                               for name, mode in modes.items()}
-        res["ops"] = compare_ops(model_dir, adapters, dtype, device, refs, prompts[-1])
-        if target == args.massive[0]:
-            mode = MODES["all_graphs"] if device == "cuda" else {}
-            res["guard"] = check_guard(model_dir, adapters, dtype, device, mode, requests,
-                                       args.new_tokens)
-        out["dtypes"][dtype] = res
+        res: dict[str, Any] = out["dtypes"].setdefault(dtype, {})
+        for name, mode in modes.items():
+            res[name] = check_mode(model_dir, adapters, dtype, device, mode, requests, refs,
+                                   args.new_tokens)
+            save()
+            if name == next(iter(modes)):
+                res["ops"] = compare_ops(model_dir, adapters, dtype, device, refs, prompts[-1])
+                save()
+            if name == "all_graphs" or device != "cuda":
+                res["guard"] = check_guard(model_dir, adapters, dtype, device, mode, requests,
+                                           args.new_tokens)
+                save()
         del refs
-    return out
+
+
+def verdict(report: dict[str, Any]) -> bool:
+    """Adds the totals to `report`; True when no token came from a non-finite row and every
+    guard check held."""
+    bad = sum(m["tokens_from_nonfinite_rows"] for s in report["strengths"]
+              for d in s.get("dtypes", {}).values() for k, m in d.items()
+              if k not in ("ops", "guard"))
+    guards = [d["guard"] for s in report["strengths"] for d in s.get("dtypes", {}).values()
+              if "guard" in d]
+    bad += sum(g["tokens_from_nonfinite_rows"] for g in guards)
+    report["guard_ok"] = all(
+        g["others_equal_clean_run"] and g["poisoned_request"]["tokens"] == 0
+        and g["poisoned_request"]["finish_reason"] == "error"
+        and g["forced_nan_request"]["tokens"] == 2
+        and g["forced_nan_request"]["finish_reason"] == "error" for g in guards)
+    report["tokens_from_nonfinite_rows_total"] = bad
+    return bad == 0 and report["guard_ok"]
 
 
 def main() -> int:
@@ -215,6 +239,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     ap.add_argument("--massive", nargs="+", type=float, default=[1e4, 4e4])
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     ap.add_argument("--out", default=None)
@@ -223,23 +248,22 @@ def main() -> int:
     report: dict[str, Any] = {"command": " ".join(sys.argv), "commit": commit_id(),
                               "hardware": hardware(), "torch": torch.__version__,
                               "shape": vars(SHAPE), "adapters": [vars(a) for a in ADAPTERS],
-                              "strengths": [check_strength(t, args, root) for t in args.massive]}
-    bad = sum(m["tokens_from_nonfinite_rows"] for s in report["strengths"]
-              for d in s["dtypes"].values() for k, m in d.items() if k not in ("ops", "guard"))
-    guards = [d["guard"] for s in report["strengths"] for d in s["dtypes"].values()
-              if "guard" in d]
-    bad += sum(g["tokens_from_nonfinite_rows"] for g in guards)
-    guard_ok = all(g["others_equal_clean_run"] and g["poisoned_request"]["tokens"] == 0
-                   and g["poisoned_request"]["finish_reason"] == "error"
-                   and g["forced_nan_request"]["tokens"] == 2
-                   and g["forced_nan_request"]["finish_reason"] == "error" for g in guards)
-    report["guard_ok"] = guard_ok
-    report["tokens_from_nonfinite_rows_total"] = bad
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0 if bad == 0 and guard_ok else 1
+                              "strengths": []}
+    t0 = time.perf_counter()
+
+    def save() -> None:
+        report["seconds"] = time.perf_counter() - t0
+        ok = verdict(report)
+        print(f"{report['seconds']:.0f} s: ok so far {ok}", flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+
+    for target in args.massive:
+        report["strengths"].append({})
+        check_strength(target, args, root, report["strengths"][-1], save)
+    save()
+    print(json.dumps(report, indent=1))
+    return 0 if verdict(report) else 1
 
 
 if __name__ == "__main__":
