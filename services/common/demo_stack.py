@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from services.common.cluster_token import CLUSTER_TOKEN_ENV, new_cluster_token
+from services.common.hop_auth import GATEWAY_TOKEN_ENV, new_gateway_token
 from services.common.identity import WORKER_CREDENTIAL_ENV
 from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
 from services.control_plane.client import AdminClient
@@ -41,6 +42,7 @@ class Stack:
     config: StackConfig
     admin_token: str = field(default_factory=lambda: "slk_admin_" + secrets.token_urlsafe(24))
     cluster_token: str = field(default_factory=new_cluster_token)
+    gateway_token: str = field(default_factory=new_gateway_token)
     control_plane: Child | None = None
     cp_address: str = ""
     workers: dict[str, Child] = field(default_factory=dict)
@@ -51,10 +53,20 @@ class Stack:
 
     @property
     def env(self) -> dict[str, str]:
-        hb = self.config.heartbeat_s
+        """What every child gets; no secrets (those come from `env_for`)."""
+        return {"SLORA_HEARTBEAT_S": str(self.config.heartbeat_s), "PYTHONUNBUFFERED": "1"}
+
+    def env_for(self, role: str) -> dict[str, str]:
+        """`env` plus only the secrets `role` needs (docs/security.md): the control plane the
+        admin key and the cluster token, a gateway the cluster and gateway tokens, a worker
+        the gateway token (and its own credential, added by start_worker)."""
         # Secrets go by environment, not argv: arguments show in `ps`.
-        return {"SLORA_HEARTBEAT_S": str(hb), "SLORA_ADMIN_KEY": self.admin_token,
-                CLUSTER_TOKEN_ENV: self.cluster_token, "PYTHONUNBUFFERED": "1"}
+        needs = {"control-plane": {"SLORA_ADMIN_KEY": self.admin_token,
+                                   CLUSTER_TOKEN_ENV: self.cluster_token},
+                 "gateway": {CLUSTER_TOKEN_ENV: self.cluster_token,
+                             GATEWAY_TOKEN_ENV: self.gateway_token},
+                 "worker": {GATEWAY_TOKEN_ENV: self.gateway_token}}
+        return {**self.env, **needs[role]}
 
     @property
     def db_url(self) -> str:
@@ -70,7 +82,7 @@ class Stack:
             "--base-model", f"{BASE_MODEL}={d / 'model'}", "--allowed-root", str(d / "adapters"),
             *[f"--allowed-root={r}" for r in self.config.extra_roots],
             *self.config.control_plane_args, "--migrate"), self.config.state_dir / "logs",
-            self.env)
+            self.env_for("control-plane"))
         if wait:
             wait_serving(self.cp_address, self.control_plane)
         return self.control_plane
@@ -85,7 +97,7 @@ class Stack:
             "--control-plane", self.cp_address, "--listen", address, "--worker-id", name,
             "--cache-dir", str(self.config.state_dir / "cache" / name),
             *self.config.worker_args, *extra), self.config.state_dir / "logs",
-            {**self.env, WORKER_CREDENTIAL_ENV: credential, **(env or {})})
+            {**self.env_for("worker"), WORKER_CREDENTIAL_ENV: credential, **(env or {})})
         self.workers[name], self.worker_addresses[name] = child, address
         if wait:
             wait_serving(address, child, timeout_s=120)
@@ -97,7 +109,7 @@ class Stack:
         child = start_child(name, slora_argv(
             "gateway", "--control-plane", self.cp_address, "--listen", address,
             "--http-listen", http, "--base-model-name", BASE_MODEL,
-            "--gateway-id", name), self.config.state_dir / "logs", self.env)
+            "--gateway-id", name), self.config.state_dir / "logs", self.env_for("gateway"))
         self.gateways[name], self.gateway_addresses[name] = child, address
         self.http_urls[name] = f"http://{http}/v1"
         if wait:

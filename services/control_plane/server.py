@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
-from services.common.metrics import serve_metrics
+from services.common.metrics import metrics_host, serve_metrics
 from services.common.server import SERVER_OPTIONS
 from services.common.wire import DecodeErrorInterceptor
 from services.control_plane.analyzer import DEFAULT_TICK_S, Analyzer
@@ -138,7 +138,8 @@ async def serve(config: ControlPlaneConfig) -> None:
     hub = attach_placement(plane.server, sessions, evidence=plane.evidence,
                            credentials=plane.credentials)
     if config.metrics_port is not None:
-        port = serve_metrics(config.metrics_port, rollout_registry(plane.evidence, plane.analyzer))
+        port = serve_metrics(config.metrics_port, rollout_registry(plane.evidence, plane.analyzer),
+                             metrics_host(config.listen))
         log.info("metrics on :%d/metrics", port)
     await plane.server.start()
     tasks = [asyncio.create_task(hub.run()), asyncio.create_task(plane.analyzer.run())]

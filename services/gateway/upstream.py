@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from services.common.hop_auth import GatewayTokenInterceptor
 from services.common.server import CHANNEL_OPTIONS
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
@@ -34,11 +35,14 @@ class WorkerChannels:
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Workers serve gateways only: every call carries $SLORA_GATEWAY_TOKEN (hop_auth.py).
+        self._interceptors = GatewayTokenInterceptor.from_env()
 
     def stub(self, address: str) -> pb_grpc.InferenceServiceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS,
+                                                interceptors=self._interceptors)
             self._channels[address] = channel
         return pb_grpc.InferenceServiceStub(channel)
 

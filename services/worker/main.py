@@ -9,7 +9,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.metrics import serve_metrics
+from services.common.hop_auth import GatewayOnlyInterceptor
+from services.common.metrics import metrics_host, serve_metrics
 from services.common.server import (
     bound_address,
     drain_and_stop,
@@ -86,14 +87,14 @@ async def serve_worker(opts: WorkerOptions) -> int:
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, opts.model_dir)
     await core.start()  # loads the model and, on CUDA, compiles kernels and captures graphs
     if opts.metrics_port is not None:
-        port = serve_metrics(opts.metrics_port, metrics.registry)
+        port = serve_metrics(opts.metrics_port, metrics.registry, metrics_host(opts.listen))
         log.info("metrics on :%d/metrics", port)
     adapters = AdapterManager(core, DiskCache(opts.cache_dir), metrics)
     servicer = WorkerServicer(opts.worker_id, core, tokenizer, adapters, metrics,
                               slow_versions=slow_versions_from_env())
     handle = await start_server(
         opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
-        [SERVICE])
+        [SERVICE], interceptors=GatewayOnlyInterceptor.from_env())  # gateways only (hop_auth)
     address = opts.advertise or advertised_address(opts.listen, handle.port)
     identity = WorkerIdentity(opts.worker_id, address, opts.capacity, opts.model_dir.name)
     placement = PlacementClient(opts.control_plane, identity, adapters, core, metrics,
