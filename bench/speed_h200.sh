@@ -9,13 +9,13 @@ export PYTHONPATH=$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/speed-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-timeout "${TEST_S:-45}" python3 -m pytest -q -p no:cacheprovider -x \
+timeout "${TEST_S:-40}" python3 -m pytest -q -p no:cacheprovider -x \
     tests/kernels/test_lora_variants.py 2>&1 | tail -4 | tee "$OUT/tests.log"
-timeout "${GRID_S:-130}" python3 -m bench.kernels_lora_grid --out "$OUT/lora-grid-h200.json" \
+timeout "${GRID_S:-120}" python3 -m bench.kernels_lora_grid --out "$OUT/lora-grid-h200.json" \
     2>&1 | tee "$OUT/grid.log" | tail -50
-timeout "${COLD_S:-50}" python3 -m bench.cold_load --tmp /tmp --out "$OUT/cold-load-h200.json" \
+timeout "${COLD_S:-45}" python3 -m bench.cold_load --tmp /tmp --out "$OUT/cold-load-h200.json" \
     2>&1 | tail -8
-timeout "${SERVE_S:-170}" python3 -m bench.serving --shape llama2-7b --device cuda \
+timeout "${SERVE_S:-155}" python3 -m bench.serving --shape llama2-7b --device cuda \
     --dtype float16 --arena-gb "${ARENA_GB:-32}" --scenarios churn,coldttft \
     --many-adapters 2000 --churn-requests "${CHURN_REQ:-800}" --churn-rate 60 \
     --churn-disk-dir /tmp --out "$OUT/churn-h200.json" 2>&1 | grep -v "it/s]\|s/it]" | tail -12
