@@ -27,11 +27,13 @@ from tests.services.dataplane.dp_support import generate, request
 
 ROOT = Path(__file__).resolve().parents[3]
 SCHEMA = Path(__file__).parent / "data" / "compose_spec.json"
-ONE_SHOT = ("demo-assets", "migrate")
+ONE_SHOT = ("demo-assets", "migrate", "worker-credential")  # in dependency order
 LONG_RUNNING = ("control-plane", "worker-cpu", "gateway")
 LAST = "publish-demo"  # one-shot, after the control plane and the gateway are healthy
 SECRETS = {"SLORA_ADMIN_KEY": "test-admin-key-0123456789",
-           "SLORA_CLUSTER_TOKEN": "test-cluster-token-0123456789", "SLORA_DB_PASSWORD": "pw0123"}
+           "SLORA_CLUSTER_TOKEN": "test-cluster-token-0123456789", "SLORA_DB_PASSWORD": "pw0123",
+           "SLORA_WORKER_CREDENTIAL": "test-worker-credential-0123456789abcdef",
+           "SLORA_GATEWAY_TOKEN": "test-gateway-token-0123456789"}
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -56,8 +58,10 @@ def test_compose_file_matches_the_compose_spec_schema() -> None:
     for name in (*LONG_RUNNING, "worker-gpu", "postgres"):
         assert "healthcheck" in services[name], name
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert services["control-plane"]["depends_on"]["migrate"]["condition"] == \
-        "service_completed_successfully"
+    for name, first in (("control-plane", "migrate"), ("worker-credential", "migrate"),
+                        ("worker-cpu", "worker-credential"), ("worker-gpu", "worker-credential")):
+        assert services[name]["depends_on"][first]["condition"] == \
+            "service_completed_successfully"
     for name in ("gateway", "worker-cpu", "worker-gpu", LAST):
         assert services[name]["depends_on"]["control-plane"]["condition"] == "service_healthy"
     assert services[LAST]["depends_on"]["gateway"]["condition"] == "service_healthy"
@@ -68,10 +72,11 @@ def test_compose_file_matches_the_compose_spec_schema() -> None:
 
 
 def test_compose_refuses_to_start_without_real_secrets() -> None:
-    env = compose()["x-slora"]["environment"]
+    services = str(compose()["services"])
+    interpolate(services, SECRETS)
     for name in SECRETS:  # no public default: each one missing stops compose
         with pytest.raises(KeyError, match=name):
-            interpolate(str(env), {k: v for k, v in SECRETS.items() if k != name})
+            interpolate(services, {k: v for k, v in SECRETS.items() if k != name})
     assert "change-me" not in (ROOT / "docker-compose.yml").read_text()
 
 
@@ -191,7 +196,7 @@ def test_every_compose_service_runs_locally_and_serves_generate(pg_url: str, tmp
         assert answer.json()["usage"]["completion_tokens"] == 4
         res = generate(stack.local("50071"), request(adapter="qv-r4", temperature=0), token)
         assert res.error is None and res.complete is not None, res
-        assert res.complete.served_by.worker_id == "worker-cpu"
+        assert res.complete.served_by.worker_id == "worker"
         assert res.complete.usage.completion_tokens == 8
     finally:
         for child in reversed(children):
