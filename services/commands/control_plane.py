@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from services.common.cluster_token import add_cluster_token_argument
+from services.common.tls import add_tls_arguments, apply_tls_arguments
 
 BOOTSTRAP_ENV = "SLORA_ADMIN_KEY"
 
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--migrate", action="store_true",
                    help="apply the Alembic migrations (upgrade head) before serving")
     p.add_argument("--migrate-only", action="store_true", help="apply the migrations and exit")
+    add_tls_arguments(p)
     p.add_argument("--worker-auth", choices=("credential", "cluster-token"), default="credential",
                    help="what makes a process a worker on the placement stream: its own "
                         "credential (`slora worker-credential mint`; default) or, legacy and "
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from services.control_plane.server import ControlPlaneConfig, serve
     from services.control_plane.storage import StorageConfig
 
+    apply_tls_arguments(args)
     _ensure_sqlite_dir(args.db)
     if not args.migrate_only:
         refusal = _refusal(args)

@@ -15,6 +15,14 @@ from services.common.cluster_token import CLUSTER_TOKEN_ENV, new_cluster_token
 from services.common.hop_auth import GATEWAY_TOKEN_ENV, new_gateway_token
 from services.common.identity import WORKER_CREDENTIAL_ENV
 from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
+from services.common.tls import (
+    CA_ENV,
+    CERT_ENV,
+    KEY_ENV,
+    TlsConfig,
+    open_sync_channel,
+    write_throwaway_certs,
+)
 from services.control_plane.client import AdminClient
 from services.control_plane.worker_credentials import mint_with_database
 from slora.v1 import admin_pb2 as apb
@@ -35,6 +43,7 @@ class StackConfig:
     extra_roots: tuple[Path, ...] = ()  # more folders file:// adapter URIs may come from
     worker_args: tuple[str, ...] = ("--num-pages", "128", "--max-num-seqs", "16")
     control_plane_args: tuple[str, ...] = ()  # e.g. --metrics-port, --analyzer-tick
+    tls: bool = False  # a throwaway CA and certificate; every gRPC hop then runs TLS
 
 
 @dataclass
@@ -43,6 +52,7 @@ class Stack:
     admin_token: str = field(default_factory=lambda: "slk_admin_" + secrets.token_urlsafe(24))
     cluster_token: str = field(default_factory=new_cluster_token)
     gateway_token: str = field(default_factory=new_gateway_token)
+    tls_files: TlsConfig | None = None  # written at first use when config.tls
     control_plane: Child | None = None
     cp_address: str = ""
     workers: dict[str, Child] = field(default_factory=dict)
@@ -53,8 +63,14 @@ class Stack:
 
     @property
     def env(self) -> dict[str, str]:
-        """What every child gets; no secrets (those come from `env_for`)."""
-        return {"SLORA_HEARTBEAT_S": str(self.config.heartbeat_s), "PYTHONUNBUFFERED": "1"}
+        """What every child gets; no secrets (those come from `env_for`) but the TLS files."""
+        env = {"SLORA_HEARTBEAT_S": str(self.config.heartbeat_s), "PYTHONUNBUFFERED": "1"}
+        if self.config.tls:
+            if self.tls_files is None:
+                self.tls_files = write_throwaway_certs(self.config.state_dir / "tls")
+            files = self.tls_files
+            env.update({CERT_ENV: str(files.cert), KEY_ENV: str(files.key), CA_ENV: str(files.ca)})
+        return env
 
     def env_for(self, role: str) -> dict[str, str]:
         """`env` plus only the secrets `role` needs (docs/security.md): the control plane the
@@ -156,7 +172,7 @@ def wait_until_routable(gateway: str, token: str, adapters: Sequence[str],
     from slora.v1 import inference_pb2_grpc as pb_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(gateway) as channel:
+    with open_sync_channel(gateway) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
         for adapter in ("", *adapters):
             req = pb.GenerateRequest(text="Hello", adapter=pb.AdapterRef(adapter_id=adapter),

@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.tls import open_sync_channel
+
 
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
@@ -75,7 +77,7 @@ def start_child(name: str, argv: Sequence[str], log_dir: Path,
 
 
 def is_serving(target: str, service: str = "", timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(target) as channel:
+    with open_sync_channel(target) as channel:  # TLS when configured
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

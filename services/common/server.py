@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.tls import TlsConfig, add_port
 from services.common.wire import DecodeErrorInterceptor
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ async def start_server(listen: str, add_services: Callable[[grpc.aio.Server], No
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(listen)
+    port = add_port(server, listen, TlsConfig.from_env())  # TLS when configured (tls.py)
     if port == 0:
         raise RuntimeError(f"cannot bind {listen}")
     await server.start()

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import grpc
 
 from services.common.server import CHANNEL_OPTIONS
+from services.common.tls import open_channel
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
@@ -52,7 +53,7 @@ async def watch_forever(
         try:
             # Keepalive pings (servers built with SERVER_OPTIONS accept them): a control plane
             # whose host died, not just its process, is noticed in seconds, not TCP's minutes.
-            async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+            async with open_channel(target, options=CHANNEL_OPTIONS) as channel:  # TLS if set
                 call = open_stream(channel, outbox)
                 if on_connected is not None:
                     keepalive = asyncio.create_task(on_connected(outbox))

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from services.common.tls import open_sync_channel
 from slora.v1 import admin_pb2 as pb
 from slora.v1 import admin_pb2_grpc as pb_grpc
 
@@ -25,7 +26,7 @@ class AdminClient:
 
     @classmethod
     def connect(cls, target: str, token: str, timeout_s: float = 60.0) -> AdminClient:
-        return cls(grpc.insecure_channel(target), token, timeout_s)
+        return cls(open_sync_channel(target), token, timeout_s)  # TLS when configured
 
     def call(self, method: str, request: Any) -> Any:
         """Invoke `method` (e.g. 'GetAdapter') with auth metadata and the default deadline."""

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.metrics import metrics_host, serve_metrics
 from services.common.server import SERVER_OPTIONS
+from services.common.tls import TlsConfig, add_port
 from services.common.wire import DecodeErrorInterceptor
 from services.control_plane.analyzer import DEFAULT_TICK_S, Analyzer
 from services.control_plane.db import make_engine, make_session_factory, upgrade
@@ -116,7 +117,7 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
     reflection.enable_server_reflection(
         (SERVICE_NAME, PLACEMENT_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(config.listen)
+    port = add_port(server, config.listen, TlsConfig.from_env())  # TLS when configured
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
     for name in ("", SERVICE_NAME):

@@ -17,6 +17,7 @@ import grpc
 
 from services.common.hop_auth import GatewayTokenInterceptor
 from services.common.server import CHANNEL_OPTIONS
+from services.common.tls import open_channel
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 
@@ -41,8 +42,8 @@ class WorkerChannels:
     def stub(self, address: str) -> pb_grpc.InferenceServiceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=WORKER_CHANNEL_OPTIONS,
-                                                interceptors=self._interceptors)
+            channel = open_channel(address, options=WORKER_CHANNEL_OPTIONS,
+                                   interceptors=self._interceptors)  # TLS when configured
             self._channels[address] = channel
         return pb_grpc.InferenceServiceStub(channel)
 
