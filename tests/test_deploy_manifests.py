@@ -4,6 +4,7 @@ things that exist, secrets use the documented keys."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import yaml
 from services.cli import build_parser
 
 MANIFEST = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "slora.yaml"
-SECRET_KEYS = {"db-url", "admin-key", "cluster-token"}  # created by the commands in the header
+SECRET_KEYS = {"db-url", "admin-key", "cluster-token", "gateway-token"}  # the header creates them
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +74,26 @@ def test_claims_and_secrets_exist(docs):
                 ref = env.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
                     assert ref["name"] == "slora" and ref["key"] in SECRET_KEYS, env
+
+
+def test_the_header_creates_every_secret_key_used():
+    created = set(re.findall(r"--from-literal=([\w-]+)=", MANIFEST.read_text()))
+    assert created == SECRET_KEYS
+
+
+def env_names(container: dict[str, Any]) -> set[str]:
+    return {e["name"] for e in container.get("env", [])}
+
+
+def test_workers_can_authenticate_and_gateways_reach_them(docs):
+    containers = {c["name"]: c for _, tpl in pod_specs(docs) for c in tpl["spec"]["containers"]}
+    cp, worker, gateway = containers["control-plane"], containers["worker"], containers["gateway"]
+    args = build_parser().parse_args(cp["command"][1:])
+    if args.worker_auth == "credential":  # each worker needs its own credential
+        assert "SLORA_WORKER_CREDENTIAL" in env_names(worker)
+    else:
+        assert {"SLORA_CLUSTER_TOKEN"} <= env_names(worker) & env_names(cp)
+    # Workers serve only callers with the gateway token: both sides have it, from one key.
+    refs = [{e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"]
+             if e["name"] == "SLORA_GATEWAY_TOKEN"} for c in (worker, gateway)]
+    assert refs[0] == refs[1] == {"gateway-token"}
