@@ -127,7 +127,7 @@ class Stack:
             "--http-listen", http, "--base-model-name", BASE_MODEL,
             "--gateway-id", name), self.config.state_dir / "logs", self.env_for("gateway"))
         self.gateways[name], self.gateway_addresses[name] = child, address
-        self.http_urls[name] = f"http://{http}/v1"
+        self.http_urls[name] = f"{'https' if self.config.tls else 'http'}://{http}/v1"
         if wait:
             wait_serving(address, child)
         return child

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from services.common.tls import TlsConfig
 from services.gateway.http_api import HttpApi
 
 
@@ -49,8 +50,12 @@ def bind(listen: str) -> socket.socket:
 async def start_http(listen: str, api: HttpApi) -> HttpServer:
     """Serve `api` on `listen` until `stop()`; returns once the socket accepts connections."""
     sock = bind(listen)
+    tls = TlsConfig.from_env()  # HTTPS with the process's certificate, like its gRPC port
+    https = tls is not None and tls.serves_tls
     config = uvicorn.Config(api.app(), log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=5, access_log=False)
+                            timeout_graceful_shutdown=5, access_log=False,
+                            ssl_certfile=str(tls.cert) if https and tls else None,
+                            ssl_keyfile=str(tls.key) if https and tls else None)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

@@ -13,7 +13,7 @@ import pytest
 from services.control_plane.client import AdminClient
 from slora.v1 import admin_pb2 as pb
 from slora_core.adapters import digest_adapter_dir
-from tests.services.control_plane.cp_support import BASE, RunningPlane, file_uri
+from tests.services.control_plane.cp_support import ADMIN_TOKEN, BASE, RunningPlane, file_uri
 
 BAD = grpc.StatusCode.INVALID_ARGUMENT
 HUGE = "x" * 1_000_000
@@ -60,4 +60,21 @@ def test_hostile_names_are_refused(plane: RunningPlane, adapter_root: Path, case
     # sec/a is not registered: NOT_FOUND, without echoing the etag; the rest are bad names.
     assert code == (grpc.StatusCode.NOT_FOUND if case == "promote-megabyte-etag" else BAD), details
     assert 0 < len(details) < 500
+    assert plane.dump() == before
+
+
+def test_invalid_utf8_is_invalid_argument(plane: RunningPlane) -> None:
+    """Bytes that do not decode (bad UTF-8 in adapter_id) answer INVALID_ARGUMENT, not UNKNOWN,
+    after authentication, and leave the registry unchanged."""
+    raw = pb.GetAdapterRequest(adapter_id="x").SerializeToString().replace(b"x", b"\xff")
+    call = plane.channel.unary_unary("/slora.v1.AdapterAdminService/GetAdapter",
+                                     request_serializer=lambda b: b,
+                                     response_deserializer=pb.AdapterInfo.FromString)
+    before = plane.dump()
+    with pytest.raises(grpc.RpcError) as info:
+        call(raw, metadata=(("authorization", f"Bearer {ADMIN_TOKEN}"),), timeout=10)
+    assert info.value.code() == BAD and "UTF-8" in (info.value.details() or "")
+    with pytest.raises(grpc.RpcError) as info:
+        call(raw, timeout=10)  # no key: the key is checked first
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert plane.dump() == before

@@ -1,14 +1,17 @@
-"""TLS on every gRPC hop (services.common.tls): the local stack with a throwaway CA serves
-Generate through the gateway to a client that trusts the CA, while plaintext clients of the
-control plane, gateway and worker are refused; certificate files and the env setting."""
+"""TLS on every hop (services.common.tls): the local stack with a throwaway CA serves Generate
+(gRPC) and the OpenAI-compatible HTTP API through the gateway to clients that trust the CA,
+while plaintext clients of the control plane, gateway (gRPC and HTTP) and worker are refused;
+certificate files and the env setting."""
 
 from __future__ import annotations
 
+import ssl
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -80,6 +83,21 @@ def test_generate_over_tls(tls_stack: tuple[Stack, str]) -> None:
             metadata=(("authorization", f"Bearer {token}"),), timeout=60))
     assert replies[-1].complete.usage.completion_tokens == 3
     assert replies[-1].complete.served_by.worker_id == "w1"
+
+
+def test_http_api_over_tls(tls_stack: tuple[Stack, str]) -> None:
+    stack, token = tls_stack
+    assert stack.tls_files is not None
+    url = stack.http_urls["g1"]
+    assert url.startswith("https://")
+    headers = {"Authorization": f"Bearer {token}"}
+    trust = ssl.create_default_context(cafile=str(stack.tls_files.ca))
+    models = httpx.get(f"{url}/models", headers=headers, verify=trust)
+    assert models.status_code == 200 and "qv-r4" in models.text
+    with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the TLS port
+        httpx.get(url.replace("https://", "http://") + "/models", headers=headers, timeout=5)
+    with pytest.raises(httpx.HTTPError):  # a client that does not trust the throwaway CA
+        httpx.get(f"{url}/models", headers=headers, timeout=5)
 
 
 def test_plaintext_clients_are_refused(tls_stack: tuple[Stack, str]) -> None:
