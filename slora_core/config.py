@@ -193,6 +193,11 @@ class EngineConfig:
     max_model_len: int | None = None
     host_cache_bytes: int = 1 << 30
     max_queue: int = 1024
+    # The two graph switches are a user's trade, not experiments: graphs cost capture time at
+    # start-up (every bucket and LoRA module set) and a memory pool, and save the host time of
+    # each step; off is also the fallback when a graph disagrees with the eager path (the GPU
+    # check runs eager, decode-graph and all-graph modes; bench/serving_h200.sh serves with
+    # --no-mixed-graphs when mixed graphs disagree with HF).
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA devices only)
     # Steps with prefill tokens replay CUDA graphs too, inputs padded to token buckets (CUDA
     # only, with cuda_graphs); otherwise they run eagerly, host-bound at 7B sizes.
@@ -201,10 +206,6 @@ class EngineConfig:
     # so scheduling and output handling overlap the GPU. Outputs then come one step() call
     # later. Off by default: checked on the CPU only so far (same tokens as synchronous steps).
     async_steps: bool = False
-    # The LoRA shrink's K split inside CUDA graphs. None: chosen at capture from the graph's
-    # tile capacity (1 for large buckets, too few programs when one adapter serves the batch);
-    # bench/lora_graph_split.py measures which fixed split serves both cases.
-    graph_lora_split_k: int | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -216,9 +217,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
-        if self.graph_lora_split_k is not None and not 1 <= self.graph_lora_split_k <= 64:
-            raise ConfigError(f"graph_lora_split_k must be in 1..64, got "
-                              f"{self.graph_lora_split_k}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

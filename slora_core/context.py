@@ -45,7 +45,8 @@ class StepContext:
     # Module ids (config.MODULE_INDEX) that some resident adapter targets; LoRA launches for
     # the others are skipped. None = all modules.
     lora_modules: frozenset[int] | None = None
-    # K split of the LoRA shrink, fixed for CUDA graphs (EngineConfig.graph_lora_split_k);
+    # K split of the LoRA shrink, fixed for CUDA graphs by a benchmark
+    # (ModelRunner.fix_graph_lora_split);
     # None = the launcher's choice from the step's tile count.
     lora_split_k: int | None = None
 

@@ -135,8 +135,7 @@ class LLMEngine:
                                                     config.num_pages * block_size),
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   use_cuda_graphs=config.cuda_graphs,
-                                  mixed_graphs=config.mixed_graphs,
-                                  graph_lora_split_k=config.graph_lora_split_k)
+                                  mixed_graphs=config.mixed_graphs)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self.stats = EngineStats()

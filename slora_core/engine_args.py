@@ -36,7 +36,6 @@ HELP: dict[str, str] = {
     "mixed_graphs": "replay CUDA graphs for steps with prefill tokens too (with cuda_graphs)",
     "async_steps": "launch each step before reading the previous one's tokens (overlaps host "
                    "work with the GPU)",
-    "graph_lora_split_k": "fixed LoRA K split inside CUDA graphs (default: chosen at capture)",
 }
 ENV_PREFIX = "SLORA_"
 

@@ -47,10 +47,11 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, arena: PageArena, *,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
-                 mixed_graphs: bool = True, graph_lora_split_k: int | None = None) -> None:
+                 mixed_graphs: bool = True) -> None:
         self.model = model
         self.arena = arena
-        self.graph_lora_split_k = graph_lora_split_k
+        # A fixed LoRA K split inside CUDA graphs (fix_graph_lora_split); None: the kernels'.
+        self.graph_lora_split_k: int | None = None
         self.device = arena.pages.device
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
@@ -59,6 +60,16 @@ class ModelRunner:
             if mixed_graphs:
                 self.mixed = MixedGraphs(self, max_num_seqs, max_num_batched_tokens,
                                          max_model_len, self.graphs)
+
+    def fix_graph_lora_split(self, split_k: int) -> None:
+        """For benchmarks (bench/serving.py --graph-lora-split-k): every CUDA graph's LoRA
+        shrink uses `split_k` instead of the kernels' choice. Call it before any capture:
+        a captured graph keeps the split it was captured with."""
+        if not 1 <= split_k <= 64:
+            raise ValueError(f"graph LoRA split_k must be in 1..64, got {split_k}")
+        if any(g is not None and g.graphs for g in (self.graphs, self.mixed)):
+            raise RuntimeError("CUDA graphs are captured already: fix the split before warmup")
+        self.graph_lora_split_k = split_k
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         """The step's input ids and context on the device (one copy for every array)."""

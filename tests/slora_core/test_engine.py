@@ -361,15 +361,13 @@ def test_async_steps_give_the_same_outputs_as_synchronous_steps(demo_dir, adapte
 
 
 def test_graph_lora_split_reaches_the_lora_launch(demo_dir, adapter_names, monkeypatch):
-    """EngineConfig.graph_lora_split_k is what the LoRA launches of the graphs' padded steps
-    use (the eager path keeps the launcher's choice); out-of-range values are refused."""
+    """A split fixed by a benchmark (ModelRunner.fix_graph_lora_split) is what the LoRA
+    launches of the graphs' padded steps use (the eager path keeps the launcher's choice);
+    out-of-range values are refused."""
     from slora_core import lora as lora_module
-    from slora_core.config import ConfigError, EngineConfig
     from slora_core.model_runner import DecodeGraphs
     from slora_core.step_inputs import build_step_inputs
 
-    with pytest.raises(ConfigError, match="graph_lora_split_k"):
-        EngineConfig(graph_lora_split_k=0)
     splits: list[object] = []
     real = lora_module.ops.add_lora
 
@@ -378,7 +376,10 @@ def test_graph_lora_split_reaches_the_lora_launch(demo_dir, adapter_names, monke
         return real(*args, **kwargs)
 
     monkeypatch.setattr(lora_module.ops, "add_lora", spy)
-    engine = make_engine(demo_dir, adapter_names[:2], graph_lora_split_k=3)
+    engine = make_engine(demo_dir, adapter_names[:2])
+    with pytest.raises(ValueError, match="1..64"):
+        engine.runner.fix_graph_lora_split(0)
+    engine.runner.fix_graph_lora_split(3)
     graphs = DecodeGraphs(engine.runner, 8, engine.config.max_model_len)
     for i, name in enumerate(adapter_names[:2]):
         engine.add_request(str(i), PROMPTS[i], SamplingParams(max_new_tokens=3), adapter=name)
