@@ -88,7 +88,8 @@ def migration_problem(url: str) -> str | None:
     from alembic.script import ScriptDirectory
     from sqlalchemy.exc import DBAPIError
 
-    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    scripts = ScriptDirectory.from_config(alembic_config(url))
+    head = scripts.get_current_head()
     engine = make_engine(url)
     try:
         with engine.connect() as conn:
@@ -99,5 +100,8 @@ def migration_problem(url: str) -> str | None:
         engine.dispose()
     if current == head:
         return None
+    if current is not None and current not in {r.revision for r in scripts.walk_revisions()}:
+        return (f"the registry database is at migration {current}, which this slora does not "
+                f"know (its newest is {head}): a newer slora migrated it")
     return (f"the registry database is at migration {current or 'none (empty)'}, this slora "
             f"needs {head}: run `slora control-plane --migrate-only` or start with --migrate")

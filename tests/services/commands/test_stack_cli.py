@@ -12,7 +12,7 @@ import pytest
 from services.cli import build_parser, main
 from services.commands.admin import resolve_target_and_key
 from services.commands.up import write_private
-from services.control_plane.db import upgrade
+from services.control_plane.db import make_engine, upgrade
 
 
 def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -32,6 +32,11 @@ def test_control_plane_refuses_an_unmigrated_database(tmp_path, capsys, monkeypa
     assert "none (empty)" in message and "--migrate-only" in message
     upgrade(db, "0001")
     assert "at migration 0001" in refusal(capsys, "--db", db)
+    engine = make_engine(db)
+    with engine.begin() as conn:  # as if a newer slora had migrated it
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
+    engine.dispose()
+    assert "9999, which this slora does not know" in refusal(capsys, "--db", db)
 
 
 def test_control_plane_refuses_a_short_admin_key(tmp_path, capsys, monkeypatch):
