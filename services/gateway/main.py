@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.cluster_token import cluster_metadata
-from services.common.metrics import serve_metrics
+from services.common.metrics import metrics_host, serve_metrics
 from services.common.server import GrpcServer, drain_and_stop, install_stop_handlers, start_server
 from services.common.watch import Outbox, watch_forever
 from services.gateway.evidence import RoutedEvidence
 from services.gateway.http_api import HttpApi
 from services.gateway.http_server import start_http
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_server_metrics import ModelServerCollector
 from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
 from services.gateway.table import RoutingTable
@@ -92,9 +93,10 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     """Run until SIGTERM/SIGINT, then drain (NOT_SERVING, finish streams, stop)."""
     metrics = GatewayMetrics()
     if opts.metrics_port is not None:
-        serve_metrics(opts.metrics_port, metrics.registry)
+        serve_metrics(opts.metrics_port, metrics.registry, metrics_host(opts.listen))
     table = RoutingTable()
     router = Router(table, metrics)
+    metrics.registry.register(ModelServerCollector(table, router.inflight))
     servicer = GatewayServicer(router)
     handle: GrpcServer = await start_server(
         opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),

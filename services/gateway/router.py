@@ -30,6 +30,10 @@ RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
 
 
+# The retry hint when full workers gave none: clients back off at least this long.
+BUSY_RETRY_AFTER_MS = 1000
+
+
 class WorkerFailed(Exception):
     """A worker failed before sending a token; the next one may be tried."""
 
@@ -42,7 +46,7 @@ def all_failed(failures: list[e.ServiceError]) -> e.ServiceError:
     if full and len(full) == len(failures):
         delays = [f.retry_after_ms for f in full if f.retry_after_ms is not None]
         return e.ResourceExhausted(f"every worker is busy: {full[-1]}",
-                                   retry_after_ms=min(delays) if delays else None)
+                                   retry_after_ms=min(delays) if delays else BUSY_RETRY_AFTER_MS)
     return e.Unavailable(f"no worker could serve the request; last error: {failures[-1]}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 from services.common import errors as e
@@ -38,6 +39,7 @@ class RoutingTable:
     adapters: dict[str, ppb.RoutedAdapter] = field(default_factory=dict)
     workers: dict[str, ppb.WorkerEndpoint] = field(default_factory=dict)
     keys: dict[str, ppb.KeyGrant] = field(default_factory=dict)
+    updated_at: dict[str, float] = field(default_factory=dict)  # worker_id -> time.time()
 
     def apply(self, update: ppb.RoutingUpdate) -> None:
         """Apply a snapshot (replaces everything) or a delta."""
@@ -47,8 +49,10 @@ class RoutingTable:
             self.adapters[a.adapter_id] = a
         for name in update.removed_adapters:
             self.adapters.pop(name, None)
+        now = time.time()
         for w in update.workers:
             self.workers[w.worker_id] = w
+            self.updated_at[w.worker_id] = now
         for name in update.removed_workers:
             self.workers.pop(name, None)
         for k in update.keys:
