@@ -141,10 +141,13 @@ def call_command(action: Callable[[Any, argparse.Namespace], Any],
     def run(args: argparse.Namespace) -> int:
         import grpc
 
+        from services.commands.generate import connection_settings
+        from services.common.tls import saved_client_tls
         from services.control_plane.client import AdminClient
 
         target, key = resolve_target_and_key(args)
-        client = AdminClient.connect(target, key, args.timeout)
+        saved_tls = saved_client_tls(connection_settings(), target, "SLORA_TARGET")
+        client = AdminClient.connect(target, key, args.timeout, saved_tls)
         try:
             result = action(client, args)
         except grpc.RpcError as e:

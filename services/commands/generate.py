@@ -39,6 +39,7 @@ def connection_settings(path: Path = DEFAULT_CONNECTION) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from services.common.tls import open_sync_channel, saved_client_tls
     from slora.v1 import inference_pb2 as pb
     from slora.v1 import inference_pb2_grpc as pb_grpc
 
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         sampling.seed = args.seed
     request = pb.GenerateRequest(text=args.prompt, adapter=adapter, sampling=sampling,
                                  routing_key=args.routing_key)
-    with grpc.insecure_channel(gateway) as channel:
+    with open_sync_channel(gateway, saved_client_tls(saved, gateway, "SLORA_GATEWAY")) as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout,

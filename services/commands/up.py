@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", default=str(STATE_DIR), help="logs, database, caches")
     p.add_argument("--demo-dir", default="", help="demo assets (default: STATE_DIR/demo)")
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--tls", action="store_true",
+                   help="every hop (gRPC and the HTTP API) runs TLS with a throwaway CA written "
+                        "under STATE_DIR/tls; clients find it in the connection file")
     p.set_defaults(func=run)
 
 
@@ -36,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
         wait_until_routable,
     )
     from services.common.processes import wait_serving
+    from services.common.tls import CA_ENV
     from services.control_plane.client import AdminClient
     from slora_core.demo_assets import write_demo_assets
 
@@ -44,7 +48,12 @@ def run(args: argparse.Namespace) -> int:
     if not (demo / "manifest.json").exists():
         say(f"writing demo assets to {demo}")
         write_demo_assets(demo)
-    stack = Stack(StackConfig(demo_dir=demo, state_dir=state))
+    stack = Stack(StackConfig(demo_dir=demo, state_dir=state, tls=args.tls))
+    tls_line = ""
+    if args.tls:  # this process's own clients trust the throwaway CA too
+        ca = str(stack.client_ca())
+        os.environ[CA_ENV] = ca
+        tls_line = f"{CA_ENV}={ca}\n"
     stopping = False
 
     def on_signal(_sig: int, _frame: object) -> None:
@@ -76,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         write_private(state / CONNECTION_FILE, (
             f"SLORA_GATEWAY={gateway}\nSLORA_API_KEY={token}\n"
             f"SLORA_TARGET={stack.cp_address}\nSLORA_KEY_FILE={key_file}\n"
-            f"OPENAI_BASE_URL={http}\nOPENAI_API_KEY={token}\n"))
+            f"OPENAI_BASE_URL={http}\nOPENAI_API_KEY={token}\n{tls_line}"))
         print_howto(gateway, http, stack.cp_address, state, demo)
         while not stopping:
             dead = [c for c in stack.children() if not c.alive]

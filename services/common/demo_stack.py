@@ -84,6 +84,14 @@ class Stack:
                  "worker": {GATEWAY_TOKEN_ENV: self.gateway_token}}
         return {**self.env, **needs[role]}
 
+    def client_ca(self) -> Path:
+        """The CA a client of this TLS stack must trust (written at first use)."""
+        if not self.config.tls:
+            raise ValueError("this stack runs without TLS")
+        _ = self.env  # writes the certificates
+        assert self.tls_files is not None and self.tls_files.ca is not None
+        return self.tls_files.ca
+
     @property
     def db_url(self) -> str:
         return self.config.db_url or f"sqlite:///{self.config.state_dir / 'registry.db'}"

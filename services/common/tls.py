@@ -105,6 +105,17 @@ def open_sync_channel(target: str, tls: TlsConfig | None = None) -> grpc.Channel
     return grpc.secure_channel(target, tls.channel_credentials())
 
 
+def saved_client_tls(saved: Mapping[str, str], target: str, address_key: str
+                     ) -> TlsConfig | None:
+    """TLS for a CLI client: the environment's setting, else the CA `slora up` saved in its
+    connection file (`SLORA_TLS_CA`), used only for the address saved with it."""
+    configured = TlsConfig.from_env()
+    if configured is not None:
+        return configured
+    ca = saved.get(CA_ENV, "")
+    return TlsConfig(ca=Path(ca)) if ca and target == saved.get(address_key) else None
+
+
 def write_throwaway_certs(folder: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"),
                           days: int = 30) -> TlsConfig:
     """A fresh CA and one certificate for `hosts` (server and client use), PEM files in

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from services.common.tls import open_sync_channel
+from services.common.tls import TlsConfig, open_sync_channel
 from slora.v1 import admin_pb2 as pb
 from slora.v1 import admin_pb2_grpc as pb_grpc
 
@@ -25,8 +25,10 @@ class AdminClient:
         self._timeout = timeout_s
 
     @classmethod
-    def connect(cls, target: str, token: str, timeout_s: float = 60.0) -> AdminClient:
-        return cls(open_sync_channel(target), token, timeout_s)  # TLS when configured
+    def connect(cls, target: str, token: str, timeout_s: float = 60.0,
+                tls: TlsConfig | None = None) -> AdminClient:
+        """A client over a new channel: TLS with `tls`, or as the environment says."""
+        return cls(open_sync_channel(target, tls), token, timeout_s)
 
     def call(self, method: str, request: Any) -> Any:
         """Invoke `method` (e.g. 'GetAdapter') with auth metadata and the default deadline."""
