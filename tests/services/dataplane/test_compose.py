@@ -201,3 +201,14 @@ def test_every_compose_service_runs_locally_and_serves_generate(pg_url: str, tmp
     finally:
         for child in reversed(children):
             child.stop()
+
+
+@pytest.mark.skipif(os.environ.get("SLORA_DOCKER_E2E") != "1",
+                    reason="builds the image and runs compose for minutes: set SLORA_DOCKER_E2E=1 "
+                           "where docker and docker-compose run (deploy/compose_e2e.sh)")
+@pytest.mark.timeout(1800)
+def test_compose_up_end_to_end_in_containers(tmp_path: Path) -> None:
+    res = subprocess.run(["bash", str(ROOT / "deploy" / "compose_e2e.sh"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=1700)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "PASS" in res.stdout
