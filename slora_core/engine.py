@@ -227,8 +227,10 @@ class LLMEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
         adapter: str | None = None, tenant: str = "", deadline_s: float | None = None,
     ) -> None:
-        """Queue a request. `deadline_s`: if it has not been scheduled within that many seconds
-        it is dropped unrun (finish_reason "abort", error "deadline exceeded"). Raises
+        """Queue a request. `tenant`: waiting requests are admitted fairly across tenants (the
+        one with the fewest running goes first). `deadline_s`: if it has not been scheduled
+        within that many seconds it is dropped unrun (finish_reason "abort", error "deadline
+        exceeded"); once scheduled it runs to the end, preempted or not. Raises
         RequestError, UnknownAdapterError, an AdapterError, or QueueFullError; a refused request
         leaves the engine unchanged."""
         if request_id in self._requests:

@@ -85,10 +85,11 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._expire_waiting(out, time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        self._expire_waiting(out, now)
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, now)
             self._prefetch(out)
         # Group by adapter so each adapter's tokens form one contiguous LoRA segment.
         out.scheduled.sort(key=lambda s: (s.seq.adapter is None, s.adapter_slot))
@@ -171,15 +172,18 @@ class Scheduler:
         return order
 
     def _expire_waiting(self, out: SchedulerOutput, now: float) -> None:
-        """SLO-aware early abort: a waiting request past its deadline is dropped before it
-        costs any compute (the engine reports it as aborted)."""
-        expired = [s for s in self.waiting if s.deadline is not None and s.deadline <= now]
+        """SLO-aware early abort: a request never scheduled is dropped once past its deadline,
+        before it costs any compute (the engine reports it as aborted). A preempted request
+        waits for its turn again whatever its deadline: it has started, and may have streamed
+        tokens already."""
+        expired = [s for s in self.waiting if s.deadline is not None and s.deadline <= now
+                   and s.first_scheduled is None]
         for seq in expired:
             self.waiting.remove(seq)
             seq.status = SeqStatus.FINISHED
         out.expired.extend(expired)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         adapters = self._adapters_running()
         admitted: list[Sequence] = []
         for seq in self._fair_order():
@@ -198,6 +202,8 @@ class Scheduler:
             elif not self.pool.can_allocate(blocks):
                 break
             self._admit(seq, n, blocks, out)
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
             admitted.append(seq)
             if seq.adapter is not None:
                 adapters.add(seq.adapter)

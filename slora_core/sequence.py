@@ -31,7 +31,7 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
-    first_scheduled: float | None = None
+    first_scheduled: float | None = None  # when the scheduler first admitted it
 
     @property
     def num_tokens(self) -> int:

@@ -192,6 +192,36 @@ def test_deadline_drops_a_request_that_never_started(demo_dir, adapter_names):
     assert "first" in outs and not outs["first"].finished
 
 
+def test_preempted_requests_are_not_expired_by_their_deadline(demo_dir, monkeypatch):
+    """Requests that started run to the end through preemptions, long past their deadline; a
+    request that never started expires (the engine's clock is 10 s per step here)."""
+    import types
+
+    from slora_core import engine as engine_module
+    from slora_core import scheduler as scheduler_module
+
+    clock = [0.0]
+    fake = types.SimpleNamespace(monotonic=lambda: clock[0])
+    monkeypatch.setattr(scheduler_module, "time", fake)
+    monkeypatch.setattr(engine_module, "time", fake)
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        num_pages=6, block_size=16, max_rank=8, max_num_seqs=4))
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    for i in range(4):  # three fill the arena; the fourth cannot start before its deadline
+        engine.add_request(str(i), list(range(20 + i, 50 + i)), params, deadline_s=5.0)
+    got: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+        clock[0] += 10.0
+    assert engine.stats.preemptions > 0
+    for rid in ("0", "1", "2"):
+        assert sum(len(o.token_ids) for o in got[rid]) == 40, rid
+        assert got[rid][-1].finish_reason == "length", rid
+    assert got["3"][-1].finish_reason == "abort" and not got["3"][-1].token_ids
+    assert got["3"][-1].error == "deadline exceeded before the request was scheduled"
+
+
 def test_sliding_window_models_need_max_model_len_within_the_window():
     from slora_core.config import ConfigError, ModelConfig
 

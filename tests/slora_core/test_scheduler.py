@@ -212,6 +212,32 @@ def test_waiting_requests_past_their_deadline_are_dropped_unrun():
     assert out.expired == [b] and b.status is SeqStatus.FINISHED and not sched.waiting
 
 
+def test_a_deadline_never_expires_a_request_that_was_scheduled():
+    """A preempted request that already produced tokens waits for its turn past its deadline
+    and resumes; only requests never scheduled expire."""
+    sched, pool = make(num_pages=4, bs=2, budget=64)
+    a, b = seq("a", n=4, max_new=8), seq("b", n=4, max_new=8)
+    b.deadline = 10.0
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule(now=0.0)
+    sched.postprocess(out.scheduled, sampled(out))  # both ran a step: b has a token
+    assert b.first_scheduled == 0.0
+    out = sched.schedule(now=1.0)  # a's next token needs a block: b is preempted
+    assert out.preempted == [b] and b.output_token_ids == [7]
+    sched.postprocess(out.scheduled, sampled(out))
+    out = sched.schedule(now=20.0)  # past b's deadline, still no room for it
+    assert out.expired == [] and b.status is SeqStatus.WAITING
+    sched.postprocess(out.scheduled, sampled(out))
+    sched.finish(a)
+    out = sched.schedule(now=30.0)
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(b, 5)] and not out.expired
+    late = seq("late")
+    late.deadline = 25.0
+    sched.add(late)
+    assert sched.schedule(now=31.0).expired == [late]
+
+
 def test_token_slice_equals_slicing_the_whole_token_list():
     s = seq("a", n=5)
     s.output_token_ids = [50, 51, 52]
