@@ -9,6 +9,7 @@ table shared with gRPC codes). A client that goes away cancels its worker calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException
 
 from services.common import errors as e
 from services.common.cluster_token import bearer_token
+from services.gateway.evidence import Served
 from services.gateway.fanout import Fanout
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai_requests import (
@@ -138,6 +140,7 @@ class HttpApi:
                 return Response(status_code=499)
         finally:
             await fanout.close()
+        self._alias(rid, fanout)
         body = full_body(header, choices, n, plan.top_logprobs is not None)
         return JSONResponse(body, headers=headers)
 
@@ -171,6 +174,7 @@ class HttpApi:
             async for i, r in fanout.events():
                 choices[i].add(r)
                 yield chunk_event(header, choices[i], r, with_logprobs, include_usage)
+            self._alias(header.id, fanout)
             if include_usage:
                 yield usage_event(header, choices, n)
             yield DONE
@@ -181,6 +185,14 @@ class HttpApi:
             raise
         finally:
             await fanout.close()
+
+    def _alias(self, rid: str, fanout: Fanout) -> None:
+        """With several choices (calls `rid-0`, `rid-1`...), feedback may name the response's
+        own id: it scores the version that served choice 0 (one routing key for all)."""
+        if len(fanout.calls) > 1:
+            with contextlib.suppress(e.NotFound):
+                s = self.router.served.peek(fanout.calls[0].request_id)
+                self.router.served.remember(rid, Served(s.adapter_id, s.version, s.tenant))
 
     # ---- the rest --------------------------------------------------------------------------
     async def _models(self, request: Request) -> Response:

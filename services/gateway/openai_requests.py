@@ -87,10 +87,8 @@ class ChatCompletionRequest(_Common):
 class Plan:
     """What one HTTP request becomes: `calls[i]` serves choice i (prompt i // n, sample i % n)."""
 
-    adapter_id: str  # "" = the base model
     calls: list[pb.GenerateRequest]
     top_logprobs: int | None  # None: no logprobs in the response
-    prompts: int
 
 
 def _refuse_unsupported(req: _Common) -> None:
@@ -176,8 +174,7 @@ def completion_plan(req: CompletionRequest, base_model: str, request_id: str) ->
     inputs = [pb.GenerateRequest(text=x) if isinstance(x, str)
               else pb.GenerateRequest(token_ids=pb.TokenIds(ids=x)) for x in prompts]
     sampling = _sampling(req, req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, req.logprobs)
-    calls = _calls(req, inputs, base_model, sampling, request_id)
-    return Plan(calls[0].adapter.adapter_id, calls, req.logprobs, len(prompts))
+    return Plan(_calls(req, inputs, base_model, sampling, request_id), req.logprobs)
 
 
 def chat_plan(req: ChatCompletionRequest, base_model: str, request_id: str) -> Plan:
@@ -193,8 +190,7 @@ def chat_plan(req: ChatCompletionRequest, base_model: str, request_id: str) -> P
     chat = pb.GenerateRequest(messages=[_message(i, m) for i, m in enumerate(req.messages)])
     top = (req.top_logprobs or 0) if req.logprobs else None
     sampling = _sampling(req, req.max_completion_tokens or req.max_tokens, top)
-    calls = _calls(req, [chat], base_model, sampling, request_id)
-    return Plan(calls[0].adapter.adapter_id, calls, top, 1)
+    return Plan(_calls(req, [chat], base_model, sampling, request_id), top)
 
 
 def _message(index: int, m: ChatMessage) -> pb.ChatMessage:

@@ -32,7 +32,7 @@ WORKER_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 
 
 class WorkerChannels:
-    """address -> its one channel, opened at first use and kept while the address is in use."""
+    """address -> its one channel, opened at first use and kept for the process's life."""
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -47,13 +47,12 @@ class WorkerChannels:
             self._channels[address] = channel
         return pb_grpc.InferenceServiceStub(channel)
 
-    async def close_unused(self, in_use: set[str]) -> None:
-        """Close the channels of addresses no worker has any more (a worker moved or left)."""
-        for address in [a for a in self._channels if a not in in_use]:
-            await self._channels.pop(address).close()
-
     async def close(self) -> None:
-        await self.close_unused(set())
+        """At shutdown. (A worker that leaves keeps its idle channel: closing it while a
+        draining worker still streams would cut those streams.)"""
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
 
 
 def merge_chunks(responses: list[pb.GenerateResponse]) -> list[pb.GenerateResponse]:

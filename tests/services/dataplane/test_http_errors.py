@@ -190,6 +190,8 @@ async def _full_then_disconnect(hs: HttpStack) -> None:
         await asyncio.to_thread(wait_for, lambda: model_server_metrics(hs)[:2] == (1, 1), 5,
                                 "the worker's heartbeat figures on the gateway")
         assert 0 < model_server_metrics(hs)[2] <= 1
+        gateway = httpx.get(hs.url.removesuffix("/v1") + "/metrics").text
+        assert 'running_lora_adapters="qv-r4",waiting_lora_adapters="qv-r4"' in gateway
         full = await h.post("/completions", json=completion(model="qv-r4"))
         error_of(full, 429, "rate_limit_error", "every worker is busy")
         assert int(full.headers["retry-after"]) >= 1
