@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import time
 import zipfile
 from pathlib import Path
@@ -43,11 +44,19 @@ def copy_sources(dest: Path) -> None:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built as `python -m build` does: sources -> sdist -> wheel from the unpacked sdist, so
+    the sdist must carry what the build needs (proto/, the migrations, setup.py)."""
     src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheels")
     copy_sources(src)
     assert not list((src / "slora" / "v1").glob("*_pb2*.py"))
+    sh([sys.executable, "-c", "from setuptools import build_meta as b; b.build_sdist('dist')"],
+       cwd=src)
+    (sdist,) = (src / "dist").glob("slora-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(out / "sdist", filter="data")
+    (unpacked,) = (out / "sdist").iterdir()
     sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-        "-w", str(out), str(src)], cwd=out)
+        "-w", str(out), str(unpacked)], cwd=out)
     (path,) = out.glob("slora-*.whl")
     return path
 
