@@ -153,24 +153,29 @@ def run_http(base_url: str, token: str, reqs: list[Request], new_tokens: int,
     import httpx
 
     async def call(client: httpx.AsyncClient, slots: asyncio.Semaphore, prompt: list[int],
-                   adapter: str, t0: float) -> tuple[float, int]:
+                   adapter: str, t0: float) -> tuple[float, int, str]:
         body = {"model": adapter, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         first: float | None = None
         n = 0
-        async with slots, client.stream("POST", "/completions", json=body) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if event["choices"] and first is None:  # the first token's event
-                    first = time.perf_counter() - t0
-                if event.get("usage"):
-                    n = event["usage"]["completion_tokens"]
-        return (first if first is not None else float("nan")), n
+        async with slots:
+            try:
+                async with client.stream("POST", "/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        return float("nan"), 0, f"HTTP {resp.status_code}"
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        event = json.loads(line[6:])
+                        if event["choices"] and first is None:  # the first token's event
+                            first = time.perf_counter() - t0
+                        if event.get("usage"):
+                            n = event["usage"]["completion_tokens"]
+            except httpx.HTTPError as e:
+                return float("nan"), 0, f"{type(e).__name__}: {e}"
+        return (first if first is not None else float("nan")), n, ""
 
-    async def run() -> tuple[float, list[tuple[float, int]]]:
+    async def run() -> tuple[float, list[tuple[float, int, str]]]:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         slots = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600,
@@ -181,7 +186,9 @@ def run_http(base_url: str, token: str, reqs: list[Request], new_tokens: int,
             return time.perf_counter() - t0, got
 
     wall, got = asyncio.run(run())
-    return summarize(wall, sum(n for _, n in got), [f for f, _ in got])
+    ok = [(f, n) for f, n, err in got if not err]
+    return summarize(wall, sum(n for _, n in ok), [f for f, _ in ok] or [float("nan")],
+                     [err for _, _, err in got if err])
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -255,7 +262,8 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
             runs["http"].append(run_http(stack.http_urls["gateway"], token, reqs,
                                          args.new_tokens, c))
         line = {k: round(v[-1]["output_tok_per_s"], 1) for k, v in runs.items()}
-        print(f"c={c} repeat {r + 1}: tok/s {line}", flush=True)
+        errors = {k: len(v[-1]["errors"]) for k, v in runs.items() if v[-1]["errors"]}
+        print(f"c={c} repeat {r + 1}: tok/s {line} errors {errors}", flush=True)
     ratios = {k: spread([compare(b, o) for b, o in zip(runs["in_process"], v, strict=True)])
               for k, v in runs.items() if k != "in_process"}
     return {"concurrency": c, "requests": len(reqs), "ratios": ratios, "runs": runs}
@@ -292,10 +300,10 @@ def main() -> int:
         for c in levels:
             reqs = workload(names, c * args.requests_per_stream, vocab=512)
             results.append(measure(args, stack, engine, token, pool, reqs, c))
+            write_result(args, results)  # what is measured so far survives a later failure
     finally:
         pool.terminate()
         stack.stop()
-    write_result(args, results)
     return 0
 
 
