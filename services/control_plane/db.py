@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,9 @@ def alembic_config(url: str) -> Any:
     """An Alembic `Config` for the registry's migrations, targeting `url`."""
     from alembic.config import Config
 
-    cfg = Config(str(MIGRATIONS_DIR / "alembic.ini"))
+    # stdout given explicitly: Alembic's default is the sys.stdout of its first import, which
+    # may be a stream closed since (pytest's capture).
+    cfg = Config(str(MIGRATIONS_DIR / "alembic.ini"), stdout=sys.stdout)
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     # ConfigParser interpolation would choke on '%' in URL-encoded passwords.
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
