@@ -37,6 +37,7 @@ from services.common.demo_stack import (
     publish_demo_adapters,
     wait_until_routable,
 )
+from services.common.hop_auth import GATEWAY_HEADER
 from services.control_plane.client import AdminClient
 from slora_core.config import EngineConfig
 from slora_core.demo_assets import write_demo_assets
@@ -57,7 +58,7 @@ def workload(names: list[str], n: int, vocab: int) -> list[Request]:
 
 def summarize(wall: float, tokens: int, ttft: list[float], errors: list[str] | None = None,
               ) -> dict[str, Any]:
-    t = np.asarray(ttft, dtype=float)
+    t = np.asarray(ttft or [float("nan")], dtype=float)
     return {"wall_s": wall, "output_tokens": tokens, "output_tok_per_s": tokens / wall,
             "ttft_p50_s": float(np.median(t)), "ttft_p90_s": float(np.percentile(t, 90)),
             "ttft_p99_s": float(np.percentile(t, 99)), "errors": errors or []}
@@ -85,7 +86,8 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, conc
 
 
 # ---- gRPC, from client processes -----------------------------------------------------------
-def _grpc_client(target: str, token: str, reqs: list[Request], new_tokens: int,
+def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Request],
+                 new_tokens: int,
                  concurrency: int, direct: bool, start_at: float,
                  ) -> tuple[list[float], int, list[str]]:
     """One client process: `reqs` with `concurrency` in flight, from wall-clock `start_at`."""
@@ -93,8 +95,6 @@ def _grpc_client(target: str, token: str, reqs: list[Request], new_tokens: int,
 
     from slora.v1 import inference_pb2 as pb
     from slora.v1 import inference_pb2_grpc as pb_grpc
-
-    md = (("authorization", f"Bearer {token}"),) if token else ()
 
     def message(prompt: list[int], adapter: str) -> pb.GenerateRequest:
         ref = pb.AdapterRef(adapter_id=adapter)
@@ -134,15 +134,21 @@ def _grpc_client(target: str, token: str, reqs: list[Request], new_tokens: int,
     return asyncio.run(run())
 
 
-def run_grpc(pool: Any, procs: int, target: str, token: str, reqs: list[Request],
-             new_tokens: int, concurrency: int, direct: bool = False) -> dict[str, Any]:
+def run_grpc(pool: Any, procs: int, target: str, md: tuple[tuple[str, str], ...],
+             reqs: list[Request], new_tokens: int, concurrency: int, direct: bool = False,
+             ) -> dict[str, Any]:
+    """`md`: the tenant key for a gateway, the gateway token for a worker called directly."""
     start_at = time.time() + 0.5
-    shares = [(target, token, reqs[k::procs], new_tokens, max(1, concurrency // procs), direct,
+    shares = [(target, md, reqs[k::procs], new_tokens, max(1, concurrency // procs), direct,
                start_at) for k in range(procs)]
     got = pool.starmap(_grpc_client, shares)
     wall = time.time() - start_at
     ttft = [t for g in got for t in g[0]]
     return summarize(wall, sum(g[1] for g in got), ttft, [e for g in got for e in g[2]])
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)
 
 
 # ---- HTTP (OpenAI-compatible SSE) ----------------------------------------------------------
@@ -254,9 +260,10 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
         runs["http"] = []
     for r in range(args.repeats):
         runs["in_process"].append(run_in_process(engine, reqs, args.new_tokens, c))
-        runs["worker"].append(run_grpc(pool, args.client_procs, worker, "", reqs,
+        runs["worker"].append(run_grpc(pool, args.client_procs, worker,
+                                       ((GATEWAY_HEADER, stack.gateway_token),), reqs,
                                        args.new_tokens, c, direct=True))
-        runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, token, reqs,
+        runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, bearer(token), reqs,
                                         args.new_tokens, c))
         if args.http:
             runs["http"].append(run_http(stack.http_urls["gateway"], token, reqs,
@@ -295,7 +302,8 @@ def main() -> int:
             engine.register_adapter(name, demo.root / "adapters" / name)
         engine.warmup()
         warm = workload(names, 8, vocab=512)  # connections, adapter loads, client imports
-        run_grpc(pool, args.client_procs, stack.gateway_addresses["gateway"], token, warm, 4, 8)
+        run_grpc(pool, args.client_procs, stack.gateway_addresses["gateway"], bearer(token),
+                 warm, 4, 8)
         run_in_process(engine, warm, 4, 8)
         for c in levels:
             reqs = workload(names, c * args.requests_per_stream, vocab=512)
