@@ -15,12 +15,12 @@ SO=(--device cuda --dtype float16 --shape llama2-7b --num-pages 2400 --max-model
     --concurrency 64,256 --requests-per-stream 2 --new-tokens 64 --client-procs 4 --http)
 PC=(--shape llama2-7b --device cuda --dtype float16 --batch 64 --context 512 --adapters)
 case "${1:-1}" in
-1)  timeout 360 python3 -m bench.service_overhead "${SO[@]}" --repeats 3 \
+1)  timeout 300 python3 -m bench.service_overhead "${SO[@]}" --repeats 3 \
         --out "$OUT/service-overhead-7b-h200.json" 2>&1 | grep -v "it/s]\|s/it]" \
         | tee "$OUT/service-overhead.log" | grep -v "^  File\|^    " | tail -30
     for mode in sync async; do
         flag=(); [ $mode = async ] && flag=(--async-steps)
-        timeout 110 python3 -m bench.profile_core "${PC[@]}" "${flag[@]}" \
+        timeout 90 python3 -m bench.profile_core "${PC[@]}" "${flag[@]}" \
             --out "$OUT/profile-core-$mode-h200.json" 2>&1 | tail -2
     done ;;
 2)  timeout 100 python3 -m bench.gpu_engine_check --out "$OUT/engine-gpu-check.json" 2>&1 \
