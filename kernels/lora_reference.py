@@ -32,7 +32,11 @@ def add_lora_reference(
     out_slices: tuple[tuple[int, int], ...],
     meta: LoraMeta,
 ) -> None:
-    """y += the multi-LoRA delta of x (see module docstring). Computes in float32."""
+    """y += the multi-LoRA delta of x (see module docstring). Computes in float32 (float64
+    given float64 inputs) and rounds y + delta to y's dtype once, in peft's order for 16-bit
+    models (peft keeps the adapter in float32, adds the float32 delta to the 16-bit base
+    output and casts the sum back) and as the Triton expand does; rounding the delta to 16
+    bits before the add would round twice."""
     if meta.num_segments == 0:
         return
     k = x.shape[1]
@@ -44,12 +48,14 @@ def add_lora_reference(
     b_off = b_offsets.tolist()
     scales_h = scales.tolist()
     for start, n, slot in zip(starts, lens, slots, strict=True):
-        xs = x[start : start + n].float()
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xs = x[start : start + n].to(acc)
         for m, (o_start, o_size) in zip(module_ids, out_slices, strict=True):
             r = ranks_h[slot][m]
             if r == 0:
                 continue
-            a = arena[a_off[slot][m] : a_off[slot][m] + r * k].view(r, k).float()
-            b = arena[b_off[slot][m] : b_off[slot][m] + o_size * r].view(o_size, r).float()
+            a = arena[a_off[slot][m] : a_off[slot][m] + r * k].view(r, k).to(acc)
+            b = arena[b_off[slot][m] : b_off[slot][m] + o_size * r].view(o_size, r).to(acc)
             delta = (xs @ a.T) @ b.T * scales_h[slot][m]
-            y[start : start + n, o_start : o_start + o_size] += delta.to(y.dtype)
+            out = y[start : start + n, o_start : o_start + o_size]
+            out.copy_((out.to(acc) + delta).to(y.dtype))
