@@ -14,18 +14,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
 from slora_core.adapter_copies import AdapterCopier
 from slora_core.adapters import AdapterError, LoraAdapter
-from slora_core.arena import PageArena
 from slora_core.config import LORA_MODULES, ConfigError, EngineConfig, ModelConfig
 from slora_core.detokenizer import TextStream
-from slora_core.lora import wrap_lora
 from slora_core.model import LlamaForCausalLM
-from slora_core.model_runner import ModelRunner, TokenPatch
+from slora_core.model_runner import ModelRunner
 from slora_core.outputs import RequestOutput, TokenLogprob, nonfinite_logits_error
 from slora_core.page_pool import PagePool
 from slora_core.sampler import PendingSample, SampledToken, Sampler, make_generator
@@ -108,11 +105,9 @@ class LLMEngine:
         # Resolved, so that readers of engine.config see the limit in force, never None.
         self.config = config = replace(config, max_model_len=self.max_model_len)
         block_size = config.resolve_block_size(model_config)
-        device = torch.device(config.device)
-        # One spare table row beyond the pool's slots stays empty (rank 0): CUDA-graph decode
-        # steps point base-model and padding rows at it.
-        self.arena = PageArena(model_config, config.num_pages, block_size, config.num_pages + 1,
-                               config.torch_dtype, device, max_rank=config.max_rank)
+        self.runner = ModelRunner.build(model, model_config, config, block_size,
+                                        self.max_model_len)
+        self.arena = self.runner.arena
         self.pool = PagePool(config.num_pages, num_slots=config.num_pages)
         tok_eos = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
         self.eos_token_ids = tok_eos or model_config.eos_token_ids
@@ -124,18 +119,8 @@ class LLMEngine:
         self.adapters = AdapterStore(
             model_config, max_rank=config.max_rank, dtype=config.torch_dtype,
             page_numel=self.arena.page_numel, capacity_bytes=config.host_cache_bytes,
-            pin_memory=device.type == "cuda",
+            pin_memory=self.arena.pages.device.type == "cuda",
         )
-        wrap_lora(model, model_config)
-        self.runner = ModelRunner(model, self.arena,
-                                  max_num_seqs=config.max_num_seqs,
-                                  # Graph block tables need no more columns than the arena
-                                  # has pages, whatever the model's context length.
-                                  max_model_len=min(self.max_model_len,
-                                                    config.num_pages * block_size),
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  use_cuda_graphs=config.cuda_graphs,
-                                  mixed_graphs=config.mixed_graphs)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
         self.stats = EngineStats()
@@ -323,7 +308,9 @@ class LLMEngine:
             self.stats.tokens += sched.num_tokens
             self.stats.last_distinct_adapters = sched.distinct_adapters()
             self._wait_for_copies(sched)
-            logits = self.runner.run(sched.scheduled, self._patch(sched, inflight))
+            patch = None if inflight is None else self.runner.token_patch(
+                sched.scheduled, inflight.seqs, inflight.pending.tokens)
+            logits = self.runner.run(sched.scheduled, patch)
             sampling = [s.seq for s in sched.scheduled if s.samples]
         if inflight is not None:
             outputs += self._complete(inflight)
@@ -372,27 +359,6 @@ class LLMEngine:
         """The sequence's request is still being served (not finished, aborted or failed)."""
         req = self._requests.get(seq.request_id)
         return req is not None and req.seq is seq
-
-    @staticmethod
-    def _patch(sched: SchedulerOutput, inflight: _Inflight | None) -> TokenPatch | None:
-        """Where this step's inputs are the previous step's placeholders."""
-        if inflight is None:
-            return None
-        row_of = {id(s): i for i, s in enumerate(inflight.seqs)}
-        dst, rows = [], []
-        start = 0
-        for item in sched.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            row = row_of.get(id(seq))
-            # The placeholder is the sequence's last token; a decode step's only one.
-            if row is not None and seq.num_computed_tokens + n == seq.num_tokens:
-                dst.append(start + n - 1)
-                rows.append(row)
-            start += n
-        if not dst:
-            return None
-        return TokenPatch(np.asarray(dst, dtype=np.int64), np.asarray(rows, dtype=np.int64),
-                          inflight.pending.tokens)
 
     def _complete(self, inflight: _Inflight) -> list[RequestOutput]:
         """Read a launched step's sampled ids: fill the placeholders, stream, finish."""

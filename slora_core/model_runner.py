@@ -1,49 +1,34 @@
 """Turns a scheduled step into tensors (one StepContext), runs the model, returns the logits of
-the sequences that sample this step. The only engine part that touches the device.
-
-On CUDA, decode-only steps replay a CUDA graph captured per batch-size bucket, and steps that
-carry prefill tokens replay one captured per token-count bucket (`MixedGraphs`); the step's
-metadata is copied into the graph's static buffers, so a step costs one launch. Run eagerly, a
-Llama-2-7B step costs ~45 ms of host time (Python and kernel launches) for 5-10 ms of GPU work
-at mixed-step sizes."""
+the sequences that sample this step. The only engine part that touches the device; on CUDA it
+replays CUDA graphs (cuda_graphs.py) where a step fits one."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta, tile_rows
+from kernels.lora_meta import LoraMeta, tile_rows
 from slora_core.arena import PageArena
+from slora_core.config import EngineConfig, ModelConfig
 from slora_core.context import StepContext, step_context
-from slora_core.graph_buffers import BufferLayout, GraphBuffers
+from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
+from slora_core.lora import wrap_lora
 from slora_core.model import LlamaForCausalLM
 from slora_core.scheduler import ScheduledSeq
-from slora_core.step_inputs import StepInputs, build_step_inputs, to_device
-
-
-@dataclass(frozen=True)
-class TokenPatch:
-    """Input ids the host does not know yet: token `dst[i]` of the step is `src[rows[i]]`, an id
-    the previous step sampled that is still on the device (asynchronous steps)."""
-
-    dst: np.ndarray  # [n] int64 token indices within the step
-    rows: np.ndarray  # [n] int64 rows of src
-    src: torch.Tensor  # [B_prev] int64, on the device
-
-
-def apply_patch(input_ids: torch.Tensor, patch: TokenPatch | None) -> None:
-    """input_ids[dst] = src[rows], on the device (the indices travel pinned and non-blocking:
-    a pageable copy would wait for the previous step's work)."""
-    if patch is None or patch.dst.size == 0:
-        return
-    dst, rows = to_device([patch.dst, patch.rows], input_ids.device)
-    input_ids[dst] = patch.src[rows]
+from slora_core.sequence import Sequence
+from slora_core.step_inputs import (
+    StepInputs,
+    TokenPatch,
+    apply_patch,
+    build_step_inputs,
+    to_device,
+    token_patch,
+)
 
 
 class ModelRunner:
+    """Runs the model on scheduled steps over a page arena (KV blocks and adapter pages)."""
+
     def __init__(self, model: LlamaForCausalLM, arena: PageArena, *,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
@@ -60,6 +45,24 @@ class ModelRunner:
             if mixed_graphs:
                 self.mixed = MixedGraphs(self, max_num_seqs, max_num_batched_tokens,
                                          max_model_len, self.graphs)
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+              block_size: int, max_model_len: int) -> ModelRunner:
+        """The runner of an engine: its page arena, and the model's linear layers wrapped for
+        LoRA."""
+        # One spare table row beyond the pool's slots stays empty (rank 0): CUDA-graph decode
+        # steps point base-model and padding rows at it.
+        arena = PageArena(model_config, config.num_pages, block_size, config.num_pages + 1,
+                          config.torch_dtype, torch.device(config.device),
+                          max_rank=config.max_rank)
+        wrap_lora(model, model_config)
+        return cls(model, arena, max_num_seqs=config.max_num_seqs,
+                   # Graph block tables need no more columns than the arena has pages,
+                   # whatever the model's context length.
+                   max_model_len=min(max_model_len, config.num_pages * block_size),
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs)
 
     def fix_graph_lora_split(self, split_k: int) -> None:
         """For benchmarks (bench/serving.py --graph-lora-split-k): every CUDA graph's LoRA
@@ -103,6 +106,12 @@ class ModelRunner:
         )
         return input_ids, ctx
 
+    @staticmethod
+    def token_patch(scheduled: list[ScheduledSeq], prev_seqs: list[Sequence],
+                    prev_tokens: torch.Tensor) -> TokenPatch | None:
+        """The patch `run` needs when the previous step's ids are still on the device."""
+        return token_patch(scheduled, prev_seqs, prev_tokens)
+
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq], patch: TokenPatch | None = None
             ) -> torch.Tensor:
@@ -118,254 +127,3 @@ class ModelRunner:
         with step_context(ctx):
             hidden = self.model(input_ids, ctx.positions)
             return self.model.compute_logits(hidden[ctx.logits_indices])
-
-
-GraphKey = tuple[int, frozenset[int]]  # (bucket, LoRA module ids the graph runs)
-
-
-class _StepGraphs:
-    """What decode and mixed-step graphs share: one CUDA graph per (bucket, LoRA module set)
-    captured into one memory pool, and replayed after `prepare` has copied the step's padded
-    inputs into the static buffers (`buf`, laid out by `layout`: two host-to-device copies a
-    step). `run_padded_eager` runs the same padded step without a graph (on any device: CPU
-    tests check it against the unpadded step). Subclasses define `buckets`, the layout and
-    buffers, `_context` and `prepare`."""
-
-    buckets: list[int]
-    layout: BufferLayout
-    buf: GraphBuffers[torch.Tensor]
-
-    # `pool`: a torch.cuda.graph_pool_handle() (a private torch type) or None off CUDA.
-    def __init__(self, runner: ModelRunner, pool: Any) -> None:
-        self.runner = runner
-        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[GraphKey, torch.Tensor] = {}
-        self.contexts: dict[GraphKey, StepContext] = {}  # captured graphs read these
-        self.pool = pool
-
-    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
-        raise NotImplementedError
-
-    def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
-        """Copy the step's padded inputs into the static buffers; the graph key to run."""
-        raise NotImplementedError
-
-    def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
-        model = self.runner.model
-        with step_context(ctx):
-            hidden = model(self.buf.input_ids[:bucket], ctx.positions)
-            return model.compute_logits(hidden[ctx.logits_indices])
-
-    def capture_all(self, modules: frozenset[int]) -> None:
-        """Capture every bucket for one LoRA module set now (start-up), so no request waits for
-        a capture later. An empty set captures the base-model (no LoRA) graphs."""
-        with torch.inference_mode():
-            for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
-                if (bucket, modules) not in self.graphs:
-                    self._capture(bucket, modules)
-
-    def _capture(self, bucket: int, modules: frozenset[int]) -> None:
-        key = (bucket, modules)
-        ctx = self.contexts[key] = self._context(bucket, modules)
-        for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-            self._forward(bucket, ctx)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.logits[key] = self._forward(bucket, ctx)
-        self.graphs[key] = graph
-
-    def run(self, inputs: StepInputs, patch: TokenPatch | None = None) -> torch.Tensor:
-        key = self.prepare(inputs, patch)
-        if key not in self.graphs:
-            # A bucket or module set not captured at start-up: capture it now. Its warm-up runs
-            # read this step's inputs (already in the buffers), so the KV rows they write are
-            # the ones the replay writes; stale inputs could overwrite pages reused since.
-            self._capture(*key)
-        self.graphs[key].replay()
-        return self.logits[key][: inputs.logits_indices.size]
-
-    def run_padded_eager(self, inputs: StepInputs) -> torch.Tensor:
-        """The padded step a graph replays, run without a graph."""
-        key = self.prepare(inputs)
-        return self._forward(key[0], self._context(*key))[: inputs.logits_indices.size]
-
-    def _key(self, bucket: int, inputs: StepInputs) -> GraphKey:
-        return (bucket, self.runner.arena.active_lora_modules if inputs.has_lora else frozenset())
-
-    def _upload(self, host: GraphBuffers[np.ndarray], patch: TokenPatch | None) -> None:
-        for static, flat in ((self.buf.i64, host.i64), (self.buf.i32, host.i32)):
-            src = torch.from_numpy(flat)
-            if static.is_cuda:
-                src = src.pin_memory()
-            static.copy_(src, non_blocking=static.is_cuda)
-        apply_patch(self.buf.input_ids, patch)
-
-
-def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:
-    """`values` at the front of `dst`, `pad` after them."""
-    dst[: values.size] = values
-    dst[values.size :] = pad
-
-
-def _fill_lora(inputs: StepInputs, block_m: int, host: GraphBuffers[np.ndarray]) -> None:
-    """Write the step's LoRA segments and tile list into the front of the padded host arrays."""
-    tile_segs, tile_m0 = inputs.lora_tiles(block_m)
-    for dst, src in ((host.seg_starts, inputs.seg_starts), (host.seg_lens, inputs.seg_lens),
-                     (host.seg_slots, inputs.seg_slots), (host.tile_segs, tile_segs),
-                     (host.tile_m0, tile_m0)):
-        dst[: src.size] = src
-
-
-def _buckets(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
-
-
-class DecodeGraphs(_StepGraphs):
-    """CUDA graphs of the decode step (one token per sequence), one per batch-size bucket and
-    LoRA module set (the module ids some resident adapter targets; empty for steps with no
-    adapter token). LoRA runs over a tile list of up to one tile per row; base-model and
-    padding rows point at the arena's spare table row, whose ranks are always 0."""
-
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
-        dev = runner.device
-        super().__init__(runner, torch.cuda.graph_pool_handle() if dev.type == "cuda" else None)
-        arena = runner.arena
-        self.buckets = _buckets(max_num_seqs)
-        self.max_blocks = -(-max_model_len // arena.block_size)
-        self.empty_slot = arena.num_slots - 1
-        n = self.buckets[-1]
-        # One row per sequence, token, segment and tile alike.
-        self.layout = BufferLayout(tokens=n, seqs=n, segments=n, tiles=n,
-                                   max_blocks=self.max_blocks)
-        buf = self.buf = self.layout.device(dev)
-        # Start-up captures run the model on these: write no KV (slot -1), read no adapter.
-        buf.slot_mapping.fill_(-1)
-        buf.seq_lens.fill_(1)
-        buf.token_slots.fill_(self.empty_slot)
-        buf.tile_segs.fill_(-1)
-        # Every row is one query token and samples: query starts and logits rows are 0..n.
-        self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
-
-    def can_run(self, inputs: StepInputs) -> bool:
-        return (inputs.max_query_len == 1 and inputs.logits_indices.size == inputs.num_seqs
-                and inputs.num_seqs <= self.buckets[-1]
-                and inputs.block_tables.shape[1] <= self.max_blocks)
-
-    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
-        r, b, buf = self.runner, bucket, self.buf
-        # Up to b segments and b tiles; prepare() fills them and marks unused tiles -1.
-        lora = LoraMeta(seg_starts=buf.seg_starts[:b], seg_lens=buf.seg_lens[:b],
-                        seg_slots=buf.seg_slots[:b], token_slots=buf.token_slots[:b],
-                        max_seg_len=DECODE_BLOCK_M, num_segments=b,
-                        tile_segs=buf.tile_segs[:b], tile_m0=buf.tile_m0[:b], num_tiles=b,
-                        block_m=DECODE_BLOCK_M, padded_tiles=True) if modules else None
-        return StepContext(
-            positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
-            block_tables=buf.block_tables[:b], seq_lens=buf.seq_lens[:b],
-            query_starts=self.arange[: b + 1], max_query_len=1,
-            max_seq_len=self.max_blocks * r.arena.block_size,
-            logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
-            lora_tables=r.arena.tables if modules else None, lora_modules=modules,
-            lora_split_k=r.graph_lora_split_k,
-        )
-
-    def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
-        model = self.runner.model  # every row samples: no gather of the hidden states
-        with step_context(ctx):
-            return model.compute_logits(model(self.buf.input_ids[:bucket], ctx.positions))
-
-    def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
-        n, nb = inputs.num_seqs, inputs.block_tables.shape[1]
-        key = self._key(next(s for s in self.buckets if s >= n), inputs)
-        host = self.layout.host()
-        host.input_ids[:n] = inputs.input_ids
-        host.positions[:n] = inputs.positions
-        _fill(host.slot_mapping, inputs.slot_mapping, -1)
-        _fill(host.seq_lens, inputs.seq_lens, 1)
-        _fill(host.token_slots, np.where(inputs.token_slots >= 0, inputs.token_slots,
-                                         self.empty_slot), self.empty_slot)
-        host.tile_segs[:] = -1
-        if key[1]:
-            _fill_lora(inputs, DECODE_BLOCK_M, host)
-        host.block_tables[:n, :nb] = inputs.block_tables
-        self._upload(host, patch)
-        return key
-
-
-def _token_buckets(max_tokens: int) -> list[int]:
-    sizes = [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
-    return [t for t in sizes if t < max_tokens] + [max_tokens]
-
-
-class MixedGraphs(_StepGraphs):
-    """Steps with prefill tokens (mixed prefill + decode, or prefill alone) as CUDA graphs, one
-    per token-count bucket and LoRA module set.
-
-    Inputs are padded to the bucket: padding tokens belong to no sequence (KV slot -1, so they
-    write no KV; no attention tile and no LoRA tile covers them; their rows of the activations
-    are garbage that nothing reads) and sequences are padded to `max_num_seqs` with zero
-    queries. Attention runs the general (prefill) kernel and LoRA 64-row tiles, whose grids are
-    sized for the bucket's worst case; unused programs exit at once."""
-
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, decode_graphs: DecodeGraphs | None = None) -> None:
-        # One memory pool with the decode graphs: only one graph runs at a time.
-        super().__init__(runner, decode_graphs.pool if decode_graphs is not None else None)
-        self.buckets = _token_buckets(max_num_batched_tokens)
-        self.t_max, self.b_max = self.buckets[-1], max_num_seqs
-        self.max_blocks = -(-max_model_len // runner.arena.block_size)
-        t, b = self.t_max, self.b_max
-        # A segment is a run of one sequence or more: at most b. Tiles: one partial tile per
-        # segment plus t / 64 full ones.
-        self.layout = BufferLayout(tokens=t, seqs=b, segments=b,
-                                   tiles=-(-t // PREFILL_BLOCK_M) + b,
-                                   max_blocks=self.max_blocks, sampled=b, query_starts=b + 1)
-        self.buf = self.layout.device(runner.device)
-        self.buf.slot_mapping.fill_(-1)
-        self.buf.tile_segs.fill_(-1)
-
-    def can_run(self, inputs: StepInputs) -> bool:
-        return (inputs.input_ids.size <= self.t_max and inputs.num_seqs <= self.b_max
-                and inputs.logits_indices.size <= self.b_max
-                and inputs.block_tables.shape[1] <= self.max_blocks)
-
-    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
-        r, t, buf = self.runner, bucket, self.buf
-        # Tiles: at most one partial tile per segment plus t / 64 full ones.
-        tiles = -(-t // PREFILL_BLOCK_M) + min(self.b_max, t)
-        lora = LoraMeta(seg_starts=buf.seg_starts, seg_lens=buf.seg_lens,
-                        seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
-                        max_seg_len=t, num_segments=self.b_max,
-                        tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=PREFILL_BLOCK_M,
-                        padded_tiles=True) if modules else None
-        return StepContext(
-            positions=buf.positions[:t], slot_mapping=buf.slot_mapping[:t],
-            block_tables=buf.block_tables, seq_lens=buf.seq_lens,
-            query_starts=buf.query_starts, max_query_len=t,
-            max_seq_len=self.max_blocks * r.arena.block_size,
-            logits_indices=buf.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
-            lora_tables=r.arena.tables if modules else None, lora_modules=modules,
-            lora_split_k=r.graph_lora_split_k,
-        )
-
-    def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
-        n_tok, n_seq = int(inputs.input_ids.size), inputs.num_seqs
-        key = self._key(next(s for s in self.buckets if s >= n_tok), inputs)
-        host = self.layout.host()
-        host.input_ids[:n_tok] = inputs.input_ids
-        host.positions[:n_tok] = inputs.positions
-        _fill(host.slot_mapping, inputs.slot_mapping, -1)
-        host.logits_indices[: inputs.logits_indices.size] = inputs.logits_indices
-        _fill(host.seq_lens, inputs.seq_lens, 1)
-        _fill(host.query_starts, inputs.query_starts, n_tok)
-        _fill(host.token_slots, inputs.token_slots, -1)
-        host.tile_segs[:] = -1
-        if key[1]:
-            _fill_lora(inputs, PREFILL_BLOCK_M, host)
-        nb = inputs.block_tables.shape[1]
-        host.block_tables[:n_seq, :nb] = inputs.block_tables
-        self._upload(host, patch)
-        return key

@@ -1,5 +1,6 @@
 """Host-side arrays of one step, built with numpy (no per-token Python loop), then moved to the
-device in one pinned, non-blocking copy."""
+device in one pinned, non-blocking copy; and the input ids still on the device (TokenPatch)
+when the previous step's sampled ids have not reached the host (asynchronous steps)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from kernels.lora_meta import lora_segments, lora_tiles
 from slora_core.scheduler import ScheduledSeq
+from slora_core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -103,3 +105,43 @@ def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tens
         out.append(dev[offset : offset + a.size].view(a.shape))
         offset += a.size
     return out
+
+
+@dataclass(frozen=True)
+class TokenPatch:
+    """Input ids the host does not know yet: token `dst[i]` of the step is `src[rows[i]]`, an id
+    the previous step sampled that is still on the device (asynchronous steps)."""
+
+    dst: np.ndarray  # [n] int64 token indices within the step
+    rows: np.ndarray  # [n] int64 rows of src
+    src: torch.Tensor  # [B_prev] int64, on the device
+
+
+def token_patch(scheduled: list[ScheduledSeq], prev_seqs: list[Sequence],
+                prev_tokens: torch.Tensor) -> TokenPatch | None:
+    """Where a step's inputs are the placeholders of the previous step, which sampled
+    `prev_tokens[i]` for `prev_seqs[i]` (still on the device)."""
+    row_of = {id(s): i for i, s in enumerate(prev_seqs)}
+    dst, rows = [], []
+    start = 0
+    for item in scheduled:
+        seq, n = item.seq, item.num_new_tokens
+        row = row_of.get(id(seq))
+        # The placeholder is the sequence's last token; a decode step's only one.
+        if row is not None and seq.num_computed_tokens + n == seq.num_tokens:
+            dst.append(start + n - 1)
+            rows.append(row)
+        start += n
+    if not dst:
+        return None
+    return TokenPatch(np.asarray(dst, dtype=np.int64), np.asarray(rows, dtype=np.int64),
+                      prev_tokens)
+
+
+def apply_patch(input_ids: torch.Tensor, patch: TokenPatch | None) -> None:
+    """input_ids[dst] = src[rows], on the device (the indices travel pinned and non-blocking:
+    a pageable copy would wait for the previous step's work)."""
+    if patch is None or patch.dst.size == 0:
+        return
+    dst, rows = to_device([patch.dst, patch.rows], input_ids.device)
+    input_ids[dst] = patch.src[rows]

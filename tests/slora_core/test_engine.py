@@ -269,7 +269,7 @@ def test_padded_mixed_step_gives_the_unpadded_logits(demo_dir, adapter_names):
     """The inputs CUDA graphs of mixed steps replay (tokens padded to a bucket, sequences to
     max_num_seqs, LoRA tiles padded) give the same logits as the unpadded step, every step of
     a batch mixing prefill chunks, decodes, adapters and the base model."""
-    from slora_core.model_runner import MixedGraphs
+    from slora_core.cuda_graphs import MixedGraphs
     from slora_core.step_inputs import build_step_inputs
 
     engine = make_engine(demo_dir, adapter_names[:4], max_num_batched_tokens=48, max_num_seqs=8)
@@ -299,7 +299,7 @@ def test_padded_decode_step_gives_the_unpadded_logits(demo_dir, adapter_names):
     """The inputs decode CUDA graphs replay (rows padded to a bucket, the spare table slot on
     base and padding rows, a padded LoRA tile list) give the unpadded logits on every decode
     step of a batch of adapters and the base model."""
-    from slora_core.model_runner import DecodeGraphs
+    from slora_core.cuda_graphs import DecodeGraphs
     from slora_core.step_inputs import build_step_inputs
 
     engine = make_engine(demo_dir, adapter_names[:5], max_num_seqs=12)
@@ -395,7 +395,7 @@ def test_graph_lora_split_reaches_the_lora_launch(demo_dir, adapter_names, monke
     launches of the graphs' padded steps use (the eager path keeps the launcher's choice);
     out-of-range values are refused."""
     from slora_core import lora as lora_module
-    from slora_core.model_runner import DecodeGraphs
+    from slora_core.cuda_graphs import DecodeGraphs
     from slora_core.step_inputs import build_step_inputs
 
     splits: list[object] = []
