@@ -16,7 +16,7 @@ OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-LIMIT=${SUITE_LIMIT_S:-270}
+LIMIT=${SUITE_LIMIT_S:-540}  # run the call with timeout_s 600
 # Overrides for a CPU smoke run of this script (defaults: the full GPU run).
 PYTEST_PATHS=${PYTEST_PATHS:-tests/kernels tests/slora_core/test_ops.py \
 tests/slora_core/test_model.py tests/slora_core/test_nonfinite_guard.py}
