@@ -128,21 +128,17 @@ def add_lora_triton(
     block_r = rank_block(max_rank)
     k = x.shape[1]
     cap = split_cap(tiles, k, block_r)
-    # A padded tile list (CUDA graphs) has its real length only on the device: the kernels
-    # count it and pick the split there, so one capture serves 1 or 256 adapters alike.
-    target = PROGRAMS_PER_SM * _num_sms(x.device) if meta.padded_tiles and not split_k else 0
     for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
-        splits = split_k or (cap if target else min(
-            cap, pick_split_k(meta.num_tiles * len(mods), k, x.device, tiles.max_split_k)))
+        splits = split_k or min(
+            cap, pick_split_k(meta.num_tiles * len(mods), k, x.device, tiles.max_split_k))
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
-                    num_stages=tiles.num_stages, device_split_target=target,
-                    rank_buckets=tiles.rank_buckets)
+                    num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets)
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    device_split_target=target, rank_buckets=tiles.rank_buckets)
+                    rank_buckets=tiles.rank_buckets)

@@ -47,27 +47,3 @@ def check_buf(buf: torch.Tensor, tokens: int, num_modules: int, against: str) ->
     if buf.shape[1] != tokens or buf.shape[2] != num_modules:
         raise ValueError(f"buf {tuple(buf.shape)} does not match {against} and "
                          f"{num_modules} modules")
-
-
-# Tile-list entries counted per step of `real_split`'s loop (a runtime loop, so the list's
-# capacity never specializes the kernel).
-COUNT_BLOCK = tl.constexpr(128)
-
-
-@triton.jit
-def real_split(tile_segs_ptr, num_tiles, num_mods, split_k, target, split_cap):
-    """(K split, tiles to walk) of this launch: (`split_k`, `num_tiles`) when the host chose the
-    split (> 0). Otherwise (a CUDA graph's padded tile list, whose real length the host did not
-    know at capture) the real tiles, which come first in the list, and the split that gives
-    them about `target` programs: clamp(target // (real tiles * modules), 1, split_cap)."""
-    split = split_k
-    tiles = num_tiles
-    if split_k <= 0:
-        real = 0
-        for c in range(0, num_tiles, COUNT_BLOCK):
-            offs = c + tl.arange(0, COUNT_BLOCK)
-            segs = tl.load(tile_segs_ptr + offs, mask=offs < num_tiles, other=-1)
-            real += tl.sum((segs >= 0).to(tl.int32), axis=0)
-        split = tl.minimum(tl.maximum(target // tl.maximum(real * num_mods, 1), 1), split_cap)
-        tiles = real
-    return split, tiles

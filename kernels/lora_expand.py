@@ -25,7 +25,6 @@ from kernels.lora_common import (
     check_buf,
     check_tables,
     dot_precision,
-    real_split,
     select3,
 )
 from kernels.lora_meta import LoraMeta
@@ -76,14 +75,12 @@ def _expand_bucketed(
 
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
 # a new batch shape compiles no new variant.
-@triton.jit(do_not_specialize=["num_tiles", "num_mods", "split_k", "target", "split_cap",
-                               "stride_bs"])
+@triton.jit(do_not_specialize=["split_k", "stride_bs"])
 def _lora_expand_kernel(
     y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
     mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
-    n_tiles, stride_ym, stride_yn, table_stride,
-    num_tiles, num_mods, split_k, target, split_cap,
+    n_tiles, stride_ym, stride_yn, table_stride, split_k,
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -108,7 +105,6 @@ def _lora_expand_kernel(
         return
     b_off = tl.load(b_off_ptr + slot * table_stride + mod)
     scale = tl.load(scales_ptr + slot * table_stride + mod)
-    split, _ = real_split(tile_segs_ptr, num_tiles, num_mods, split_k, target, split_cap)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     mask_m = offs_m < seg_len
@@ -123,11 +119,11 @@ def _lora_expand_kernel(
         # Aligned B with rows of a multiple of 8 elements (`// 8 * 8` tells the compiler):
         # every B row segment loads as 16-byte vectors.
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
-                         scale, offs_n, mask_n, mask_m, stride_bs, split,
+                         scale, offs_n, mask_n, mask_m, stride_bs, split_k,
                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS)
     else:
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
-                         scale, offs_n, mask_n, mask_m, stride_bs, split,
+                         scale, offs_n, mask_n, mask_m, stride_bs, split_k,
                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS)
 
 
@@ -147,13 +143,10 @@ def lora_expand(
     block_r: int,
     num_warps: int = 4,
     num_stages: int = 2,
-    device_split_target: int = 0,
     rank_buckets: bool = True,
 ) -> None:
-    """Add the expand of `buf` into y's column slices (see module docstring). With
-    `device_split_target` > 0 the split count is the one `lora_shrink` chose on the device
-    with the same target (`buf.shape[0]` is then its upper bound)."""
-    cap, num_tokens, num_mods, max_rank = buf.shape
+    """Add the expand of `buf` into y's column slices (see module docstring)."""
+    split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
@@ -170,9 +163,8 @@ def lora_expand(
         y, buf, arena, b_offsets, ranks, scales,
         meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
         mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1], sizes[2],
-        n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0),
-        meta.num_tiles, num_mods, 0 if device_split_target > 0 else cap, device_split_target,
-        cap, buf.stride(0), buf.stride(1), buf.stride(2),
+        n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
+        buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(y.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         num_warps=num_warps, num_stages=num_stages,

@@ -41,9 +41,6 @@ class LoraMeta:
     tile_m0: torch.Tensor  # [>= num_tiles] int32: first row of each tile within its segment
     num_tiles: int  # host-side: kernel grid size along tiles
     block_m: int  # host-side: rows per tile the list was built for
-    # True when the tile list was padded to a capacity (CUDA graphs): its real entries come
-    # first, and their number is known only on the device, where the kernels count them.
-    padded_tiles: bool = False
 
     @staticmethod
     def from_token_slots(token_slots: list[int], device: torch.device | str = "cpu",

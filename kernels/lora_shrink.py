@@ -9,10 +9,8 @@ and r = min(ranks[slot_s, m], max_rank) > 0, and every split j < split_k:
 so that sum_j buf[j, t, i, :r] = x[t] @ A.T. Entries with ranks >= r, tokens of no segment and
 modules of rank 0 are not written. Splitting K across programs keeps the chip busy when a
 decode step has few segments; the partial sums are added by the expand kernel, so no atomics
-and no zero-fill are needed. Inside CUDA graphs the tile list is padded to the bucket's
-capacity and split_k is chosen on the device from the real tiles (`real_split`), so one
-adapter on 256 rows (16 real tiles) gets as many programs as 256 adapters do. Each segment
-runs the narrowest rank tile (16, 32, BLOCK_R) that covers its rank.
+and no zero-fill are needed. Each segment runs the narrowest rank tile (16, 32, BLOCK_R)
+that covers its rank, so rank-8 adapters do not pay for a launch bounded at rank 64.
 
 Shapes: x [T, K] (any strides); arena 1-D; a_offsets [num_slots, num_modules] int64, ranks the
 same shape int32 (both contiguous); buf [split_k, T, len(module_ids), max_rank] float32.
@@ -29,7 +27,6 @@ from kernels.lora_common import (
     check_buf,
     check_tables,
     dot_precision,
-    real_split,
     select3,
 )
 from kernels.lora_meta import LoraMeta
@@ -92,10 +89,13 @@ def _shrink_item(
 ):
     """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile`."""
     seg = tl.load(tile_segs_ptr + tile)
-    slot = tl.load(seg_slots_ptr + tl.maximum(seg, 0)).to(tl.int64)
+    real = seg >= 0
+    # Masked: an unused entry reads nothing (the segment arrays may even be empty).
+    slot = tl.load(seg_slots_ptr + seg, mask=real, other=0).to(tl.int64)
     mod = select3(mod_i, mod0, mod1, mod2)
-    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod), MAX_RANK)
-    if (seg >= 0) & (rank > 0):
+    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=real, other=0),
+                      MAX_RANK)
+    if real & (rank > 0):
         a_off = tl.load(a_off_ptr + slot * table_stride + mod)
         offs_m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
         mask_m = offs_m < tl.load(seg_lens_ptr + seg)
@@ -117,25 +117,23 @@ def _shrink_item(
 
 # Values that change from step to step are runtime arguments that Triton must not specialize
 # (on == 1 or % 16), so a new batch shape never compiles a new kernel variant mid-serving.
-@triton.jit(do_not_specialize=["num_tiles", "num_mods", "split_k", "target", "split_cap",
-                               "stride_bs"])
+@triton.jit(do_not_specialize=["num_tiles", "num_mods", "split_k", "stride_bs"])
 def _lora_shrink_kernel(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
-    mod0, mod1, mod2, num_tiles, num_mods, split_k, target, split_cap,
+    mod0, mod1, mod2, num_tiles, num_mods, split_k,
     K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_BUCKETS: tl.constexpr,
 ):
     # Work items (tile, module, K split), the splits of one tile adjacent so they share its
-    # rows of x in the L2. With a device-chosen split (split_k <= 0) only real tiles count.
-    split, tiles = real_split(tile_segs_ptr, num_tiles, num_mods, split_k, target, split_cap)
-    k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), split) * BLOCK_K
-    for w in range(tl.program_id(0), tiles * num_mods * split, tl.num_programs(0)):
+    # rows of x in the L2.
+    k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k) * BLOCK_K
+    for w in range(tl.program_id(0), num_tiles * num_mods * split_k, tl.num_programs(0)):
         _shrink_item(x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
                      seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
-                     w // split // num_mods, w // split % num_mods, w % split,
+                     w // split_k // num_mods, w // split_k % num_mods, w % split_k,
                      mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk, table_stride,
                      stride_bs, stride_bt, stride_bm,
                      MAX_RANK, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS)
@@ -155,29 +153,21 @@ def lora_shrink(
     block_k: int,
     num_warps: int = 4,
     num_stages: int = 2,
-    device_split_target: int = 0,
     rank_buckets: bool = True,
 ) -> None:
-    """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[3]` is the
-    rank bound (ranks above it are clipped to it). `buf.shape[0]` is the K split count, or with
-    `device_split_target` > 0 its upper bound: the kernel then counts the real (>= 0) entries
-    at the front of the tile list and splits K to give them about that many programs (the
-    expand must be called with the same target)."""
-    cap, num_tokens, num_mods, max_rank = buf.shape
+    """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
+    K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it."""
+    split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
     mods = tuple(module_ids) + (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
     if block_m != meta.block_m:
         raise ValueError(f"block_m {block_m} but the tile list was built for {meta.block_m}")
-    work = meta.num_tiles * num_mods
-    # A device-chosen split gives at most max(work, target) items (see `real_split`).
-    programs = max(work, device_split_target) if device_split_target > 0 else work * cap
-    _lora_shrink_kernel[(programs,)](
+    _lora_shrink_kernel[(meta.num_tiles * num_mods * split_k,)](
         x, arena, buf, a_offsets, ranks,
         meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
-        mods[0], mods[1], mods[2], meta.num_tiles, num_mods,
-        0 if device_split_target > 0 else cap, device_split_target, cap,
+        mods[0], mods[1], mods[2], meta.num_tiles, num_mods, split_k,
         x.shape[1], x.stride(0), x.stride(1), a_offsets.stride(0),
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),

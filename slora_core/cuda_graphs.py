@@ -160,7 +160,7 @@ class DecodeGraphs(_StepGraphs):
                         seg_slots=buf.seg_slots[:b], token_slots=buf.token_slots[:b],
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
                         tile_segs=buf.tile_segs[:b], tile_m0=buf.tile_m0[:b], num_tiles=b,
-                        block_m=DECODE_BLOCK_M, padded_tiles=True) if modules else None
+                        block_m=DECODE_BLOCK_M) if modules else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
             block_tables=buf.block_tables[:b], seq_lens=buf.seq_lens[:b],
@@ -239,8 +239,7 @@ class MixedGraphs(_StepGraphs):
                         seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
                         tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=PREFILL_BLOCK_M,
-                        padded_tiles=True) if modules else None
+                        num_tiles=tiles, block_m=PREFILL_BLOCK_M) if modules else None
         return StepContext(
             positions=buf.positions[:t], slot_mapping=buf.slot_mapping[:t],
             block_tables=buf.block_tables, seq_lens=buf.seq_lens,

@@ -1,6 +1,6 @@
-"""The decode LoRA variants against the float64 reference: a K split chosen on the device from
-the real length of a padded (CUDA-graph) tile list, rank-bucketed tiles, the rank budget on the
-split. Every variant runs on a NaN-poisoned arena, so a read outside a matrix fails the test."""
+"""The decode LoRA variants against the float64 reference on padded (CUDA-graph) tile lists:
+rank-bucketed tiles on and off, the rank budget on the K split, K splits from 1 up. Every
+variant runs on a NaN-poisoned arena, so a read outside a matrix fails the test."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.kernels.helpers import (
 QKV = (0, 1, 2)
 OUT_SIZES = {0: 48, 1: 32, 2: 32}
 VARIANTS = {
-    "device_split": DECODE_TILES,
+    "default": DECODE_TILES,
     "no_rank_buckets": dataclasses.replace(DECODE_TILES, rank_buckets=False),
     "rank_budget": dataclasses.replace(DECODE_TILES, split_rank_budget=64),
 }
@@ -37,12 +37,12 @@ def padded(meta: LoraMeta, capacity: int) -> LoraMeta:
     pad = torch.full((capacity - meta.num_tiles,), -1, dtype=torch.int32, device=DEVICE)
     return dataclasses.replace(
         meta, tile_segs=torch.cat([meta.tile_segs, pad]),
-        tile_m0=torch.cat([meta.tile_m0, torch.zeros_like(pad)]), num_tiles=capacity,
-        padded_tiles=True)
+        tile_m0=torch.cat([meta.tile_m0, torch.zeros_like(pad)]), num_tiles=capacity)
 
 
 def _check(slots: list[int], adapters: int, ranks: list[int], dtype: torch.dtype, seed: int,
-           capacity: int, tiles: object, max_rank: int = 64, in_features: int = 64) -> None:
+           capacity: int, tiles: object, max_rank: int = 64, in_features: int = 64,
+           split_k: int | None = None) -> None:
     gen = generator(seed)
     rank_of = {(s, m): ranks[(s + m) % len(ranks)] for s in range(adapters) for m in QKV}
     case = build_lora_case(slots, adapters, in_features, OUT_SIZES, rank_of, dtype, gen,
@@ -53,7 +53,8 @@ def _check(slots: list[int], adapters: int, ranks: list[int], dtype: torch.dtype
     y0 = randn(len(slots), 112, dtype=dtype, gen=gen)
     y = y0.clone()
     args = (case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales, QKV, slices)
-    add_lora_triton(y, x, *args, meta, max_rank=max_rank, tiles=tiles)  # type: ignore[arg-type]
+    add_lora_triton(y, x, *args, meta, max_rank=max_rank, tiles=tiles,  # type: ignore[arg-type]
+                    split_k=split_k)
     y_ref = y0.double()
     add_lora_reference(y_ref, x.double(), case.arena.double(), *args[1:], case.meta)
     untouched = y_ref == y0.double()
@@ -64,15 +65,16 @@ def _check(slots: list[int], adapters: int, ranks: list[int], dtype: torch.dtype
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize(("rows", "adapters", "k"), [(16, 1, 512), (12, 12, 64)])
-def test_padded_tile_list_device_split(dtype: torch.dtype, variant: str, rows: int,
-                                       adapters: int, k: int) -> None:
-    """One adapter on a tile of rows (few real tiles: K split on the device) and one adapter a
-    row (split 1), in a list padded to twice its length."""
+@pytest.mark.parametrize(("rows", "adapters", "k", "split_k"),
+                         [(16, 1, 512, 2), (12, 12, 64, None)])
+def test_padded_tile_list(dtype: torch.dtype, variant: str, rows: int, adapters: int, k: int,
+                          split_k: int | None) -> None:
+    """One adapter on a tile of rows with K split in two, and one adapter a row, in a list
+    padded to twice its length (as graphs capture it)."""
     slots = sorted(i % adapters for i in range(rows))
     slots[-1] = -1  # a base-model row inside the last adapter's tile
     _check(slots, adapters, [8, 16, 64], dtype, seed=rows + adapters, capacity=2 * rows,
-           tiles=VARIANTS[variant], in_features=k)
+           tiles=VARIANTS[variant], in_features=k, split_k=split_k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,28 +91,27 @@ def test_rank_buckets_under_a_rank_128_bound() -> None:
            tiles=DECODE_TILES, max_rank=128)
 
 
-@pytest.mark.parametrize(("real_rows", "capacity", "expect_split"),
-                         [(16, 16, 4), (16, 200, 4), (64, 64, 1)])
-def test_device_split_counts_only_real_tiles(real_rows: int, capacity: int,
-                                             expect_split: int) -> None:
-    """The shrink writes exactly the K splits it chose from the real tiles (poisoned buffer):
-    target 24 over 1 real tile of 1 module -> 24, capped at 4 (also with 199 padding entries,
-    past the count loop's first block); target 3 over 4 real tiles -> 1."""
+def test_shrink_work_items_cover_every_split() -> None:
+    """The shrink's programs walk (tile, module, split) items: with 3 splits over 2 tiles and
+    2 modules (and 4 padding entries), every split slice of every row is written (poisoned
+    buffer) and the slices add up to x @ A.T."""
     gen = generator(6)
-    k = 1024  # K allows splits up to 4 (256 columns each)
-    case = build_lora_case([0] * real_rows, 1, k, {0: 16}, {(0, 0): 16}, torch.float32, gen,
+    k, split = 768, 3
+    slots = [0] * 20 + [1] * 3
+    rank_of = {(s, m): 16 for s in range(2) for m in (0, 1)}
+    case = build_lora_case(slots, 2, k, {0: 16, 1: 16}, rank_of, torch.float32, gen,
                            block_m=DECODE_BLOCK_M)
-    meta = padded(case.meta, capacity)
-    x = randn(real_rows, k, dtype=torch.float32, gen=gen)
-    cap = 4
-    buf = torch.full((cap, real_rows, 1, 16), float("nan"), device=DEVICE)
-    target = 24 if real_rows == 16 else 3
-    lora_shrink(buf, x, case.arena, case.a_offsets, case.ranks, (0,), meta, block_m=16,
-                block_r=16, block_k=128, device_split_target=target)
-    written = [bool(torch.isfinite(buf[j]).all()) for j in range(cap)]
-    assert written == [j < expect_split for j in range(cap)]
-    a = case.arena[int(case.a_offsets[0, 0]) :][: 16 * k].view(16, k).double()
-    assert rel_err(buf[:expect_split].sum(0)[:, 0], x.double() @ a.T) < 1e-5
+    meta = padded(case.meta, 6)
+    x = randn(len(slots), k, dtype=torch.float32, gen=gen)
+    buf = torch.full((split, len(slots), 2, 16), float("nan"), device=DEVICE)
+    lora_shrink(buf, x, case.arena, case.a_offsets, case.ranks, (0, 1), meta, block_m=16,
+                block_r=16, block_k=128)
+    assert bool(torch.isfinite(buf).all())
+    for t, slot in enumerate(slots):
+        for i in (0, 1):
+            off = int(case.a_offsets[slot, i])
+            a = case.arena[off : off + 16 * k].view(16, k).double()
+            assert rel_err(buf[:, t, i].sum(0), x[t].double() @ a.T) < 1e-5
 
 
 def test_all_padding_writes_nothing() -> None:
