@@ -18,6 +18,7 @@ import grpc
 
 from services.common import errors as e
 from services.common.convert import prompt_of, sampling_kwargs
+from services.common.limits import check_generate
 from services.worker import core_protocol as m
 from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient, TokenStream, error_of
@@ -158,6 +159,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         adapter_id, version = key
         if adapter_id and not request.adapter.HasField("version"):
             raise e.InvalidArgument("workers serve explicit versions; call the gateway to route")
+        check_generate(request)  # caps on stops, prompt bytes, names: before any tokenizing
         params = SamplingParams(**sampling_kwargs(request.sampling))
         ids = await self._prompt_ids(request)
         self.metrics.record_request(key)

@@ -52,6 +52,9 @@ def test_queue_limit_drain_and_error_codes(demo_dir: Path, tmp_path: Path) -> No
             assert generate(address, request(adapter="x", version="v1")).error == \
                 grpc.StatusCode.NOT_FOUND
             assert generate(address, request(top_p=2.0)).error == grpc.StatusCode.INVALID_ARGUMENT
+            # Request caps hold on the worker too (not only at the gateway).
+            too_many_stops = request(stop=[f"s{i}" for i in range(1000)])
+            assert generate(address, too_many_stops).error == grpc.StatusCode.INVALID_ARGUMENT
             assert scrape(metrics)["slora_requests_running"] == 1
             # SIGTERM: NOT_SERVING at once, new calls refused, the running stream completes.
             worker.popen.send_signal(signal.SIGTERM)
