@@ -6,10 +6,10 @@ OpenAI-compatible HTTP API; interleaved repeats in one run, at each concurrency 
         --concurrency 64,256 --repeats 3 --out bench/results/service-overhead-cpu.json
 
 Every path keeps `c` requests in flight (a new one starts when one ends) until all requests are
-done; the in-process baseline does the same with `LLMEngine.add_request`. gRPC clients run in
-several processes (asyncio each), so the client's own CPU does not bound the service. Ratios are
-taken per repeat (each path against the in-process run next to it) and reported as median and
-spread; TTFT added compares the median and p99 TTFT of the same repeat.
+done; the in-process baseline does the same with `LLMEngine.add_request`. Clients (gRPC and
+HTTP) run in several processes, asyncio each, so the client's own CPU does not bound the service.
+Ratios are taken per repeat (each path against the in-process run next to it) and reported as
+median and spread; TTFT added compares the median and p99 TTFT of the same repeat.
 """
 
 from __future__ import annotations
@@ -152,14 +152,14 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 # ---- HTTP (OpenAI-compatible SSE) ----------------------------------------------------------
-def run_http(base_url: str, token: str, reqs: list[Request], new_tokens: int,
-             concurrency: int) -> dict[str, Any]:
-    """The same requests streamed through the gateway's HTTP API from one asyncio client;
-    tokens counted from each stream's usage."""
+def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int,
+                 concurrency: int, start_at: float) -> list[tuple[float, int, str]]:
+    """One client process: the requests streamed through the gateway's HTTP API (SSE), from
+    wall-clock `start_at`; (ttft, tokens from the stream's usage, error) per request."""
     import httpx
 
     async def call(client: httpx.AsyncClient, slots: asyncio.Semaphore, prompt: list[int],
-                   adapter: str, t0: float) -> tuple[float, int, str]:
+                   adapter: str) -> tuple[float, int, str]:
         body = {"model": adapter, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         first: float | None = None
@@ -174,26 +174,34 @@ def run_http(base_url: str, token: str, reqs: list[Request], new_tokens: int,
                             continue
                         event = json.loads(line[6:])
                         if event["choices"] and first is None:  # the first token's event
-                            first = time.perf_counter() - t0
+                            first = time.time() - start_at
                         if event.get("usage"):
                             n = event["usage"]["completion_tokens"]
             except httpx.HTTPError as e:
                 return float("nan"), 0, f"{type(e).__name__}: {e}"
         return (first if first is not None else float("nan")), n, ""
 
-    async def run() -> tuple[float, list[tuple[float, int, str]]]:
+    async def run() -> list[tuple[float, int, str]]:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         slots = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600,
                                      headers={"authorization": f"Bearer {token}"}) as client:
-            t0 = time.perf_counter()
-            got = await asyncio.gather(*(call(client, slots, p, a or BASE_MODEL, t0)
-                                         for p, a in reqs))
-            return time.perf_counter() - t0, got
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            return await asyncio.gather(*(call(client, slots, p, a or BASE_MODEL)
+                                          for p, a in reqs))
 
-    wall, got = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def run_http(pool: Any, procs: int, base_url: str, token: str, reqs: list[Request],
+             new_tokens: int, concurrency: int) -> dict[str, Any]:
+    start_at = time.time() + 0.5
+    shares = [(base_url, token, reqs[k::procs], new_tokens, max(1, concurrency // procs),
+               start_at) for k in range(procs)]
+    got = [r for share in pool.starmap(_http_client, shares) for r in share]
+    wall = time.time() - start_at
     ok = [(f, n) for f, n, err in got if not err]
-    return summarize(wall, sum(n for _, n in ok), [f for f, _ in ok] or [float("nan")],
+    return summarize(wall, sum(n for _, n in ok), [f for f, _ in ok],
                      [err for _, _, err in got if err])
 
 
@@ -266,8 +274,8 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
         runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, bearer(token), reqs,
                                         args.new_tokens, c))
         if args.http:
-            runs["http"].append(run_http(stack.http_urls["gateway"], token, reqs,
-                                         args.new_tokens, c))
+            runs["http"].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
+                                         token, reqs, args.new_tokens, c))
         line = {k: round(v[-1]["output_tok_per_s"], 1) for k, v in runs.items()}
         errors = {k: len(v[-1]["errors"]) for k, v in runs.items() if v[-1]["errors"]}
         print(f"c={c} repeat {r + 1}: tok/s {line} errors {errors}", flush=True)
