@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.churn import scenario_churn, scenario_coldttft
+from bench.churn import scenario_churn, scenario_churndisk, scenario_coldttft
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.workload import BenchRequest, WorkloadSpec, generate, reuse_batch
@@ -272,7 +272,7 @@ def random_adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
 
 SCENARIOS = {"overhead": scenario_overhead, "scale": scenario_scale, "reuse": scenario_reuse,
              "peft32": scenario_peft32, "floor": scenario_floor, "churn": scenario_churn,
-             "coldttft": scenario_coldttft}
+             "churndisk": scenario_churndisk, "coldttft": scenario_coldttft}
 
 
 # The model allows 4096; 1100 fits the longest workload request and keeps graph block tables
