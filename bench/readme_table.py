@@ -1,0 +1,89 @@
+"""The README's service-path rows, generated from the result JSONs (never typed by hand).
+
+    python -m bench.readme_table          # rewrite the block between the markers in README.md
+    python -m bench.readme_table --check  # exit 1 when README.md differs from the JSONs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+BEGIN, END = "<!-- service-table:begin -->", "<!-- service-table:end -->"
+PATHS = {"worker": "client -> worker (the worker hop alone)",
+         "gateway": "client -> gateway -> worker, gRPC",
+         "http": "client -> gateway -> worker, HTTP (OpenAI SSE)"}
+
+
+def _fig(f: dict[str, float], digits: int = 3, unit: str = "") -> str:
+    return (f"{f['median']:.{digits}f}{unit} [{f['min']:.{digits}f}, {f['max']:.{digits}f}]")
+
+
+def service_rows(result: dict[str, Any], source: str) -> list[str]:
+    rows = []
+    for level in result["levels"]:
+        c = level["concurrency"]
+        for path, figs in level["ratios"].items():
+            rows.append(
+                f"| {PATHS.get(path, path)}, {c} streams x {result['new_tokens']} tokens "
+                f"| {_fig(figs['throughput_ratio'])}x of in-process; TTFT added p50 "
+                f"{_fig(figs['ttft_p50_added_ms'], 1, ' ms')}, p99 "
+                f"{_fig(figs['ttft_p99_added_ms'], 1, ' ms')} "
+                f"| {'0.9x' if path == 'http' else '0.95x, 3 ms, 10 ms'} | {source} |")
+    return rows
+
+
+def profile_row(sync: dict[str, Any], asyn: dict[str, Any], source: str) -> str:
+    def host(r: dict[str, Any]) -> float:
+        m = r["median_ms"]
+        return sum(v for k, v in m.items() if k not in ("sample", "step_total"))
+
+    s, a = sync["median_ms"], asyn["median_ms"]
+    return (f"| engine-core decode step, batch {sync['batch']}, context {sync['context']}: "
+            f"synchronous vs asynchronous steps | {s['step_total']:.2f} vs "
+            f"{a['step_total']:.2f} ms ({a['step_total'] / s['step_total']:.3f}x); host work "
+            f"{host(sync):.2f} ms a step (schedule {s['schedule']:.2f}, inputs {s['inputs']:.2f}, "
+            f"launch {s['forward_launch']:.2f}, book {s['book']:.2f}, output message "
+            f"{s['output_send']:.2f}) | | {source} |")
+
+
+def table() -> str:
+    lines = [BEGIN, "| what | figure (median [min, max] over repeats) | target | JSON |",
+             "| --- | --- | --- | --- |"]
+    name = "service-overhead-7b-h200.json"
+    if (RESULTS / name).exists():
+        result = json.loads((RESULTS / name).read_text())
+        lines += service_rows(result, f"`{name}` @ {result['commit'][:8]}")
+    sync, asyn = RESULTS / "profile-core-sync-h200.json", RESULTS / "profile-core-async-h200.json"
+    if sync.exists() and asyn.exists():
+        s = json.loads(sync.read_text())
+        lines.append(profile_row(s, json.loads(asyn.read_text()),
+                                 f"`{sync.name}`, `{asyn.name}` @ {s['commit'][:8]}"))
+    return "\n".join([*lines, END])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    args = ap.parse_args()
+    path = Path(args.readme)
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        print(f"{path}: no {BEGIN} ... {END} block", file=sys.stderr)
+        return 1
+    head, rest = text.split(BEGIN, 1)
+    new = head + table() + rest.split(END, 1)[1]
+    if args.check:
+        return int(new != text)
+    path.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
