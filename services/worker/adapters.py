@@ -139,12 +139,14 @@ class AdapterManager:
             return
 
         known = self.known.get(key)
-        await self.core.call("unregister_adapter", name)
-        if known is not None:
-            path = self.cache.path_of(known.source)
-            await self.core.call("register_adapter", name, str(path), known.source.sha256)
-        else:
+        if known is None:
+            await self.core.call("unregister_adapter", name)
             self._registered.discard(name)
+            return
+        # One command: between an unregister and a register a step could find the version
+        # unknown and fail requests that still use it.
+        path = self.cache.path_of(known.source)
+        await self.core.call("release_adapter", name, str(path), known.source.sha256)
 
     async def refresh_pins(self) -> None:
         """Touch pinned versions in the host LRU so they stay warm."""

@@ -280,6 +280,11 @@ class Commands:
     def do_unregister_adapter(self, name: str) -> None:
         self.engine.unregister_adapter(name)
 
+    def do_release_adapter(self, name: str, path: str, sha256: str) -> None:
+        """Drop the host copy but keep the registration (a later request reloads from disk)."""
+        self.engine.unregister_adapter(name)
+        self.engine.register_adapter(name, path, sha256 or None, preload=False)
+
     def do_warm_adapters(self) -> list[str]:
         return self.engine.warm_adapters()
 
