@@ -38,6 +38,22 @@ def service_rows(result: dict[str, Any], source: str) -> list[str]:
     return rows
 
 
+def hop_rows(result: dict[str, Any], source: str) -> list[str]:
+    """The gateway hop alone: the gateway path against the worker path of the same repeat."""
+    rows = []
+    for level in result["levels"]:
+        runs = level["runs"]
+        pairs = list(zip(runs["worker"], runs["gateway"], strict=True))
+        ratio = sorted(g["output_tok_per_s"] / w["output_tok_per_s"] for w, g in pairs)
+        added = sorted((g["ttft_p50_s"] - w["ttft_p50_s"]) * 1e3 for w, g in pairs)
+        mid = len(pairs) // 2
+        rows.append(f"| the gateway hop alone (gateway path vs worker path), "
+                    f"{level['concurrency']} streams | {ratio[mid]:.3f} [{ratio[0]:.3f}, "
+                    f"{ratio[-1]:.3f}]x; TTFT p50 added {added[mid]:.1f} ms [{added[0]:.1f}, "
+                    f"{added[-1]:.1f}] | | {source} |")
+    return rows
+
+
 def profile_row(sync: dict[str, Any], asyn: dict[str, Any], source: str) -> str:
     def host(r: dict[str, Any]) -> float:
         m = r["median_ms"]
@@ -58,7 +74,8 @@ def table() -> str:
     name = "service-overhead-7b-h200.json"
     if (RESULTS / name).exists():
         result = json.loads((RESULTS / name).read_text())
-        lines += service_rows(result, f"`{name}` @ {result['commit'][:8]}")
+        source = f"`{name}` @ {result['commit'][:8]}"
+        lines += service_rows(result, source) + hop_rows(result, source)
     sync, asyn = RESULTS / "profile-core-sync-h200.json", RESULTS / "profile-core-async-h200.json"
     if sync.exists() and asyn.exists():
         s = json.loads(sync.read_text())
