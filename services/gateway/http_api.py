@@ -77,6 +77,8 @@ class HttpApi:
                           methods=["POST"])
         app.add_api_route("/v1/chat/completions", route("chat", self._chat), methods=["POST"])
         app.add_api_route("/v1/models", route("models", self._models), methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", route("model", self._model),
+                          methods=["GET"])
         app.add_api_route("/v1/feedback", route("feedback", self._feedback), methods=["POST"])
         app.add_api_route("/health", self._health, methods=["GET"])
         app.add_api_route("/metrics", self._prometheus, methods=["GET"])
@@ -195,7 +197,8 @@ class HttpApi:
                 self.router.served.remember(rid, Served(s.adapter_id, s.version, s.tenant))
 
     # ---- the rest --------------------------------------------------------------------------
-    async def _models(self, request: Request) -> Response:
+    def _model_list(self, request: Request) -> list[dict[str, Any]]:
+        """The base model and the adapters the caller's key may call, with their versions."""
         grant = self.router.authenticate(bearer_token(request.headers.items()))
         data: list[dict[str, Any]] = [{"id": self.base_model, "object": "model", "created": 0,
                                        "owned_by": "slora", "root": self.base_model,
@@ -209,7 +212,17 @@ class HttpApi:
                          "canary_version": a.canary_version or None,
                          "canary_traffic_ratio": a.traffic_ratio if a.canary_version else 0.0,
                          "fallback_version": a.fallback_version or None})
-        return JSONResponse({"object": "list", "data": data})
+        return data
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self._model_list(request)})
+
+    async def _model(self, request: Request) -> Response:
+        model = request.path_params["model"]
+        for entry in self._model_list(request):
+            if entry["id"] == model:
+                return JSONResponse(entry)
+        raise e.NotFound(f"unknown model {model!r} (or not one this key may call)")
 
     async def _feedback(self, request: Request) -> Response:
         token = bearer_token(request.headers.items())

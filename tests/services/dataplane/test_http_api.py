@@ -185,10 +185,15 @@ def test_models_lists_base_and_the_keys_adapters(hs: HttpStack, client: OpenAI) 
     assert set(models) == {BASE_MODEL, *ADAPTERS}
     assert models["qv-r4"].model_extra["stable_version"] == "v1"  # type: ignore[index]
     assert models["qv-r4"].model_extra["parent"] == BASE_MODEL  # type: ignore[index]
+    assert client.models.retrieve("attn-r8").id == "attn-r8"
+    with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
+        client.models.retrieve("nope")
     other = OpenAI(base_url=hs.url, api_key=hs.other_tenant_key(), max_retries=0)
     # a new key reaches the gateway with the next routing update
     wait_for(lambda: _lists(other) is not None, 10, "the other tenant's key on the gateway")
     assert _lists(other) == [BASE_MODEL]
+    with pytest.raises(openai.NotFoundError):  # another tenant's adapter is not shown either
+        other.models.retrieve("qv-r4")
 
 
 def _lists(c: OpenAI) -> list[str] | None:
