@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from slora_core.model_runner import ModelRunner
 
 
-GraphKey = tuple[int, frozenset[int]]  # (bucket, LoRA module ids the graph runs)
+# (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA)
+GraphKey = tuple[int, frozenset[int], int]
 
 
 class _StepGraphs:
-    """What decode and mixed-step graphs share: one CUDA graph per (bucket, LoRA module set)
-    captured into one memory pool, and replayed after `prepare` has copied the step's padded
+    """What decode and mixed-step graphs share: one CUDA graph per (bucket, LoRA module set,
+    LoRA tile capacity) captured into one memory pool, and replayed after `prepare` has copied the step's padded
     inputs into the static buffers (`buf`, laid out by `layout`: two host-to-device copies a
     step). `run_padded_eager` runs the same padded step without a graph (on any device: CPU
     tests check it against the unpadded step). Subclasses define `buckets`, the layout and
@@ -43,7 +44,11 @@ class _StepGraphs:
         self.contexts: dict[GraphKey, StepContext] = {}  # captured graphs read these
         self.pool = pool
 
-    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
+    def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
+        raise NotImplementedError
+
+    def _tile_caps(self, bucket: int) -> list[int]:
+        """The LoRA tile-list capacities captured for a bucket (the largest first)."""
         raise NotImplementedError
 
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
@@ -61,12 +66,13 @@ class _StepGraphs:
         a capture later. An empty set captures the base-model (no LoRA) graphs."""
         with torch.inference_mode():
             for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
-                if (bucket, modules) not in self.graphs:
-                    self._capture(bucket, modules)
+                for tiles in self._tile_caps(bucket) if modules else [0]:
+                    if (bucket, modules, tiles) not in self.graphs:
+                        self._capture(bucket, modules, tiles)
 
-    def _capture(self, bucket: int, modules: frozenset[int]) -> None:
-        key = (bucket, modules)
-        ctx = self.contexts[key] = self._context(bucket, modules)
+    def _capture(self, bucket: int, modules: frozenset[int], tiles: int) -> None:
+        key = (bucket, modules, tiles)
+        ctx = self.contexts[key] = self._context(bucket, modules, tiles)
         for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
             self._forward(bucket, ctx)
         torch.cuda.synchronize()
@@ -90,8 +96,10 @@ class _StepGraphs:
         key = self.prepare(inputs)
         return self._forward(key[0], self._context(*key))[: inputs.logits_indices.size]
 
-    def _key(self, bucket: int, inputs: StepInputs) -> GraphKey:
-        return (bucket, self.runner.arena.active_lora_modules if inputs.has_lora else frozenset())
+    def _key(self, bucket: int, inputs: StepInputs, tiles: int) -> GraphKey:
+        if not inputs.has_lora:
+            return (bucket, frozenset(), 0)
+        return (bucket, self.runner.arena.active_lora_modules, tiles)
 
     def _upload(self, host: GraphBuffers[np.ndarray], patch: TokenPatch | None) -> None:
         for static, flat in ((self.buf.i64, host.i64), (self.buf.i32, host.i32)):
@@ -126,7 +134,13 @@ class DecodeGraphs(_StepGraphs):
     """CUDA graphs of the decode step (one token per sequence), one per batch-size bucket and
     LoRA module set (the module ids some resident adapter targets; empty for steps with no
     adapter token). LoRA runs over a tile list of up to one tile per row; base-model and
-    padding rows point at the arena's spare table row, whose ranks are always 0."""
+    padding rows point at the arena's spare table row, whose ranks are always 0.
+
+    Each LoRA bucket b is captured twice: with b tiles, and with the cdiv(b, 16) tiles of one
+    adapter on every row, whose K split is chosen for that few tiles. A step whose real tile
+    list fits the second replays it: one adapter on 256 rows runs 16 tiles split 11 ways
+    instead of 256 tile slots split 3 ways (H200 kernel grid, lora-grid-h200.json: r16
+    B256 U1 15.8 -> 10.8 us a launch, `graph_capture_split` vs `exact`)."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
         dev = runner.device
@@ -153,14 +167,18 @@ class DecodeGraphs(_StepGraphs):
                 and inputs.num_seqs <= self.buckets[-1]
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
-    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
+    def _tile_caps(self, bucket: int) -> list[int]:
+        few = -(-bucket // DECODE_BLOCK_M)
+        return [bucket, few] if few < bucket else [bucket]
+
+    def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, b, buf = self.runner, bucket, self.buf
-        # Up to b segments and b tiles; prepare() fills them and marks unused tiles -1.
+        # Up to b segments and `tiles` tiles; prepare() fills them and marks unused tiles -1.
         lora = LoraMeta(seg_starts=buf.seg_starts[:b], seg_lens=buf.seg_lens[:b],
                         seg_slots=buf.seg_slots[:b], token_slots=buf.token_slots[:b],
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
-                        tile_segs=buf.tile_segs[:b], tile_m0=buf.tile_m0[:b], num_tiles=b,
-                        block_m=DECODE_BLOCK_M) if modules else None
+                        tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
+                        num_tiles=tiles, block_m=DECODE_BLOCK_M) if modules else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
             block_tables=buf.block_tables[:b], seq_lens=buf.seq_lens[:b],
@@ -178,7 +196,10 @@ class DecodeGraphs(_StepGraphs):
 
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n, nb = inputs.num_seqs, inputs.block_tables.shape[1]
-        key = self._key(next(s for s in self.buckets if s >= n), inputs)
+        bucket = next(s for s in self.buckets if s >= n)
+        real = inputs.lora_tiles(DECODE_BLOCK_M)[0].size if inputs.has_lora else 0
+        # The smallest captured tile list that holds every real tile.
+        key = self._key(bucket, inputs, min(c for c in self._tile_caps(bucket) if c >= real))
         host = self.layout.host()
         host.input_ids[:n] = inputs.input_ids
         host.positions[:n] = inputs.positions
@@ -231,10 +252,12 @@ class MixedGraphs(_StepGraphs):
                 and inputs.logits_indices.size <= self.b_max
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
-    def _context(self, bucket: int, modules: frozenset[int]) -> StepContext:
+    def _tile_caps(self, bucket: int) -> list[int]:
+        # At most one partial tile per segment plus t / 64 full ones.
+        return [-(-bucket // PREFILL_BLOCK_M) + min(self.b_max, bucket)]
+
+    def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, t, buf = self.runner, bucket, self.buf
-        # Tiles: at most one partial tile per segment plus t / 64 full ones.
-        tiles = -(-t // PREFILL_BLOCK_M) + min(self.b_max, t)
         lora = LoraMeta(seg_starts=buf.seg_starts, seg_lens=buf.seg_lens,
                         seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
@@ -252,7 +275,8 @@ class MixedGraphs(_StepGraphs):
 
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n_tok, n_seq = int(inputs.input_ids.size), inputs.num_seqs
-        key = self._key(next(s for s in self.buckets if s >= n_tok), inputs)
+        bucket = next(s for s in self.buckets if s >= n_tok)
+        key = self._key(bucket, inputs, self._tile_caps(bucket)[0])
         host = self.layout.host()
         host.input_ids[:n_tok] = inputs.input_ids
         host.positions[:n_tok] = inputs.positions

@@ -1,0 +1,71 @@
+"""Decode graphs' LoRA tile lists: every step's real tiles fit the captured list the step's key
+picks (the full one, or the short one of a bucket whose rows share one adapter), and the Triton
+kernels on that padded list give the reference delta for the step's real segments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kernels.lora import add_lora_triton
+from kernels.lora_reference import add_lora_reference
+from slora_core.config import EngineConfig
+from slora_core.cuda_graphs import DecodeGraphs
+from slora_core.engine import LLMEngine
+from slora_core.sampling_params import SamplingParams
+from slora_core.step_inputs import build_step_inputs
+from tests.kernels.helpers import rel_err
+
+QKV = (0, 1, 2)
+
+
+def test_decode_graph_tile_lists(demo_dir: Path) -> None:
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())[:3]
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(max_num_seqs=40))
+    for name in names:
+        engine.register_adapter(name, demo_dir / "adapters" / name)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner, 40, engine.config.max_model_len)
+    tables = runner.arena.tables
+    hidden = engine.model_config.hidden_size
+    slices = ((0, hidden), (hidden, 16), (hidden + 16, 16))
+    seen: list[tuple[int, int]] = []
+    nonzero: list[bool] = []
+    run = runner.run
+
+    def check(scheduled, patch=None):  # type: ignore[no-untyped-def]
+        inputs = build_step_inputs(scheduled, runner.arena.block_size)
+        if graphs.can_run(inputs) and inputs.has_lora:
+            bucket, _, tiles = key = graphs.prepare(inputs)
+            meta = graphs._context(*key).lora
+            assert meta is not None and meta.num_tiles == tiles
+            real = inputs.lora_tiles(16)[0].size
+            assert real <= tiles and int((meta.tile_segs >= 0).sum()) == real
+            seen.append((bucket, tiles))
+            x = torch.randn(bucket, hidden)
+            y = torch.zeros(bucket, hidden + 32)
+            y_ref = y.double()
+            args = (tables.arena, tables.a_offsets[0], tables.b_offsets[0], tables.ranks[0],
+                    tables.scales[0], QKV, slices)
+            add_lora_triton(y, x, *args, meta, max_rank=64)
+            n = inputs.num_seqs
+            ref_meta = type(meta).from_token_slots(inputs.token_slots.tolist(), block_m=16)
+            add_lora_reference(y_ref[:n], x[:n].double(), tables.arena.double(), *args[1:],
+                               ref_meta)
+            assert rel_err(y, y_ref) < 1e-5
+            nonzero.append(bool(y_ref.abs().sum() > 0))
+        return run(scheduled, patch)
+
+    runner.run = check  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    for i in range(33):  # one adapter on 33 rows (bucket 40: 3 tiles fit the short list)
+        engine.add_request(f"one{i}", [5 + i, 6, 7], params, adapter=names[0])
+    while engine.has_unfinished():
+        engine.step()
+    for i in range(20):  # three adapters interleaved: the full list
+        engine.add_request(f"mix{i}", [9, 10 + i], params, adapter=names[i % 3])
+    while engine.has_unfinished():
+        engine.step()
+    assert (40, 3) in seen and any(tiles == bucket for bucket, tiles in seen)
+    assert all(nonzero), "a checked step had no LoRA delta: the comparison proved nothing"
