@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from services.common.demo_stack import BASE_MODEL
+from services.common.processes import slora_argv
 from services.gateway.table import canary_share
 from slora.v1 import inference_pb2 as pb
 from tests.services.dataplane.dp_support import PROMPTS, Result, generate, request
@@ -99,6 +101,28 @@ def test_streamed_completion_with_usage_equals_grpc(hs: HttpStack, client: OpenA
            for i in token_ids(c.choices[0].logprobs.tokens or [])]
     assert (text, ids) == (ref.text, ref.token_ids)
     assert chunks[-1].choices[0].finish_reason == ref.complete.finish_reason  # type: ignore[union-attr]
+
+
+def test_completions_equal_slora_batch(hs: HttpStack, client: OpenAI, demo_dir: Path,
+                                       tmp_path: Path) -> None:
+    items = [{"prompt": p, "max_new_tokens": 7, "temperature": 0,
+              **({"adapter": adapter_of(m)} if adapter_of(m) else {})}
+             for m in MODELS for p in PROMPTS[:2]]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    subprocess.run(slora_argv(
+        "batch", "--model", str(demo_dir / "model"), "--input", str(tmp_path / "in.jsonl"),
+        "--output", str(tmp_path / "out.jsonl"), "--no-progress",
+        *[f"--adapter={a}={demo_dir / 'adapters' / a}" for a in ADAPTERS]),
+        check=True, timeout=120)
+    expected = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    for item, want in zip(items, expected, strict=True):
+        r = client.completions.create(model=str(item.get("adapter", BASE_MODEL)),
+                                      prompt=str(item["prompt"]), max_tokens=7, temperature=0,
+                                      logprobs=0)
+        got = r.choices[0]
+        assert got.logprobs is not None and got.logprobs.tokens is not None
+        assert (token_ids(got.logprobs.tokens), got.text, got.finish_reason) == (
+            want["token_ids"], want["text"], want["finish_reason"])
 
 
 def test_prompt_as_token_ids_and_several_prompts(hs: HttpStack, client: OpenAI) -> None:
