@@ -5,7 +5,9 @@ adapter (as the scheduler orders them) and in random order; one 4096x4096 module
 case times, over inputs rotated past the L2:
 
 - `graph_capture_split`: the tile list padded to the bucket's capacity (B), the K split fixed
-  at capture from that capacity (what decode graphs capture);
+  at capture from that capacity (decode graphs' full list);
+- `graph_short_list` (when the real tiles fit cdiv(B, 16)): the short list decode graphs also
+  capture for one adapter on every row, split fixed from its capacity;
 - `exact`: the real tile list, split chosen on the host (an eager step);
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
@@ -87,6 +89,11 @@ def variants(slots: list[int], rank: int) -> dict[str, tuple[LoraMeta, int, Lora
     exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
     out = {"graph_capture_split": (grph, rank, DECODE_TILES, capture),
            "exact": (exact, rank, DECODE_TILES, None)}
+    short = -(-b // DECODE_BLOCK_M)
+    if short < b and exact.num_tiles <= short:
+        out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES,
+                                   pick_split_k(short, kl.K, torch.device(DEVICE),
+                                                DECODE_TILES.max_split_k))
     if rank == 64:  # below rank 64 the budget allows every split anyway
         out["budget256"] = (grph, rank, BUDGET, min(capture, split_cap(BUDGET, kl.K, 64)))
     elif slots == sorted(slots):
