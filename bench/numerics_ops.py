@@ -1,11 +1,13 @@
 """Op-by-op comparison of one prefill: every module output of our model (eager, Triton ops on
-CUDA) and of HF + peft in the same dtype, each against HF + peft in float32 on the same input,
-plus the small fused ops alone on inputs with massive channels against float64."""
+CUDA) and of HF + peft in the same dtype, each against HF + peft in float32 on the same input
+(and HF + peft with its float32 adapter weights rounded to the dtype, as our arena stores
+them), plus the small fused ops alone on inputs with massive channels against float64."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +118,8 @@ def compare_ops(model_dir: Path, adapters: dict[str, Path], dtype: str, device: 
     for adapter in [None, *adapters]:
         ref = _hf(refs["float32"], prompt, adapter)
         hf = _hf(refs[dtype], prompt, adapter)
+        with adapters_rounded(refs[dtype], getattr(torch, dtype)):
+            hf_rounded = _hf(refs[dtype], prompt, adapter)
         ours = _ours(model_dir, adapters, dtype, device, prompt, adapter)
         layers = sum(k.endswith(".residual_stream") for k in ref)
         table = {}
@@ -123,12 +127,32 @@ def compare_ops(model_dir: Path, adapters: dict[str, Path], dtype: str, device: 
             keys = [f"{i}.{op}" for i in range(layers)] if op != "logits" else ["logits"]
             e_ours = [_err(ours[k], ref[k]) for k in keys]
             e_hf = [_err(hf[k], ref[k]) for k in keys]
+            e_rounded = [_err(hf_rounded[k], ref[k]) for k in keys]
             table[op] = {"ours_vs_fp32": _worst(e_ours), "hf_vs_fp32": _worst(e_hf),
+                         "hf_adapter_weights_in_dtype_vs_fp32": _worst(e_rounded),
                          "peak_abs_fp32": max(float(ref[k].abs().max()) for k in keys)}
         out[adapter or "base"] = {"ops": table,
                                   "first_nonfinite_ours": _first_nonfinite(ours, layers),
                                   "first_nonfinite_hf": _first_nonfinite(hf, layers)}
     return out
+
+
+@contextmanager
+def adapters_rounded(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """peft keeps adapter weights in float32 under a 16-bit base; we store them in the model
+    dtype (arena pages). Inside this block peft's are rounded to `dtype` too, which tells the
+    storage's share of any gap between our error and HF's."""
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n in saved:
+            params[n].copy_(params[n].to(dtype).to(params[n].dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in saved.items():
+                params[n].copy_(p)
 
 
 def _worst(errs: list[float | None]) -> float | str:
