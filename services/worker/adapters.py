@@ -56,6 +56,7 @@ class AdapterManager:
         self._prefetch_slots = asyncio.Semaphore(MAX_PARALLEL_PREFETCH)
         self._background: set[asyncio.Task[None]] = set()
         self._failed: dict[VersionKey, tuple[float, ServiceError]] = {}
+        self._touching: asyncio.Task[None] | None = None
 
     async def ensure(self, adapter_id: str, version: str) -> str:
         """The engine name of a version, ready in host memory; fetches and registers it when it
@@ -149,16 +150,25 @@ class AdapterManager:
         await self.core.call("release_adapter", name, str(path), known.source.sha256)
 
     async def refresh_pins(self) -> None:
-        """Touch pinned versions in the host LRU so they stay warm."""
+        """Touch pinned versions in the host LRU so they stay warm (in the background: callers
+        need not wait for the core)."""
+        if self._touching is not None and not self._touching.done():
+            return
+        self._touching = asyncio.create_task(self._touch_pins())
+
+    async def _touch_pins(self) -> None:
         pinned = [engine_adapter_name(*key) for key, kv in self.known.items()
                   if kv.residency == ppb.RESIDENCY_PIN]
         names = [n for n in pinned if n in self._registered]
         if names:
-            await self.core.call("touch_adapters", names)
+            try:
+                await self.core.call("touch_adapters", names)
+            except (ServiceError, OSError) as e:
+                log.warning("keeping pinned versions warm failed: %s", e)
 
-    async def resident(self) -> list[VersionKey]:
-        """Versions warm in host memory or arena pages."""
-        return [key_of_name(n) for n in await self.core.call("warm_adapters")]
+    def resident(self) -> list[VersionKey]:
+        """Versions warm in host memory or arena pages, as of the core's latest report."""
+        return [key_of_name(n) for n in self.core.state.warm_adapters or ()]
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

@@ -216,6 +216,8 @@ class CoreClient:
                 woken.discard(rid)
         for rid in woken:
             streams[rid].event.set()
+        if out.state.warm_adapters is None:
+            out.state.warm_adapters = self.state.warm_adapters
         self.state = out.state
         self.on_step(out)
 

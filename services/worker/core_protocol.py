@@ -81,6 +81,9 @@ class EngineState(msgspec.Struct, array_like=True):
     # running/waiting LoRA adapters).
     running_adapters: list[str] = []
     waiting_adapters: list[str] = []
+    # Adapters warm in host memory or arena pages; taken at most every WARM_EVERY_S (None in
+    # between: unchanged), so heartbeats never wait for the core.
+    warm_adapters: list[str] | None = None
 
 
 class StepOutput(msgspec.Struct, tag=True, array_like=True):

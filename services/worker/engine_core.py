@@ -18,6 +18,7 @@ import os
 import queue
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ IDLE_POLL_MS = 200
 # While adapter loads run in the background, idle polls are short so their results go out soon.
 BUSY_POLL_MS = 5
 PR_SET_PDEATHSIG = 1
+# How often the state sent with step outputs lists the warm adapters (heartbeats report them).
+WARM_EVERY_S = 0.5
 # Commands that parse adapter files: run on a thread so they overlap engine steps.
 BACKGROUND = ("load_adapter", "touch_adapters")
 
@@ -98,6 +101,7 @@ class EngineCore:
         self._failed: list[m.Finish] = []     # refused requests, sent with the next output
         self._unstarted: set[int] = set()     # rids not yet scheduled
         self._last_state: m.EngineState | None = None
+        self._warm_at = -WARM_EVERY_S  # when warm_adapters was last sent
 
     def run(self, inputs: zmq.Socket) -> None:
         while True:
@@ -203,11 +207,15 @@ class EngineCore:
     def _state(self) -> m.EngineState:
         state = m.EngineState(**dataclasses.asdict(self.engine.state_snapshot()))
         self._last_state = state
+        now = time.monotonic()
+        if now - self._warm_at >= WARM_EVERY_S:
+            state.warm_adapters, self._warm_at = self.engine.warm_adapters(), now
         return state
 
     def _state_changed(self) -> bool:
         now = m.EngineState(**dataclasses.asdict(self.engine.state_snapshot()))
-        return now != self._last_state
+        stale = time.monotonic() - self._warm_at >= WARM_EVERY_S
+        return stale or now != self._last_state
 
 
 def finish_of(rid: int, out: RequestOutput) -> m.Finish:

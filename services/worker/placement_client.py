@@ -76,7 +76,7 @@ class PlacementClient:
 
     async def heartbeat(self) -> ppb.Heartbeat:
         """Load, residency, pages and per-version counters, as of now."""
-        resident = await self.adapters.resident()
+        resident = self.adapters.resident()
         state = self.core.state  # as of the core's latest step
         running, waiting = state.running, state.waiting
         counters = [

@@ -56,7 +56,12 @@ def test_failed_version_is_not_refetched_until_its_files_change(demo_dir, tmp_pa
             await manager.apply(placement(good, digest_adapter_dir(good)))  # new files
             assert await manager.ensure("qv", "v1") == "qv@v1"
             assert len(fetches) == 2
-            assert await manager.resident() == [("qv", "v1")]
+            # Residency comes with the core's state reports (at most every 0.5 s).
+            for _ in range(100):
+                if manager.resident() == [("qv", "v1")]:
+                    break
+                await asyncio.sleep(0.05)
+            assert manager.resident() == [("qv", "v1")]
         finally:
             await core.close()
 
