@@ -97,13 +97,18 @@ class RoutingTable:
     def candidates(self, adapter_id: str, version: str,
                    inflight: dict[str, int]) -> list[ppb.WorkerEndpoint]:
         """Workers able to serve, best first: holders of the version, then by load (this
-        gateway's in-flight calls, then the load the worker reported)."""
+        gateway's in-flight calls, then the load the worker reported). Draining workers never;
+        workers marked down only when none is up."""
         holders: set[str] = set()
         route = self.adapters.get(adapter_id)
         if route is not None:
             for v in route.versions:
                 if v.version == version:
                     holders = set(v.worker_ids)
-        live = [w for w in self.workers.values() if w.up and not w.draining]
+        serving = [w for w in self.workers.values() if not w.draining]
+        # Workers whose heartbeats are late (marked down, their stream still open) come only
+        # when no worker is up: on a starved host a try beats a certain UNAVAILABLE, and a
+        # dead one fails fast, so the next is tried.
+        live = [w for w in serving if w.up] or serving
         return sorted(live, key=lambda w: (w.worker_id not in holders,
                                            inflight.get(w.worker_id, 0), w.load, w.worker_id))

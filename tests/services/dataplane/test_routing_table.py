@@ -88,3 +88,14 @@ def test_candidates_prefer_residency_then_load_and_skip_down_or_draining():
     assert [w.worker_id for w in t.candidates("sql", "v2", {})] == ["w1", "w3", "w2"]
     assert [w.worker_id for w in t.candidates("sql", "v1", {"w2": 0})] == ["w2", "w3", "w1"]
     assert [w.worker_id for w in t.candidates("", "", {"w3": 2})] == ["w2", "w1", "w3"]
+
+
+def test_workers_marked_down_are_tried_only_when_none_is_up():
+    t = table()
+    for w in ("w1", "w2", "w3"):
+        t.workers[w].up = False  # heartbeats late on a starved host; streams still open
+    assert [w.worker_id for w in t.candidates("sql", "v1", {})] == ["w2", "w3", "w4", "w1"]
+    t.workers["w3"].up = True
+    assert [w.worker_id for w in t.candidates("sql", "v1", {})] == ["w3"]
+    t.workers["w3"].draining = True  # draining ones never
+    assert "w3" not in [w.worker_id for w in t.candidates("sql", "v1", {})]
