@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.lora import DECODE_TILES, add_lora_triton
+from kernels.lora import DECODE_TILES, add_lora_triton, split_cap
 from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 from kernels.lora_reference import add_lora_reference
 from kernels.lora_shrink import lora_shrink
@@ -28,7 +28,6 @@ OUT_SIZES = {0: 48, 1: 32, 2: 32}
 VARIANTS = {
     "default": DECODE_TILES,
     "no_rank_buckets": dataclasses.replace(DECODE_TILES, rank_buckets=False),
-    "rank_budget": dataclasses.replace(DECODE_TILES, split_rank_budget=64),
 }
 
 
@@ -125,3 +124,11 @@ def test_all_padding_writes_nothing() -> None:
                     case.b_offsets, case.ranks, case.scales, QKV,
                     ((0, 48), (48, 32), (80, 32)), meta, max_rank=8)
     assert torch.equal(y, y0)
+
+
+def test_split_rank_budget_caps_the_split() -> None:
+    budget = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
+    assert split_cap(DECODE_TILES, 4096, 64) == 16  # tiles' cap
+    assert split_cap(budget, 4096, 64) == 4  # 256 // 64
+    assert split_cap(budget, 4096, 16) == 16
+    assert split_cap(budget, 512, 16) == 2  # K / 256
