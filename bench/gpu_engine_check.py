@@ -16,6 +16,7 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from bench.run_record import run_record
 from slora_core.config import EngineConfig
 from slora_core.demo_assets import write_demo_assets
 from slora_core.engine import LLMEngine
@@ -80,7 +81,8 @@ def main() -> int:
     write_demo_assets(demo, seed=0)
     names = sorted(p.name for p in (demo / "adapters").iterdir())
     dtype = getattr(torch, args.dtype)
-    report: dict = {"dtype": args.dtype, "device": torch.cuda.get_device_name(), "modes": {}}
+    report: dict = {**run_record(["bench.gpu_engine_check", *sys.argv[1:]]),
+                    "dtype": args.dtype, "device": torch.cuda.get_device_name(), "modes": {}}
     hf = {}
     for p in PROMPTS:
         for a in [None, *names]:
