@@ -205,7 +205,7 @@ class LLMEngine:
     def request_started(self, request_id: str) -> bool:
         """The request was scheduled at least once (it left the waiting queue)."""
         req = self._requests.get(request_id)
-        return req is None or req.seq.num_computed_tokens > 0
+        return req is None or req.seq.first_scheduled is not None
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(

@@ -27,6 +27,7 @@ import zmq.asyncio
 from services.common import errors as e
 from services.worker import core_protocol as m
 from services.worker.engine_core import CoreSpec, run_engine_core
+from services.worker.errors import QUEUE_RETRY_AFTER_MS
 from slora_core.config import EngineConfig
 from slora_core.sampling_params import SamplingParams
 
@@ -64,8 +65,11 @@ def sampling_msg(p: SamplingParams) -> m.SamplingMsg:
 
 
 def error_of(code: str, message: str, adapter_error: bool = False) -> e.ServiceError:
-    err = e.ServiceError(message, adapter_error=adapter_error)
-    err.code = getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
+    """The ServiceError the core reported by status name (a full queue keeps its retry hint)."""
+    status = getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
+    retry = QUEUE_RETRY_AFTER_MS if status == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    err = e.ServiceError(message, adapter_error=adapter_error, retry_after_ms=retry)
+    err.code = status
     return err
 
 

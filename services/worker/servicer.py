@@ -28,6 +28,7 @@ from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora_core.chat_template import ChatTemplateError
 from slora_core.detokenizer import TextStream
+from slora_core.outputs import NONFINITE_LOGITS
 from slora_core.sampling_params import SamplingParams
 from slora_core.tokenizer import Tokenizer
 
@@ -126,7 +127,11 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                 yield response
         except (e.ServiceError, Exception) as exc:
             err = to_service_error(exc)
-            if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            if str(err).startswith(NONFINITE_LOGITS):
+                # Counted once, as a non-finite output (canary evidence counts it a failure).
+                self.metrics.record_nonfinite_failure(key)
+            elif err.code not in (grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED):
                 self.metrics.record_error(key, err.code.name)
             await e.abort_with(context, err)
         finally:

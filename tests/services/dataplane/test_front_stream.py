@@ -75,3 +75,23 @@ def test_an_error_end_flushes_no_text(demo_dir: Path) -> None:
         assert "zz" not in delta.text
 
     asyncio.run(scenario())
+
+
+def test_engine_ends_map_to_status_codes() -> None:
+    """How the core reports a finished request's end: a non-finite row is INTERNAL with the
+    engine's message, an adapter that cannot load is an adapter error (the gateway falls back),
+    a deadline is DEADLINE_EXCEEDED; ordinary ends carry no code."""
+    from services.worker.engine_core import finish_of
+    from slora_core.outputs import NONFINITE_LOGITS, RequestOutput, nonfinite_logits_error
+
+    nan = finish_of(7, RequestOutput("7", finished=True, finish_reason="error",
+                                     error=nonfinite_logits_error(3)))
+    assert (nan.rid, nan.reason, nan.code) == (7, "error", "INTERNAL")
+    assert nan.error.startswith(NONFINITE_LOGITS) and not nan.adapter_error
+    bad = finish_of(1, RequestOutput("1", finished=True, finish_reason="error",
+                                     error="adapter 'a@v1' could not be loaded: gone"))
+    assert bad.code == "FAILED_PRECONDITION" and bad.adapter_error
+    late = finish_of(2, RequestOutput("2", finished=True, finish_reason="abort",
+                                      error="deadline exceeded before the request was scheduled"))
+    assert late.code == "DEADLINE_EXCEEDED"
+    assert finish_of(3, RequestOutput("3", finished=True, finish_reason="length")).code == ""
