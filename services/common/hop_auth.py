@@ -24,6 +24,9 @@ from services.common.cluster_token import token_matches
 log = logging.getLogger(__name__)
 GATEWAY_TOKEN_ENV = "SLORA_GATEWAY_TOKEN"
 GATEWAY_HEADER = "x-slora-gateway"
+# The caller's tenant, sent by gateways on worker calls; workers pass it to their scheduler's
+# per-tenant fairness (trusted because only gateways reach a worker).
+TENANT_HEADER = "x-slora-tenant"
 PROTECTED_PREFIX = "/slora.v1.InferenceService/"
 
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from services.common import errors as e
+from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate
 from services.gateway.evidence import RoutedEvidence, Served, ServedLog, check_labels
 from services.gateway.metrics import GatewayMetrics
@@ -119,6 +120,7 @@ class RoutedCall:
         self.timeout_s = timeout_s
         self.request_id = request.request_id or uuid.uuid4().hex
         self.served_by: pb.ServedBy | None = None
+        self.caller_tenant = ""  # whose request: the worker's scheduler shares steps by it
 
     async def __aiter__(self) -> AsyncGenerator[pb.GenerateResponse, None]:
         router = self.router
@@ -135,6 +137,7 @@ class RoutedCall:
     async def _route(self) -> AsyncIterator[pb.GenerateResponse]:
         router, request = self.router, self.request
         grant = router.authenticate(self.token)
+        self.caller_tenant = grant.tenant
         check_generate(request)
         adapter_id = request.adapter.adapter_id
         if adapter_id:
@@ -204,7 +207,7 @@ class RoutedCall:
         a ServiceError for the caller otherwise."""
         inflight = self.router.inflight
         call = DrainedCall(self.router.channels.stub(worker.address).Generate(
-            upstream, timeout=self.timeout_s))
+            upstream, timeout=self.timeout_s, metadata=((TENANT_HEADER, self.caller_tenant),)))
         inflight[worker.worker_id] = inflight.get(worker.worker_id, 0) + 1
         started = False
         try:

@@ -18,6 +18,7 @@ import grpc
 
 from services.common import errors as e
 from services.common.convert import prompt_of, sampling_kwargs
+from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate
 from services.worker import core_protocol as m
 from services.worker.adapters import AdapterManager
@@ -123,7 +124,10 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         self.inflight += 1
         self._idle.clear()
         try:
-            async for response in self._generate(request, key, context.time_remaining()):
+            tenant = next((v for k, v in context.invocation_metadata() or ()
+                           if k == TENANT_HEADER), "")
+            async for response in self._generate(request, key, str(tenant),
+                                                 context.time_remaining()):
                 yield response
         except (e.ServiceError, Exception) as exc:
             err = to_service_error(exc)
@@ -157,8 +161,10 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             return await asyncio.to_thread(self.tokenizer.encode, prompt)
         return self.tokenizer.encode(prompt)
 
-    async def _generate(self, request: pb.GenerateRequest, key: VersionKey,
+    async def _generate(self, request: pb.GenerateRequest, key: VersionKey, tenant: str,
                         time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """`tenant`: the caller's, from the gateway (the scheduler shares steps fairly by it);
+        `time_remaining`: the call's deadline, after which an unscheduled request is dropped."""
         if self.draining:
             raise e.Unavailable(f"worker {self.worker_id} is draining")
         adapter_id, version = key
@@ -170,7 +176,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         self.metrics.record_request(key)
         start = time.monotonic()
         name = await self.adapters.ensure(adapter_id, version) if adapter_id else None
-        rid, tokens = self.core.add(ids, params, name, deadline_s=time_remaining)
+        rid, tokens = self.core.add(ids, params, name, tenant=tenant, deadline_s=time_remaining)
         stream = Detokenized(self.tokenizer, ids, params, tokens)
         first: float | None = None
         nonfinite = False
