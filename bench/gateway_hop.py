@@ -1,0 +1,262 @@
+"""The gateway hop alone, on the CPU: a fake worker behind a real gateway, and the gateway
+process's CPU time per token it forwards.
+
+    python -m bench.gateway_hop --concurrency 64,256 --repeats 3 \
+        --out bench/results/gateway-hop-cpu.json
+
+The fake worker is a real grpc.aio `InferenceService` server (its own process, the gateway-token
+interceptor every worker has) that streams like an engine at batch B: every `--step-ms` each
+running stream gets one token, until its `max_new_tokens`. A stand-in control plane (its own
+process) serves `WatchRouting` with a snapshot naming that worker and one tenant key; the
+gateway is the real `slora gateway` process. Three paths, interleaved per repeat: client ->
+worker (the gateway token presented), client -> gateway (gRPC), client -> gateway (HTTP SSE).
+Clients are bench.service_overhead's, in several processes. For each run: delivered tokens/s,
+TTFT (from the run's start, as service_overhead counts it), and the CPU seconds (user + system,
+from /proc/<pid>/stat) the gateway and the worker spent per 1,000 tokens delivered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from services.common.cluster_token import CLUSTER_TOKEN_ENV
+from services.common.hop_auth import GATEWAY_HEADER, GATEWAY_TOKEN_ENV, GatewayOnlyInterceptor
+from services.common.processes import free_port, slora_argv, start_child, wait_serving
+from services.common.server import start_server
+from slora.v1 import inference_pb2 as pb
+from slora.v1 import inference_pb2_grpc as pb_grpc
+from slora.v1 import placement_pb2 as ppb
+from slora.v1 import placement_pb2_grpc as ppb_grpc
+
+BASE_MODEL = "demo"  # the `model` bench.service_overhead's HTTP client sends for no adapter
+WORKER_ID = "fake-worker-0"
+GATEWAY_TOKEN = "slg_bench_gateway_hop"
+TENANT_KEY = "slk_bench_gateway_hop"
+
+
+# ---- the fake worker ----------------------------------------------------------------------
+class _Stream:
+    def __init__(self) -> None:
+        self.pending = 0
+        self.ready = asyncio.Event()
+
+
+class FakeWorker(pb_grpc.InferenceServiceServicer):
+    """Every `step_s` (one engine step) each running stream is given one token."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.streams: set[_Stream] = set()
+
+    async def step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            due = max(due + self.step_s, loop.time())
+            await asyncio.sleep(due - loop.time())
+            for s in self.streams:
+                s.pending += 1
+                s.ready.set()
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        n = request.sampling.max_new_tokens or 16
+        stream = _Stream()
+        self.streams.add(stream)
+        sent = 0
+        try:
+            while sent < n:
+                await stream.ready.wait()
+                stream.ready.clear()
+                k = min(stream.pending, n - sent)  # a front that fell behind sends them as one
+                stream.pending = 0
+                yield pb.GenerateResponse(chunk=pb.Chunk(
+                    token_ids=range(1000 + sent, 1000 + sent + k), text=" tok" * k))
+                sent += k
+        finally:
+            self.streams.discard(stream)
+        prompt = len(request.token_ids.ids) or len(request.text.split())
+        yield pb.GenerateResponse(complete=pb.Complete(
+            finish_reason="length",
+            usage=pb.Usage(prompt_tokens=prompt, completion_tokens=sent),
+            served_by=pb.ServedBy(adapter_id=request.adapter.adapter_id,
+                                  adapter_version=request.adapter.version,
+                                  worker_id=WORKER_ID)))
+
+
+def serve_fake_worker(listen: str, step_s: float) -> None:
+    async def run() -> None:
+        worker = FakeWorker(step_s)
+        handle = await start_server(
+            listen, lambda s: pb_grpc.add_InferenceServiceServicer_to_server(worker, s),
+            ["slora.v1.InferenceService"], interceptors=[GatewayOnlyInterceptor(GATEWAY_TOKEN)])
+        try:
+            await worker.step_loop()
+        finally:
+            await handle.server.stop(0)
+
+    asyncio.run(run())
+
+
+# ---- the stand-in control plane ----------------------------------------------------------
+class FakeControlPlane(ppb_grpc.PlacementServiceServicer):
+    def __init__(self, worker_address: str) -> None:
+        self.worker_address = worker_address
+
+    async def WatchRouting(self, request_iterator: AsyncIterator[ppb.GatewayMessage],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[ppb.RoutingUpdate]:
+        await anext(aiter(request_iterator))  # hello
+        yield ppb.RoutingUpdate(
+            revision=1, snapshot=True, report_interval_ms=60_000,
+            workers=[ppb.WorkerEndpoint(worker_id=WORKER_ID, address=self.worker_address,
+                                        up=True)],
+            keys=[ppb.KeyGrant(token_sha256=hashlib.sha256(TENANT_KEY.encode()).hexdigest(),
+                               key_id="bench", tenant="bench")])
+        async for _ in request_iterator:  # acks and reports, ignored
+            pass
+
+
+def serve_control_plane(listen: str, worker_address: str) -> None:
+    async def run() -> None:
+        cp = FakeControlPlane(worker_address)
+        handle = await start_server(
+            listen, lambda s: ppb_grpc.add_PlacementServiceServicer_to_server(cp, s),
+            ["slora.v1.PlacementService"])
+        await handle.server.wait_for_termination()
+
+    asyncio.run(run())
+
+
+# ---- measuring ----------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process `pid` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(run: Any, pids: dict[str, int]) -> dict[str, Any]:
+    """`run()`'s summary plus each process's CPU seconds per 1,000 tokens delivered."""
+    before = {k: cpu_seconds(p) for k, p in pids.items()}
+    out: dict[str, Any] = run()
+    tokens = max(out["output_tokens"], 1)
+    for k, p in pids.items():
+        spent = cpu_seconds(p) - before[k]
+        out[f"{k}_cpu_s"] = spent
+        out[f"{k}_cpu_s_per_1k_tokens"] = spent / tokens * 1000
+    return out
+
+
+def measure(args: argparse.Namespace, pool: Any, targets: dict[str, str],
+            pids: dict[str, int], c: int, repeats: int) -> dict[str, Any]:
+    from bench.service_overhead import bearer, compare, run_grpc, run_http, spread, workload
+
+    reqs = workload([], c * args.requests_per_stream, vocab=512)
+    n, procs = args.new_tokens, args.client_procs
+    paths = {
+        "direct": lambda: run_grpc(pool, procs, targets["worker"],
+                                   ((GATEWAY_HEADER, GATEWAY_TOKEN),), reqs, n, c, direct=True),
+        "gateway_grpc": lambda: run_grpc(pool, procs, targets["gateway"], bearer(TENANT_KEY),
+                                         reqs, n, c),
+        "gateway_http": lambda: run_http(pool, procs, targets["http"], TENANT_KEY, reqs, n, c),
+    }
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in paths}
+    for r in range(repeats):
+        for name, run in paths.items():
+            runs[name].append(measured(run, pids))
+        line = {k: (round(v[-1]["output_tok_per_s"]),
+                    round(v[-1]["gateway_cpu_s_per_1k_tokens"], 3)) for k, v in runs.items()}
+        errors = {k: v[-1]["errors"][:2] for k, v in runs.items() if v[-1]["errors"]}
+        print(f"c={c} repeat {r + 1}: (tok/s, gateway cpu s/1k tok) {line} {errors}", flush=True)
+    vs_direct = {k: spread([compare(d, o) for d, o in zip(runs["direct"], v, strict=True)])
+                 for k, v in runs.items() if k != "direct"}
+    cpu = {k: spread([{"gateway_cpu_s_per_1k_tokens": x["gateway_cpu_s_per_1k_tokens"],
+                       "worker_cpu_s_per_1k_tokens": x["worker_cpu_s_per_1k_tokens"],
+                       "output_tok_per_s": x["output_tok_per_s"]} for x in v])
+           for k, v in runs.items()}
+    return {"concurrency": c, "requests": len(reqs), "vs_direct": vs_direct, "per_path": cpu,
+            "runs": runs}
+
+
+def hardware() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.machine())
+    return f"{model}, {os.cpu_count()} cores (shared; load average at start {os.getloadavg()[0]:.1f})"
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", default="64,256", help="comma-separated streams in flight")
+    ap.add_argument("--requests-per-stream", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--step-ms", type=float, default=15.0, help="the fake engine's step time")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    return ap.parse_args()
+
+
+def main() -> int:
+    from bench.run_record import run_record
+
+    args = parse_args()
+    ctx = multiprocessing.get_context("spawn")
+    host = "127.0.0.1"
+    targets = {"worker": f"{host}:{free_port()}", "cp": f"{host}:{free_port()}",
+               "gateway": f"{host}:{free_port()}"}
+    http = f"{host}:{free_port()}"
+    targets["http"] = f"http://{http}/v1"
+    worker = ctx.Process(target=serve_fake_worker, args=(targets["worker"], args.step_ms / 1e3),
+                         daemon=True)
+    cp = ctx.Process(target=serve_control_plane, args=(targets["cp"], targets["worker"]),
+                     daemon=True)
+    worker.start()
+    cp.start()
+    state = Path(tempfile.mkdtemp(prefix="slora-gateway-hop-"))
+    gateway = start_child("gateway", slora_argv(
+        "gateway", "--control-plane", targets["cp"], "--listen", targets["gateway"],
+        "--http-listen", http, "--base-model-name", BASE_MODEL, "--gateway-id", "bench"),
+        state, {GATEWAY_TOKEN_ENV: GATEWAY_TOKEN, CLUSTER_TOKEN_ENV: "slc_bench",
+                "SLORA_LOG_LEVEL": "WARNING"})
+    pool = ctx.Pool(args.client_procs)
+    try:
+        wait_serving(targets["worker"], timeout_s=60)
+        wait_serving(targets["gateway"], gateway, timeout_s=60)
+        assert worker.pid is not None
+        pids = {"gateway": gateway.popen.pid, "worker": worker.pid}
+        result: dict[str, Any] = {
+            **run_record(["bench.gateway_hop", *sys.argv[1:]]), "hardware": hardware(),
+            "new_tokens": args.new_tokens, "step_ms": args.step_ms, "repeats": args.repeats,
+            "client_procs": args.client_procs, "levels": []}
+        measure(args, pool, targets, pids, 8, 1)  # warm-up: connections, client imports
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            result["levels"].append(measure(args, pool, targets, pids, c, args.repeats))
+            if args.out:  # what is measured so far survives a later failure
+                Path(args.out).write_text(json.dumps(result, indent=1))
+        for level in result["levels"]:
+            print(f"c={level['concurrency']}: " + json.dumps(
+                {k: {m: round(v["median"], 3) for m, v in figs.items()}
+                 for k, figs in level["per_path"].items()}))
+    finally:
+        pool.terminate()
+        gateway.stop()
+        worker.terminate()
+        cp.terminate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
