@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.versions import Evidence
 from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.evidence import Evidence
 
 BREACH, PASS, WAIT = "breach", "pass", "wait"
 

@@ -17,7 +17,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-VersionKey = tuple[str, str]  # (adapter_id, version)
+from services.common.versions import VersionKey
+
 PREFETCH, PIN = "prefetch", "pin"
 VIRTUAL_NODES = 64
 DEFAULT_CAPACITY = 64

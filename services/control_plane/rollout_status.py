@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common.versions import Evidence
 from services.control_plane.analyzer import Analyzer, LiveWindow
-from services.control_plane.evidence import Evidence, EvidenceStore
+from services.control_plane.evidence import EvidenceStore
 from services.control_plane.keys import Principal
 from services.control_plane.lifecycle import VersionState
 from services.control_plane.records import AdapterRecord

@@ -19,6 +19,7 @@ import grpc
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common.names import check_name, check_worker_id
+from services.common.versions import VersionKey, key_from_pb, key_to_pb
 from services.control_plane.catalog import Catalog, fingerprint, load_catalog
 from services.control_plane.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from services.control_plane.evidence import EvidenceStore
@@ -26,7 +27,6 @@ from services.control_plane.interceptors import current_worker_id
 from services.control_plane.placement import (
     PIN,
     PlannerConfig,
-    VersionKey,
     WorkerSlot,
     plan,
     popular_versions,
@@ -228,7 +228,7 @@ class PlacementHub:
         conn.sent = desired
         conn.queue.put_nowait(ppb.PlacementUpdate(
             revision=self.next_revision(), snapshot=snapshot, upserts=upserts,
-            removals=[ppb.VersionKey(adapter_id=a, version=v) for a, v in removals],
+            removals=[key_to_pb(k) for k in removals],
             heartbeat_interval_ms=int(self.config.heartbeat_s * 1000)))
 
     # ---- subscribers --------------------------------------------------------------------
@@ -264,7 +264,7 @@ class PlacementHub:
             if c.adapter_id:
                 self._window[key] = self._window.get(key, 0) + c.requests - conn.requests.get(key, 0)
             conn.requests[key] = c.requests
-        resident = frozenset((r.adapter_id, r.version) for r in hb.resident)
+        resident = frozenset(key_from_pb(r) for r in hb.resident)
         changed = (not conn.up or resident != conn.resident or hb.draining != conn.draining
                    or abs(hb.load - conn.load) >= 0.05)
         conn.up, conn.resident, conn.draining, conn.load = True, resident, hb.draining, hb.load

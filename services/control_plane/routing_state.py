@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.common.versions import VersionKey
 from services.control_plane.catalog import Catalog
-from services.control_plane.placement import VersionKey
 from slora.v1 import admin_pb2
 from slora.v1 import placement_pb2 as ppb
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.common import errors as e
+from services.common.versions import Evidence, VersionKey, routed_counters_to_pb
 from slora.v1 import placement_pb2 as ppb
 
-VersionKey = tuple[str, str]  # (adapter_id, version); ("", "") = base model
 DEFAULT_SERVED_CAPACITY = 100_000
 MAX_LABELS = 16            # per feedback call
 MAX_LABEL_CHARS = 64       # per key and per value
@@ -75,34 +75,23 @@ def check_labels(labels: Mapping[str, str]) -> None:
                                     f"characters, values at most {MAX_LABEL_CHARS}")
 
 
-@dataclass
-class _Tally:
-    requests: int = 0
-    fallbacks: int = 0
-    errors_by_code: dict[str, int] = field(default_factory=dict)
-    feedback_count: int = 0
-    feedback_sum: float = 0.0
-    feedback_labels: dict[str, int] = field(default_factory=dict)
-
-
 class RoutedEvidence:
     """Per-version deltas since the last `drain()` (single-threaded: the gateway's loop)."""
 
     def __init__(self) -> None:
-        self._tallies: dict[VersionKey, _Tally] = {}
+        self._tallies: dict[VersionKey, Evidence] = {}
 
-    def _tally(self, key: VersionKey) -> _Tally:
-        return self._tallies.setdefault(key, _Tally())
+    def _tally(self, key: VersionKey) -> Evidence:
+        return self._tallies.setdefault(key, Evidence())
 
     def routed(self, key: VersionKey) -> None:
-        self._tally(key).requests += 1
+        self._tally(key).routed += 1
 
     def fallback(self, key: VersionKey) -> None:
         self._tally(key).fallbacks += 1
 
     def error(self, key: VersionKey, code: str) -> None:
-        errors = self._tally(key).errors_by_code
-        errors[code] = errors.get(code, 0) + 1
+        self._tally(key).count_client_error(code)
 
     def feedback(self, key: VersionKey, score: float, labels: Mapping[str, str]) -> None:
         t = self._tally(key)
@@ -119,8 +108,5 @@ class RoutedEvidence:
         if not self._tallies:
             return None
         tallies, self._tallies = self._tallies, {}
-        return ppb.GatewayReport(versions=[
-            ppb.RoutedCounters(adapter_id=a, version=v, requests=t.requests, fallbacks=t.fallbacks,
-                               errors_by_code=t.errors_by_code, feedback_count=t.feedback_count,
-                               feedback_sum=t.feedback_sum, feedback_labels=t.feedback_labels)
-            for (a, v), t in tallies.items()])
+        return ppb.GatewayReport(
+            versions=[routed_counters_to_pb(k, t) for k, t in tallies.items()])

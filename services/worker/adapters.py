@@ -16,10 +16,11 @@ from typing import Any
 
 from services.common.convert import engine_adapter_name
 from services.common.errors import NotFound, ServiceError
+from services.common.versions import VersionKey
 from services.worker.core_client import CoreClient
 from services.worker.disk_cache import DiskCache, VersionSource
 from services.worker.errors import to_service_error
-from services.worker.metrics import VersionKey, WorkerMetrics
+from services.worker.metrics import WorkerMetrics
 from slora.v1 import placement_pb2 as ppb
 from slora_core.adapters import AdapterError
 

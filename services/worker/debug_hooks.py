@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from services.worker.metrics import VersionKey
+from services.common.versions import VersionKey
 
 log = logging.getLogger(__name__)
 SLOW_VERSIONS_ENV = "SLORA_DEBUG_SLOW_VERSIONS"

@@ -2,33 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from services.common.histogram import Histogram as VersionHistogram
 from services.common.metrics import LATENCY_BUCKETS
-
-VersionKey = tuple[str, str]  # (adapter_id, version); ("", "") = base model
-
-
-@dataclass
-class VersionCounters:
-    """Cumulative since the worker started; the control plane takes differences."""
-
-    requests: int = 0
-    errors: int = 0
-    completion_tokens: int = 0
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
-    tpot_sum: float = 0.0
-    tpot_count: int = 0
-    # Canary evidence: failures by status code name, latency histograms, bad outputs.
-    errors_by_code: dict[str, int] = field(default_factory=dict)
-    ttft: VersionHistogram = field(default_factory=VersionHistogram)
-    tpot: VersionHistogram = field(default_factory=VersionHistogram)
-    nonfinite_outputs: int = 0
-    empty_outputs: int = 0
+from services.common.versions import Evidence, VersionKey
 
 
 class WorkerMetrics:
@@ -67,12 +44,14 @@ class WorkerMetrics:
                               ["adapter_id", "version"], registry=r)
         self.aborts = Counter("slora_requests_aborted", "Requests aborted by cancel or deadline",
                               registry=r)
-        self.counters: dict[VersionKey, VersionCounters] = {}
+        # Per-version evidence, cumulative since the worker started (the control plane takes
+        # differences); ("", "") is the base model.
+        self.counters: dict[VersionKey, Evidence] = {}
         self._last_loads = 0
         self._last_evictions = 0
 
-    def version(self, key: VersionKey) -> VersionCounters:
-        return self.counters.setdefault(key, VersionCounters())
+    def version(self, key: VersionKey) -> Evidence:
+        return self.counters.setdefault(key, Evidence())
 
     def record_request(self, key: VersionKey) -> None:
         self.requests.labels(*key).inc()
@@ -81,9 +60,7 @@ class WorkerMetrics:
     def record_error(self, key: VersionKey, code: str) -> None:
         """A failed request; `code` is the gRPC status code name the caller got."""
         self.errors.labels(*key).inc()
-        c = self.version(key)
-        c.errors += 1
-        c.errors_by_code[code] = c.errors_by_code.get(code, 0) + 1
+        self.version(key).count_error(code)
 
     def record_nonfinite_failure(self, key: VersionKey) -> None:
         """A request the engine ended because its logits were NaN or inf (finish_reason "error",
@@ -91,26 +68,22 @@ class WorkerMetrics:
         evidence already counts as a failure, and not again under `errors`, so the failure rate
         counts it once."""
         self.errors.labels(*key).inc()
-        self.version(key).nonfinite_outputs += 1
+        self.version(key).nonfinite += 1
 
     def record_finish(self, key: VersionKey, ttft: float | None, e2e: float, tokens: int,
                       nonfinite: bool = False) -> None:
         """A finished request: `nonfinite` when a generated token's logprob was NaN/inf."""
         c = self.version(key)
         c.completion_tokens += tokens
-        c.nonfinite_outputs += int(nonfinite)
-        c.empty_outputs += int(tokens == 0)
+        c.nonfinite += int(nonfinite)
+        c.empty += int(tokens == 0)
         self.e2e.observe(e2e)
         if ttft is None:
             return
-        c.ttft_sum += ttft
-        c.ttft_count += 1
         c.ttft.observe(ttft)
         if tokens > 1:
             tpot = (e2e - ttft) / (tokens - 1)
             self.tpot.observe(tpot)
-            c.tpot_sum += tpot
-            c.tpot_count += 1
             c.tpot.observe(tpot)
 
     def set_engine_state(self, running: int, waiting: int, kv_pages: int, adapter_pages: int,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.identity import worker_metadata
+from services.common.versions import worker_counters_to_pb
 from services.common.watch import Outbox, watch_forever
 from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient
@@ -79,16 +80,7 @@ class PlacementClient:
         resident = self.adapters.resident()
         state = self.core.state  # as of the core's latest step
         running, waiting = state.running, state.waiting
-        counters = [
-            ppb.VersionCounters(adapter_id=k[0], version=k[1], requests=c.requests,
-                                errors=c.errors, completion_tokens=c.completion_tokens,
-                                ttft_seconds_sum=c.ttft_sum, ttft_count=c.ttft_count,
-                                tpot_seconds_sum=c.tpot_sum, tpot_count=c.tpot_count,
-                                errors_by_code=c.errors_by_code, ttft=c.ttft.to_pb(),
-                                tpot=c.tpot.to_pb(), nonfinite_outputs=c.nonfinite_outputs,
-                                empty_outputs=c.empty_outputs)
-            for k, c in list(self.metrics.counters.items())
-        ]
+        counters = [worker_counters_to_pb(k, c) for k, c in list(self.metrics.counters.items())]
         # Requests still on their way to the engine count as load too.
         inflight = max(len(self.core.streams), running + waiting)
         return ppb.Heartbeat(

@@ -20,11 +20,12 @@ from services.common import errors as e
 from services.common.convert import prompt_of, sampling_kwargs
 from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate
+from services.common.versions import VersionKey
 from services.worker import core_protocol as m
 from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient, TokenStream, error_of
 from services.worker.errors import to_service_error
-from services.worker.metrics import VersionKey, WorkerMetrics
+from services.worker.metrics import WorkerMetrics
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora_core.chat_template import ChatTemplateError

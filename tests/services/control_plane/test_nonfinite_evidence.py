@@ -6,20 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.versions import worker_counters_to_pb
 from services.control_plane.canary_policy import CanaryPolicy
 from services.control_plane.canary_verdict import BREACH, judge
 from services.control_plane.evidence import EvidenceStore
-from services.worker.metrics import VersionCounters, WorkerMetrics
-from slora.v1 import placement_pb2 as ppb
+from services.worker.metrics import WorkerMetrics
 from slora_core.outputs import RequestOutput, is_nonfinite_failure, nonfinite_logits_error
-
-
-def heartbeat(key: tuple[str, str], c: VersionCounters) -> ppb.VersionCounters:
-    return ppb.VersionCounters(adapter_id=key[0], version=key[1], requests=c.requests,
-                               errors=c.errors, errors_by_code=c.errors_by_code,
-                               ttft=c.ttft.to_pb(), tpot=c.tpot.to_pb(),
-                               nonfinite_outputs=c.nonfinite_outputs,
-                               empty_outputs=c.empty_outputs)
 
 
 def serve(m: WorkerMetrics, key: tuple[str, str], out: RequestOutput) -> None:
@@ -44,10 +36,10 @@ def test_nonfinite_failures_are_counted_once_and_roll_the_canary_back() -> None:
         serve(m, stable, ok)
         serve(m, canary, broken if i % 5 == 0 else ok)
     c = m.counters[canary]
-    assert (c.requests, c.nonfinite_outputs, c.errors) == (20, 4, 0)
+    assert (c.requests, c.nonfinite, c.errors) == (20, 4, 0)
 
     store = EvidenceStore(now_ms=lambda: 1_000)
-    store.worker_counters("w1", 2_000, [heartbeat(k, m.counters[k]) for k in (stable, canary)])
+    store.worker_counters("w1", 2_000, [worker_counters_to_pb(k, m.counters[k]) for k in (stable, canary)])
     ev_canary, ev_stable = store.total(canary), store.total(stable)
     assert (ev_canary.nonfinite, ev_canary.failures) == (4, 4)
     assert ev_canary.failure_rate == pytest.approx(0.2)

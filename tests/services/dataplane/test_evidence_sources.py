@@ -54,7 +54,7 @@ def test_worker_counters_carry_the_evidence() -> None:
     m.record_finish(key, ttft=None, e2e=0.01, tokens=0, nonfinite=False)
     c = m.counters[key]
     assert (c.requests, c.errors, c.errors_by_code) == (3, 1, {"INVALID_ARGUMENT": 1})
-    assert (c.ttft.count, c.tpot.count, c.empty_outputs, c.nonfinite_outputs) == (1, 1, 1, 0)
+    assert (c.ttft.count, c.tpot.count, c.empty, c.nonfinite) == (1, 1, 1, 0)
     assert c.tpot.sum == pytest.approx(0.02)
 
 
