@@ -206,11 +206,14 @@ class EngineConfig:
     # so scheduling and output handling overlap the GPU. Outputs then come one step() call
     # later. Off by default: checked on the CPU only so far (same tokens as synchronous steps).
     async_steps: bool = False
+    # Ranks of one engine (DESIGN section 5): LLMEngine.from_model_dir starts the other ranks
+    # (slora_core/tp); 1 is the single-device engine, untouched.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         for name in ("num_pages", "max_rank", "max_num_seqs", "max_num_batched_tokens",
-                     "max_adapters_per_batch"):
+                     "max_adapters_per_batch", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("block_size", "max_model_len"):

@@ -92,12 +92,17 @@ class EngineSnapshot:
 
 
 class LLMEngine:
+    _is_tensor_parallel = False  # TPEngine (slora_core/tp) sets it
+
     def __init__(
         self, model: LlamaForCausalLM, model_config: ModelConfig, tokenizer: Tokenizer | None,
         config: EngineConfig, *, detokenize: bool = True,
     ) -> None:
         """`detokenize=False`: outputs carry token ids only, and stop strings are refused; an
         engine core whose front process detokenizes and matches stop strings runs so."""
+        if config.tensor_parallel_size > 1 and not self._is_tensor_parallel:
+            raise ConfigError("tensor_parallel_size > 1: build the engine with "
+                              "LLMEngine.from_model_dir, which starts the other ranks")
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.detokenize = detokenize and tokenizer is not None
@@ -131,6 +136,10 @@ class LLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, *,
                        detokenize: bool = True) -> LLMEngine:
+        if config.tensor_parallel_size > 1:
+            from slora_core.tp.launch import start_tp_engine  # imports this module
+
+            return start_tp_engine(model_dir, config, detokenize=detokenize)
         model_config = ModelConfig.from_hf_dir(model_dir)
         model = load_model(model_dir, config.torch_dtype, config.device)
         return cls(model, model_config, Tokenizer.from_dir(model_dir), config,

@@ -1,0 +1,128 @@
+"""`TPEngine`: an `LLMEngine` over one rank's shard. On rank 0 it is the engine (same
+add_request/step API): it schedules, samples, and records every arena and adapter-store change
+so the other ranks apply the same ones before the step that needs them. On the other ranks
+`serve()` applies rank 0's messages until it says stop."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from slora_core.adapter_cache import AdapterStore, HostAdapter
+from slora_core.adapters import LoraAdapter
+from slora_core.config import ConfigError, EngineConfig
+from slora_core.engine import LLMEngine
+from slora_core.model import LlamaForCausalLM
+from slora_core.outputs import RequestOutput
+from slora_core.scheduler import SchedulerOutput
+from slora_core.tokenizer import Tokenizer
+from slora_core.tp.group import TPGroup
+from slora_core.tp.layers import parallelize_rows
+from slora_core.tp.runner import ArenaOp, StepMessage, TPModelRunner
+from slora_core.tp.shard import TPShard
+
+
+class ShardedAdapterStore(AdapterStore):
+    """Adapters validated against the full model, then cut to this rank's shard before they
+    are laid out in pages."""
+
+    def __init__(self, shard: TPShard, **kwargs: Any) -> None:
+        super().__init__(shard.full, **kwargs)
+        self.shard = shard
+
+    def _prepare(self, adapter: LoraAdapter) -> HostAdapter:
+        weights = {}
+        for (layer, module), w in adapter.weights.items():
+            a, b = self.shard.shard_lora(module, w.a, w.b)
+            weights[(layer, module)] = replace(w, a=a, b=b)
+        return super()._prepare(replace(adapter, weights=weights))
+
+
+class TPEngine(LLMEngine):
+    _is_tensor_parallel = True
+
+    def __init__(self, model: LlamaForCausalLM, shard: TPShard, group: TPGroup,
+                 tokenizer: Tokenizer | None, config: EngineConfig, *,
+                 detokenize: bool = True) -> None:
+        """`model`: this rank's shard (`load_model_shard`)."""
+        if config.async_steps:
+            raise ConfigError("async_steps is not supported with tensor_parallel_size > 1")
+        super().__init__(model, shard.engine_config(), tokenizer, config, detokenize=detokenize)
+        self.shard, self.group = shard, group
+        parallelize_rows(model, group)  # after the LoRA wrap: LoRA deltas join the sums
+        self.runner = self.tp_runner = TPModelRunner(self.runner, group)
+        self.adapters = ShardedAdapterStore(
+            shard, max_rank=config.max_rank, dtype=config.torch_dtype,
+            page_numel=self.arena.page_numel, capacity_bytes=config.host_cache_bytes,
+            pin_memory=self.arena.pages.device.type == "cuda")
+        self.worker_processes: list[Any] = []  # rank 0: the other ranks (see launch.py)
+
+    def _record(self, op: ArenaOp) -> None:
+        self.tp_runner.pending_ops.append(op)
+
+    # ---- rank 0: record what the other ranks must repeat ----------------------------------
+    def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
+                         *, preload: bool = True) -> None:
+        super().register_adapter(name, path, sha256, preload=preload)
+        self._record(("register", name, str(path), sha256))
+
+    def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
+        super().add_adapter(name, adapter)
+        self._record(("add", name, adapter))
+
+    def unregister_adapter(self, name: str) -> None:
+        super().unregister_adapter(name)
+        self._record(("unregister", name))
+
+    def _apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        failed = super()._apply_memory_changes(sched)
+        for rec in sched.evicted:
+            self._record(("clear", rec.slot))
+        for rec in sched.new_adapters:
+            live = self.pool.resident(rec.key)
+            if live is not None and live.slot == rec.slot:
+                self._record(("write", rec.slot, list(rec.pages), str(rec.key)))
+            else:  # failed to load: rank 0 cleared the slot
+                self._record(("clear", rec.slot))
+        return failed
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks and leave the group."""
+        if self.group.size > 1:
+            self.group.broadcast(StepMessage(stop=True))
+        for proc in self.worker_processes:
+            proc.join(timeout=30)
+        self.group.leave()
+
+    # ---- other ranks --------------------------------------------------------------------
+    def serve(self) -> None:
+        """Rank > 0: apply rank 0's changes and run its steps until it says stop."""
+        while True:
+            msg: StepMessage = self.group.broadcast(None)
+            if msg.stop:
+                return
+            for op in msg.ops:
+                self.apply_op(op)
+            if msg.inputs is not None:
+                self.tp_runner.forward(msg.inputs)
+
+    def apply_op(self, op: ArenaOp) -> None:
+        kind = op[0]
+        if kind == "clear":
+            self.copier.clear(op[1])
+        elif kind == "write":
+            _, slot, pages, name = op
+            host = self.adapters.get(name)
+            if host.layout.num_pages != len(pages):
+                raise RuntimeError(f"adapter {name!r} takes {host.layout.num_pages} pages on "
+                                   f"rank {self.group.rank}, {len(pages)} on rank 0")
+            self.copier.write(slot, pages, host)
+        elif kind == "register":
+            self.adapters.register(op[1], op[2], op[3])
+        elif kind == "add":
+            self.adapters.add_loaded(op[1], op[2])
+        elif kind == "unregister":
+            self.adapters.unregister(op[1])
+        else:
+            raise ValueError(f"unknown arena op {kind!r}")

@@ -1,0 +1,67 @@
+"""Start a tensor-parallel engine: this process becomes rank 0 and returns the engine; ranks
+1..N-1 are spawned processes that load their shards and follow rank 0's steps.
+
+    engine = start_tp_engine(model_dir, EngineConfig(tensor_parallel_size=2))
+    ...  # add_request / step as with LLMEngine
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from slora_core.config import EngineConfig, ModelConfig
+from slora_core.tokenizer import Tokenizer
+from slora_core.tp.engine import TPEngine
+from slora_core.tp.group import TPGroup
+from slora_core.tp.shard import TPShard
+from slora_core.tp.weights import load_model_shard
+
+
+def start_tp_engine(model_dir: str | Path, config: EngineConfig, *, detokenize: bool = True,
+                    timeout_s: float = 600.0) -> TPEngine:
+    """Rank 0's engine over `config.tensor_parallel_size` ranks (one GPU each on CUDA: rank r
+    uses cuda:r). A collective that waits longer than `timeout_s` (a rank died) raises."""
+    size = config.tensor_parallel_size
+    # Checks divisibility here, before any process starts.
+    TPShard(ModelConfig.from_hf_dir(model_dir), 0, size)
+    rendezvous = Path(tempfile.mkdtemp(prefix="slora-tp-")) / "rendezvous"
+    init_method = rendezvous.as_uri()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_serve_rank, daemon=True,
+                         args=(rank, str(model_dir), config, init_method, timeout_s))
+             for rank in range(1, size)]
+    for proc in procs:
+        proc.start()
+    engine = _rank_engine(0, model_dir, config, init_method, timeout_s, detokenize)
+    engine.worker_processes = procs
+    return engine
+
+
+def _rank_engine(rank: int, model_dir: str | Path, config: EngineConfig, init_method: str,
+                 timeout_s: float, detokenize: bool) -> TPEngine:
+    device = config.device
+    if torch.device(device).type == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+        config = replace(config, device=device)
+    group = TPGroup.join(rank, config.tensor_parallel_size, init_method, device, timeout_s)
+    shard = TPShard(ModelConfig.from_hf_dir(model_dir), rank, group.size)
+    model = load_model_shard(model_dir, shard, config.torch_dtype, device, group)
+    tokenizer = Tokenizer.from_dir(model_dir) if rank == 0 else None
+    return TPEngine(model, shard, group, tokenizer, config,
+                    detokenize=detokenize and rank == 0)
+
+
+def _serve_rank(rank: int, model_dir: str, config: EngineConfig, init_method: str,
+                timeout_s: float) -> None:
+    engine = _rank_engine(rank, model_dir, config, init_method, timeout_s, detokenize=False)
+    try:
+        engine.serve()
+    finally:
+        engine.group.leave()

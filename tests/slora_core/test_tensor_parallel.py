@@ -1,0 +1,118 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes): a TP=2 engine gives the tokens and
+log-probabilities of a TP=1 engine for a mixed batch of demo adapters, through adapter eviction
+and sequence preemption; plus the shard arithmetic and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from slora_core.config import ConfigError, EngineConfig, ModelConfig
+from slora_core.engine import LLMEngine
+from slora_core.sampling_params import SamplingParams
+from slora_core.tp import TPGroup, TPShard
+from slora_core.tp.weights import load_model_shard
+from slora_core.weights import load_model
+
+ADAPTERS = ("qv-r4", "attn-r8", "all-r16", "ko-r6", "qdown-r20", "pattern-r8")
+# Small arena: 10 requests of up to 48 tokens each and six adapters cannot all fit at once.
+CONFIG = dict(num_pages=16, block_size=32, max_rank=32, max_num_seqs=8,
+              max_num_batched_tokens=96, max_adapters_per_batch=4)
+
+
+Steps = dict[str, list[tuple[int, float, list[tuple[int, float]]]]]
+
+
+def _run(engine: LLMEngine, demo: Path) -> Steps:
+    for name in ADAPTERS:
+        engine.register_adapter(name, demo / "adapters" / name)
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, top_logprobs=5)
+    for i in range(10):
+        prompt = [(7 * i + 13 * j) % 500 + 3 for j in range(20 + 3 * i)]
+        adapter = None if i % 5 == 4 else ADAPTERS[i % len(ADAPTERS)]
+        engine.add_request(f"r{i}", prompt, params, adapter=adapter)
+    got: Steps = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            for lp in out.logprobs:
+                got.setdefault(out.request_id, []).append(
+                    (lp.token_id, lp.logprob, list(lp.top_logprobs)))
+    return got
+
+
+def test_tp2_matches_tp1_with_eviction_and_preemption(demo_dir: Path) -> None:
+    model_dir = demo_dir / "model"
+    ref_engine = LLMEngine(load_model(model_dir, torch.float32, "cpu"),
+                           ModelConfig.from_hf_dir(model_dir), None, EngineConfig(**CONFIG))
+    ref = _run(ref_engine, demo_dir)
+    tp = LLMEngine.from_model_dir(model_dir, EngineConfig(tensor_parallel_size=2, **CONFIG),
+                                  detokenize=False)
+    try:
+        got = _run(tp, demo_dir)
+        stats = tp.stats
+    finally:
+        tp.close()  # type: ignore[attr-defined]
+    assert stats.preemptions > 0 and stats.adapter_evictions > 0, stats
+    assert sorted(got) == sorted(ref)
+    for rid, steps in ref.items():
+        assert [t for t, _, _ in got[rid]] == [t for t, _, _ in steps], rid
+        for (_, lp, tops), (_, ref_lp, ref_tops) in zip(got[rid], steps, strict=True):
+            assert lp == pytest.approx(ref_lp, abs=1e-4)
+            assert [i for i, _ in tops] == [i for i, _ in ref_tops]
+            assert [v for _, v in tops] == pytest.approx([v for _, v in ref_tops], abs=1e-4)
+
+
+def test_shards_of_four_ranks_tile_the_checkpoint(demo_dir: Path) -> None:
+    """Loading reads only each rank's part; with 4 ranks and 2 KV heads, KV heads replicate."""
+    model_dir = demo_dir / "model"
+    full = ModelConfig.from_hf_dir(model_dir)
+    whole = dict(load_model(model_dir, torch.float32, "cpu").named_parameters())
+    shards = [TPShard(full, r, 4) for r in range(4)]
+    assert [s.kv_head_start for s in shards] == [0, 0, 1, 1]
+    parts = [dict(load_model_shard(model_dir, s, torch.float32, "cpu", TPGroup(s.rank, 4))
+                  .named_parameters()) for s in shards]
+    qkv, down = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.down_proj.weight"
+    d, q = full.head_dim, full.num_attention_heads * full.head_dim
+    for s, p in zip(shards, parts, strict=True):
+        k0 = q + s.kv_head_start * d
+        expect = torch.cat([whole[qkv][s.rank * d:(s.rank + 1) * d], whole[qkv][k0:k0 + d],
+                            whole[qkv][k0 + full.num_key_value_heads * d:][:d]])
+        assert torch.equal(p[qkv], expect)
+    assert torch.equal(torch.cat([p[down] for p in parts], dim=1), whole[down])
+    emb = "model.embed_tokens.local.weight"
+    assert torch.equal(torch.cat([p[emb] for p in parts]), whole["model.embed_tokens.weight"])
+
+
+def test_lora_shards_sum_to_the_full_delta() -> None:
+    """Column-parallel B rows and row-parallel A columns rebuild the full delta B @ A."""
+    full = ModelConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64)
+    gen = torch.Generator().manual_seed(0)
+    for module in ("q_proj", "v_proj", "up_proj", "o_proj", "down_proj"):
+        fan_in, fan_out = full.module_shape(module)
+        a, b = torch.randn(4, fan_in, generator=gen), torch.randn(fan_out, 4, generator=gen)
+        pieces = [TPShard(full, r, 2).shard_lora(module, a, b) for r in range(2)]
+        if module in ("o_proj", "down_proj"):
+            delta = sum(pb @ pa @ _embed_cols(full, r, module) for r, (pa, pb) in enumerate(pieces))
+        else:
+            delta = torch.cat([pb @ pa for pa, pb in pieces])
+        assert torch.allclose(delta, b @ a, atol=1e-5), module
+
+
+def _embed_cols(full: ModelConfig, rank: int, module: str) -> torch.Tensor:
+    """[local_in, in] selector placing rank's input columns back in the full input."""
+    start, stop = TPShard(full, rank, 2).module_range(module)
+    return torch.eye(full.module_shape(module)[0])[start:stop]
+
+
+def test_refusals(demo_dir: Path) -> None:
+    full = ModelConfig.from_hf_dir(demo_dir / "model")
+    with pytest.raises(ConfigError, match="does not divide num_attention_heads"):
+        TPShard(full, 0, 3)
+    with pytest.raises(ConfigError, match="must be positive"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="from_model_dir"):
+        LLMEngine(load_model(demo_dir / "model", torch.float32, "cpu"), full, None,
+                  EngineConfig(tensor_parallel_size=2))
