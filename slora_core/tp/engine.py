@@ -59,7 +59,7 @@ class TPEngine(LLMEngine):
         self.worker_processes: list[Any] = []  # rank 0: the other ranks (see launch.py)
 
     def _record(self, op: ArenaOp) -> None:
-        self.tp_runner.pending_ops.append(op)
+        self.tp_runner.record(op)
 
     # ---- rank 0: record what the other ranks must repeat ----------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
@@ -72,10 +72,15 @@ class TPEngine(LLMEngine):
         self._record(("add", name, adapter))
 
     def unregister_adapter(self, name: str) -> None:
-        super().unregister_adapter(name)
-        self._record(("unregister", name))
+        with self.tp_runner.ops_lock:
+            super().unregister_adapter(name)
+            self._record(("unregister", name))
 
     def _apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        with self.tp_runner.ops_lock:
+            return self._apply_and_record(sched)
+
+    def _apply_and_record(self, sched: SchedulerOutput) -> list[RequestOutput]:
         failed = super()._apply_memory_changes(sched)
         for rec in sched.evicted:
             self._record(("clear", rec.slot))

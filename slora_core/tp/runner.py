@@ -3,6 +3,7 @@ arena changes that precede it) and every rank runs its shard on them."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,13 @@ class TPModelRunner(ModelRunner):
         super().__init__(runner.model, runner.arena, use_cuda_graphs=False)
         self.group = group
         self.pending_ops: list[ArenaOp] = []  # rank 0: changes not yet sent
+        # The worker's engine core changes adapters from other threads; a change and its
+        # record happen under this lock, so records keep the order changes took effect in.
+        self.ops_lock = threading.RLock()
+
+    def record(self, op: ArenaOp) -> None:
+        with self.ops_lock:
+            self.pending_ops.append(op)
 
     def run(self, scheduled: list[ScheduledSeq], patch: TokenPatch | None = None
             ) -> torch.Tensor:
@@ -43,7 +51,8 @@ class TPModelRunner(ModelRunner):
         if patch is not None:
             raise RuntimeError("tensor-parallel steps take their input ids from the host")
         inputs = build_step_inputs(scheduled, self.arena.block_size)
-        ops, self.pending_ops = self.pending_ops, []
+        with self.ops_lock:
+            ops, self.pending_ops = self.pending_ops, []
         self.group.broadcast(StepMessage(ops=ops, inputs=inputs))
         return self.forward(inputs)
 
