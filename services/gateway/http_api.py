@@ -38,7 +38,7 @@ from services.gateway.openai_responses import (
     ChoiceState,
     Header,
     Kind,
-    chunk_event,
+    StreamEvents,
     error_body,
     full_body,
     served_header,
@@ -133,9 +133,8 @@ class HttpApi:
         n = req.n
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = self._stream(fanout, header, choices, n, plan.top_logprobs is not None,
-                                  usage)
-            return StreamingResponse(events, media_type="text/event-stream",
+            events = StreamEvents(header, plan.top_logprobs is not None, usage)
+            return StreamingResponse(self._stream(fanout, events, choices, n, usage), media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"})
         try:
             if not await self._unless_disconnected(request, fanout, _read(fanout, choices)):
@@ -167,21 +166,26 @@ class HttpApi:
         finally:
             watching.cancel()
 
-    async def _stream(self, fanout: Fanout, header: Header, choices: list[ChoiceState],
-                      n: int, with_logprobs: bool, include_usage: bool,
-                      ) -> AsyncIterator[bytes]:
+    async def _stream(self, fanout: Fanout, events: StreamEvents, choices: list[ChoiceState],
+                      n: int, include_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events; an error after the first event is sent as an event (the status
-        is already out), and the stream ends without [DONE]."""
+        is already out), and the stream ends without [DONE]. The last choice's finishing event,
+        the usage and [DONE] go out as one write (each write is a send on the socket)."""
+        tail = b""
         try:
             async for i, r in fanout.events():
                 choices[i].add(r)
-                yield chunk_event(header, choices[i], r, with_logprobs, include_usage)
-            self._alias(header.id, fanout)
+                event = events.chunk(choices[i], r)
+                if r.HasField("complete") and all(c.complete is not None for c in choices):
+                    tail = event  # nothing follows but the end of the calls
+                    continue
+                yield event
+            self._alias(events.header.id, fanout)
             if include_usage:
-                yield usage_event(header, choices, n)
-            yield DONE
+                tail += usage_event(events.header, choices, n)
+            yield tail + DONE
         except e.ServiceError as err:
-            yield sse(error_body(err))
+            yield tail + sse(error_body(err))
         except asyncio.CancelledError:
             self.metrics.http_disconnects.inc()  # the client went away: calls cancelled
             raise

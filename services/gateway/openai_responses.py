@@ -6,10 +6,11 @@ vLLM uses with `--return-tokens-as-token-ids`), and completions' `text_offset` i
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import msgspec
 
 from services.common import errors as e
 from slora.v1 import inference_pb2 as pb
@@ -125,33 +126,43 @@ def full_body(h: Header, choices: list[ChoiceState], n: int, with_logprobs: bool
     return {**h.fields(stream=False), "choices": out, "usage": usage_json(choices, n)}
 
 
+_encoder = msgspec.json.Encoder()  # a C encoder: an SSE event per token is the hot path
+
+
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
-def chunk_event(h: Header, c: ChoiceState, r: pb.GenerateResponse, with_logprobs: bool,
-                include_usage: bool) -> bytes:
-    """The stream event of one message of choice `c` (already added to `c`)."""
-    choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": None}
-    if r.HasField("chunk"):
-        if with_logprobs:
-            choice["logprobs"] = logprobs_json(h.kind, list(r.chunk.logprobs))
-        text = r.chunk.text
-    else:
-        choice["finish_reason"] = r.complete.finish_reason
-        text = ""
-    if h.kind == "chat":
-        delta: dict[str, Any] = {} if r.HasField("complete") else {"content": text}
-        if not c.started:
-            delta["role"] = "assistant"
-        choice["delta"] = delta
-    else:
-        choice["text"] = text
-    c.started = True
-    payload = {**h.fields(stream=True), "choices": [choice]}
-    if include_usage:
-        payload["usage"] = None
-    return sse(payload)
+class StreamEvents:
+    """The events of one streamed response. Every chunk event starts with the same header
+    fields, so they are encoded once; per event only its choice is encoded."""
+
+    def __init__(self, h: Header, with_logprobs: bool, include_usage: bool) -> None:
+        self.header, self.with_logprobs = h, with_logprobs
+        head = _encoder.encode(h.fields(stream=True))  # b'{...}': reopened for "choices"
+        self._prefix = b"data: " + head[:-1] + b',"choices":['
+        self._suffix = (b'],"usage":null}' if include_usage else b"]}") + b"\n\n"
+
+    def chunk(self, c: ChoiceState, r: pb.GenerateResponse) -> bytes:
+        """The event of one message of choice `c` (already added to `c`)."""
+        kind = self.header.kind
+        choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": None}
+        if r.HasField("chunk"):
+            if self.with_logprobs:
+                choice["logprobs"] = logprobs_json(kind, list(r.chunk.logprobs))
+            text = r.chunk.text
+        else:
+            choice["finish_reason"] = r.complete.finish_reason
+            text = ""
+        if kind == "chat":
+            delta: dict[str, Any] = {} if r.HasField("complete") else {"content": text}
+            if not c.started:
+                delta["role"] = "assistant"
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        c.started = True
+        return self._prefix + _encoder.encode(choice) + self._suffix
 
 
 def usage_event(h: Header, choices: list[ChoiceState], n: int) -> bytes:
