@@ -116,3 +116,33 @@ def test_refusals(demo_dir: Path) -> None:
     with pytest.raises(ConfigError, match="from_model_dir"):
         LLMEngine(load_model(demo_dir / "model", torch.float32, "cpu"), full, None,
                   EngineConfig(tensor_parallel_size=2))
+
+
+def test_tp4_replicated_kv_heads_match_tp1(demo_dir: Path) -> None:
+    """4 ranks over 2 KV heads: each KV head is held by two ranks."""
+    model_dir = demo_dir / "model"
+    config = dict(num_pages=64, block_size=32, max_rank=32)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, top_logprobs=3)
+    outs = []
+    for size in (1, 4):
+        engine = LLMEngine.from_model_dir(model_dir, EngineConfig(tensor_parallel_size=size,
+                                                                  **config), detokenize=False)
+        try:
+            for i, adapter in enumerate(("all-r16", "ko-r6", None)):
+                if adapter:
+                    engine.register_adapter(adapter, demo_dir / "adapters" / adapter)
+                engine.add_request(f"r{i}", [5 + i, 17, 99, 200 + i, 31], params, adapter=adapter)
+            got: dict[str, list[tuple[int, float]]] = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    got.setdefault(out.request_id, []).extend(
+                        (lp.token_id, lp.logprob) for lp in out.logprobs)
+        finally:
+            if size > 1:
+                engine.close()  # type: ignore[attr-defined]
+        outs.append(got)
+    ref, tp = outs
+    assert sorted(tp) == sorted(ref) == ["r0", "r1", "r2"]
+    for rid in ref:
+        assert [t for t, _ in tp[rid]] == [t for t, _ in ref[rid]]
+        assert [v for _, v in tp[rid]] == pytest.approx([v for _, v in ref[rid]], abs=1e-4)
