@@ -8,7 +8,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
+import os
+import signal
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +39,8 @@ def start_tp_engine(model_dir: str | Path, config: EngineConfig, *, detokenize: 
     init_method = rendezvous.as_uri()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_serve_rank, daemon=True,
-                         args=(rank, str(model_dir), config, init_method, timeout_s))
+                         args=(rank, str(model_dir), config, init_method, timeout_s,
+                               os.getpid()))
              for rank in range(1, size)]
     for proc in procs:
         proc.start()
@@ -59,9 +65,23 @@ def _rank_engine(rank: int, model_dir: str | Path, config: EngineConfig, init_me
 
 
 def _serve_rank(rank: int, model_dir: str, config: EngineConfig, init_method: str,
-                timeout_s: float) -> None:
+                timeout_s: float, rank0_pid: int) -> None:
+    _die_with_rank_0(rank0_pid)
     engine = _rank_engine(rank, model_dir, config, init_method, timeout_s, detokenize=False)
     try:
         engine.serve()
     finally:
         engine.group.leave()
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_rank_0(rank0_pid: int) -> None:
+    """SIGKILL this rank when rank 0 dies (say a killed engine core), instead of holding its
+    device in a collective until the group timeout."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # then the collective timeout ends it
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != rank0_pid:  # rank 0 died before prctl took effect
+        os._exit(1)
