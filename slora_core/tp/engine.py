@@ -48,6 +48,8 @@ class TPEngine(LLMEngine):
         """`model`: this rank's shard (`load_model_shard`)."""
         if config.async_steps:
             raise ConfigError("async_steps is not supported with tensor_parallel_size > 1")
+        # Eager steps: CUDA graphs with NCCL collectives inside are not built yet.
+        config = replace(config, cuda_graphs=False)
         super().__init__(model, shard.engine_config(), tokenizer, config, detokenize=detokenize)
         self.shard, self.group = shard, group
         parallelize_rows(model, group)  # after the LoRA wrap: LoRA deltas join the sums
