@@ -4,7 +4,9 @@ and sequence preemption; plus the shard arithmetic and the refusals."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from slora_core.weights import load_model
 
 ADAPTERS = ("qv-r4", "attn-r8", "all-r16", "ko-r6", "qdown-r20", "pattern-r8")
 # Small arena: 10 requests of up to 48 tokens each and six adapters cannot all fit at once.
-CONFIG = dict(num_pages=16, block_size=32, max_rank=32, max_num_seqs=8,
+CONFIG: dict[str, Any] = dict(num_pages=16, block_size=32, max_rank=32, max_num_seqs=8,
               max_num_batched_tokens=96, max_adapters_per_batch=4)
 
 
@@ -95,7 +97,8 @@ def test_lora_shards_sum_to_the_full_delta() -> None:
         a, b = torch.randn(4, fan_in, generator=gen), torch.randn(fan_out, 4, generator=gen)
         pieces = [TPShard(full, r, 2).shard_lora(module, a, b) for r in range(2)]
         if module in ("o_proj", "down_proj"):
-            delta = sum(pb @ pa @ _embed_cols(full, r, module) for r, (pa, pb) in enumerate(pieces))
+            delta = torch.stack([pb @ pa @ _embed_cols(full, r, module)
+                                 for r, (pa, pb) in enumerate(pieces)]).sum(0)
         else:
             delta = torch.cat([pb @ pa for pa, pb in pieces])
         assert torch.allclose(delta, b @ a, atol=1e-5), module
@@ -119,14 +122,19 @@ def test_refusals(demo_dir: Path) -> None:
 
 
 def test_tp4_replicated_kv_heads_match_tp1(demo_dir: Path) -> None:
-    """4 ranks over 2 KV heads: each KV head is held by two ranks."""
+    """4 ranks over 2 KV heads: each KV head is held by two ranks. The arena is large enough
+    that both engines run the same steps, so every step's full logits are compared too."""
     model_dir = demo_dir / "model"
-    config = dict(num_pages=64, block_size=32, max_rank=32)
+    config: dict[str, Any] = dict(num_pages=64, block_size=32, max_rank=32)
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True, top_logprobs=3)
-    outs = []
+    outs: list[dict[str, list[tuple[int, float]]]] = []
+    logits: list[list[torch.Tensor]] = []
     for size in (1, 4):
         engine = LLMEngine.from_model_dir(model_dir, EngineConfig(tensor_parallel_size=size,
                                                                   **config), detokenize=False)
+        steps: list[torch.Tensor] = []
+        logits.append(steps)
+        engine.runner.run = _recording(engine.runner.run, steps)  # type: ignore[method-assign]
         try:
             for i, adapter in enumerate(("all-r16", "ko-r6", None)):
                 if adapter:
@@ -142,7 +150,20 @@ def test_tp4_replicated_kv_heads_match_tp1(demo_dir: Path) -> None:
                 engine.close()  # type: ignore[attr-defined]
         outs.append(got)
     ref, tp = outs
+    assert len(logits[0]) == len(logits[1]) > 1
+    for ref_step, tp_step in zip(*logits, strict=True):
+        torch.testing.assert_close(tp_step, ref_step, rtol=0, atol=1e-4)
     assert sorted(tp) == sorted(ref) == ["r0", "r1", "r2"]
     for rid in ref:
         assert [t for t, _ in tp[rid]] == [t for t, _ in ref[rid]]
         assert [v for _, v in tp[rid]] == pytest.approx([v for _, v in ref[rid]], abs=1e-4)
+
+
+def _recording(run: Callable[..., torch.Tensor], steps: list[torch.Tensor]
+               ) -> Callable[..., torch.Tensor]:
+    """`run`, keeping a copy of every step's logits in `steps`."""
+    def wrapped(*args: Any) -> torch.Tensor:
+        out = run(*args)
+        steps.append(out.clone())
+        return out
+    return wrapped
