@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from slora_core.config import EngineConfig, ModelConfig
+from slora_core.config import ConfigError, EngineConfig, ModelConfig
 from slora_core.tokenizer import Tokenizer
 from slora_core.tp.engine import TPEngine
 from slora_core.tp.group import TPGroup
@@ -33,8 +33,10 @@ def start_tp_engine(model_dir: str | Path, config: EngineConfig, *, detokenize: 
     """Rank 0's engine over `config.tensor_parallel_size` ranks (one GPU each on CUDA: rank r
     uses cuda:r). A collective that waits longer than `timeout_s` (a rank died) raises."""
     size = config.tensor_parallel_size
-    # Checks divisibility here, before any process starts.
+    # Refuse what TPEngine would refuse before any process starts.
     TPShard(ModelConfig.from_hf_dir(model_dir), 0, size)
+    if config.async_steps:
+        raise ConfigError("async_steps is not supported with tensor_parallel_size > 1")
     rendezvous = Path(tempfile.mkdtemp(prefix="slora-tp-")) / "rendezvous"
     init_method = rendezvous.as_uri()
     ctx = mp.get_context("spawn")
@@ -44,7 +46,13 @@ def start_tp_engine(model_dir: str | Path, config: EngineConfig, *, detokenize: 
              for rank in range(1, size)]
     for proc in procs:
         proc.start()
-    engine = _rank_engine(0, model_dir, config, init_method, timeout_s, detokenize)
+    try:
+        engine = _rank_engine(0, model_dir, config, init_method, timeout_s, detokenize)
+    except BaseException:
+        for proc in procs:  # they would wait for rank 0's first message until the timeout
+            proc.kill()
+            proc.join()
+        raise
     engine.worker_processes = procs
     return engine
 

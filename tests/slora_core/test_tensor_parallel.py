@@ -4,6 +4,7 @@ and sequence preemption; plus the shard arithmetic and the refusals."""
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -167,3 +168,22 @@ def _recording(run: Callable[..., torch.Tensor], steps: list[torch.Tensor]
         steps.append(out.clone())
         return out
     return wrapped
+
+
+def test_rank_0_failure_stops_the_other_ranks(demo_dir: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config rank 0 refuses (here max_model_len above the model's) raises at once and
+    leaves no rank process behind."""
+    ctx = multiprocessing.get_context("spawn")
+    started: list[Any] = []
+    make = ctx.Process
+
+    def process(*args: Any, **kwargs: Any) -> Any:
+        started.append(make(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(ctx, "Process", process)
+    with pytest.raises(ConfigError, match="max_model_len"):
+        LLMEngine.from_model_dir(demo_dir / "model",
+                                 EngineConfig(tensor_parallel_size=2, max_model_len=10**6))
+    assert len(started) == 1 and not started[0].is_alive()
