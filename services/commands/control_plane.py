@@ -61,11 +61,10 @@ def register_credentials(sub: argparse._SubParsersAction) -> None:
 
 def run_credentials(args: argparse.Namespace) -> int:
     from services.common.errors import ServiceError
-    from services.control_plane.errors import RegistryError
 
     try:
         return _credentials(args)
-    except (ServiceError, RegistryError) as e:
+    except ServiceError as e:
         raise SystemExit(f"worker-credential {args.action}: {e}") from None
 
 

@@ -1,7 +1,9 @@
-"""Data-plane errors and how they reach a client as gRPC status codes (DESIGN section 2).
+"""The errors every service raises on purpose, and how they reach a client as gRPC status
+codes or HTTP statuses (DESIGN section 2).
 
-Servicers raise these (or let the worker's engine errors be translated by `status_for`) and
-call `abort_with`; nothing else decides a status code.
+Data-plane servicers raise these (or let the worker's engine errors be translated) and call
+`abort_with`; the control plane raises the same classes and its one error interceptor
+(`services.control_plane.errors.status_for`) maps them. Nothing else decides a status code.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ class FailedPrecondition(ServiceError):
 
 class AlreadyExists(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Aborted(ServiceError):
+    """A conflict with a concurrent change (e.g. a stale etag): read again and retry."""
+
+    code = grpc.StatusCode.ABORTED
 
 
 class ResourceExhausted(ServiceError):

@@ -30,10 +30,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 
+from services.common.errors import Aborted
 from services.common.versions import Evidence
 from services.control_plane import lifecycle
 from services.control_plane.canary_verdict import BREACH, PASS, WAIT, Verdict, judge
-from services.control_plane.errors import Aborted
 from services.control_plane.evidence import EvidenceStore
 from services.control_plane.keys import ADMIN, Principal
 from services.control_plane.lifecycle import IllegalTransition

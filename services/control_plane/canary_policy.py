@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.control_plane.errors import InvalidArgument
+from services.common.errors import InvalidArgument
 
 MAX_WINDOW_S = 7 * 24 * 3600.0
 # Ratios closer than this are the same step (floating-point noise from clients).

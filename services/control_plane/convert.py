@@ -7,8 +7,8 @@ import json
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from services.common.errors import InvalidArgument
 from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.errors import InvalidArgument
 from services.control_plane.keys import ADMIN, TENANT
 from services.control_plane.lifecycle import VersionState
 from services.control_plane.records import (

@@ -20,7 +20,8 @@ from typing import Any
 import grpc
 
 from services.common.cluster_token import bearer_token, token_matches
-from services.control_plane.errors import PermissionDenied, Unauthenticated, status_for
+from services.common.errors import PermissionDenied, Unauthenticated
+from services.control_plane.errors import status_for
 from services.control_plane.keys import ADMIN, KeyStore, Principal
 from services.control_plane.worker_credentials import WorkerCredentials
 

@@ -15,15 +15,15 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.common.names import check_name, shown
-from services.control_plane.audit import record_event
-from services.control_plane.errors import (
+from services.common.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     Unauthenticated,
 )
+from services.common.names import check_name, shown
+from services.control_plane.audit import record_event
 from services.control_plane.models import ApiKey, Tenant, utcnow
 from services.control_plane.records import KeyRecord, TenantRecord
 

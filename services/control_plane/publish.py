@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from services.common.names import check_adapter_id, check_name, check_version, shown
 from services.control_plane.adapter_check import (
     MAX_CONFIG_BYTES,
@@ -23,7 +24,6 @@ from services.control_plane.adapter_check import (
     validate_adapter_dir,
 )
 from services.control_plane.audit import record_event
-from services.control_plane.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from services.control_plane.keys import Principal
 from services.control_plane.lifecycle import VersionState
 from services.control_plane.models import Adapter, AdapterVersion, Route

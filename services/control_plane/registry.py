@@ -19,12 +19,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 
+from services.common.errors import Aborted, InvalidArgument, NotFound
 from services.common.names import MAX_NAME, check_adapter_id, check_name, check_version, shown
 from services.control_plane import lifecycle
 from services.control_plane.adapter_check import AdapterSummary
 from services.control_plane.audit import record_event
 from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.errors import Aborted, InvalidArgument, NotFound
 from services.control_plane.keys import Principal
 from services.control_plane.lifecycle import AdapterState, VersionState
 from services.control_plane.models import Adapter, AdapterVersion, AuditEvent, Route, Tenant

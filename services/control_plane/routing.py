@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import grpc
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from services.common.names import check_name, check_worker_id
 from services.common.versions import VersionKey, key_from_pb, key_to_pb
 from services.control_plane.catalog import Catalog, fingerprint, load_catalog
-from services.control_plane.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from services.control_plane.evidence import EvidenceStore
 from services.control_plane.interceptors import current_worker_id
 from services.control_plane.placement import (

@@ -15,8 +15,8 @@ from urllib.parse import unquote, urlsplit
 
 import fsspec
 
+from services.common.errors import InvalidArgument
 from services.common.names import shown
-from services.control_plane.errors import InvalidArgument
 from slora_core.adapters.files import DIGEST_FILES
 
 # A rank-128 adapter on every module of Llama-70B holds ~1.65 G parameters (3.3 GB in fp16);

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from services.common.errors import InvalidArgument, NotFound, Unauthenticated
 from services.common.names import check_worker_id, shown
 from services.control_plane.audit import record_event
-from services.control_plane.errors import InvalidArgument, NotFound, Unauthenticated
 from services.control_plane.keys import Principal, hash_token
 from services.control_plane.models import WorkerCredential, utcnow
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.errors import InvalidArgument
 from services.control_plane.adapter_check import max_weights_bytes, validate_adapter_dir
 from services.control_plane.db import make_engine, make_session_factory, upgrade
-from services.control_plane.errors import InvalidArgument
 from services.control_plane.keys import SYSTEM, KeyStore
 from services.control_plane.publish import RegisterRequest
 from services.control_plane.registry import Registry
