@@ -211,6 +211,10 @@ class LLMEngine:
             waiting_adapters=sorted({str(s.adapter) for s in sched.waiting if s.adapter}),
         )
 
+    def close(self) -> None:
+        """Release what the engine holds beyond its own memory (a tensor-parallel engine stops
+        its other ranks); a plain engine holds nothing."""
+
     def request_started(self, request_id: str) -> bool:
         """The request was scheduled at least once (it left the waiting queue)."""
         req = self._requests.get(request_id)

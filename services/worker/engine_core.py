@@ -72,6 +72,7 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
         eos_token_ids=list(engine.eos_token_ids))))
     try:
         EngineCore(engine, outputs, parent_pid).run(inputs)
+        engine.close()  # a clean stop: tensor-parallel ranks leave with it
     finally:
         inputs.close(linger=0)
         outputs.close()
