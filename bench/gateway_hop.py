@@ -27,6 +27,8 @@ import platform
 import sys
 import tempfile
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ import grpc
 
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.hop_auth import GATEWAY_HEADER, GATEWAY_TOKEN_ENV, GatewayOnlyInterceptor
-from services.common.processes import free_port, slora_argv, start_child, wait_serving
+from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
 from services.common.server import start_server
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
@@ -159,23 +161,36 @@ def measured(run: Any, pids: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def measure(args: argparse.Namespace, pool: Any, targets: dict[str, str],
-            pids: dict[str, int], c: int, repeats: int) -> dict[str, Any]:
+@dataclass
+class Gateway:
+    """One gateway variant: `slora gateway` run from source tree `tree`."""
+
+    name: str
+    tree: Path
+    grpc: str
+    http: str  # the OpenAI API's base URL
+    child: Child
+
+
+def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
+            gateways: list[Gateway], c: int, repeats: int) -> dict[str, Any]:
+    """Interleaved repeats: the worker direct, then each gateway over gRPC and HTTP (the
+    gateways' order rotates each repeat); CPU is charged to the gateway the run went through."""
     from bench.service_overhead import bearer, compare, run_grpc, run_http, spread, workload
 
     reqs = workload([], c * args.requests_per_stream, vocab=512)
     n, procs = args.new_tokens, args.client_procs
-    paths = {
-        "direct": lambda: run_grpc(pool, procs, targets["worker"],
-                                   ((GATEWAY_HEADER, GATEWAY_TOKEN),), reqs, n, c, direct=True),
-        "gateway_grpc": lambda: run_grpc(pool, procs, targets["gateway"], bearer(TENANT_KEY),
-                                         reqs, n, c),
-        "gateway_http": lambda: run_http(pool, procs, targets["http"], TENANT_KEY, reqs, n, c),
-    }
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in paths}
+    runs: dict[str, list[dict[str, Any]]] = {"direct": []}
     for r in range(repeats):
-        for name, run in paths.items():
-            runs[name].append(measured(run, pids))
+        runs["direct"].append(measured(partial(
+            run_grpc, pool, procs, worker[0], ((GATEWAY_HEADER, GATEWAY_TOKEN),), reqs, n, c,
+            direct=True), {"gateway": gateways[0].child.popen.pid, "worker": worker[1]}))
+        for g in gateways[r % len(gateways):] + gateways[:r % len(gateways)]:
+            pids = {"gateway": g.child.popen.pid, "worker": worker[1]}
+            runs.setdefault(f"{g.name}/grpc", []).append(measured(partial(
+                run_grpc, pool, procs, g.grpc, bearer(TENANT_KEY), reqs, n, c), pids))
+            runs.setdefault(f"{g.name}/http", []).append(measured(partial(
+                run_http, pool, procs, g.http, TENANT_KEY, reqs, n, c), pids))
         line = {k: (round(v[-1]["output_tok_per_s"]),
                     round(v[-1]["gateway_cpu_s_per_1k_tokens"], 3)) for k, v in runs.items()}
         errors = {k: v[-1]["errors"][:2] for k, v in runs.items() if v[-1]["errors"]}
@@ -188,6 +203,17 @@ def measure(args: argparse.Namespace, pool: Any, targets: dict[str, str],
            for k, v in runs.items()}
     return {"concurrency": c, "requests": len(reqs), "vs_direct": vs_direct, "per_path": cpu,
             "runs": runs}
+
+
+def start_gateway(name: str, tree: Path, cp: str, state: Path) -> Gateway:
+    host = "127.0.0.1"
+    grpc_at, http_at = f"{host}:{free_port()}", f"{host}:{free_port()}"
+    child = start_child(f"gateway-{name}", slora_argv(
+        "gateway", "--control-plane", cp, "--listen", grpc_at, "--http-listen", http_at,
+        "--base-model-name", BASE_MODEL, "--gateway-id", name),
+        state, {GATEWAY_TOKEN_ENV: GATEWAY_TOKEN, CLUSTER_TOKEN_ENV: "slc_bench",
+                "SLORA_LOG_LEVEL": "WARNING", "PYTHONPATH": str(tree)}, cwd=tree)
+    return Gateway(name, tree, grpc_at, f"http://{http_at}/v1", child)
 
 
 def hardware() -> str:
@@ -205,6 +231,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--step-ms", type=float, default=15.0, help="the fake engine's step time")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--variant", action="append", metavar="NAME=TREE",
+                    help="a gateway run from source tree TREE (with its generated protos), "
+                         "e.g. before=/tmp/old; repeatable, side by side in one run "
+                         "(default: this=.)")
     ap.add_argument("--out", default=None)
     return ap.parse_args()
 
@@ -213,37 +243,32 @@ def main() -> int:
     from bench.run_record import run_record
 
     args = parse_args()
+    variants = [v.split("=", 1) for v in args.variant or ["this=."]]
     ctx = multiprocessing.get_context("spawn")
-    host = "127.0.0.1"
-    targets = {"worker": f"{host}:{free_port()}", "cp": f"{host}:{free_port()}",
-               "gateway": f"{host}:{free_port()}"}
-    http = f"{host}:{free_port()}"
-    targets["http"] = f"http://{http}/v1"
-    worker = ctx.Process(target=serve_fake_worker, args=(targets["worker"], args.step_ms / 1e3),
+    worker_at, cp_at = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    worker = ctx.Process(target=serve_fake_worker, args=(worker_at, args.step_ms / 1e3),
                          daemon=True)
-    cp = ctx.Process(target=serve_control_plane, args=(targets["cp"], targets["worker"]),
-                     daemon=True)
+    cp = ctx.Process(target=serve_control_plane, args=(cp_at, worker_at), daemon=True)
     worker.start()
     cp.start()
     state = Path(tempfile.mkdtemp(prefix="slora-gateway-hop-"))
-    gateway = start_child("gateway", slora_argv(
-        "gateway", "--control-plane", targets["cp"], "--listen", targets["gateway"],
-        "--http-listen", http, "--base-model-name", BASE_MODEL, "--gateway-id", "bench"),
-        state, {GATEWAY_TOKEN_ENV: GATEWAY_TOKEN, CLUSTER_TOKEN_ENV: "slc_bench",
-                "SLORA_LOG_LEVEL": "WARNING"})
+    gateways = [start_gateway(name, Path(tree).resolve(), cp_at, state)
+                for name, tree in variants]
     pool = ctx.Pool(args.client_procs)
     try:
-        wait_serving(targets["worker"], timeout_s=60)
-        wait_serving(targets["gateway"], gateway, timeout_s=60)
+        wait_serving(worker_at, timeout_s=60)
+        for g in gateways:
+            wait_serving(g.grpc, g.child, timeout_s=60)
         assert worker.pid is not None
-        pids = {"gateway": gateway.popen.pid, "worker": worker.pid}
         result: dict[str, Any] = {
             **run_record(["bench.gateway_hop", *sys.argv[1:]]), "hardware": hardware(),
+            "variants": {g.name: str(g.tree) for g in gateways},
             "new_tokens": args.new_tokens, "step_ms": args.step_ms, "repeats": args.repeats,
             "client_procs": args.client_procs, "levels": []}
-        measure(args, pool, targets, pids, 8, 1)  # warm-up: connections, client imports
+        measure(args, pool, (worker_at, worker.pid), gateways, 8, 1)  # warm-up
         for c in [int(x) for x in args.concurrency.split(",")]:
-            result["levels"].append(measure(args, pool, targets, pids, c, args.repeats))
+            result["levels"].append(measure(args, pool, (worker_at, worker.pid), gateways, c,
+                                            args.repeats))
             if args.out:  # what is measured so far survives a later failure
                 Path(args.out).write_text(json.dumps(result, indent=1))
         for level in result["levels"]:
@@ -252,7 +277,8 @@ def main() -> int:
                  for k, figs in level["per_path"].items()}))
     finally:
         pool.terminate()
-        gateway.stop()
+        for g in gateways:
+            g.child.stop()
         worker.terminate()
         cp.terminate()
     return 0
