@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from services.common.cluster_token import add_cluster_token_argument
+from services.common.identity import CredentialFileError, worker_credential
 from slora_core.engine_args import add_engine_args
 
 
@@ -36,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=os.environ.get("SLORA_LOG_LEVEL", "INFO"),
                         format="%(asctime)s worker %(levelname)s %(name)s: %(message)s")
+    try:  # a named credential file that is missing or empty stops the worker before loading
+        worker_credential()
+    except CredentialFileError as e:
+        raise SystemExit(f"worker: {e}") from None
     engine = engine_config_from_args(args)
     port = args.listen.rsplit(":", 1)[-1]
     worker_id = args.worker_id or f"{socket.gethostname()}-{port}"
