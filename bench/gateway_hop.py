@@ -235,6 +235,7 @@ def parse_args() -> argparse.Namespace:
                     help="a gateway run from source tree TREE (with its generated protos), "
                          "e.g. before=/tmp/old; repeatable, side by side in one run "
                          "(default: this=.)")
+    ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")
     ap.add_argument("--out", default=None)
     return ap.parse_args()
 
@@ -262,7 +263,7 @@ def main() -> int:
         assert worker.pid is not None
         result: dict[str, Any] = {
             **run_record(["bench.gateway_hop", *sys.argv[1:]]), "hardware": hardware(),
-            "variants": {g.name: str(g.tree) for g in gateways},
+            "variants": {g.name: str(g.tree) for g in gateways}, "note": args.note,
             "new_tokens": args.new_tokens, "step_ms": args.step_ms, "repeats": args.repeats,
             "client_procs": args.client_procs, "levels": []}
         measure(args, pool, (worker_at, worker.pid), gateways, 8, 1)  # warm-up
