@@ -38,7 +38,7 @@ from services.common.demo_stack import (
     wait_until_routable,
 )
 from services.common.hop_auth import GATEWAY_HEADER
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora_core.config import EngineConfig
 from slora_core.demo_assets import write_demo_assets
 from slora_core.engine import LLMEngine

@@ -38,7 +38,7 @@ from services.common.demo_stack import (
     wait_until_routable,
 )
 from services.common.limits import DEFAULT_LIMITS
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora_core.demo_assets import write_demo_assets

@@ -94,7 +94,7 @@ def test_installed_wheel_runs_slora_up_outside_the_checkout(wheel: Path, tmp_pat
     bin_dir = fresh_venv(tmp_path / "venv", wheel)
     run = tmp_path / "run"
     run.mkdir()
-    where = sh([str(bin_dir / "python"), "-c", "import services.control_plane.db as d, "
+    where = sh([str(bin_dir / "python"), "-c", "import services.control_plane.store.db as d, "
                 "slora.v1.admin_pb2 as p; print(d.MIGRATIONS_DIR); print(p.__file__)"], cwd=run)
     assert all(line.startswith(str(tmp_path / "venv")) for line in where.stdout.split()), where
 

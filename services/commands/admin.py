@@ -143,7 +143,7 @@ def call_command(action: Callable[[Any, argparse.Namespace], Any],
 
         from services.commands.generate import connection_settings
         from services.common.tls import saved_client_tls
-        from services.control_plane.client import AdminClient
+        from services.control_plane.api.client import AdminClient
 
         target, key = resolve_target_and_key(args)
         saved_tls = saved_client_tls(connection_settings(), target, "SLORA_TARGET")

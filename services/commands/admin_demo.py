@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     from services.commands.admin import resolve_target_and_key
     from services.common.demo_stack import publish_demo_adapters, wait_until_routable
-    from services.control_plane.client import AdminClient
+    from services.control_plane.api.client import AdminClient
 
     target, key = resolve_target_and_key(args)
     demo = Path(args.demo_dir)

@@ -69,9 +69,12 @@ def run_credentials(args: argparse.Namespace) -> int:
 
 
 def _credentials(args: argparse.Namespace) -> int:
-    from services.control_plane.db import make_engine, make_session_factory
-    from services.control_plane.keys import SYSTEM
-    from services.control_plane.worker_credentials import WorkerCredentials, mint_with_database
+    from services.control_plane.domain.principal import SYSTEM
+    from services.control_plane.store.db import make_engine, make_session_factory
+    from services.control_plane.store.worker_credentials import (
+        WorkerCredentials,
+        mint_with_database,
+    )
 
     if args.action == "list":
         engine = make_engine(args.db)
@@ -109,9 +112,9 @@ def parse_base_models(specs: list[str]) -> dict[str, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.control_plane.db import upgrade
-    from services.control_plane.server import ControlPlaneConfig, serve
-    from services.control_plane.storage import StorageConfig
+    from services.control_plane.api.server import ControlPlaneConfig, serve
+    from services.control_plane.store.db import upgrade
+    from services.control_plane.store.storage import StorageConfig
 
     apply_tls_arguments(args)
     _ensure_sqlite_dir(args.db)
@@ -144,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
 def _refusal(args: argparse.Namespace) -> str | None:
     """Why the control plane cannot start with these settings (short admin key, database not
     migrated), or None."""
-    from services.control_plane.db import migration_problem
-    from services.control_plane.keys import MIN_BOOTSTRAP_TOKEN_CHARS
+    from services.control_plane.store.db import migration_problem
+    from services.control_plane.store.keys import MIN_BOOTSTRAP_TOKEN_CHARS
 
     key = args.bootstrap_admin_key
     if key and len(key) < MIN_BOOTSTRAP_TOKEN_CHARS:

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from services.common.processes import wait_serving
     from services.common.tls import CA_ENV
-    from services.control_plane.client import AdminClient
+    from services.control_plane.api.client import AdminClient
     from slora_core.demo_assets import write_demo_assets
 
     state = Path(args.state_dir).resolve()

@@ -23,8 +23,8 @@ from services.common.tls import (
     open_sync_channel,
     write_throwaway_certs,
 )
-from services.control_plane.client import AdminClient
-from services.control_plane.worker_credentials import mint_with_database
+from services.control_plane.api.client import AdminClient
+from services.control_plane.store.worker_credentials import mint_with_database
 from slora.v1 import admin_pb2 as apb
 from slora_core.adapters import digest_adapter_dir
 

@@ -3,7 +3,7 @@ codes or HTTP statuses (DESIGN section 2).
 
 Data-plane servicers raise these (or let the worker's engine errors be translated) and call
 `abort_with`; the control plane raises the same classes and its one error interceptor
-(`services.control_plane.errors.status_for`) maps them. Nothing else decides a status code.
+(`services.control_plane.api.errors.status_for`) maps them. Nothing else decides a status code.
 """
 
 from __future__ import annotations

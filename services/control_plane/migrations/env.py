@@ -7,8 +7,8 @@ import os
 from alembic import context
 from sqlalchemy import Connection
 
-from services.control_plane.db import make_engine
-from services.control_plane.models import Base
+from services.control_plane.store.db import make_engine
+from services.control_plane.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -12,7 +12,7 @@ import pytest
 from services.cli import build_parser, main
 from services.commands.admin import resolve_target_and_key
 from services.commands.up import write_private
-from services.control_plane.db import make_engine, upgrade
+from services.control_plane.store.db import make_engine, upgrade
 
 
 def refusal(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -16,11 +16,11 @@ import grpc
 import sqlalchemy as sa
 import torch
 
-from services.control_plane.client import AdminClient
-from services.control_plane.db import make_engine, make_session_factory, upgrade
-from services.control_plane.models import Base
-from services.control_plane.server import ControlPlane, ControlPlaneConfig, build_server
-from services.control_plane.storage import StorageConfig
+from services.control_plane.api.client import AdminClient
+from services.control_plane.api.server import ControlPlane, ControlPlaneConfig, build_server
+from services.control_plane.store.db import make_engine, make_session_factory, upgrade
+from services.control_plane.store.models import Base
+from services.control_plane.store.storage import StorageConfig
 
 PG_URL = os.environ.get("SLORA_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 ADMIN_TOKEN = "test-bootstrap-admin-token-0123456789"

@@ -15,14 +15,14 @@ import pytest
 from sqlalchemy import Engine, select
 
 from services.common.histogram import Histogram
-from services.control_plane.analyzer import Analyzer
-from services.control_plane.db import make_engine, make_session_factory
-from services.control_plane.evidence import EvidenceStore
-from services.control_plane.models import AuditEvent
-from services.control_plane.records import EventRecord
-from services.control_plane.replay import replay
-from services.control_plane.server import ControlPlaneConfig, build_registry
-from services.control_plane.storage import StorageConfig
+from services.control_plane.api.server import ControlPlaneConfig, build_registry
+from services.control_plane.domain.evidence import EvidenceStore
+from services.control_plane.rollout.analyzer import Analyzer
+from services.control_plane.store.db import make_engine, make_session_factory
+from services.control_plane.store.models import AuditEvent
+from services.control_plane.store.records import EventRecord
+from services.control_plane.store.replay import replay
+from services.control_plane.store.storage import StorageConfig
 from slora.v1 import admin_pb2 as pb
 from slora.v1 import placement_pb2 as ppb
 from slora_core.adapters import digest_adapter_dir

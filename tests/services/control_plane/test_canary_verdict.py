@@ -9,9 +9,9 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.common.histogram import Histogram
 from services.common.versions import Evidence
-from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.canary_verdict import BREACH, PASS, WAIT, judge
-from services.control_plane.evidence import EvidenceStore
+from services.control_plane.domain.canary_policy import CanaryPolicy
+from services.control_plane.domain.canary_verdict import BREACH, PASS, WAIT, judge
+from services.control_plane.domain.evidence import EvidenceStore
 from slora.v1 import placement_pb2 as ppb
 
 

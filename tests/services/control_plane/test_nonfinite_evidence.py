@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from services.common.versions import worker_counters_to_pb
-from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.canary_verdict import BREACH, judge
-from services.control_plane.evidence import EvidenceStore
+from services.control_plane.domain.canary_policy import CanaryPolicy
+from services.control_plane.domain.canary_verdict import BREACH, judge
+from services.control_plane.domain.evidence import EvidenceStore
 from services.worker.metrics import WorkerMetrics
 from slora_core.outputs import RequestOutput, is_nonfinite_failure, nonfinite_logits_error
 

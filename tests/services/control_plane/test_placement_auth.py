@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.cluster_token import cluster_metadata, new_cluster_token, token_matches
-from services.control_plane.db import make_engine, make_session_factory, upgrade
-from services.control_plane.routing import HubConfig, attach_placement
-from services.control_plane.server import ControlPlaneConfig, build_server
-from services.control_plane.worker_credentials import mint_with_database
+from services.control_plane.api.placement_service import HubConfig, attach_placement
+from services.control_plane.api.server import ControlPlaneConfig, build_server
+from services.control_plane.store.db import make_engine, make_session_factory, upgrade
+from services.control_plane.store.worker_credentials import mint_with_database
 from services.gateway.main import RoutingWatcher
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.table import RoutingTable

@@ -21,12 +21,13 @@ import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.control_plane.adapter_check import max_weights_bytes, validate_adapter_dir
-from services.control_plane.db import make_engine, make_session_factory, upgrade
-from services.control_plane.keys import SYSTEM, KeyStore
-from services.control_plane.publish import RegisterRequest
-from services.control_plane.registry import Registry
-from services.control_plane.storage import (
+from services.control_plane.domain.adapter_check import max_weights_bytes, validate_adapter_dir
+from services.control_plane.domain.principal import SYSTEM
+from services.control_plane.store.db import make_engine, make_session_factory, upgrade
+from services.control_plane.store.keys import KeyStore
+from services.control_plane.store.publish import RegisterRequest
+from services.control_plane.store.registry import Registry
+from services.control_plane.store.storage import (
     STAGING_PREFIX,
     StorageConfig,
     clean_stale_staging,
@@ -199,7 +200,7 @@ def test_stale_staging_dirs_are_cleaned(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dtype,name", [(torch.float32, "F32"), (torch.float16, "F16"),
                                         (torch.bfloat16, "BF16")])
 def test_finite_check_agrees_with_torch(dtype: torch.dtype, name: str) -> None:
-    from services.control_plane.adapter_check import _all_finite
+    from services.control_plane.domain.adapter_check import _all_finite
 
     gen = torch.Generator().manual_seed(0)
     base = (torch.randn(4096, generator=gen) * 1e3).to(dtype)

@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.control_plane.keys import hash_token
-from services.control_plane.models import ApiKey
+from services.control_plane.store.keys import hash_token
+from services.control_plane.store.models import ApiKey
 from slora.v1 import admin_pb2 as pb
 from slora_core.adapters import digest_adapter_dir
 from tests.services.control_plane.cp_support import ADMIN_TOKEN, BASE, RunningPlane, file_uri

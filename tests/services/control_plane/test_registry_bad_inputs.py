@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora.v1 import admin_pb2 as pb
 from slora_core.adapters import digest_adapter_dir
 from tests.services.control_plane.cp_support import BASE, RunningPlane, file_uri, make_peft_adapter

@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.control_plane.client import AdminClient
-from services.control_plane.keys import SYSTEM
-from services.control_plane.lifecycle import AdapterState
-from services.control_plane.records import EventRecord
-from services.control_plane.replay import ReplayError, replay
+from services.control_plane.api.client import AdminClient
+from services.control_plane.domain.lifecycle import AdapterState
+from services.control_plane.domain.principal import SYSTEM
+from services.control_plane.store.records import EventRecord
+from services.control_plane.store.replay import ReplayError, replay
 from slora.v1 import admin_pb2 as pb
 from slora_core.adapters import digest_adapter_dir
 from tests.services.control_plane.cp_support import ADMIN_TOKEN, BASE, RunningPlane, file_uri

@@ -10,7 +10,7 @@ import grpc
 import pytest
 import sqlalchemy as sa
 
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora.v1 import admin_pb2 as pb
 from slora_core.adapters import digest_adapter_dir, load_adapter
 from slora_core.config import ModelConfig
@@ -171,7 +171,7 @@ def test_list_filters_and_pages(plane: RunningPlane, adapter_root: Path) -> None
 
 
 def test_audit_log_is_append_only(plane: RunningPlane) -> None:
-    from services.control_plane.models import AuditEvent
+    from services.control_plane.store.models import AuditEvent
 
     with plane.sessions() as s:
         event = s.scalars(sa.select(AuditEvent).limit(1)).one()

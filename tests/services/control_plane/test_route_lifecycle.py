@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.control_plane import lifecycle as lc
-from services.control_plane.lifecycle import AdapterState, IllegalTransition, UnknownVersion
-from services.control_plane.lifecycle import VersionState as S
+from services.control_plane.domain import lifecycle as lc
+from services.control_plane.domain.lifecycle import AdapterState, IllegalTransition, UnknownVersion
+from services.control_plane.domain.lifecycle import VersionState as S
 
 
 def registered(*versions: str) -> AdapterState:

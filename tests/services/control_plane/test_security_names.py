@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora.v1 import admin_pb2 as pb
 from slora_core.adapters import digest_adapter_dir
 from tests.services.control_plane.cp_support import ADMIN_TOKEN, BASE, RunningPlane, file_uri

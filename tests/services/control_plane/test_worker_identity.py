@@ -18,12 +18,12 @@ import pytest
 
 from services.common.cluster_token import cluster_metadata, new_cluster_token
 from services.common.server import start_server
-from services.control_plane.db import make_engine, make_session_factory, upgrade
-from services.control_plane.keys import SYSTEM
-from services.control_plane.publish import RegisterRequest
-from services.control_plane.routing import HubConfig, attach_placement
-from services.control_plane.server import ControlPlane, ControlPlaneConfig, build_server
-from services.control_plane.storage import StorageConfig
+from services.control_plane.api.placement_service import HubConfig, attach_placement
+from services.control_plane.api.server import ControlPlane, ControlPlaneConfig, build_server
+from services.control_plane.domain.principal import SYSTEM
+from services.control_plane.store.db import make_engine, make_session_factory, upgrade
+from services.control_plane.store.publish import RegisterRequest
+from services.control_plane.store.storage import StorageConfig
 from services.gateway.main import SERVICE, RoutingWatcher
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router

@@ -21,7 +21,7 @@ from services.common.demo_stack import (
     wait_until_routable,
 )
 from services.common.processes import free_port
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora.v1 import admin_pb2 as apb
 from slora_core.adapters import digest_adapter_dir
 

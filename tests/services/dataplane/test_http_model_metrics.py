@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from services.control_plane.routing_state import WorkerView, worker_endpoint
+from services.control_plane.api.routing_state import WorkerView, worker_endpoint
 from services.gateway.model_server_metrics import ModelServerCollector
 from services.gateway.table import RoutingTable
 from slora.v1 import placement_pb2 as ppb

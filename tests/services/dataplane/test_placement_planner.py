@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from services.control_plane.placement import (
+from services.control_plane.domain.placement import (
     PIN,
     PREFETCH,
     PlannerConfig,

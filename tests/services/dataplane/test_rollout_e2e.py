@@ -29,7 +29,7 @@ from services.common.demo_stack import (
     wait_until_routable,
 )
 from services.common.processes import free_port, slora_argv
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora.v1 import admin_pb2 as apb
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc

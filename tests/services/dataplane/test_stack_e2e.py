@@ -25,7 +25,7 @@ from services.common.demo_stack import (
     wait_until_routable,
 )
 from services.common.processes import free_port, slora_argv, wait_serving
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from services.gateway.table import canary_share
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from tests.services.dataplane.dp_support import (

@@ -13,7 +13,7 @@ import pytest
 
 from services.common.demo_stack import Stack, StackConfig, publish_demo_adapters
 from services.common.processes import free_port, wait_serving
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 

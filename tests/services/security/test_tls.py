@@ -24,7 +24,7 @@ from services.common.demo_stack import (
 )
 from services.common.processes import wait_serving
 from services.common.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsConfig, write_throwaway_certs
-from services.control_plane.client import AdminClient
+from services.control_plane.api.client import AdminClient
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common.versions import Evidence
-from services.control_plane.analyzer import Analyzer, LiveWindow
-from services.control_plane.evidence import EvidenceStore
-from services.control_plane.keys import Principal
-from services.control_plane.lifecycle import VersionState
-from services.control_plane.records import AdapterRecord
-from services.control_plane.registry import Registry
-from services.control_plane.rollout_rows import AnalysisRecord, load_analysis
+from services.control_plane.domain.evidence import EvidenceStore
+from services.control_plane.domain.lifecycle import VersionState
+from services.control_plane.domain.principal import Principal
+from services.control_plane.rollout.analyzer import Analyzer, LiveWindow
+from services.control_plane.store.records import AdapterRecord
+from services.control_plane.store.registry import Registry
+from services.control_plane.store.rollout_rows import AnalysisRecord, load_analysis
 
 
 @dataclass(frozen=True)

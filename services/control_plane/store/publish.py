@@ -17,17 +17,17 @@ from sqlalchemy.orm import Session
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from services.common.names import check_adapter_id, check_name, check_version, shown
-from services.control_plane.adapter_check import (
+from services.control_plane.domain.adapter_check import (
     MAX_CONFIG_BYTES,
     AdapterSummary,
     max_weights_bytes,
     validate_adapter_dir,
 )
-from services.control_plane.audit import record_event
-from services.control_plane.keys import Principal
-from services.control_plane.lifecycle import VersionState
-from services.control_plane.models import Adapter, AdapterVersion, Route
-from services.control_plane.storage import StorageConfig, fetch_adapter, staging_dir
+from services.control_plane.domain.lifecycle import VersionState
+from services.control_plane.domain.principal import Principal
+from services.control_plane.store.audit import record_event
+from services.control_plane.store.models import Adapter, AdapterVersion, Route
+from services.control_plane.store.storage import StorageConfig, fetch_adapter, staging_dir
 from slora_core.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 from slora_core.config import ModelConfig
 

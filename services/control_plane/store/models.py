@@ -23,7 +23,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from services.control_plane.lifecycle import VersionState
+from services.control_plane.domain.lifecycle import VersionState
 
 # Stable constraint names, so that migrations on SQLite (batch mode) and PostgreSQL agree.
 NAMING_CONVENTION = {

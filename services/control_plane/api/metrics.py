@@ -15,8 +15,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from services.common.histogram import Histogram
-from services.control_plane.analyzer import Analyzer
-from services.control_plane.evidence import EvidenceStore
+from services.control_plane.domain.evidence import EvidenceStore
+from services.control_plane.rollout.analyzer import Analyzer
 
 VERSION = ["adapter_id", "version"]
 

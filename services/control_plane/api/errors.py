@@ -12,7 +12,7 @@ import grpc
 from sqlalchemy.exc import OperationalError
 
 from services.common.errors import ServiceError
-from services.control_plane.lifecycle import IllegalTransition, UnknownVersion
+from services.control_plane.domain.lifecycle import IllegalTransition, UnknownVersion
 from slora_core.adapters import AdapterFormatError, AdapterIncompatibleError
 
 # Most specific first: the first matching class wins.

@@ -21,29 +21,29 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from services.common.errors import Aborted, InvalidArgument, NotFound
 from services.common.names import MAX_NAME, check_adapter_id, check_name, check_version, shown
-from services.control_plane import lifecycle
-from services.control_plane.adapter_check import AdapterSummary
-from services.control_plane.audit import record_event
-from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.keys import Principal
-from services.control_plane.lifecycle import AdapterState, VersionState
-from services.control_plane.models import Adapter, AdapterVersion, AuditEvent, Route, Tenant
-from services.control_plane.publish import (
+from services.control_plane.domain import lifecycle
+from services.control_plane.domain.adapter_check import AdapterSummary
+from services.control_plane.domain.canary_policy import CanaryPolicy
+from services.control_plane.domain.lifecycle import AdapterState, VersionState
+from services.control_plane.domain.principal import Principal
+from services.control_plane.store.audit import record_event
+from services.control_plane.store.models import Adapter, AdapterVersion, AuditEvent, Route, Tenant
+from services.control_plane.store.publish import (
     RegisterRequest,
     check_request,
     existing_version,
     fetch_and_validate,
     insert_version,
 )
-from services.control_plane.records import (
+from services.control_plane.store.records import (
     AdapterRecord,
     EventRecord,
     VersionRecord,
     etag_of,
     state_of,
 )
-from services.control_plane.rollout_rows import write_policy
-from services.control_plane.storage import StorageConfig
+from services.control_plane.store.rollout_rows import write_policy
+from services.control_plane.store.storage import StorageConfig
 from slora_core.config import ModelConfig
 
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 50, 500

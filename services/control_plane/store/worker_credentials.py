@@ -18,9 +18,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.common.errors import InvalidArgument, NotFound, Unauthenticated
 from services.common.names import check_worker_id, shown
-from services.control_plane.audit import record_event
-from services.control_plane.keys import Principal, hash_token
-from services.control_plane.models import WorkerCredential, utcnow
+from services.control_plane.domain.principal import SYSTEM, Principal
+from services.control_plane.store.audit import record_event
+from services.control_plane.store.keys import hash_token
+from services.control_plane.store.models import WorkerCredential, utcnow
 
 TOKEN_PREFIX = "slw_"
 MIN_TOKEN_CHARS = 32
@@ -102,8 +103,7 @@ class WorkerCredentials:
 def mint_with_database(db_url: str, worker_id: str, token: str | None = None) -> str:
     """Mint a credential for `worker_id` straight in the registry at `db_url` (migrated), as the
     system: for `slora up` and `slora worker-credential`, which run where the database is."""
-    from services.control_plane.db import make_engine, make_session_factory
-    from services.control_plane.keys import SYSTEM
+    from services.control_plane.store.db import make_engine, make_session_factory
 
     engine = make_engine(db_url)
     try:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.control_plane import lifecycle
-from services.control_plane.lifecycle import AdapterState
-from services.control_plane.records import EventRecord
+from services.control_plane.domain import lifecycle
+from services.control_plane.domain.lifecycle import AdapterState
+from services.control_plane.store.records import EventRecord
 
 ROUTE_ACTIONS = ("canary", "promote", "rollback", "retire")
 # Actions that advance the route's revision without changing the route (the policy shares the

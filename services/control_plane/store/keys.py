@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -19,16 +18,14 @@ from services.common.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     Unauthenticated,
 )
 from services.common.names import check_name, shown
-from services.control_plane.audit import record_event
-from services.control_plane.models import ApiKey, Tenant, utcnow
-from services.control_plane.records import KeyRecord, TenantRecord
+from services.control_plane.domain.principal import ADMIN, SCOPES, SYSTEM, TENANT, Principal
+from services.control_plane.store.audit import record_event
+from services.control_plane.store.models import ApiKey, Tenant, utcnow
+from services.control_plane.store.records import KeyRecord, TenantRecord
 
-ADMIN, TENANT = "admin", "tenant"
-SCOPES = (ADMIN, TENANT)
 BOOTSTRAP_KEY_ID = "bootstrap"
 MIN_BOOTSTRAP_TOKEN_CHARS = 16
 MAX_KEY_NAME_CHARS = 256
@@ -38,36 +35,6 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling: the key's id (recorded as the actor), its scope and, for tenant keys,
-    the one tenant it may see."""
-
-    key_id: str
-    scope: str
-    tenant: str | None = None
-    kind: str = "key"  # "system" for changes the control plane makes on its own
-
-    @property
-    def is_admin(self) -> bool:
-        return self.scope == ADMIN
-
-    @property
-    def actor(self) -> str:
-        return f"{self.kind}:{self.key_id}"
-
-    def check_tenant(self, tenant: str | None) -> None:
-        """Raise PermissionDenied unless this principal may see `tenant`'s records."""
-        if not self.is_admin and tenant != self.tenant:
-            raise PermissionDenied(f"key {self.key_id} may not access tenant {tenant!r}")
-
-    def require_admin(self) -> None:
-        if not self.is_admin:
-            raise PermissionDenied(f"key {self.key_id} has scope {self.scope!r}; admin needed")
-
-
-# The principal recorded for changes made by the control plane itself (bootstrap, migrations).
-SYSTEM = Principal(key_id="system", scope=ADMIN)
 
 
 class KeyStore:

@@ -10,12 +10,13 @@ from typing import Any, TypeVar
 
 import grpc
 
-from services.control_plane import convert
-from services.control_plane.interceptors import ANY_SCOPE, current_principal
-from services.control_plane.keys import ADMIN, KeyStore
-from services.control_plane.publish import RegisterRequest
-from services.control_plane.registry import Registry
-from services.control_plane.rollout_status import RolloutView
+from services.control_plane.api import convert
+from services.control_plane.api.interceptors import ANY_SCOPE, current_principal
+from services.control_plane.domain.principal import ADMIN
+from services.control_plane.rollout.rollout_status import RolloutView
+from services.control_plane.store.keys import KeyStore
+from services.control_plane.store.publish import RegisterRequest
+from services.control_plane.store.registry import Registry
 from slora.v1 import admin_pb2 as pb
 from slora.v1 import admin_pb2_grpc as pb_grpc
 

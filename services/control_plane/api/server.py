@@ -20,19 +20,19 @@ from services.common.metrics import metrics_host, serve_metrics
 from services.common.server import SERVER_OPTIONS
 from services.common.tls import TlsConfig, add_port
 from services.common.wire import DecodeErrorInterceptor
-from services.control_plane.analyzer import DEFAULT_TICK_S, Analyzer
-from services.control_plane.db import make_engine, make_session_factory, upgrade
-from services.control_plane.evidence import EvidenceStore
-from services.control_plane.interceptors import AuthInterceptor, ErrorInterceptor
-from services.control_plane.keys import KeyStore
-from services.control_plane.metrics import rollout_registry
-from services.control_plane.registry import Registry
-from services.control_plane.rollout_status import RolloutView
-from services.control_plane.routing import SERVICE_NAME as PLACEMENT_SERVICE
-from services.control_plane.routing import attach_placement
-from services.control_plane.servicer import METHOD_SCOPES, SERVICE_NAME, AdapterAdminServicer
-from services.control_plane.storage import StorageConfig, clean_stale_staging
-from services.control_plane.worker_credentials import WorkerCredentials
+from services.control_plane.api.interceptors import AuthInterceptor, ErrorInterceptor
+from services.control_plane.api.metrics import rollout_registry
+from services.control_plane.api.placement_service import SERVICE_NAME as PLACEMENT_SERVICE
+from services.control_plane.api.placement_service import attach_placement
+from services.control_plane.api.servicer import METHOD_SCOPES, SERVICE_NAME, AdapterAdminServicer
+from services.control_plane.domain.evidence import EvidenceStore
+from services.control_plane.rollout.analyzer import DEFAULT_TICK_S, Analyzer
+from services.control_plane.rollout.rollout_status import RolloutView
+from services.control_plane.store.db import make_engine, make_session_factory, upgrade
+from services.control_plane.store.keys import KeyStore
+from services.control_plane.store.registry import Registry
+from services.control_plane.store.storage import StorageConfig, clean_stale_staging
+from services.control_plane.store.worker_credentials import WorkerCredentials
 from slora.v1 import admin_pb2_grpc as pb_grpc
 from slora_core.config import ModelConfig
 
@@ -135,7 +135,7 @@ async def serve(config: ControlPlaneConfig) -> None:
     engine = make_engine(config.db_url)
     sessions = make_session_factory(engine)
     plane = await build_server(config, sessions)
-    # PlacementService (data plane <-> control plane); see services/control_plane/routing.py.
+    # PlacementService (data plane <-> control plane); see services/control_plane/api/placement_service.py.
     hub = attach_placement(plane.server, sessions, evidence=plane.evidence,
                            credentials=plane.credentials)
     if config.metrics_port is not None:

@@ -10,9 +10,9 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.control_plane import models
-from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.lifecycle import AdapterState, VersionState
+from services.control_plane.domain.canary_policy import CanaryPolicy
+from services.control_plane.domain.lifecycle import AdapterState, VersionState
+from services.control_plane.store import models
 
 
 def as_utc(value: dt.datetime) -> dt.datetime:

@@ -10,9 +10,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
-from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.models import Adapter, CanaryAnalysisRow, CanaryPolicyRow, Route
-from services.control_plane.records import as_utc, policy_of
+from services.control_plane.domain.canary_policy import CanaryPolicy
+from services.control_plane.store.models import Adapter, CanaryAnalysisRow, CanaryPolicyRow, Route
+from services.control_plane.store.records import as_utc, policy_of
 
 
 def write_policy(session: Session, adapter: Adapter, policy: CanaryPolicy | None,

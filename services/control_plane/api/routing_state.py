@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.versions import VersionKey
-from services.control_plane.catalog import Catalog
+from services.control_plane.store.catalog import Catalog
 from slora.v1 import admin_pb2
 from slora.v1 import placement_pb2 as ppb
 

@@ -32,15 +32,15 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from services.common.errors import Aborted
 from services.common.versions import Evidence
-from services.control_plane import lifecycle
-from services.control_plane.canary_verdict import BREACH, PASS, WAIT, Verdict, judge
-from services.control_plane.evidence import EvidenceStore
-from services.control_plane.keys import ADMIN, Principal
-from services.control_plane.lifecycle import IllegalTransition
-from services.control_plane.models import Adapter, CanaryAnalysisRow, Route
-from services.control_plane.records import etag_of
-from services.control_plane.registry import Registry, Transition
-from services.control_plane.rollout_rows import (
+from services.control_plane.domain import lifecycle
+from services.control_plane.domain.canary_verdict import BREACH, PASS, WAIT, Verdict, judge
+from services.control_plane.domain.evidence import EvidenceStore
+from services.control_plane.domain.lifecycle import IllegalTransition
+from services.control_plane.domain.principal import ADMIN, Principal
+from services.control_plane.store.models import Adapter, CanaryAnalysisRow, Route
+from services.control_plane.store.records import etag_of
+from services.control_plane.store.registry import Registry, Transition
+from services.control_plane.store.rollout_rows import (
     AnalysisRecord,
     CanaryRun,
     load_runs,

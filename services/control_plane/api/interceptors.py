@@ -21,9 +21,10 @@ import grpc
 
 from services.common.cluster_token import bearer_token, token_matches
 from services.common.errors import PermissionDenied, Unauthenticated
-from services.control_plane.errors import status_for
-from services.control_plane.keys import ADMIN, KeyStore, Principal
-from services.control_plane.worker_credentials import WorkerCredentials
+from services.control_plane.api.errors import status_for
+from services.control_plane.domain.principal import ADMIN, Principal
+from services.control_plane.store.keys import KeyStore
+from services.control_plane.store.worker_credentials import WorkerCredentials
 
 log = logging.getLogger(__name__)
 

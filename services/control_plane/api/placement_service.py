@@ -21,24 +21,24 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from services.common.names import check_name, check_worker_id
 from services.common.versions import VersionKey, key_from_pb, key_to_pb
-from services.control_plane.catalog import Catalog, fingerprint, load_catalog
-from services.control_plane.evidence import EvidenceStore
-from services.control_plane.interceptors import current_worker_id
-from services.control_plane.placement import (
-    PIN,
-    PlannerConfig,
-    WorkerSlot,
-    plan,
-    popular_versions,
-)
-from services.control_plane.routing_state import (
+from services.control_plane.api.interceptors import current_worker_id
+from services.control_plane.api.routing_state import (
     RoutingState,
     WorkerView,
     build_routing_state,
     routing_delta,
     worker_endpoint,
 )
-from services.control_plane.worker_credentials import WorkerCredentials
+from services.control_plane.domain.evidence import EvidenceStore
+from services.control_plane.domain.placement import (
+    PIN,
+    PlannerConfig,
+    WorkerSlot,
+    plan,
+    popular_versions,
+)
+from services.control_plane.store.catalog import Catalog, fingerprint, load_catalog
+from services.control_plane.store.worker_credentials import WorkerCredentials
 from slora.v1 import placement_pb2 as ppb
 from slora.v1 import placement_pb2_grpc as ppb_grpc
 
@@ -89,6 +89,9 @@ class GatewayConn:
     gateway_id: str
     queue: asyncio.Queue[ppb.RoutingUpdate | None] = field(default_factory=asyncio.Queue)
     acked: int = 0
+    # Deltas go only to gateways that have their snapshot: a delta applied before it (a
+    # gateway that connected during start-up grace) showed workers without keys or routes.
+    has_snapshot: bool = False
 
 
 class PlacementHub:
@@ -199,7 +202,8 @@ class PlacementHub:
             if delta is not None:
                 delta.revision = self.next_revision()
                 for gw in self.gateways:
-                    gw.queue.put_nowait(delta)
+                    if gw.has_snapshot:
+                        gw.queue.put_nowait(delta)
         self.routing = new
 
     def _desired(self, worker_id: str) -> dict[VersionKey, ppb.VersionPlacement]:
@@ -285,13 +289,15 @@ class PlacementHub:
         if self.ready.is_set():
             update = ppb.RoutingUpdate(revision=self.next_revision(), workers=[endpoint])
             for gw in self.gateways:
-                gw.queue.put_nowait(update)
+                if gw.has_snapshot:
+                    gw.queue.put_nowait(update)
 
     def connect_gateway(self, gateway_id: str) -> GatewayConn:
         conn = GatewayConn(gateway_id)
         self.gateways.add(conn)
         if self.ready.is_set():
             conn.queue.put_nowait(self._routing_snapshot())
+            conn.has_snapshot = True
         return conn
 
     def _routing_snapshot(self) -> ppb.RoutingUpdate:
@@ -307,8 +313,9 @@ class PlacementHub:
         """A gateway that connected during start-up grace gets its snapshot when it ends."""
         if not self.ready.is_set():
             await self.ready.wait()
-            if conn in self.gateways:
+            if conn in self.gateways and not conn.has_snapshot:
                 conn.queue.put_nowait(self._routing_snapshot())
+                conn.has_snapshot = True
 
 
 class PlacementServicer(ppb_grpc.PlacementServiceServicer):

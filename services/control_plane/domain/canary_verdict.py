@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.versions import Evidence
-from services.control_plane.canary_policy import CanaryPolicy
+from services.control_plane.domain.canary_policy import CanaryPolicy
 
 BREACH, PASS, WAIT = "breach", "pass", "wait"
 

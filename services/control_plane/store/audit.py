@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy.orm import Session
 
-from services.control_plane.models import AuditEvent
-
-if TYPE_CHECKING:
-    from services.control_plane.keys import Principal
+from services.control_plane.domain.principal import Principal
+from services.control_plane.store.models import AuditEvent
 
 
 def record_event(

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.control_plane.keys import ADMIN
-from services.control_plane.lifecycle import VersionState
-from services.control_plane.models import Adapter, ApiKey, AuditEvent
+from services.control_plane.domain.lifecycle import VersionState
+from services.control_plane.domain.principal import ADMIN
+from services.control_plane.store.models import Adapter, ApiKey, AuditEvent
 
 # Versions that can never be served: their files failed validation.
 UNSERVABLE = (VersionState.REGISTERED, VersionState.FAILED)

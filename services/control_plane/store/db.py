@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
 import services.control_plane
-from services.control_plane.models import AuditEvent
+from services.control_plane.store.models import AuditEvent
 
 # Inside the package (package data of the wheel), so an installed slora finds its migrations.
 MIGRATIONS_DIR = Path(services.control_plane.__file__).resolve().parent / "migrations"

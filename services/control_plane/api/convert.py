@@ -8,10 +8,11 @@ import json
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.common.errors import InvalidArgument
-from services.control_plane.canary_policy import CanaryPolicy
-from services.control_plane.keys import ADMIN, TENANT
-from services.control_plane.lifecycle import VersionState
-from services.control_plane.records import (
+from services.control_plane.domain.canary_policy import CanaryPolicy
+from services.control_plane.domain.lifecycle import VersionState
+from services.control_plane.domain.principal import ADMIN, TENANT
+from services.control_plane.rollout.rollout_status import RolloutStatus
+from services.control_plane.store.records import (
     AdapterRecord,
     EventRecord,
     KeyRecord,
@@ -19,7 +20,6 @@ from services.control_plane.records import (
     VersionRecord,
     etag_of,
 )
-from services.control_plane.rollout_status import RolloutStatus
 from slora.v1 import admin_pb2 as pb
 
 # Proto enum values are plain ints at run time; the generated stubs name them by enum class.
