@@ -17,8 +17,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from bench.run_record import run_record
+from devtools.demo_assets import write_demo_assets
 from slora_core.config import EngineConfig
-from slora_core.demo_assets import write_demo_assets
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 

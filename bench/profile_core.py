@@ -28,9 +28,9 @@ import zmq
 import slora_core.model_runner as model_runner
 from bench.run_record import run_record
 from bench.serving import SHAPES
+from devtools.demo_assets import write_demo_assets
 from services.worker.engine_core import EngineCore
 from slora_core.config import EngineConfig
-from slora_core.demo_assets import write_demo_assets
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 

@@ -30,7 +30,8 @@ import torch
 
 from bench.run_record import commit_id
 from bench.serving import SHAPES
-from services.common.demo_stack import (
+from devtools.demo_assets import write_demo_assets
+from devtools.demo_stack import (
     BASE_MODEL,
     Stack,
     StackConfig,
@@ -40,7 +41,6 @@ from services.common.demo_stack import (
 from services.common.hop_auth import GATEWAY_HEADER
 from services.control_plane.api.client import AdminClient
 from slora_core.config import EngineConfig
-from slora_core.demo_assets import write_demo_assets
 from slora_core.engine import LLMEngine
 from slora_core.engine_args import add_engine_args, engine_cli_args, engine_config_kwargs
 from slora_core.sampling_params import SamplingParams

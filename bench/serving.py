@@ -26,11 +26,11 @@ from bench.churn import scenario_churn, scenario_churndisk, scenario_coldttft
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.workload import BenchRequest, WorkloadSpec, generate, reuse_batch
+from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import EngineConfig, ModelConfig, parse_dtype
 from slora_core.engine import LLMEngine
 from slora_core.engine_args import add_engine_args, engine_config_kwargs
 from slora_core.sampling_params import SamplingParams
-from slora_core.synthetic import random_adapter, shared_weight_view
 from slora_core.weights import build_random_model
 
 SHAPES: dict[str, dict[str, Any]] = {

@@ -31,7 +31,8 @@ from typing import Any
 import grpc
 
 from bench.run_record import commit_id
-from services.common.demo_stack import (
+from devtools.demo_assets import write_demo_assets
+from devtools.demo_stack import (
     Stack,
     StackConfig,
     publish_demo_adapters,
@@ -41,7 +42,6 @@ from services.common.limits import DEFAULT_LIMITS
 from services.control_plane.api.client import AdminClient
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
-from slora_core.demo_assets import write_demo_assets
 
 
 def parse_args() -> argparse.Namespace:

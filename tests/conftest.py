@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from devtools.demo_assets import write_demo_assets
 from slora_core.config import ModelConfig
 from slora_core.context import StepContext, step_context
-from slora_core.demo_assets import write_demo_assets
 from slora_core.model import LlamaForCausalLM
 
 

@@ -26,8 +26,8 @@ def add_demo_commands(cmds: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from devtools.demo_stack import publish_demo_adapters, wait_until_routable
     from services.commands.admin import resolve_target_and_key
-    from services.common.demo_stack import publish_demo_adapters, wait_until_routable
     from services.control_plane.api.client import AdminClient
 
     target, key = resolve_target_and_key(args)

@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slora_core.demo_assets import write_demo_assets  # torch: only when run (fast --help)
+    from devtools.demo_assets import write_demo_assets  # torch: only when run (fast --help)
 
     assets = write_demo_assets(args.dir, seed=args.seed)
     sys.stdout.write(f"model:    {assets.model_dir}\n")

@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.common.demo_stack import (
+    from devtools.demo_assets import write_demo_assets
+    from devtools.demo_stack import (
         Stack,
         StackConfig,
         publish_demo_adapters,
@@ -41,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
     from services.common.processes import wait_serving
     from services.common.tls import CA_ENV
     from services.control_plane.api.client import AdminClient
-    from slora_core.demo_assets import write_demo_assets
 
     state = Path(args.state_dir).resolve()
     demo = Path(args.demo_dir).resolve() if args.demo_dir else state / "demo"

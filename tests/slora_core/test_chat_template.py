@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from devtools.demo_assets import BOS, EOS, train_tokenizer
 from slora_core.chat_template import ChatTemplate, ChatTemplateError, check_messages
-from slora_core.demo_assets import BOS, EOS, train_tokenizer
 from slora_core.tokenizer import Tokenizer, TokenizerError
 
 # meta-llama/Meta-Llama-3-8B-Instruct

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from devtools.demo_assets import write_demo_assets
 from slora_core.config import ConfigError, EngineConfig, ModelConfig
-from slora_core.demo_assets import write_demo_assets
 from slora_core.engine import LLMEngine, RequestError
 from slora_core.sampling_params import SamplingParams
 

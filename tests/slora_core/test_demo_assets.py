@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from devtools.demo_assets import ADAPTERS, CORPUS, write_demo_assets
 from services.commands import demo_assets as demo_assets_command
-from slora_core.demo_assets import ADAPTERS, CORPUS, write_demo_assets
 
 PROMPTS = ["The quick brown fox", "Once upon a time in the city", "Music from the"]
 

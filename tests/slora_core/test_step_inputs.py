@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from devtools.synthetic import random_adapter
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 from slora_core.step_inputs import StepInputs, build_step_inputs
-from slora_core.synthetic import random_adapter
 from slora_core.weights import build_random_model
 
 

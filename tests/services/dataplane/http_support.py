@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.demo_stack import (
+from devtools.demo_stack import (
     BASE_MODEL,
     TENANT,
     Stack,

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from services.common.demo_stack import BASE_MODEL
+from devtools.demo_stack import BASE_MODEL
 from services.common.processes import slora_argv
 from services.gateway.table import canary_share
 from slora.v1 import inference_pb2 as pb

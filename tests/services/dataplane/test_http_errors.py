@@ -19,7 +19,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from services.common.demo_stack import BASE_MODEL
+from devtools.demo_stack import BASE_MODEL
 from services.common.processes import free_port, slora_argv, start_child
 from tests.services.dataplane.dp_support import PROMPTS, scrape
 from tests.services.dataplane.http_support import HttpStack, http_stack, wait_for

@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.demo_stack import (
+from devtools.demo_stack import (
     Stack,
     StackConfig,
     publish_demo_adapters,

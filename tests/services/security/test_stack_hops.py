@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.demo_stack import Stack, StackConfig, publish_demo_adapters
+from devtools.demo_stack import Stack, StackConfig, publish_demo_adapters
 from services.common.processes import free_port, wait_serving
 from services.control_plane.api.client import AdminClient
 from slora.v1 import inference_pb2 as pb

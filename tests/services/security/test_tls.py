@@ -16,7 +16,7 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.demo_stack import (
+from devtools.demo_stack import (
     Stack,
     StackConfig,
     publish_demo_adapters,
