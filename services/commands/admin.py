@@ -5,20 +5,25 @@ Human tables by default, `--json` for scripts. `--target` (env SLORA_TARGET) and
 `slora up` started from this folder (.slora/up/connection.env and its 0600 admin key file).
 Route changes read the adapter's etag first unless
 `--etag` is given, so a change made by someone else in between fails with ABORTED.
-Canary policies and `status` live in admin_rollout.py.
+Canary policies and `status` live in admin_rollout.py, what every command shares in
+admin_calls.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+from services.commands.admin_calls import (
+    DEFAULT_TARGET,
+    adapter_text,
+    call_command,
+    table,
+    versions_table,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +60,7 @@ def _add_route_commands(cmds: argparse._SubParsersAction) -> None:
     r.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     r.set_defaults(func=call_command(lambda c, a: c.register(
         a.adapter_id, a.version, a.storage_uri, a.sha256, a.base_model, a.tenant,
-        _labels(a.label)), lambda m: _versions_table([m])))
+        _labels(a.label)), lambda m: versions_table([m])))
     for name, helptext in (("canary", "send a share of traffic to a validated version"),
                            ("promote", "make a version stable (the old stable becomes fallback)"),
                            ("retire", "retire a version that takes no traffic")):
@@ -133,51 +138,6 @@ def _add_key_commands(cmds: argparse._SubParsersAction) -> None:
         "ListTenants", pb.ListTenantsRequest()), lambda m: _tenants_table(m.tenants)))
 
 
-def call_command(action: Callable[[Any, argparse.Namespace], Any],
-                 render: Callable[[Any], str]) -> Callable[[argparse.Namespace], int]:
-    """A subcommand body: connect, run `action`, print JSON or `render`'s text; gRPC errors
-    become 'error: CODE: message' on stderr and exit status 1."""
-
-    def run(args: argparse.Namespace) -> int:
-        import grpc
-
-        from services.commands.generate import connection_settings
-        from services.common.tls import saved_client_tls
-        from services.control_plane.api.client import AdminClient
-
-        target, key = resolve_target_and_key(args)
-        saved_tls = saved_client_tls(connection_settings(), target, "SLORA_TARGET")
-        client = AdminClient.connect(target, key, args.timeout, saved_tls)
-        try:
-            result = action(client, args)
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-        print(_to_json(result) if args.json else render(result))
-        return 0
-
-    return run
-
-
-def resolve_target_and_key(args: argparse.Namespace) -> tuple[str, str]:
-    """Flags, then env, then what `slora up` wrote under .slora/up/; the saved admin key is
-    only sent to the control plane saved with it, never to another target."""
-    from services.commands.generate import connection_settings
-
-    saved = connection_settings()
-    target = args.target or os.environ.get("SLORA_TARGET") or saved.get("SLORA_TARGET", "")
-    key = args.key or os.environ.get("SLORA_KEY", "")
-    key_file = args.key_file or os.environ.get("SLORA_KEY_FILE", "")
-    if not key and not key_file and target in ("", saved.get("SLORA_TARGET")):
-        key_file = saved.get("SLORA_KEY_FILE", "")
-    if not key and key_file:
-        try:
-            key = Path(key_file).read_text().strip()
-        except OSError as e:
-            raise SystemExit(f"error: cannot read the key file {key_file}: {e.strerror}") from None
-    return target or DEFAULT_TARGET, key
-
-
 def _digest(args: argparse.Namespace) -> int:
     from slora_core.adapters import AdapterError, digest_adapter_dir
 
@@ -198,45 +158,6 @@ def _labels(specs: Sequence[str]) -> dict[str, str]:
             raise SystemExit(f"--label {spec!r}: expected KEY=VALUE")
         labels[key] = value
     return labels
-
-
-def _to_json(result: Any) -> str:
-    from google.protobuf.json_format import MessageToDict
-
-    def one(m: Any) -> Any:
-        return MessageToDict(m, preserving_proto_field_name=True)
-
-    data = [one(m) for m in result] if isinstance(result, list) else one(result)
-    return json.dumps(data, indent=2, sort_keys=True)
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Left-aligned columns separated by two spaces."""
-    cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in cells)
-
-
-def _state(number: int) -> str:
-    from slora.v1 import admin_pb2 as pb
-
-    return pb.VersionState.Name(number).removeprefix("VERSION_STATE_").lower()
-
-
-def _versions_table(versions: Sequence[Any]) -> str:
-    return table(("VERSION", "STATE", "RANK", "ALPHA", "MODULES", "BYTES", "SHA256", "URI"),
-                 [(v.version, _state(v.state), v.rank, f"{v.lora_alpha:g}",
-                   ",".join(v.target_modules), v.num_bytes, v.sha256[:12], v.storage_uri)
-                  for v in versions])
-
-
-def adapter_text(a: Any, versions: bool = True) -> str:
-    r = a.route
-    canary = f"{r.canary_version} ({r.traffic_ratio:.1%})" if r.canary_version else "-"
-    head = (f"adapter {a.adapter_id}  tenant {a.tenant}  base {a.base_model}  etag {r.etag}\n"
-            f"stable {r.stable_version or '-'}  canary {canary}  fallback {r.fallback_version or '-'}")
-    return f"{head}\n\n{_versions_table(a.versions)}" if versions else head
 
 
 def _adapters_table(adapters: Sequence[Any]) -> str:

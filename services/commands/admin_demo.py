@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from devtools.demo_stack import publish_demo_adapters, wait_until_routable
-    from services.commands.admin import resolve_target_and_key
+    from services.commands.admin_calls import resolve_target_and_key
     from services.control_plane.api.client import AdminClient
 
     target, key = resolve_target_and_key(args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from services.commands.admin import adapter_text, call_command, table
+from services.commands.admin_calls import adapter_text, call_command, table
 
 
 def add_rollout_commands(cmds: argparse._SubParsersAction) -> None:

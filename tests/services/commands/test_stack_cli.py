@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import build_parser, main
-from services.commands.admin import resolve_target_and_key
+from services.commands.admin_calls import resolve_target_and_key
 from services.commands.up import write_private
 from services.control_plane.store.db import make_engine, upgrade
 
