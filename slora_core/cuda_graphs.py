@@ -6,18 +6,27 @@ launches) for 5-10 ms of GPU work at mixed-step sizes."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
+from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
 from slora_core.graph_buffers import BufferLayout, GraphBuffers
+from slora_core.model import LlamaForCausalLM
 from slora_core.step_inputs import StepInputs, TokenPatch, apply_patch
 
-if TYPE_CHECKING:
-    from slora_core.model_runner import ModelRunner
+
+class ModelRunner(Protocol):
+    """What the graphs use of `slora_core.model_runner.ModelRunner`, which owns them (a Protocol,
+    so this module does not import the runner back)."""
+
+    model: LlamaForCausalLM
+    arena: PageArena
+    device: torch.device
+    graph_lora_split_k: int | None
 
 
 # (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA)
