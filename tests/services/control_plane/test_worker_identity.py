@@ -28,7 +28,7 @@ from services.gateway.main import SERVICE, RoutingWatcher
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
-from services.gateway.table import RoutingTable
+from services.gateway.table import RoutingTable, token_sha256
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora.v1 import placement_pb2 as ppb
@@ -176,6 +176,9 @@ async def scenario(db_url: str, base_model_dir: Path, adapter_root: Path) -> Non
 
     gateway, port, table, gateway_task = await start_gateway(cp)
     await until(lambda: set(table.workers) == {"w-honest"})
+    # The key reaches gateways with the control plane's next registry poll (every 0.2 s); a
+    # gateway that connected before it gets it as a delta.
+    await until(lambda: token_sha256(api_key) in table.keys)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
         for i in range(40):
