@@ -37,7 +37,6 @@ from bench.numerics_common import (
     AdapterSpec,
     Shape,
     build_base,
-    commit_id,
     hardware,
     hf_logits,
     hf_with_adapters,
@@ -48,6 +47,7 @@ from bench.numerics_common import (
     write_adapters,
 )
 from bench.numerics_ops import compare_ops
+from bench.run_record import commit_id
 
 SHAPE = Shape("massive-1024", hidden=1024, inter=2816, layers=4, heads=16, kv_heads=4,
               vocab=8192)

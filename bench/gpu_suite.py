@@ -35,7 +35,6 @@ from bench.numerics_common import (
     AdapterSpec,
     Shape,
     build_base,
-    commit_id,
     hardware,
     hf_logits,
     hf_with_adapters,
@@ -45,6 +44,7 @@ from bench.numerics_common import (
     run_engine,
     write_adapters,
 )
+from bench.run_record import commit_id
 from slora_core.adapter_cache import AdapterStore
 from slora_core.config import EngineConfig, ModelConfig
 

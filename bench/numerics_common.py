@@ -9,8 +9,6 @@ dtype and in float32.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,16 +54,6 @@ class AdapterSpec:
         return self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
 
 
-def commit_id() -> str:
-    """The commit under test: $SLORA_COMMIT (set where the tree travels without .git), else git."""
-    found = os.environ.get("SLORA_COMMIT")
-    if found:
-        return found
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def hardware() -> str:
