@@ -23,7 +23,14 @@ from slora_core.config import LORA_MODULES, ConfigError, EngineConfig, ModelConf
 from slora_core.detokenizer import TextStream
 from slora_core.model import LlamaForCausalLM
 from slora_core.model_runner import ModelRunner
-from slora_core.outputs import RequestOutput, TokenLogprob, nonfinite_logits_error
+from slora_core.outputs import (
+    ADAPTER_UNLOADABLE,
+    DEADLINE,
+    NONFINITE,
+    RequestOutput,
+    TokenLogprob,
+    nonfinite_logits_error,
+)
 from slora_core.page_pool import PagePool
 from slora_core.sampler import PendingSample, SampledToken, Sampler, make_generator
 from slora_core.sampling_params import SamplingParams
@@ -416,6 +423,7 @@ class LLMEngine:
         req = self._requests.pop(seq.request_id)
         out = self._final(req, "abort")
         out.error = "deadline exceeded before the request was scheduled"
+        out.error_kind = DEADLINE
         return out
 
     def _fail_adapter(self, name: str, sched: SchedulerOutput, error: str) -> list[RequestOutput]:
@@ -428,6 +436,7 @@ class LLMEngine:
             del self._requests[req.seq.request_id]
             out = self._final(req, "error")
             out.error = f"adapter {name!r} could not be loaded: {error}"
+            out.error_kind = ADAPTER_UNLOADABLE
             outs.append(out)
         if self.pool.is_resident(name):
             self.arena.clear_slot(self.pool.evict_adapter(name).slot)
@@ -463,6 +472,7 @@ class LLMEngine:
         del self._requests[req.seq.request_id]
         out = self._final(req, "error")
         out.error = nonfinite_logits_error(len(req.seq.output_token_ids))
+        out.error_kind = NONFINITE
         return out
 
     def _final(self, req: _Request, reason: str) -> RequestOutput:

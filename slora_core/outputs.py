@@ -23,12 +23,17 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
+    error_kind: str = ""  # with `error`: ADAPTER_UNLOADABLE, DEADLINE or NONFINITE
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
 
-# The start of `RequestOutput.error` for a request ended because its logits were NaN or inf
-# (finish_reason "error"): the worker counts these as non-finite outputs in canary evidence.
+# Why a request ended with an error (`RequestOutput.error_kind`); servers map each to a status
+# code and the worker counts NONFINITE as a non-finite output in canary evidence.
+ADAPTER_UNLOADABLE = "adapter_unloadable"  # its adapter could not be loaded (finish "error")
+DEADLINE = "deadline"                      # never scheduled within its deadline ("abort")
+NONFINITE = "nonfinite"                    # its logits were NaN or inf ("error")
+# The start of a NONFINITE request's error message.
 NONFINITE_LOGITS = "non-finite logits"
 
 
@@ -41,17 +46,5 @@ def nonfinite_logits_error(position: int) -> str:
 
 def is_nonfinite_failure(out: RequestOutput) -> bool:
     """The output ends a request that failed on non-finite logits."""
-    return out.finish_reason == "error" and (out.error or "").startswith(NONFINITE_LOGITS)
+    return out.finish_reason == "error" and out.error_kind == NONFINITE
 
-
-def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One delta covering two consecutive deltas of the same request (streams that fall behind
-    send fewer, larger chunks); the later one's status and counts win."""
-    if first.request_id != later.request_id:
-        raise ValueError(f"cannot merge outputs of {first.request_id!r} and {later.request_id!r}")
-    return RequestOutput(
-        request_id=later.request_id, token_ids=first.token_ids + later.token_ids,
-        text=first.text + later.text, logprobs=first.logprobs + later.logprobs,
-        finished=later.finished, finish_reason=later.finish_reason, error=later.error,
-        prompt_tokens=later.prompt_tokens, completion_tokens=later.completion_tokens,
-    )

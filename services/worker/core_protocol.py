@@ -66,6 +66,7 @@ class Finish(msgspec.Struct, array_like=True):
     error: str = ""
     code: str = ""
     adapter_error: bool = False
+    kind: str = ""  # RequestOutput.error_kind (the worker counts NONFINITE in evidence)
 
 
 class EngineState(msgspec.Struct, array_like=True):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import dataclasses
 import logging
 import os
 import queue
@@ -29,7 +28,7 @@ from services.worker import core_protocol as m
 from services.worker.errors import to_service_error
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
-from slora_core.outputs import RequestOutput
+from slora_core.outputs import ADAPTER_UNLOADABLE, DEADLINE, RequestOutput
 from slora_core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -171,13 +170,10 @@ class EngineCore:
 
     def _fail_all(self, exc: Exception) -> None:
         err = to_service_error(exc)
-        for rid in self._live_rids():
+        for rid in map(int, self.engine.request_ids()):
             self.engine.abort_request(str(rid))
             self._failed.append(m.Finish(rid, "error", str(err), err.code.name))
         self._send([])
-
-    def _live_rids(self) -> list[int]:
-        return [int(r) for r in self.engine.request_ids()]
 
     def _send(self, outs: list[RequestOutput]) -> None:
         self.outputs.send(m.encoder.encode(self._step_output(outs)), copy=False)
@@ -206,7 +202,8 @@ class EngineCore:
                             started, self._state())
 
     def _state(self) -> m.EngineState:
-        state = m.EngineState(**dataclasses.asdict(self.engine.state_snapshot()))
+        # vars(): a shallow view of the snapshot (asdict would deep-copy its lists every step).
+        state = m.EngineState(**vars(self.engine.state_snapshot()))
         self._last_state = state
         now = time.monotonic()
         if now - self._warm_at >= WARM_EVERY_S:
@@ -214,9 +211,13 @@ class EngineCore:
         return state
 
     def _state_changed(self) -> bool:
-        now = m.EngineState(**dataclasses.asdict(self.engine.state_snapshot()))
+        now = m.EngineState(**vars(self.engine.state_snapshot()))
         stale = time.monotonic() - self._warm_at >= WARM_EVERY_S
         return stale or now != self._last_state
+
+
+# The status code of each way the engine ends a request with an error (others: INTERNAL).
+CODE_OF_KIND = {ADAPTER_UNLOADABLE: "FAILED_PRECONDITION", DEADLINE: "DEADLINE_EXCEEDED"}
 
 
 def finish_of(rid: int, out: RequestOutput) -> m.Finish:
@@ -224,11 +225,10 @@ def finish_of(rid: int, out: RequestOutput) -> m.Finish:
     reason = out.finish_reason or "stop"
     if not out.error:
         return m.Finish(rid, reason)
-    if out.error.startswith("adapter "):  # the engine's message for an adapter it cannot load
-        return m.Finish(rid, reason, out.error, "FAILED_PRECONDITION", adapter_error=True)
-    if reason == "abort":  # only a deadline aborts with an error message
-        return m.Finish(rid, reason, out.error, "DEADLINE_EXCEEDED")
-    return m.Finish(rid, reason, out.error, "INTERNAL")
+    code = CODE_OF_KIND.get(out.error_kind, "INTERNAL")
+    # An adapter that cannot be loaded is the version's fault: the gateway tries its fallback.
+    return m.Finish(rid, reason, out.error, code, adapter_error=out.error_kind == ADAPTER_UNLOADABLE,
+                    kind=out.error_kind)
 
 
 class Commands:

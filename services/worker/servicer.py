@@ -30,13 +30,17 @@ from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora_core.chat_template import ChatTemplateError
 from slora_core.detokenizer import TextStream
-from slora_core.outputs import NONFINITE_LOGITS
+from slora_core.outputs import NONFINITE
 from slora_core.sampling_params import SamplingParams
 from slora_core.tokenizer import Tokenizer
 
 # Prompts longer than this many bytes are tokenized on a thread, so one huge prompt does not
 # stall every other stream on the event loop.
 INLINE_TOKENIZE_BYTES = 4096
+
+
+class NonfiniteFailure(e.Internal):
+    """The engine ended the request because its logits were NaN or inf."""
 
 
 @dataclass
@@ -132,7 +136,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                 yield response
         except (e.ServiceError, Exception) as exc:
             err = to_service_error(exc)
-            if str(err).startswith(NONFINITE_LOGITS):
+            if isinstance(exc, NonfiniteFailure):
                 # Counted once, as a non-finite output (canary evidence counts it a failure).
                 self.metrics.record_nonfinite_failure(key)
             elif err.code not in (grpc.StatusCode.UNAVAILABLE,
@@ -186,6 +190,8 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             while True:
                 delta, finish = await stream.next()
                 if finish is not None and finish.code:
+                    if finish.kind == NONFINITE:
+                        raise NonfiniteFailure(finish.error)
                     raise error_of(finish.code, finish.error, finish.adapter_error)
                 if delta.token_ids or delta.text:
                     if delay:

@@ -11,7 +11,12 @@ from services.control_plane.domain.canary_policy import CanaryPolicy
 from services.control_plane.domain.canary_verdict import BREACH, judge
 from services.control_plane.domain.evidence import EvidenceStore
 from services.worker.metrics import WorkerMetrics
-from slora_core.outputs import RequestOutput, is_nonfinite_failure, nonfinite_logits_error
+from slora_core.outputs import (
+    NONFINITE,
+    RequestOutput,
+    is_nonfinite_failure,
+    nonfinite_logits_error,
+)
 
 
 def serve(m: WorkerMetrics, key: tuple[str, str], out: RequestOutput) -> None:
@@ -26,7 +31,7 @@ def serve(m: WorkerMetrics, key: tuple[str, str], out: RequestOutput) -> None:
 def test_nonfinite_failures_are_counted_once_and_roll_the_canary_back() -> None:
     ok = RequestOutput("r", finished=True, finish_reason="length", completion_tokens=5)
     broken = RequestOutput("r", finished=True, finish_reason="error",
-                           error=nonfinite_logits_error(0))
+                           error=nonfinite_logits_error(0), error_kind=NONFINITE)
     assert is_nonfinite_failure(broken) and not is_nonfinite_failure(ok)
     # Other errors are not mistaken for numeric failures.
     assert not is_nonfinite_failure(RequestOutput("r", finish_reason="error", error="adapter x"))

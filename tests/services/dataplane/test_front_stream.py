@@ -82,16 +82,25 @@ def test_engine_ends_map_to_status_codes() -> None:
     engine's message, an adapter that cannot load is an adapter error (the gateway falls back),
     a deadline is DEADLINE_EXCEEDED; ordinary ends carry no code."""
     from services.worker.engine_core import finish_of
-    from slora_core.outputs import NONFINITE_LOGITS, RequestOutput, nonfinite_logits_error
+    from slora_core.outputs import (
+        ADAPTER_UNLOADABLE,
+        DEADLINE,
+        NONFINITE,
+        NONFINITE_LOGITS,
+        RequestOutput,
+        nonfinite_logits_error,
+    )
 
     nan = finish_of(7, RequestOutput("7", finished=True, finish_reason="error",
-                                     error=nonfinite_logits_error(3)))
-    assert (nan.rid, nan.reason, nan.code) == (7, "error", "INTERNAL")
+                                     error=nonfinite_logits_error(3), error_kind=NONFINITE))
+    assert (nan.rid, nan.reason, nan.code, nan.kind) == (7, "error", "INTERNAL", NONFINITE)
     assert nan.error.startswith(NONFINITE_LOGITS) and not nan.adapter_error
     bad = finish_of(1, RequestOutput("1", finished=True, finish_reason="error",
-                                     error="adapter 'a@v1' could not be loaded: gone"))
+                                     error="adapter 'a@v1' could not be loaded: gone",
+                                     error_kind=ADAPTER_UNLOADABLE))
     assert bad.code == "FAILED_PRECONDITION" and bad.adapter_error
     late = finish_of(2, RequestOutput("2", finished=True, finish_reason="abort",
-                                      error="deadline exceeded before the request was scheduled"))
-    assert late.code == "DEADLINE_EXCEEDED"
+                                      error="deadline exceeded before the request was scheduled",
+                                      error_kind=DEADLINE))
+    assert late.code == "DEADLINE_EXCEEDED" and not late.adapter_error
     assert finish_of(3, RequestOutput("3", finished=True, finish_reason="length")).code == ""
