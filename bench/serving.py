@@ -96,17 +96,26 @@ class Bench:
 
 # ---- scenarios -------------------------------------------------------------------------------
 def scenario_overhead(b: Bench) -> dict[str, Any]:
-    """Base model alone vs one rank-16 adapter on every request, same requests."""
+    """Base model alone vs one rank-16 adapter on every request, same requests, interleaved
+    repeats (base, adapter, base, adapter, ...) on one engine: a step with no adapter in the
+    batch runs the base model's own graphs (LoRA launches nothing), so the base runs are what a
+    base-only engine does, and the pairs see the same GPU clocks and the same warmed state."""
     a = b.args
     spec = WorkloadSpec(num_adapters=1, num_requests=a.requests, vocab_size=b.cfg.vocab_size,
                         output_range=(8, a.max_output), input_range=(8, a.max_input))
     reqs = generate(spec)
     base_reqs = [BenchRequest(r.arrival, None, r.prompt, r.output_len) for r in reqs]
-    base = replay(b.engine(0, (16,)), base_reqs, "base")
-    lora = replay(b.engine(1, (16,)), reqs, "one-adapter-r16")
-    ratio = lora["output_tok_per_s"] / base["output_tok_per_s"]
-    return {"base": base, "one_adapter": lora, "throughput_ratio": ratio, "target": 0.95,
-            "met": ratio >= 0.95}
+    engine = b.engine(1, (16,))
+    runs: list[dict[str, Any]] = []
+    for i in range(a.overhead_repeats):
+        base = replay(engine, base_reqs, f"base {i + 1}")
+        lora = replay(engine, reqs, f"one-adapter-r16 {i + 1}")
+        runs.append({"base": base, "one_adapter": lora,
+                     "throughput_ratio": lora["output_tok_per_s"] / base["output_tok_per_s"]})
+    ratios = [r["throughput_ratio"] for r in runs]
+    ratio = float(np.median(ratios))
+    return {"repeats": runs, "throughput_ratio": ratio, "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "target": 0.98, "met": ratio >= 0.98}
 
 
 def scenario_scale(b: Bench) -> dict[str, Any]:
@@ -294,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-caps", default="64,256",
                    help="max_adapters_per_batch values for the many-adapter runs of 'scale'")
     p.add_argument("--reuse-batch", type=int, default=64)
+    p.add_argument("--overhead-repeats", type=int, default=5,
+                   help="interleaved base / one-adapter pairs of 'overhead'")
     p.add_argument("--churn-requests", type=int, default=1000,
                    help="requests of each 'churn' run (alpha 1.0: ~400 distinct of 2,000)")
     p.add_argument("--churn-disk-requests", type=int, default=300,

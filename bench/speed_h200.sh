@@ -3,12 +3,13 @@
 # the decode LoRA grid (bench.kernels_lora_grid), adapter cold-load latency (bench.cold_load),
 # and the churn / cold-vs-warm TTFT / disk-churn serving scenarios at Llama-2-7B shapes. Each
 # step has its own time limit and writes its JSON under $OUT as it goes. STEPS picks steps
-# (default tests,grid,cold,serve). Run from the repository root with SLORA_COMMIT set to the
+# (default tests,grid,cold,engine,serve); `engine` is one adapter vs base in 5 interleaved pairs
+# and the batch-64 decode step against its bytes floor. Run from the repository root with SLORA_COMMIT set to the
 # commit under test (the device copy has no .git).
 set -o pipefail
 export PYTHONPATH=$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/speed-out}
-STEPS=",${STEPS:-tests,grid,cold,serve},"
+STEPS=",${STEPS:-tests,grid,cold,engine,serve},"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 [[ $STEPS == *,tests,* ]] && timeout "${TEST_S:-40}" python3 -m pytest -q -p no:cacheprovider \
@@ -17,6 +18,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
     --out "$OUT/lora-grid-h200.json" 2>&1 | tee "$OUT/grid.log" | tail -50
 [[ $STEPS == *,cold,* ]] && timeout "${COLD_S:-60}" python3 -m bench.cold_load --tmp /tmp \
     --out "$OUT/cold-load-h200.json" 2>&1 | tail -8
+[[ $STEPS == *,engine,* ]] && timeout "${ENGINE_S:-200}" python3 -m bench.serving \
+    --shape llama2-7b --device cuda --dtype float16 --scenarios overhead,floor \
+    --requests "${OVERHEAD_REQ:-200}" --out "$OUT/engine-speed-h200.json" 2>&1 \
+    | grep -v "it/s]\|s/it]" | tail -6
 # The disk-tier churn last: its first run hit an illegal memory access (churn-h200-failed.json).
 [[ $STEPS == *,serve,* ]] && timeout "${SERVE_S:-200}" python3 -m bench.serving \
     --shape llama2-7b --device cuda --dtype float16 --arena-gb "${ARENA_GB:-32}" \
