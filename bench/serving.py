@@ -25,6 +25,7 @@ import torch
 from bench.churn import scenario_churn, scenario_churndisk, scenario_coldttft
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
+from bench.run_record import commit_id
 from bench.workload import BenchRequest, WorkloadSpec, generate, reuse_batch
 from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import EngineConfig, ModelConfig, parse_dtype
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
         "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda")
         else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "args": vars(args), "model": asdict(bench.cfg) | {"raw": {}},
+        "commit": commit_id(), "torch": torch.__version__, "args": vars(args), "model": asdict(bench.cfg) | {"raw": {}},
     }
     for name in args.scenarios.split(","):
         t0 = time.perf_counter()
