@@ -4,10 +4,10 @@ replays CUDA graphs (cuda_graphs.py) where a step fits one."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from kernels.lora_meta import LoraMeta, tile_rows
+from kernels.lora_meta import LoraMeta
+from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.context import StepContext, step_context
@@ -18,12 +18,18 @@ from slora_core.scheduler import ScheduledSeq
 from slora_core.sequence import Sequence
 from slora_core.step_inputs import (
     StepInputs,
+    StepShape,
     TokenPatch,
     apply_patch,
     build_step_inputs,
-    to_device,
+    pack_to_device,
+    step_arrays,
     token_patch,
+    unpack,
 )
+
+# Steps of at most this many tokens run LoRA beside the base GEMMs under lora_overlap.
+LORA_OVERLAP_MAX_TOKENS = 256
 
 
 class ModelRunner:
@@ -32,12 +38,15 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, arena: PageArena, *,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
-                 mixed_graphs: bool = True) -> None:
+                 mixed_graphs: bool = True, lora_overlap: bool = False) -> None:
         self.model = model
         self.arena = arena
         # A fixed LoRA K split inside CUDA graphs (fix_graph_lora_split); None: the kernels'.
         self.graph_lora_split_k: int | None = None
         self.device = arena.pages.device
+        # The second stream of EngineConfig.lora_overlap (CUDA only).
+        self._lora_stream = (torch.cuda.Stream(self.device)
+                             if lora_overlap and self.device.type == "cuda" else None)
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
         if use_cuda_graphs and self.device.type == "cuda":
@@ -62,7 +71,16 @@ class ModelRunner:
                    # whatever the model's context length.
                    max_model_len=min(max_model_len, config.num_pages * block_size),
                    max_num_batched_tokens=config.max_num_batched_tokens,
-                   use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs)
+                   use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs,
+                   lora_overlap=config.lora_overlap)
+
+    def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None:
+        """The stream a step of `num_tokens` tokens runs its LoRA deltas on beside the base
+        GEMMs, or None (overlap off, or a prefill-sized step: there the base GEMMs fill the
+        GPU and the separate add would re-read a large output)."""
+        if self._lora_stream is None or num_tokens > LORA_OVERLAP_MAX_TOKENS:
+            return None
+        return self._lora_stream
 
     def fix_graph_lora_split(self, split_k: int) -> None:
         """For benchmarks (bench/serving.py --graph-lora-split-k): every CUDA graph's LoRA
@@ -76,33 +94,31 @@ class ModelRunner:
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         """The step's input ids and context on the device (one copy for every array)."""
-        has_lora = inputs.has_lora
-        lora_arrays: list[np.ndarray] = []
-        if has_lora:
-            max_seg_len = int(inputs.seg_lens.max())
-            block_m = tile_rows(max_seg_len)
-            lora_arrays = [inputs.token_slots, inputs.seg_starts, inputs.seg_lens,
-                           inputs.seg_slots, *inputs.lora_tiles(block_m)]
-        input_ids, positions, slot_mapping, logits_indices, *meta = to_device(
-            [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
-             inputs.seq_lens, inputs.query_starts, inputs.block_tables, *lora_arrays],
-            self.device)
+        arrays, shape = step_arrays(inputs)
+        return self.context_from(pack_to_device(arrays, self.device), shape)
+
+    def context_from(self, flat: torch.Tensor, shape: StepShape
+                     ) -> tuple[torch.Tensor, StepContext]:
+        """The input ids and context of a step whose arrays (`step_arrays`) are packed in the
+        int64 device tensor `flat`."""
+        input_ids, positions, slot_mapping, logits_indices, *meta = unpack(
+            flat, shape.array_shapes())
         seq_lens, query_starts, block_tables, *lora_meta = [t.to(torch.int32) for t in meta]
         lora = None
-        if has_lora:
+        if shape.num_segments:
             token_slots, seg_starts, seg_lens, seg_slots, tile_segs, tile_m0 = lora_meta
             lora = LoraMeta(seg_starts=seg_starts, seg_lens=seg_lens, seg_slots=seg_slots,
-                            token_slots=token_slots, max_seg_len=max_seg_len,
-                            num_segments=int(inputs.seg_starts.size), tile_segs=tile_segs,
-                            tile_m0=tile_m0,
-                            num_tiles=int(tile_segs.shape[0]), block_m=block_m)
+                            token_slots=token_slots, max_seg_len=shape.max_seg_len,
+                            num_segments=shape.num_segments, tile_segs=tile_segs,
+                            tile_m0=tile_m0, num_tiles=shape.num_tiles, block_m=shape.block_m)
         ctx = StepContext(
             positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
-            seq_lens=seq_lens, query_starts=query_starts, max_query_len=inputs.max_query_len,
-            max_seq_len=int(inputs.seq_lens.max()), logits_indices=logits_indices,
+            seq_lens=seq_lens, query_starts=query_starts, max_query_len=shape.max_query_len,
+            max_seq_len=shape.max_seq_len, logits_indices=logits_indices,
             kv_caches=self.arena.kv_caches, lora=lora,
             lora_tables=self.arena.tables if lora is not None else None,
             lora_modules=self.arena.active_lora_modules,
+            lora_stream=self.lora_stream(int(input_ids.shape[0])) if lora is not None else None,
         )
         return input_ids, ctx
 
@@ -123,6 +139,8 @@ class ModelRunner:
         if self.mixed is not None and self.mixed.can_run(inputs):
             return self.mixed.run(inputs, patch)
         input_ids, ctx = self.build_context(inputs)
+        if step_checks.ENABLED:
+            step_checks.check_context(ctx, int(input_ids.shape[0]), self.arena, "eager step")
         apply_patch(input_ids, patch)
         with step_context(ctx):
             hidden = self.model(input_ids, ctx.positions)

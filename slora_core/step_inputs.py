@@ -10,7 +10,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kernels.lora_meta import lora_segments, lora_tiles
+from kernels.lora_meta import lora_segments, lora_tiles, tile_rows
 from slora_core.scheduler import ScheduledSeq
 from slora_core.sequence import Sequence
 
@@ -95,16 +95,78 @@ def _ranks_within(sizes: np.ndarray) -> np.ndarray:
 def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Pack several 1-D/2-D integer arrays into one int64 host buffer, copy it once (pinned,
     non-blocking on CUDA), and return int64 device views shaped like the inputs."""
+    return unpack(pack_to_device(arrays, device), [a.shape for a in arrays])
+
+
+def pack_to_device(arrays: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    """The arrays concatenated (flattened) in one int64 device tensor, one pinned non-blocking
+    copy on CUDA."""
     flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
     host = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
     if device.type == "cuda":
         host = host.pin_memory()
-    dev = host.to(device=device, dtype=torch.int64, non_blocking=True)
+    return host.to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def unpack(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Views of `flat` shaped `shapes`, in order (the inverse of `pack_to_device`)."""
     out, offset = [], 0
-    for a in arrays:
-        out.append(dev[offset : offset + a.size].view(a.shape))
-        offset += a.size
+    for shape in shapes:
+        size = int(np.prod(shape))
+        out.append(flat[offset : offset + size].view(shape))
+        offset += size
     return out
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The host-side sizes of one step's device arrays (`step_arrays`), enough to cut them out
+    of one flat buffer: what a tensor-parallel rank receives ahead of the buffer itself."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int
+    num_logits: int
+    max_query_len: int
+    max_seq_len: int
+    num_segments: int = 0  # 0: no LoRA this step
+    num_tiles: int = 0
+    block_m: int = 0
+    max_seg_len: int = 0
+
+    def array_shapes(self) -> list[tuple[int, ...]]:
+        t, b, s, k = self.num_tokens, self.num_seqs, self.num_segments, self.num_tiles
+        shapes = [(t,), (t,), (t,), (self.num_logits,), (b,), (b + 1,), (b, self.max_blocks)]
+        if s:
+            shapes += [(t,), (s,), (s,), (s,), (k,), (k,)]
+        return shapes
+
+    @property
+    def numel(self) -> int:
+        return sum(int(np.prod(shape)) for shape in self.array_shapes())
+
+
+def step_arrays(inputs: StepInputs) -> tuple[list[np.ndarray], StepShape]:
+    """The step's device arrays in `StepShape.array_shapes` order: input ids, positions, KV
+    slots, logits rows, sequence lengths, query starts, block tables, then with LoRA the token
+    slots, segments and tiles."""
+    arrays = [inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
+              inputs.seq_lens, inputs.query_starts, inputs.block_tables]
+    lora: dict[str, int] = {}
+    if inputs.has_lora:
+        max_seg_len = int(inputs.seg_lens.max())
+        block_m = tile_rows(max_seg_len)
+        tiles = inputs.lora_tiles(block_m)
+        arrays += [inputs.token_slots, inputs.seg_starts, inputs.seg_lens, inputs.seg_slots,
+                   *tiles]
+        lora = dict(num_segments=int(inputs.seg_starts.size), num_tiles=int(tiles[0].size),
+                    block_m=block_m, max_seg_len=max_seg_len)
+    shape = StepShape(num_tokens=inputs.num_tokens, num_seqs=inputs.num_seqs,
+                      max_blocks=int(inputs.block_tables.shape[1]),
+                      num_logits=int(inputs.logits_indices.size),
+                      max_query_len=inputs.max_query_len,
+                      max_seq_len=int(inputs.seq_lens.max()), **lora)
+    return arrays, shape
 
 
 @dataclass(frozen=True)
