@@ -18,10 +18,16 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
     --out "$OUT/lora-grid-h200.json" 2>&1 | tee "$OUT/grid.log" | tail -50
 [[ $STEPS == *,cold,* ]] && timeout "${COLD_S:-60}" python3 -m bench.cold_load --tmp /tmp \
     --out "$OUT/cold-load-h200.json" 2>&1 | tail -8
-[[ $STEPS == *,engine,* ]] && timeout "${ENGINE_S:-200}" python3 -m bench.serving \
-    --shape llama2-7b --device cuda --dtype float16 --scenarios overhead,floor \
-    --requests "${OVERHEAD_REQ:-200}" --out "$OUT/engine-speed-h200.json" 2>&1 \
-    | grep -v "it/s]\|s/it]" | tail -6
+# `engine` twice: LoRA in line after each base GEMM, then on a second stream beside it.
+if [[ $STEPS == *,engine,* ]]; then
+    for variant in inline overlap; do
+        flag=(); [ $variant = overlap ] && flag=(--lora-overlap)
+        timeout "${ENGINE_S:-150}" python3 -m bench.serving --shape llama2-7b --device cuda \
+            --dtype float16 --scenarios overhead,floor --requests "${OVERHEAD_REQ:-150}" \
+            "${flag[@]}" --out "$OUT/engine-speed-$variant-h200.json" 2>&1 \
+            | grep -v "it/s]\|s/it]" | grep "^==" | tail -2
+    done
+fi
 # The disk-tier churn last: its first run hit an illegal memory access (churn-h200-failed.json).
 [[ $STEPS == *,serve,* ]] && timeout "${SERVE_S:-200}" python3 -m bench.serving \
     --shape llama2-7b --device cuda --dtype float16 --arena-gb "${ARENA_GB:-32}" \

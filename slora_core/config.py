@@ -206,6 +206,10 @@ class EngineConfig:
     # so scheduling and output handling overlap the GPU. Outputs then come one step() call
     # later. Off by default: checked on the CPU only so far (same tokens as synchronous steps).
     async_steps: bool = False
+    # Decode-sized steps (at most LORA_OVERLAP_MAX_TOKENS tokens) run each layer's LoRA delta
+    # on a second CUDA stream beside the base GEMM, then add it (CUDA only; graphs capture
+    # the fork and join). Costs one add per LoRA layer; saves the LoRA launches' latency.
+    lora_overlap: bool = False
     # Ranks of one engine (DESIGN section 5): LLMEngine.from_model_dir starts the other ranks
     # (slora_core/tp); 1 is the single-device engine, untouched.
     tensor_parallel_size: int = 1

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
+from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
 from slora_core.graph_buffers import BufferLayout, GraphBuffers
@@ -27,6 +28,8 @@ class ModelRunner(Protocol):
     arena: PageArena
     device: torch.device
     graph_lora_split_k: int | None
+
+    def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None: ...
 
 
 # (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA)
@@ -56,6 +59,11 @@ class _StepGraphs:
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         raise NotImplementedError
 
+    def reset_buffers(self) -> None:
+        """Put the static buffers in their inert state: no KV write (slot -1), no LoRA tile,
+        every sequence and logits row inside the smallest bucket."""
+        raise NotImplementedError
+
     def _tile_caps(self, bucket: int) -> list[int]:
         """The LoRA tile-list capacities captured for a bucket (the largest first)."""
         raise NotImplementedError
@@ -74,6 +82,12 @@ class _StepGraphs:
         """Capture every bucket for one LoRA module set now (start-up), so no request waits for
         a capture later. An empty set captures the base-model (no LoRA) graphs."""
         with torch.inference_mode():
+            # The warm-up forwards before each capture really run, on whatever the buffers
+            # hold. After steps have run (warmup() called on a serving engine, as bench.churn
+            # and the worker do to add LoRA graphs), that is the last step's inputs: query
+            # starts, logits rows and LoRA tiles up to its token count, past a smaller bucket's
+            # rows, and KV slots of pages reused since. Issue 15's illegal memory access.
+            self.reset_buffers()
             for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
                 for tiles in self._tile_caps(bucket) if modules else [0]:
                     if (bucket, modules, tiles) not in self.graphs:
@@ -82,6 +96,8 @@ class _StepGraphs:
     def _capture(self, bucket: int, modules: frozenset[int], tiles: int) -> None:
         key = (bucket, modules, tiles)
         ctx = self.contexts[key] = self._context(bucket, modules, tiles)
+        if step_checks.ENABLED:
+            step_checks.check_context(ctx, bucket, self.runner.arena, f"capture of {key[:1]}")
         for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
             self._forward(bucket, ctx)
         torch.cuda.synchronize()
@@ -97,6 +113,9 @@ class _StepGraphs:
             # read this step's inputs (already in the buffers), so the KV rows they write are
             # the ones the replay writes; stale inputs could overwrite pages reused since.
             self._capture(*key)
+        if step_checks.ENABLED:
+            step_checks.check_context(self.contexts[key], key[0], self.runner.arena,
+                                      f"replay of {type(self).__name__} {key[0]}")
         self.graphs[key].replay()
         return self.logits[key][: inputs.logits_indices.size]
 
@@ -162,14 +181,21 @@ class DecodeGraphs(_StepGraphs):
         # One row per sequence, token, segment and tile alike.
         self.layout = BufferLayout(tokens=n, seqs=n, segments=n, tiles=n,
                                    max_blocks=self.max_blocks)
-        buf = self.buf = self.layout.device(dev)
-        # Start-up captures run the model on these: write no KV (slot -1), read no adapter.
+        self.buf = self.layout.device(dev)
+        self.reset_buffers()
+        # Every row is one query token and samples: query starts and logits rows are 0..n.
+        self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
+
+    def reset_buffers(self) -> None:
+        # Captures run the model on these: write no KV (slot -1), read no adapter, one
+        # context token (page 0) per row.
+        buf = self.buf
+        buf.i64.zero_()
+        buf.i32.zero_()
         buf.slot_mapping.fill_(-1)
         buf.seq_lens.fill_(1)
         buf.token_slots.fill_(self.empty_slot)
         buf.tile_segs.fill_(-1)
-        # Every row is one query token and samples: query starts and logits rows are 0..n.
-        self.arange = torch.arange(n + 1, dtype=torch.int32, device=dev)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.max_query_len == 1 and inputs.logits_indices.size == inputs.num_seqs
@@ -196,6 +222,7 @@ class DecodeGraphs(_StepGraphs):
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
             lora_split_k=r.graph_lora_split_k,
+            lora_stream=r.lora_stream(b) if modules else None,
         )
 
     def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
@@ -253,8 +280,17 @@ class MixedGraphs(_StepGraphs):
                                    tiles=-(-t // PREFILL_BLOCK_M) + b,
                                    max_blocks=self.max_blocks, sampled=b, query_starts=b + 1)
         self.buf = self.layout.device(runner.device)
-        self.buf.slot_mapping.fill_(-1)
-        self.buf.tile_segs.fill_(-1)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        # Every sequence has no query (query_starts all 0) and logits rows are row 0: the
+        # attention and LoRA programs exit at once, in any bucket.
+        buf = self.buf
+        buf.i64.zero_()
+        buf.i32.zero_()
+        buf.slot_mapping.fill_(-1)
+        buf.token_slots.fill_(-1)
+        buf.tile_segs.fill_(-1)
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (inputs.input_ids.size <= self.t_max and inputs.num_seqs <= self.b_max
@@ -280,6 +316,7 @@ class MixedGraphs(_StepGraphs):
             logits_indices=buf.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
             lora_split_k=r.graph_lora_split_k,
+            lora_stream=r.lora_stream(t) if modules else None,
         )
 
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
