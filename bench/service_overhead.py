@@ -88,9 +88,11 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, conc
 # ---- gRPC, from client processes -----------------------------------------------------------
 def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Request],
                  new_tokens: int,
-                 concurrency: int, direct: bool, start_at: float,
+                 concurrency: int, direct: bool, start_at: float, channels: int = 1,
                  ) -> tuple[list[float], int, list[str]]:
-    """One client process: `reqs` with `concurrency` in flight, from wall-clock `start_at`."""
+    """One client process: `reqs` with `concurrency` in flight, from wall-clock `start_at`,
+    spread round-robin over `channels` connections (a multi-process gateway gets one process
+    per connection)."""
     import grpc
 
     from slora.v1 import inference_pb2 as pb
@@ -110,11 +112,15 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
         errors: list[str] = []
         count = 0
         slots = asyncio.Semaphore(concurrency)
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = pb_grpc.InferenceServiceStub(channel)
+        # A subchannel pool of its own per channel: a connection each (else they share one).
+        opened = [grpc.aio.insecure_channel(target,
+                                            options=[("grpc.use_local_subchannel_pool", 1)])
+                  for _ in range(channels)]
+        stubs = [pb_grpc.InferenceServiceStub(c) for c in opened]
+        try:
             await asyncio.sleep(max(0.0, start_at - time.time()))
 
-            async def call(req: pb.GenerateRequest) -> None:
+            async def call(req: pb.GenerateRequest, stub: Any) -> None:
                 nonlocal count
                 async with slots:
                     sent, first = time.time(), None
@@ -128,7 +134,11 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
                         return
                     ttft.append(first if first is not None else time.time() - sent)
 
-            await asyncio.gather(*(call(message(p, a)) for p, a in reqs))
+            await asyncio.gather(*(call(message(p, a), stubs[i % channels])
+                                   for i, (p, a) in enumerate(reqs)))
+        finally:
+            for c in opened:
+                await c.close()
         return ttft, count, errors
 
     return asyncio.run(run())
@@ -136,11 +146,11 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
 
 def run_grpc(pool: Any, procs: int, target: str, md: tuple[tuple[str, str], ...],
              reqs: list[Request], new_tokens: int, concurrency: int, direct: bool = False,
-             ) -> dict[str, Any]:
+             channels: int = 1) -> dict[str, Any]:
     """`md`: the tenant key for a gateway, the gateway token for a worker called directly."""
     start_at = time.time() + 0.5
     shares = [(target, md, reqs[k::procs], new_tokens, max(1, concurrency // procs), direct,
-               start_at) for k in range(procs)]
+               start_at, channels) for k in range(procs)]
     got = pool.starmap(_grpc_client, shares)
     wall = time.time() - start_at
     ttft = [t for g in got for t in g[0]]
@@ -250,6 +260,11 @@ def parse_args() -> argparse.Namespace:
                     help="model shape: the tiny demo model, or a real size written to disk "
                          "(fp16, 3 of the demo adapters)")
     ap.add_argument("--client-procs", type=int, default=4, help="gRPC client processes")
+    ap.add_argument("--gateway-procs", type=int, default=1,
+                    help="gateway processes on the same ports (slora gateway --processes)")
+    ap.add_argument("--client-channels", type=int, default=1,
+                    help="gRPC connections per client process (the kernel gives each to one "
+                         "gateway process; HTTP clients open one per stream anyway)")
     ap.add_argument("--http", action="store_true",
                     help="also stream the same workload through the gateway's HTTP API (SSE)")
     ap.add_argument("--out", default=None)
@@ -270,9 +285,10 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
         runs["in_process"].append(run_in_process(engine, reqs, args.new_tokens, c))
         runs["worker"].append(run_grpc(pool, args.client_procs, worker,
                                        ((GATEWAY_HEADER, stack.gateway_token),), reqs,
-                                       args.new_tokens, c, direct=True))
+                                       args.new_tokens, c, direct=True,
+                                       channels=args.client_channels))
         runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, bearer(token), reqs,
-                                        args.new_tokens, c))
+                                        args.new_tokens, c, channels=args.client_channels))
         if args.http:
             runs["http"].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
                                          token, reqs, args.new_tokens, c))
@@ -303,7 +319,7 @@ def main() -> int:
         token = publish_demo_adapters(AdminClient.connect(stack.cp_address, stack.admin_token),
                                       demo.root)
         stack.start_worker("worker-0")
-        stack.start_gateway()
+        stack.start_gateway(processes=args.gateway_procs)
         wait_until_routable(stack.gateway_addresses["gateway"], token, names)
         engine = LLMEngine.from_model_dir(demo.model_dir, config)
         for name in names:
@@ -311,7 +327,7 @@ def main() -> int:
         engine.warmup()
         warm = workload(names, 8, vocab=512)  # connections, adapter loads, client imports
         run_grpc(pool, args.client_procs, stack.gateway_addresses["gateway"], bearer(token),
-                 warm, 4, 8)
+                 warm, 4, 8, channels=args.client_channels)
         run_in_process(engine, warm, 4, 8)
         for c in levels:
             reqs = workload(names, c * args.requests_per_stream, vocab=512)
@@ -331,6 +347,7 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
         else f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
         "shape": args.shape, "new_tokens": args.new_tokens, "async_steps": args.async_steps,
         "repeats": args.repeats, "client_procs": args.client_procs,
+        "client_channels": args.client_channels, "gateway_procs": args.gateway_procs,
         "targets": {"gateway throughput_ratio": ">= 0.95", "gateway ttft_p50_added_ms": "<= 3",
                     "gateway ttft_p99_added_ms": "<= 10", "http throughput_ratio": ">= 0.9"},
         "levels": results,

@@ -127,13 +127,15 @@ class Stack:
             wait_serving(address, child, timeout_s=120)
         return child
 
-    def start_gateway(self, name: str = "gateway", wait: bool = True) -> Child:
+    def start_gateway(self, name: str = "gateway", wait: bool = True, processes: int = 1,
+                      extra: Sequence[str] = ()) -> Child:
         address = f"{self.config.host}:{free_port()}"
         http = f"{self.config.host}:{free_port()}"  # the OpenAI-compatible HTTP API
         child = start_child(name, slora_argv(
             "gateway", "--control-plane", self.cp_address, "--listen", address,
             "--http-listen", http, "--base-model-name", BASE_MODEL,
-            "--gateway-id", name), self.config.state_dir / "logs", self.env_for("gateway"))
+            "--gateway-id", name, "--processes", str(processes), *extra),
+            self.config.state_dir / "logs", self.env_for("gateway"))
         self.gateways[name], self.gateway_addresses[name] = child, address
         self.http_urls[name] = f"{'https' if self.config.tls else 'http'}://{http}/v1"
         if wait:

@@ -10,6 +10,15 @@ import socket
 
 from services.common.cluster_token import add_cluster_token_argument
 
+PROCESSES_ENV = "SLORA_GATEWAY_PROCESSES"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gateway", help="authenticate, route and forward Generate calls")
@@ -22,13 +31,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the HTTP `model` that names the base model without an adapter")
     p.add_argument("--gateway-id", default="", help="default: hostname-port")
     add_cluster_token_argument(p, "presented to the control plane on the routing stream")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus HTTP port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus HTTP port (with N processes: one port each, PORT..PORT+N-1)")
+    p.add_argument("--processes", type=positive_int,
+                   default=positive_int(os.environ.get(PROCESSES_ENV, "1")),
+                   help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), "
+                        f"each with its own routing stream and metrics; env {PROCESSES_ENV}")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from services.gateway.main import GatewayOptions, serve_gateway
+    from services.gateway.supervisor import serve_processes
 
     logging.basicConfig(level=os.environ.get("SLORA_LOG_LEVEL", "INFO"),
                         format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
@@ -40,4 +55,6 @@ def run(args: argparse.Namespace) -> int:
         cluster_token=args.cluster_token, http_listen=args.http_listen,
         base_model_name=args.base_model_name,
     )
+    if args.processes > 1:
+        return serve_processes(opts, args.processes)
     return asyncio.run(serve_gateway(opts))

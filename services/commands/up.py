@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", default=str(STATE_DIR), help="logs, database, caches")
     p.add_argument("--demo-dir", default="", help="demo assets (default: STATE_DIR/demo)")
     p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--gateway-processes", type=int, default=1,
+                   help="gateway processes sharing its ports (slora gateway --processes)")
     p.add_argument("--tls", action="store_true",
                    help="every hop (gRPC and the HTTP API) runs TLS with a throwaway CA written "
                         "under STATE_DIR/tls; clients find it in the connection file")
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         say("starting the gateway and the worker (model load takes a few seconds)")
         for i in range(args.workers):
             stack.start_worker(f"worker-{i}", wait=False)
-        stack.start_gateway(wait=False)
+        stack.start_gateway(wait=False, processes=args.gateway_processes)
         admin = AdminClient.connect(stack.cp_address, stack.admin_token)
         token = publish_demo_adapters(admin, demo)
         for child in stack.children():

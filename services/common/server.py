@@ -52,13 +52,18 @@ class GrpcServer:
 
 async def start_server(listen: str, add_services: Callable[[grpc.aio.Server], None],
                        service_names: Sequence[str], *, serving: bool = True,
-                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> GrpcServer:
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                       reuse_port: bool = False) -> GrpcServer:
     """Bind `listen` (host:port), add the services, health and reflection, and start.
 
     `interceptors` run in order, before the one that refuses undecodable requests with
-    INVALID_ARGUMENT (installed on every server). Raises RuntimeError when the address cannot
+    INVALID_ARGUMENT (installed on every server). `reuse_port` shares the port with the other
+    processes of one service that set it too (SO_REUSEPORT: the kernel spreads connections);
+    off, a port already taken fails the start. Raises RuntimeError when the address cannot
     be bound."""
-    server = grpc.aio.server(options=SERVER_OPTIONS,
+    options = tuple((k, int(reuse_port)) if k == "grpc.so_reuseport" else (k, v)
+                    for k, v in SERVER_OPTIONS)
+    server = grpc.aio.server(options=options,
                              interceptors=[*interceptors, DecodeErrorInterceptor()])
     add_services(server)
     health_servicer = health.aio.HealthServicer()

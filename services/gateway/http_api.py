@@ -232,7 +232,7 @@ class HttpApi:
         token = bearer_token(request.headers.items())
         self.router.authenticate(token)
         req = _parse(FeedbackRequest, await _json(request))
-        self.router.feedback(pb.ReportFeedbackRequest(
+        await self.router.report_feedback(pb.ReportFeedbackRequest(
             request_id=req.request_id, score=req.score, labels=req.labels), token)
         return JSONResponse({"object": "feedback", "request_id": req.request_id})
 

@@ -30,26 +30,31 @@ class HttpServer:
         await self.task
 
 
-def bind(listen: str) -> socket.socket:
-    """A listening socket on host:port ('[::]' or a host name allowed). RuntimeError if taken."""
+def bind(listen: str, reuse_port: bool = False, backlog: int = 1024) -> socket.socket:
+    """A listening socket on host:port ('[::]' or a host name allowed). RuntimeError if taken
+    (with `reuse_port`: taken by a socket that did not set SO_REUSEPORT too). `backlog` 0
+    binds without listening (a port reserved, no connection comes to it)."""
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, int(port)))
     except OSError as exc:
         sock.close()
         raise RuntimeError(f"cannot bind the HTTP API to {listen}: {exc}") from None
-    sock.listen(1024)
-    sock.setblocking(False)
+    if backlog:
+        sock.listen(backlog)
+        sock.setblocking(False)
     return sock
 
 
-async def start_http(listen: str, api: HttpApi) -> HttpServer:
+async def start_http(listen: str, api: HttpApi, reuse_port: bool = False) -> HttpServer:
     """Serve `api` on `listen` until `stop()`; returns once the socket accepts connections."""
-    sock = bind(listen)
+    sock = bind(listen, reuse_port)
     tls = TlsConfig.from_env()  # HTTPS with the process's certificate, like its gRPC port
     https = tls is not None and tls.serves_tls
     config = uvicorn.Config(api.app(), log_level="warning", lifespan="off",

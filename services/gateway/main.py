@@ -19,6 +19,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_server_metrics import ModelServerCollector
 from services.gateway.router import Router
 from services.gateway.servicer import GatewayServicer
+from services.gateway.siblings import Siblings, socket_target
 from services.gateway.table import RoutingTable
 from slora.v1 import inference_pb2, inference_pb2_grpc
 from slora.v1 import placement_pb2 as ppb
@@ -38,6 +39,11 @@ class GatewayOptions:
     cluster_token: str = ""    # presented on the routing stream (SLORA_CLUSTER_TOKEN)
     http_listen: str = ""      # host:port of the OpenAI-compatible HTTP API ("" = off)
     base_model_name: str = "base"  # the `model` that names the base model (no adapter) on HTTP
+    # One process of several on the same ports (supervisor.py): SO_REUSEPORT, listening only
+    # once the routing table came, and a Unix socket its siblings reach it on.
+    shared_ports: bool = False
+    own_socket: str = ""
+    sibling_sockets: tuple[str, ...] = ()
 
 
 DEFAULT_REPORT_S = 1.0
@@ -93,28 +99,34 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     """Run until SIGTERM/SIGINT, then drain (NOT_SERVING, finish streams, stop)."""
     metrics = GatewayMetrics()
     if opts.metrics_port is not None:
-        serve_metrics(opts.metrics_port, metrics.registry, metrics_host(opts.listen))
+        port = serve_metrics(opts.metrics_port, metrics.registry, metrics_host(opts.listen))
+        log.info("gateway %s metrics on port %d", opts.gateway_id, port)
     table = RoutingTable()
-    router = Router(table, metrics)
+    router = Router(table, metrics,
+                    siblings=Siblings(opts.sibling_sockets) if opts.sibling_sockets else None)
     metrics.registry.register(ModelServerCollector(table, router.inflight))
-    servicer = GatewayServicer(router)
-    handle: GrpcServer = await start_server(
-        opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
-        [SERVICE], serving=False)
-    http = (await start_http(opts.http_listen, HttpApi(router, metrics, opts.base_model_name))
-            if opts.http_listen else None)
-    synced = asyncio.Event()
+    synced, stop = asyncio.Event(), asyncio.Event()
+    install_stop_handlers(stop.set)
     watcher = asyncio.create_task(
         RoutingWatcher(opts.control_plane, opts.gateway_id, table, metrics, synced,
                        router.evidence, opts.cluster_token).run())
-    stop = asyncio.Event()
-    install_stop_handlers(stop.set)
+    # A process sharing its ports listens only once it can route: the kernel then hands new
+    # connections to those of its siblings that can serve them.
+    if opts.shared_ports:
+        log.info("gateway %s waiting for the routing table, then listening", opts.gateway_id)
+        if not await _first_set(synced, stop):
+            watcher.cancel()
+            return 0
+    servicer = GatewayServicer(router)
+    handle: GrpcServer = await start_server(
+        opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
+        [SERVICE], serving=False, reuse_port=opts.shared_ports)
+    own = await _serve_siblings(opts.own_socket, servicer) if opts.own_socket else None
+    http = (await start_http(opts.http_listen, HttpApi(router, metrics, opts.base_model_name),
+                             reuse_port=opts.shared_ports) if opts.http_listen else None)
     log.info("gateway %s on port %d%s, waiting for the routing table", opts.gateway_id,
              handle.port, f" (HTTP on {opts.http_listen})" if http else "")
-    waiter = asyncio.create_task(synced.wait())
-    await asyncio.wait([waiter, asyncio.create_task(stop.wait())],
-                       return_when=asyncio.FIRST_COMPLETED)
-    if synced.is_set():
+    if await _first_set(synced, stop):
         await handle.set_serving(True)
         log.info("gateway %s ready (routing revision %d)", opts.gateway_id, table.revision)
     await stop.wait()
@@ -122,6 +134,28 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     await drain_and_stop(handle, router.wait_idle, opts.drain_grace_s)
     if http is not None:
         await http.stop()
+    if own is not None:
+        await own.stop(grace=1.0)
     watcher.cancel()
     await router.channels.close()
     return 0
+
+
+async def _first_set(wanted: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wait until `wanted` or `stop` is set; True when `wanted` is."""
+    waiters = [asyncio.create_task(wanted.wait()), asyncio.create_task(stop.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+    return wanted.is_set()
+
+
+async def _serve_siblings(path: str, servicer: GatewayServicer) -> grpc.aio.Server:
+    """The same InferenceService on a Unix socket, for the sibling processes' forwarded calls
+    (the folder is the supervisor's, mode 0700)."""
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    if server.add_insecure_port(socket_target(path)) == 0:
+        raise RuntimeError(f"cannot bind {path}")
+    await server.start()
+    return server

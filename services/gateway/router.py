@@ -19,6 +19,7 @@ from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate
 from services.gateway.evidence import RoutedEvidence, Served, ServedLog, check_labels
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.siblings import Siblings
 from services.gateway.table import Resolution, RoutingTable
 from services.gateway.upstream import DrainedCall, WorkerChannels
 from slora.v1 import inference_pb2 as pb
@@ -56,8 +57,9 @@ class Router:
     evidence and the served log (single-threaded: the gateway's event loop)."""
 
     def __init__(self, table: RoutingTable, metrics: GatewayMetrics,
-                 served: ServedLog | None = None) -> None:
+                 served: ServedLog | None = None, siblings: Siblings | None = None) -> None:
         self.table = table
+        self.siblings = siblings  # the other processes of a multi-process gateway
         self.metrics = metrics
         self.served = served or ServedLog()
         self.evidence = RoutedEvidence()
@@ -82,8 +84,20 @@ class Router:
         one). Raises ServiceError from the iteration."""
         return RoutedCall(self, request, token, timeout_s)
 
+    async def report_feedback(self, request: pb.ReportFeedbackRequest, token: str,
+                              forwarded: bool = False) -> None:
+        """`feedback`, or, for a request this process did not serve, the sibling process
+        that did (never when the call was `forwarded` by a sibling already)."""
+        try:
+            self.feedback(request, token)
+        except e.NotFound as missed:
+            if forwarded or self.siblings is None or not request.request_id:
+                raise
+            await self.siblings.feedback(request, token, missed)
+
     def feedback(self, request: pb.ReportFeedbackRequest, token: str) -> None:
-        """Charge a client's score to the version that served the request (canary evidence)."""
+        """Charge a client's score to the version that served the request (canary evidence),
+        from this process's own log."""
         grant = self.authenticate(token)
         if not request.request_id:
             raise e.InvalidArgument("request_id is required")

@@ -9,6 +9,7 @@ import grpc
 from services.common import errors as e
 from services.common.cluster_token import bearer_token
 from services.gateway.router import Router
+from services.gateway.siblings import is_forwarded
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 
@@ -29,8 +30,9 @@ class GatewayServicer(pb_grpc.InferenceServiceServicer):
     async def ReportFeedback(self, request: pb.ReportFeedbackRequest,
                              context: grpc.aio.ServicerContext) -> pb.ReportFeedbackResponse:
         """Charge a client's score to the version that served the request (canary evidence)."""
+        md = context.invocation_metadata()
         try:
-            self.router.feedback(request, bearer_token(context.invocation_metadata()))
+            await self.router.report_feedback(request, bearer_token(md), is_forwarded(md))
         except e.ServiceError as err:
             await e.abort_with(context, err)
         return pb.ReportFeedbackResponse()
