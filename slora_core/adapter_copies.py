@@ -17,10 +17,14 @@ class AdapterCopier:
         dev = arena.pages.device
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self._pending: dict[int, torch.cuda.Event] = {}
-        # With asynchronous steps a launched step may still read pages or table rows that this
-        # copier is about to overwrite (freed by a request that finished on the host meanwhile):
-        # then each write first waits for the compute stream's work.
-        self.after_compute = False
+        # A launched step may still read or write pages and table rows that this copier is
+        # about to overwrite: with asynchronous steps (freed by a request that finished on the
+        # host meanwhile), and with synchronous ones too, since only a step that samples ends
+        # with a host sync: after a step of prefill chunks alone, pages freed by an abort, a
+        # failed request or a preemption can go to an adapter while that step still writes
+        # their KV rows. So each write first waits for the compute stream's work: an event
+        # wait on the GPU, no host sync, and after a sampling step nothing is left to wait for.
+        self.after_compute = True
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
         if self._stream is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slora_core import step_checks
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
 from slora_core.adapter_copies import AdapterCopier
 from slora_core.adapters import AdapterError, LoraAdapter
@@ -137,7 +138,6 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self.copier = AdapterCopier(self.arena)
-        self.copier.after_compute = config.async_steps
         self._inflight: _Inflight | None = None  # async steps: the sampled batch not yet read
 
     @classmethod
@@ -328,6 +328,8 @@ class LLMEngine:
             self.stats.tokens += sched.num_tokens
             self.stats.last_distinct_adapters = sched.distinct_adapters()
             self._wait_for_copies(sched)
+            if step_checks.ENABLED:  # after the waits: it reads the slots' table rows
+                step_checks.check_scheduled(sched.scheduled, self.pool, self.arena)
             patch = None if inflight is None else self.runner.token_patch(
                 sched.scheduled, inflight.seqs, inflight.pending.tokens)
             logits = self.runner.run(sched.scheduled, patch)

@@ -1,0 +1,180 @@
+"""Issue 15 (an illegal memory access under adapter churn): the step index checks
+(SLORA_CHECK_INDICES) hold through a churn workload on the CPU, catch broken steps, and CUDA-graph
+captures after steps have run no longer read the last step's inputs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from slora_core import step_checks
+from slora_core.config import EngineConfig
+from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
+from slora_core.engine import LLMEngine
+from slora_core.sampling_params import SamplingParams
+from slora_core.step_checks import StepIndexError, check_context, check_scheduled
+from slora_core.step_inputs import build_step_inputs
+
+
+@pytest.fixture
+def checks_on(monkeypatch):
+    monkeypatch.setattr(step_checks, "ENABLED", True)
+
+
+def _adapter_dirs(demo_dir: Path) -> list[Path]:
+    return sorted((demo_dir / "adapters").iterdir())
+
+
+def _churn_engine(demo_dir: Path, num_names: int, **kw) -> LLMEngine:
+    """The demo model with `num_names` adapters registered as files (names cycle over the demo
+    adapters), none preloaded."""
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(**kw))
+    dirs = _adapter_dirs(demo_dir)
+    for i in range(num_names):
+        engine.register_adapter(f"a{i}", dirs[i % len(dirs)], preload=False)
+    return engine
+
+
+def _churn(engine: LLMEngine, num_requests: int, num_names: int, seed: int
+           ) -> dict[str, list[int]]:
+    """Requests arriving over time on Zipf-ish adapters (some base), one abort half-way."""
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    pending = []
+    for i in range(num_requests):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.choice((3, 30, 50, 60, 62)))]
+        k = int(num_names * rng.random() ** 2)  # low names more popular
+        adapter = None if rng.random() < 0.15 else f"a{k}"
+        params = SamplingParams(temperature=0, max_new_tokens=rng.randrange(1, 24),
+                                ignore_eos=True)
+        pending.append((str(i), prompt, params, adapter))
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randrange(0, 6)):
+            if pending:
+                rid, prompt, params, adapter = pending.pop(0)
+                engine.add_request(rid, prompt, params, adapter=adapter)
+        if steps == 20:
+            engine.abort_request("5")
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        steps += 1
+    return tokens
+
+
+def test_churn_keeps_every_step_index_in_range_and_owned(demo_dir, checks_on):
+    """Tiny arena (adapters evicted, sequences preempted), a host tier that keeps one adapter
+    (reloads from disk), adapters loaded and evicted every few steps: every step passes the
+    ownership and index checks, the tokens equal a roomy engine's, all pages come back."""
+    names, n = 24, 40
+    tight = _churn_engine(demo_dir, names, num_pages=20, block_size=64, max_num_seqs=8,
+                          max_num_batched_tokens=48, max_adapters_per_batch=3,
+                          host_cache_bytes=1)
+    got = _churn(tight, n, names, seed=1)
+    st = tight.stats
+    assert st.adapter_evictions > 10 and st.preemptions > 0 and st.adapter_disk_loads > 10
+    assert tight.pool.num_kv_pages == 0
+    roomy = _churn_engine(demo_dir, names, num_pages=512, block_size=64, max_num_seqs=8,
+                          max_num_batched_tokens=48, max_adapters_per_batch=3)
+    want = _churn(roomy, n, names, seed=1)
+    assert roomy.stats.preemptions == 0
+    got.pop("5", None), want.pop("5", None)  # aborted at a step count, not a token count
+    assert got == want and len(got) == n - 1
+
+
+def test_checks_catch_a_page_owned_twice_and_a_foreign_slot(demo_dir, checks_on):
+    engine = _churn_engine(demo_dir, 2, num_pages=64, block_size=64)
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    engine.add_request("x", [5, 6, 7], params, adapter="a0")
+    engine.add_request("y", [8, 9], params, adapter="a1")
+    sched = engine.scheduler.schedule()
+    engine._apply_memory_changes(sched)
+    check_scheduled(sched.scheduled, engine.pool, engine.arena)  # a sane step passes
+    x, y = (s.seq for s in sched.scheduled)
+    x.block_table[0], saved = y.block_table[0], x.block_table[0]
+    with pytest.raises(StepIndexError, match="page"):
+        check_scheduled(sched.scheduled, engine.pool, engine.arena)
+    x.block_table[0] = saved
+    # Slot of a0 pointed at a1's pages (what a table row of an evicted adapter would read).
+    s0, s1 = (engine.pool.resident(k).slot for k in ("a0", "a1"))
+    tables = engine.arena.tables
+    tables.a_offsets[:, s0] = tables.a_offsets[:, s1]
+    tables.ranks[:, s0] = tables.ranks[:, s1]
+    with pytest.raises(StepIndexError, match="does not own"):
+        check_scheduled(sched.scheduled, engine.pool, engine.arena)
+
+
+def _first_big_step(engine: LLMEngine):
+    """Drive the engine until a step with prefill tokens and adapters; its StepInputs."""
+    run = engine.runner.run
+    seen = []
+
+    def spy(scheduled, patch=None):
+        inputs = build_step_inputs(scheduled, engine.arena.block_size)
+        if inputs.max_query_len > 1 and inputs.has_lora and not seen:
+            seen.append(inputs)
+        return run(scheduled, patch)
+
+    engine.runner.run = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(str(i), list(range(10, 10 + 7 * (i + 1))), params,
+                           adapter=f"a{i % 3}" if i % 2 == 0 else None)
+    while engine.has_unfinished():
+        engine.step()
+    engine.runner.run = run  # type: ignore[method-assign]
+    return seen[0]
+
+
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_capture_after_steps_reads_no_stale_step_inputs(demo_dir, kind):
+    """Issue 15's crash: warmup() after steps had run (bench.churn's disk engine, coldttft)
+    captured graphs whose warm-up forwards read the last step's query starts, logits rows and
+    LoRA tiles, past a smaller bucket's rows. capture_all now starts from inert buffers; the
+    stale ones fail the checks."""
+    engine = _churn_engine(demo_dir, 3, num_pages=256, block_size=64, max_num_seqs=8,
+                           max_num_batched_tokens=160)
+    runner = engine.runner
+    big = _first_big_step(engine)
+    graphs = (MixedGraphs(runner, 8, 160, engine.config.max_model_len) if kind == "mixed"
+              else DecodeGraphs(runner, 8, engine.config.max_model_len))
+    if kind == "mixed":
+        graphs.prepare(big)
+    else:  # a decode step of 7 rows on three adapters: the last step the buffers saw
+        big = _decode_step(engine, 7)
+        graphs.prepare(big)
+    modules = runner.arena.active_lora_modules or frozenset({0})
+    small = graphs.buckets[0]
+    tiles = graphs._tile_caps(small)[-1]
+    with pytest.raises(StepIndexError):
+        check_context(graphs._context(small, modules, tiles), small, runner.arena)
+
+    checked = []
+
+    def fake_capture(bucket, mods, tiles):  # what _capture runs before the CUDA capture
+        ctx = graphs._context(bucket, mods, tiles)
+        check_context(ctx, bucket, runner.arena)
+        with torch.inference_mode():
+            graphs._forward(bucket, ctx)
+        checked.append(bucket)
+
+    graphs._capture = fake_capture  # type: ignore[method-assign]
+    graphs.capture_all(modules)
+    assert small in checked and len(checked) >= len(graphs.buckets)
+
+
+def _decode_step(engine: LLMEngine, rows: int):
+    """StepInputs of a decode step of `rows` sequences on three adapters."""
+    params = SamplingParams(temperature=0, max_new_tokens=50, ignore_eos=True)
+    for i in range(rows):
+        engine.add_request(f"d{i}", [3 + i, 4, 5], params, adapter=f"a{i % 3}")
+    engine.step()  # prefill
+    sched = engine.scheduler.schedule()
+    engine._apply_memory_changes(sched)
+    inputs = build_step_inputs(sched.scheduled, engine.arena.block_size)
+    assert inputs.max_query_len == 1 and inputs.num_seqs == rows and inputs.has_lora
+    return inputs
