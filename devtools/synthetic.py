@@ -53,3 +53,48 @@ def shared_weight_view(adapter: LoraAdapter, seed: int) -> LoraAdapter:
     host copies would not fit in memory; the engine still gives each its own arena pages)."""
     return dataclasses.replace(adapter, path=f"{adapter.path}/view{seed}",
                                sha256=f"{adapter.sha256}-view{seed}")
+
+
+class SeededWeights(dict):  # type: ignore[type-arg]
+    """The weights of a `seeded_adapter`: pickled as their recipe and rebuilt (once per
+    process) when unpickled, so another process (a tensor-parallel rank) receives an adapter of
+    any size in a few hundred bytes and makes the same tensors itself."""
+
+    def __init__(self, recipe: tuple[object, ...],
+                 weights: dict[tuple[int, str], LoraWeight]) -> None:
+        super().__init__(weights)
+        self.recipe = recipe
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:  # type: ignore[override]
+        return (_seeded_weights, self.recipe)
+
+
+_SEEDED: dict[str, SeededWeights] = {}
+
+
+def _seeded_weights(config: ModelConfig, rank: int, modules: tuple[str, ...], alpha: float,
+                    dtype: torch.dtype, seed: int, std: float) -> SeededWeights:
+    recipe = (config, rank, modules, alpha, dtype, seed, std)
+    key = repr(recipe)
+    if key not in _SEEDED:
+        adapter = random_adapter(config, rank, modules=modules, alpha=alpha, dtype=dtype,
+                                 seed=seed, std=std)
+        _SEEDED[key] = SeededWeights(recipe, adapter.weights)
+    return _SEEDED[key]
+
+
+def seeded_adapter(config: ModelConfig, rank: int, *,
+                   modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+                   alpha: float | None = None, dtype: torch.dtype = torch.float16,
+                   seed: int = 0, std: float = 0.02) -> LoraAdapter:
+    """`random_adapter`'s adapter, whose weights pickle as their recipe (`SeededWeights`);
+    one process builds each (config, rank, modules, alpha, dtype, seed, std) once."""
+    alpha = float(2 * rank if alpha is None else alpha)
+    weights = _seeded_weights(config, rank, tuple(modules), alpha, dtype, seed, std)
+    nbytes = sum(w.a.nbytes + w.b.nbytes for w in weights.values())
+    return LoraAdapter(
+        path=f"random://rank{rank}/seed{seed}", sha256=f"random-{rank}-{seed}",
+        rank=rank, lora_alpha=alpha, use_rslora=False,
+        target_modules=tuple(m for m in LORA_MODULES if m in modules), weights=weights,
+        base_model_name_or_path=None, num_bytes=nbytes, config={"r": rank, "lora_alpha": alpha},
+    )

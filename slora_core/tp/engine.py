@@ -19,7 +19,7 @@ from slora_core.scheduler import SchedulerOutput
 from slora_core.tokenizer import Tokenizer
 from slora_core.tp.group import TPGroup
 from slora_core.tp.layers import parallelize_rows
-from slora_core.tp.runner import ArenaOp, StepMessage, TPModelRunner
+from slora_core.tp.runner import ArenaOp, TPModelRunner
 from slora_core.tp.shard import TPShard
 
 
@@ -30,6 +30,17 @@ class ShardedAdapterStore(AdapterStore):
     def __init__(self, shard: TPShard, **kwargs: Any) -> None:
         super().__init__(shard.full, **kwargs)
         self.shard = shard
+        # In-memory adapters that share one weight set (a benchmark's thousand views of a few
+        # random adapters) share one shard: id(weights) -> (weights, its host shard).
+        self._shared: dict[int, tuple[Any, HostAdapter]] = {}
+
+    def add_loaded(self, name: str, adapter: LoraAdapter) -> None:
+        hit = self._shared.get(id(adapter.weights))
+        if hit is None or hit[0] is not adapter.weights:
+            super().add_loaded(name, adapter)
+            self._shared[id(adapter.weights)] = (adapter.weights, self._in_memory[name])
+        else:
+            self._in_memory[name] = replace(hit[1], adapter=adapter)
 
     def _prepare(self, adapter: LoraAdapter) -> HostAdapter:
         weights = {}
@@ -97,7 +108,7 @@ class TPEngine(LLMEngine):
     def close(self) -> None:
         """Rank 0: stop the other ranks and leave the group."""
         if self.group.size > 1:
-            self.group.broadcast(StepMessage(stop=True))
+            self.tp_runner.send([], stop=True)
         for proc in self.worker_processes:
             proc.join(timeout=30)
         self.group.leave()
@@ -106,13 +117,18 @@ class TPEngine(LLMEngine):
     def serve(self) -> None:
         """Rank > 0: apply rank 0's changes and run its steps until it says stop."""
         while True:
-            msg: StepMessage = self.group.broadcast(None)
+            msg = self.tp_runner.receive()
             if msg.stop:
                 return
             for op in msg.ops:
                 self.apply_op(op)
-            if msg.inputs is not None:
-                self.tp_runner.forward(msg.inputs)
+            # Rank 0 waits for the copies of the slots its step reads; here every copy this
+            # message started is waited for (on the compute stream, not the host).
+            for op in msg.ops:
+                if op[0] == "write":
+                    self.copier.wait(op[1])
+            if msg.shape is not None and msg.flat is not None:
+                self.tp_runner.forward(msg.flat, msg.shape)
 
     def apply_op(self, op: ArenaOp) -> None:
         kind = op[0]

@@ -10,6 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renames all_gather_into_tensor (deprecated there); the H200 image has 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -22,10 +25,17 @@ class TPGroup:
     @classmethod
     def join(cls, rank: int, size: int, init_method: str, device: str,
              timeout_s: float = 600.0) -> TPGroup:
-        """Join the group of `size` ranks meeting at `init_method` (e.g. file:///tmp/x)."""
-        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s))
+        """Join the group of `size` ranks meeting at `init_method` (e.g. file:///tmp/x). On
+        CUDA `device` must already be this process's current device (NCCL binds to it)."""
+        dev = torch.device(device)
+        kwargs: dict[str, Any] = {}
+        if dev.type == "cuda":
+            # Binding the group to its device lets NCCL set up its communicator now, once,
+            # instead of at the first collective (and warns of nothing later).
+            kwargs["device_id"] = dev
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s), **kwargs)
         return cls(rank, size)
 
     def leave(self) -> None:
@@ -33,7 +43,8 @@ class TPGroup:
             dist.destroy_process_group()
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the ranks, in place."""
+        """Sum `t` over the ranks, in place, in its own dtype (fp16/bf16 activations are
+        summed as they are: one rounding per rank's addend, as Megatron and vLLM do)."""
         if self.size > 1:
             dist.all_reduce(t)
         return t
@@ -43,12 +54,21 @@ class TPGroup:
         if self.size == 1:
             return t
         t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t)
-        return torch.cat(parts, dim=dim)
+        out = torch.empty((self.size * t.shape[0], *t.shape[1:]), dtype=t.dtype,
+                          device=t.device)
+        _all_gather_single(out, t)
+        return out if dim == 0 else torch.cat(out.chunk(self.size), dim=dim)
+
+    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` into every rank's `t` (same shape and dtype everywhere), in place, on
+        the tensor's device: no host copy and, on CUDA, no host synchronisation."""
+        if self.size > 1:
+            dist.broadcast(t, src=0)
+        return t
 
     def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` (pickled), on every rank; other ranks' argument is ignored."""
+        """Rank 0's `obj` (pickled), on every rank; other ranks' argument is ignored. Costs a
+        host round trip on NCCL: for rare messages (adapter changes), not per-step data."""
         if self.size == 1:
             return obj
         box = [obj]

@@ -25,23 +25,25 @@ from slora_core.tokenizer import Tokenizer
 from slora_core.tp.engine import TPEngine
 from slora_core.tp.group import TPGroup
 from slora_core.tp.shard import TPShard
-from slora_core.tp.weights import load_model_shard
+from slora_core.tp.weights import RandomWeights, load_model_shard, random_model_shard
 
 
-def start_tp_engine(model_dir: str | Path, config: EngineConfig, *, detokenize: bool = True,
-                    timeout_s: float = 600.0) -> TPEngine:
+def start_tp_engine(model_dir: str | Path | RandomWeights, config: EngineConfig, *,
+                    detokenize: bool = True, timeout_s: float = 600.0) -> TPEngine:
     """Rank 0's engine over `config.tensor_parallel_size` ranks (one GPU each on CUDA: rank r
-    uses cuda:r). A collective that waits longer than `timeout_s` (a rank died) raises."""
+    uses cuda:r). `model_dir` may be `RandomWeights` instead: every rank makes its shard of
+    that random model on its device, and the engine has no tokenizer. A collective that waits
+    longer than `timeout_s` (a rank died) raises."""
     size = config.tensor_parallel_size
     # Refuse what TPEngine would refuse before any process starts.
-    TPShard(ModelConfig.from_hf_dir(model_dir), 0, size)
+    TPShard(_model_config(model_dir), 0, size)
     if config.async_steps:
         raise ConfigError("async_steps is not supported with tensor_parallel_size > 1")
     rendezvous = Path(tempfile.mkdtemp(prefix="slora-tp-")) / "rendezvous"
     init_method = rendezvous.as_uri()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_serve_rank, daemon=True,
-                         args=(rank, str(model_dir), config, init_method, timeout_s,
+                         args=(rank, model_dir, config, init_method, timeout_s,
                                os.getpid()))
              for rank in range(1, size)]
     for proc in procs:
@@ -57,22 +59,31 @@ def start_tp_engine(model_dir: str | Path, config: EngineConfig, *, detokenize: 
     return engine
 
 
-def _rank_engine(rank: int, model_dir: str | Path, config: EngineConfig, init_method: str,
-                 timeout_s: float, detokenize: bool) -> TPEngine:
+def _model_config(source: str | Path | RandomWeights) -> ModelConfig:
+    return source.config if isinstance(source, RandomWeights) else ModelConfig.from_hf_dir(source)
+
+
+def _rank_engine(rank: int, source: str | Path | RandomWeights, config: EngineConfig,
+                 init_method: str, timeout_s: float, detokenize: bool) -> TPEngine:
     device = config.device
     if torch.device(device).type == "cuda":
+        # Before the group is joined: NCCL binds each rank to the current device.
         device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
         config = replace(config, device=device)
     group = TPGroup.join(rank, config.tensor_parallel_size, init_method, device, timeout_s)
-    shard = TPShard(ModelConfig.from_hf_dir(model_dir), rank, group.size)
-    model = load_model_shard(model_dir, shard, config.torch_dtype, device, group)
-    tokenizer = Tokenizer.from_dir(model_dir) if rank == 0 else None
+    shard = TPShard(_model_config(source), rank, group.size)
+    tokenizer = None
+    if isinstance(source, RandomWeights):
+        model = random_model_shard(source, shard, config.torch_dtype, device, group)
+    else:
+        model = load_model_shard(source, shard, config.torch_dtype, device, group)
+        tokenizer = Tokenizer.from_dir(source) if rank == 0 else None
     return TPEngine(model, shard, group, tokenizer, config,
                     detokenize=detokenize and rank == 0)
 
 
-def _serve_rank(rank: int, model_dir: str, config: EngineConfig, init_method: str,
+def _serve_rank(rank: int, model_dir: str | Path | RandomWeights, config: EngineConfig, init_method: str,
                 timeout_s: float, rank0_pid: int) -> None:
     _die_with_rank_0(rank0_pid)
     engine = _rank_engine(rank, model_dir, config, init_method, timeout_s, detokenize=False)

@@ -1,16 +1,18 @@
 """Load one rank's shard of a HF Llama-family checkpoint: each tensor is read through
-`safe_open(...).get_slice`, so only this rank's rows or columns ever leave the file."""
+`safe_open(...).get_slice`, so only this rank's rows or columns ever leave the file. Or build
+it from seeded random weights (`RandomWeights`), on the device, with no checkpoint at all."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from slora_core.config import ConfigError
+from slora_core.config import ConfigError, ModelConfig
 from slora_core.model import LlamaForCausalLM
 from slora_core.tp.group import TPGroup
 from slora_core.tp.layers import parallelize_vocab
@@ -20,6 +22,7 @@ from slora_core.weights import (
     _copy_tensor,
     _skip,
     checkpoint_files,
+    checkpoint_shapes,
     empty_model,
 )
 
@@ -71,3 +74,46 @@ def _read_shard(tensor: Any, name: str, shard: TPShard) -> torch.Tensor:
     # A row-parallel bias is added once: on rank 0; the all-reduce brings it to every rank.
     full = tensor[:]
     return full if shard.rank == 0 else torch.zeros_like(full)
+
+
+@dataclass(frozen=True)
+class RandomWeights:
+    """A model with seeded random weights instead of a checkpoint (benchmarks at shapes no disk
+    holds): linear and embedding weights N(0, std), norm weights 1. Each tensor is generated
+    whole on the device from its own seed and cut to the rank's part, so every tensor parallel
+    size gives slices of the same model (and `random_checkpoint_tensor` the full tensors, for a
+    reference)."""
+
+    config: ModelConfig
+    seed: int = 0
+    std: float = 0.02
+
+
+def random_checkpoint_tensor(weights: RandomWeights, index: int, name: str,
+                             shape: tuple[int, ...], dtype: torch.dtype,
+                             device: torch.device | str) -> torch.Tensor:
+    """Checkpoint tensor `name` (number `index` in `checkpoint_shapes` order) of `weights`."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=torch.device(device)).manual_seed(weights.seed * 100_003 + index)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.normal_(0.0, weights.std, generator=gen)
+
+
+def random_model_shard(weights: RandomWeights, shard: TPShard, dtype: torch.dtype,
+                       device: torch.device | str, group: TPGroup) -> LlamaForCausalLM:
+    """This rank's model (as `load_model_shard` gives it) with `weights`' random values, made
+    on `device`: only one full tensor at a time exists there (the largest: the embedding)."""
+    if weights.config != shard.full:
+        raise ConfigError("the shard and the random weights describe different models")
+    model = empty_model(shard.model_config(), dtype, device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    targets = _checkpoint_targets(shard.model_config())
+    source = Path(f"random-seed{weights.seed}")
+    for index, (name, shape) in enumerate(checkpoint_shapes(shard.full).items()):
+        full = random_checkpoint_tensor(weights, index, name, shape, dtype, device)
+        _copy_tensor(_read_shard(full, name, shard), name, source, targets, params)
+        del full
+    if shard.size > 1:
+        parallelize_vocab(model, shard.vocab_start, group)
+    return model
