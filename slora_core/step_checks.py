@@ -122,6 +122,11 @@ def check_slot_rows(arena: PageArena, slots: Iterable[int] | dict[int, set[int]]
     if t.max_rank and ranks.size and ranks.max() > t.max_rank:
         _fail(where, f"rank {ranks.max()} above max_rank {t.max_rank}")
     pn = arena.page_numel
+    owns = None  # [S, num_pages]: slot i's adapter owns the page
+    if owned is not None:
+        owns = np.zeros((len(slots), arena.num_pages), dtype=bool)
+        for i, slot in enumerate(slots):
+            owns[i, sorted(owned[slot])] = True
     for m, module in enumerate(LORA_MODULES):
         fan_in, fan_out = arena.config.module_shape(module)
         live = ranks[:, :, m] > 0
@@ -131,12 +136,13 @@ def check_slot_rows(arena: PageArena, slots: Iterable[int] | dict[int, set[int]]
             _in_range(where, f"{module} {name} offsets", start, 0, arena.num_pages * pn)
             if (start // pn != last // pn).any():
                 _fail(where, f"a {module} {name} matrix crosses a page boundary")
-            if owned is not None:
-                for i, slot in enumerate(slots):
-                    pages = set((off[:, i][live[:, i]] // pn).tolist())
-                    if not pages <= owned[slot]:
-                        _fail(where, f"slot {slot}: {module} {name} reads pages "
-                              f"{sorted(pages - owned[slot])} its adapter does not own")
+            if owns is not None:
+                _, col = np.nonzero(live)  # row-major, the order of off[live]
+                foreign = ~owns[col, start // pn]
+                if foreign.any():
+                    i = int(col[foreign][0])
+                    _fail(where, f"slot {slots[i]}: {module} {name} reads page "
+                          f"{int((start // pn)[foreign][0])}, which its adapter does not own")
 
 
 # ---- what the kernels read ---------------------------------------------------------------------
