@@ -15,16 +15,23 @@ yardstick). Tolerance: our error against HF float32 may exceed HF same-dtype's o
 against float32 by at most 50% plus 1e-3 (both are roundings of the same function; a kernel
 bug shows up as a far larger error), and our agreement with float32 must be at least HF's.
 
-    python -m bench.gpu_suite --out bench/results/gpu-suite-h200.json
+Setup reuses what is in memory: the HF float32 reference wraps the model the checkpoint was
+saved from, and the same-dtype one is a device copy of it (reading the 8B checkpoint back with
+`from_pretrained` converted gigabytes on the host per dtype). Each phase's seconds are logged
+and recorded; `--budget-s` skips (and records) a mode that would not end in time.
+
+    python -m bench.gpu_suite --shapes llama3-8b --out bench/results/gpu-suite-llama3-8b-h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +44,12 @@ from bench.numerics_common import (
     build_base,
     hardware,
     hf_logits,
-    hf_with_adapters,
+    hf_refs_in_memory,
     make_engine,
     nonfinite_rows,
     rel_err,
     run_engine,
+    save_rounded,
     write_adapters,
 )
 from bench.run_record import commit_id
@@ -63,12 +71,13 @@ MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False}, "all_graphs
          "all_graphs_async": {"async_steps": True}}
 
 
-def shapes(layers: int, tiny: bool) -> list[Shape]:
-    if tiny:
-        return [Shape("tiny-mha", 128, 352, 2, 4, 4, 512), Shape("tiny-gqa", 128, 352, 2, 4, 2,
-                                                                 640, 500000.0)]
-    return [Shape(f"llama2-7b-{layers}layers", 4096, 11008, layers, 32, 32, 32000),
-            Shape(f"llama3-8b-{layers}layers", 4096, 14336, layers, 32, 8, 128256, 500000.0)]
+def shapes(layers: int) -> dict[str, Shape]:
+    """Full width with `layers` layers; the tiny ones are for a CPU smoke run (with --tiny)."""
+    return {"llama2-7b": Shape(f"llama2-7b-{layers}layers", 4096, 11008, layers, 32, 32, 32000),
+            "llama3-8b": Shape(f"llama3-8b-{layers}layers", 4096, 14336, layers, 32, 8, 128256,
+                               500000.0),
+            "tiny-mha": Shape("tiny-mha", 128, 352, 2, 4, 4, 512),
+            "tiny-gqa": Shape("tiny-gqa", 128, 352, 2, 4, 2, 640, 500000.0)}
 
 
 def arena_pages(model_dir: Path, adapters: dict[str, Path], dtype: str, max_rank: int,
@@ -134,16 +143,29 @@ def summarize(rows: list[dict[str, Any]], run: Any, new_tokens: int) -> dict[str
     }
 
 
-def check_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[str, Any],
+                save: Callable[[], None]) -> None:
+    """Fill `out` for one shape, calling `save` after each mode (a run cut short keeps what is
+    done); a mode that would not finish inside `args.budget_s` (judged by the slowest mode so
+    far) is recorded as skipped instead of started."""
     t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        timings[name] = round(now - since, 2)
+        log(f"{shape.name}: {name} {now - since:.1f} s")
+        return now
+
     base = build_base(shape, seed=0, device=args.device)
+    t = lap("build_base", t0)
     model_dir = root / shape.name
-    base.to(getattr(torch, args.dtype)).save_pretrained(model_dir)
-    base.float()
+    save_rounded(base, args.dtype, model_dir)
+    t = lap("save_checkpoint", t)
     specs = ADAPTERS if not args.tiny else [AdapterSpec(a.name, min(a.r, 8), a.alpha, a.targets,
                                                         a.rslora) for a in ADAPTERS]
     adapters = write_adapters(base, specs, root / f"{shape.name}-adapters", seed=1)
-    del base
+    t = lap("write_adapters", t)
     gen = torch.Generator().manual_seed(3)
     lengths = PROMPT_LENGTHS if not args.tiny else [n // 16 + 1 for n in PROMPT_LENGTHS]
     names: list[str | None] = [None, *adapters]
@@ -152,20 +174,37 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str,
     max_rank = max(a.r for a in specs)
     num_pages, pages = arena_pages(model_dir, adapters, args.dtype, max_rank,
                                    max(lengths) + args.new_tokens)
-    refs = {d: hf_with_adapters(model_dir, adapters, getattr(torch, d), args.device)
-            for d in ("float32", args.dtype)}
-    out: dict[str, Any] = {"shape": vars(shape), "num_pages": num_pages,
-                           "adapter_pages": pages, "setup_seconds": time.perf_counter() - t0,
-                           "modes": {}}
-    modes = MODES if args.device == "cuda" else {"eager": {}}
+    refs = hf_refs_in_memory(base, adapters, ["float32", args.dtype])
+    del base
+    t = lap("hf_references", t)
+    out.update({"shape": vars(shape), "num_pages": num_pages, "adapter_pages": pages,
+                "setup_seconds": round(t - t0, 2), "timings": timings, "modes": {}})
+    modes = {m: MODES[m] for m in args.modes} if args.device == "cuda" else {"eager": {}}
+    slowest = 0.0
     for mode, kw in modes.items():
+        if time.perf_counter() - args.start + slowest > args.budget_s:
+            out["modes"][mode] = {"ok": False, "skipped": f"time budget {args.budget_s:g} s"}
+            log(f"{shape.name}: {mode} skipped (time budget)")
+            save()
+            continue
+        m0 = time.perf_counter()
         engine = make_engine(model_dir, args.dtype, args.device, adapters, num_pages=num_pages,
                              max_rank=max_rank, max_num_seqs=16, max_num_batched_tokens=1024,
                              max_model_len=2048, **kw)
+        t = lap(f"{mode}.build_engine", m0)
         run = run_engine(engine, requests, args.new_tokens)
         del engine
+        t = lap(f"{mode}.run", t)
         out["modes"][mode] = compare(run, requests, refs, args.dtype, args.new_tokens)
-    return out
+        del run
+        lap(f"{mode}.compare", t)
+        slowest = max(slowest, time.perf_counter() - m0)
+        save()
+    del refs
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
 
 
 def main() -> int:
@@ -174,28 +213,39 @@ def main() -> int:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--shapes", nargs="+", default=["llama2-7b", "llama3-8b"],
+                    choices=list(shapes(1)))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--budget-s", type=float, default=math.inf,
+                    help="start no mode that would end past this many seconds from start")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.start = time.perf_counter()
     root = Path(tempfile.mkdtemp())
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "commit": commit_id(),
-                              "hardware": hardware(), "torch": torch.__version__,
-                              "dtype": args.dtype, "layers": args.layers,
+    report: dict[str, Any] = {"command": " ".join(["python -m bench.gpu_suite", *sys.argv[1:]]),
+                              "commit": commit_id(), "hardware": hardware(),
+                              "torch": torch.__version__, "dtype": args.dtype,
+                              "layers": args.layers,
                               "note": "full width, fewer layers than the real models",
                               "adapters": [vars(a) for a in ADAPTERS], "shapes": []}
-    for shape in shapes(args.layers, args.tiny):
-        report["shapes"].append(check_shape(shape, args, root))
-        if args.out:  # keep what is done if a later shape runs out of time
+
+    def save() -> None:
+        report["seconds"] = round(time.perf_counter() - args.start, 1)
+        modes = [m for s in report["shapes"] for m in s.get("modes", {}).values()]
+        report["ok"] = bool(modes) and all(m["ok"] for m in modes)
+        if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1))
-    report["ok"] = all(m["ok"] for s in report["shapes"] for m in s["modes"].values())
-    text = json.dumps(report, indent=1)
+
+    for name in args.shapes:
+        report["shapes"].append({})
+        check_shape(shapes(args.layers)[name], args, root, report["shapes"][-1], save)
+    save()
     print(json.dumps({k: v for k, v in report.items() if k != "shapes"}
                      | {"modes": {s["shape"]["name"]: {m: {k: v for k, v in r.items()
                                                             if k != "requests"}
                                                         for m, r in s["modes"].items()}
                                   for s in report["shapes"]}}, indent=1))
-    if args.out:
-        Path(args.out).write_text(text)
     return 0 if report["ok"] else 1
 
 

@@ -8,6 +8,7 @@ dtype and in float32.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Iterator
@@ -52,8 +53,6 @@ class AdapterSpec:
     @property
     def scale(self) -> float:
         return self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
-
-
 
 
 def hardware() -> str:
@@ -111,6 +110,45 @@ def hf_with_adapters(model_dir: Path, adapters: dict[str, Path], dtype: torch.dt
     for name, path in items[1:]:
         model.load_adapter(str(path), adapter_name=name)
     return model.eval()
+
+
+def save_rounded(base: LlamaForCausalLM, dtype: str, model_dir: Path) -> None:
+    """Save `base` as a `dtype` checkpoint and leave it float32 holding exactly the saved
+    weights (the float32 reference of that checkpoint). Buffers (rotary frequencies) stay the
+    float32 values that `from_pretrained` computes: a round trip through `dtype` would shift
+    every rotary angle."""
+    buffers = {n: b.clone() for n, b in base.named_buffers()}
+    base.to(getattr(torch, dtype)).save_pretrained(model_dir)
+    base.float()
+    _set_buffers(base, buffers)
+
+
+def _set_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    for name, value in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = value.clone()
+
+
+def hf_refs_in_memory(base: LlamaForCausalLM, adapters: dict[str, Path],
+                      dtypes: list[str]) -> dict[str, Any]:
+    """What `hf_with_adapters` builds for each of `dtypes`, from `base` (float32 on its device,
+    holding the checkpoint's weights: `save_rounded`) instead of re-reading the checkpoint: at
+    8B shapes `from_pretrained` converts gigabytes on the host per dtype. The float32 model
+    wraps `base` itself (peft injects its layers in place)."""
+    buffers = {n: b.clone() for n, b in base.named_buffers()}
+    refs = {}
+    for dtype in sorted(set(dtypes), key=lambda d: d == "float32"):  # float32 (in place) last
+        model: Any = base
+        if dtype != "float32":
+            model = copy.deepcopy(base).to(getattr(torch, dtype))
+            _set_buffers(model, buffers)  # float32, as from_pretrained leaves them
+        if adapters:
+            items = list(adapters.items())
+            model = PeftModel.from_pretrained(model, str(items[0][1]), adapter_name=items[0][0])
+            for name, path in items[1:]:
+                model.load_adapter(str(path), adapter_name=name)
+        refs[dtype] = model.eval()
+    return refs
 
 
 @contextmanager
@@ -191,7 +229,7 @@ def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], str | Non
         del logits[rid][len(tokens[rid]) + (finish[rid].finish_reason == "error"):]
     s = engine.stats
     stats = {"steps": s.steps, "preemptions": s.preemptions, "adapter_loads": s.adapter_loads,
-             "adapter_evictions": s.adapter_evictions}
+             "adapter_evictions": s.adapter_evictions, "adapter_host_hits": s.adapter_host_hits}
     return EngineRun(tokens, logits, finish, stats, seconds)
 
 

@@ -1,0 +1,37 @@
+"""The GPU check script's smoke path on the CPU at toy sizes: both parts of bench/gpu_suite.sh
+run end to end (pytest shards, bench.gpu_numerics, one bench.gpu_suite shape) and every JSON
+the H200 run commits is written, with the commit it was given."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
+    env = os.environ | {
+        "PYTHON": sys.executable, "OUT": str(tmp_path), "SLORA_COMMIT": "smoke-commit",
+        "DEVICE_ARGS": "--device cpu --tiny", "SHARDS": "1", "OMP_NUM_THREADS": "1",
+        "PYTEST_PATHS": "tests/slora_core/test_nonfinite_guard.py",
+        "NUMERICS_ARGS": "--dtypes float16", "SHAPES": "tiny-gqa",
+    }
+    res = subprocess.run(["bash", "bench/gpu_suite.sh", "A", "B"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    part_a = json.loads((tmp_path / "gpu-part-A-h200.json").read_text())
+    assert part_a["ok"] and part_a["commit"] == "smoke-commit"
+    assert part_a["pytest"]["passed"] > 0 and not part_a["pytest"]["failed"]
+    assert set(part_a["processes"]) == {"numerics", "pytest-0"}
+    numerics = json.loads((tmp_path / "gpu-numerics-h200.json").read_text())
+    assert numerics["ok"] and numerics["tokens_from_nonfinite_rows_total"] == 0
+    assert numerics["commit"] == "smoke-commit"
+    part_b = json.loads((tmp_path / "gpu-part-B-h200.json").read_text())
+    assert part_b["ok"] and set(part_b["processes"]) == {"suite-tiny-gqa"}
+    suite = json.loads((tmp_path / "gpu-suite-tiny-gqa-h200.json").read_text())
+    eager = suite["shapes"][0]["modes"]["eager"]
+    assert eager["churn_counts_positive"] and eager["logits_within_tolerance"]
