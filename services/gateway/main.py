@@ -124,8 +124,9 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     own = await _serve_siblings(opts.own_socket, servicer) if opts.own_socket else None
     http = (await start_http(opts.http_listen, HttpApi(router, metrics, opts.base_model_name),
                              reuse_port=opts.shared_ports) if opts.http_listen else None)
-    log.info("gateway %s on port %d%s, waiting for the routing table", opts.gateway_id,
-             handle.port, f" (HTTP on {opts.http_listen})" if http else "")
+    log.info("gateway %s on port %d%s%s", opts.gateway_id, handle.port,
+             f" (HTTP on {opts.http_listen})" if http else "",
+             "" if synced.is_set() else ", waiting for the routing table")
     if await _first_set(synced, stop):
         await handle.set_serving(True)
         log.info("gateway %s ready (routing revision %d)", opts.gateway_id, table.revision)
