@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Tensor parallelism on 2 H200s (issue 16) in one device call (kind nvidia-h200-x2, timeout_s
+# 600): each part is its own process under its own limit and writes its JSON under $OUT as soon
+# as it finishes (bench/tensor_parallel.py says what each holds):
+#   7b  : tp-correctness-h200.json (TP=2 = TP=1 tokens, both against HF + peft, fp16 greedy) and
+#         tp-throughput-h200.json (TP=1 eager, TP=1 CUDA graphs, TP=2 on one workload);
+#   70b : tp-70b-h200.json (Llama-3-70B-shaped random model, 1,000 r16 adapters, Poisson).
+# Then tp-run-h200.json: commit, GPUs, each part's exit status. Logs: $OUT/tp-<part>.log.
+#
+#   SLORA_COMMIT=$(git rev-parse HEAD) OUT=/tmp/out bash bench/tp_h200.sh
+#   PARTS=70b LIMIT_70B=540 bash bench/tp_h200.sh      # one part alone, all the call's time
+#   SMOKE=1 OUT=/tmp/tp bash bench/tp_h200.sh            # CPU, gloo, tiny shapes (the test)
+set -u
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=${TRITON_INTERPRET:-0}
+export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+PY=${PY:-python3}
+PARTS=${PARTS:-7b 70b}
+LIMIT_7B=${LIMIT_7B:-290}    # + LIMIT_70B stays under the call's 540 s
+LIMIT_70B=${LIMIT_70B:-240}
+ARGS_7B=${ARGS_7B:-}          # e.g. "--layers 16" if the full depth does not fit
+ARGS_70B=${ARGS_70B:---arena-gb 40}
+SMOKE_FLAG=""
+[ "${SMOKE:-0}" = 1 ] && SMOKE_FLAG="--smoke"
+# NVLink multicast stays off (the device notes: it can take the shared GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+for part in $PARTS; do
+    case $part in
+        7b) limit=$LIMIT_7B; extra=$ARGS_7B ;;
+        70b) limit=$LIMIT_70B; extra=$ARGS_70B ;;
+        *) echo "unknown part $part"; exit 2 ;;
+    esac
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # SMOKE_FLAG and extra are word lists
+    timeout "$limit" "$PY" -m bench.tensor_parallel $SMOKE_FLAG --part "$part" --out-dir "$OUT" \
+        $extra >"$OUT/tp-$part.log" 2>&1
+    echo "$? $(( $(date +%s) - start ))" >"$OUT/.rc-$part"
+    tr "\r" "\n" <"$OUT/tp-$part.log" | grep -v "it/s]\|s/it]\|Warning\|warnings.warn" | tail -5
+done
+
+"$PY" - "$OUT" "$PARTS" "${SMOKE:-0}" <<'PYEOF'
+import json, os, sys
+out, parts, smoke = sys.argv[1], sys.argv[2].split(), sys.argv[3] == "1"
+import torch
+gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+status = {}
+for p in parts:
+    try:
+        rc, secs = open(f"{out}/.rc-{p}").read().split()
+        status[p] = {"rc": int(rc), "seconds": int(secs)}
+    except (OSError, ValueError):
+        status[p] = {"rc": None}
+report = {"commit": os.environ.get("SLORA_COMMIT"), "command": "bash bench/tp_h200.sh",
+          "parts": status, "gpus": gpus, "gpu_count": len(gpus), "smoke": smoke}
+name = "tp-run-smoke.json" if smoke else "tp-run-h200.json"
+open(f"{out}/{name}", "w").write(json.dumps(report, indent=1))
+print(json.dumps(report))
+PYEOF

@@ -1,0 +1,37 @@
+"""bench/tp_h200.sh in its CPU smoke mode (SMOKE=1: gloo, float32, tiny shapes; about 50 s on
+a busy 2-core host): every part runs and writes its JSON, TP=2 gives TP=1's tokens, and both
+give transformers + peft's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tp_h200_script_smoke(tmp_path: Path) -> None:
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PY": sys.executable,
+           "SLORA_COMMIT": "test"}
+    res = subprocess.run(["bash", "bench/tp_h200.sh"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run = json.loads((tmp_path / "tp-run-smoke.json").read_text())
+    assert {p: s["rc"] for p, s in run["parts"].items()} == {"7b": 0, "70b": 0}, (
+        (tmp_path / "tp-7b.log").read_text()[-3000:] + (tmp_path / "tp-70b.log").read_text()[-3000:])
+    check = json.loads((tmp_path / "tp-correctness-smoke.json").read_text())
+    assert check["commit"] == "test"
+    same = check["tp2_vs_tp1_eager"]
+    assert same["requests_with_equal_tokens"] == same["requests"] > 0
+    for engine in ("tp1_eager", "tp2"):
+        assert check["vs_hf_same_dtype"][engine]["greedy_agreement"] == 1.0
+        assert check["vs_hf_same_dtype"][engine]["max_logits_rel_err"] < 1e-4
+    speed = json.loads((tmp_path / "tp-throughput-smoke.json").read_text())
+    assert set(speed["runs"]) == {"tp1_eager", "tp2"}
+    assert speed["runs"]["tp2"]["step_send_host_s"]["p50"] > 0
+    big = json.loads((tmp_path / "tp-70b-smoke.json").read_text())
+    assert big["run"]["requests"] == big["workload"]["num_requests"]
+    assert big["run"]["adapter_loads"] > 0
