@@ -36,7 +36,7 @@ class AdapterCopier:
     def write(self, slot: int, pages: list[int], host: HostAdapter) -> None:
         """Start copying `host` into its pages and table rows (asynchronous on CUDA)."""
         with self._on_stream():
-            self.arena.write_adapter(slot, pages, host.layout, host.matrices)
+            self.arena.write_adapter(slot, pages, host.layout, host.matrices, host.image)
             if self._stream is not None:
                 event = torch.cuda.Event()
                 event.record(self._stream)

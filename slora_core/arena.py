@@ -102,18 +102,23 @@ class PageArena:
         pages: list[int],
         layout: AdapterLayout,
         matrices: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        image: torch.Tensor | None = None,
     ) -> None:
         """Copy an adapter's A/B matrices into its pages and fill its rows of the tables.
-        Copies are non-blocking from pinned host memory."""
+        Copies are non-blocking from pinned host memory. With `image` (the adapter's pages as
+        laid out, HostAdapter.image), one copy per run of consecutive pages."""
         flat = self.tables.arena
+        if image is not None:
+            self._write_image(flat, pages, image)
         a_off, b_off, ranks, scales = [], [], [], []
         layers, mods = [], []
         for (layer, module), (r, scale, (pa, oa), (pb, ob)) in layout.entries.items():
-            a, b = matrices[(layer, module)]
             start_a = pages[pa] * self.page_numel + oa
             start_b = pages[pb] * self.page_numel + ob
-            flat[start_a : start_a + a.numel()].copy_(a.reshape(-1), non_blocking=True)
-            flat[start_b : start_b + b.numel()].copy_(b.reshape(-1), non_blocking=True)
+            if image is None:
+                a, b = matrices[(layer, module)]
+                flat[start_a : start_a + a.numel()].copy_(a.reshape(-1), non_blocking=True)
+                flat[start_b : start_b + b.numel()].copy_(b.reshape(-1), non_blocking=True)
             layers.append(layer)
             mods.append(MODULE_INDEX[module])
             a_off.append(start_a)
@@ -131,6 +136,20 @@ class PageArena:
         self.tables.b_offsets[idx] = torch.tensor(b_off, dtype=torch.int64, device=dev)
         self.tables.ranks[idx] = torch.tensor(ranks, dtype=torch.int32, device=dev)
         self.tables.scales[idx] = torch.tensor(scales, dtype=torch.float32, device=dev)
+
+    def _write_image(self, flat: torch.Tensor, pages: list[int], image: torch.Tensor) -> None:
+        n = self.page_numel
+        if image.numel() != len(pages) * n:
+            raise ValueError(f"an adapter image of {image.numel()} elements for {len(pages)} "
+                             f"pages of {n}")
+        i = 0
+        while i < len(pages):
+            j = i + 1
+            while j < len(pages) and pages[j] == pages[j - 1] + 1:
+                j += 1
+            flat[pages[i] * n : pages[j - 1] * n + n].copy_(image[i * n : j * n],
+                                                            non_blocking=True)
+            i = j
 
     def clear_slot(self, slot: int) -> None:
         """Mark a slot empty (rank 0 everywhere) so no kernel reads its stale pages."""

@@ -42,12 +42,12 @@ class ShardedAdapterStore(AdapterStore):
         else:
             self._in_memory[name] = replace(hit[1], adapter=adapter)
 
-    def _prepare(self, adapter: LoraAdapter) -> HostAdapter:
+    def _prepare(self, adapter: LoraAdapter, image: bool = False) -> HostAdapter:
         weights = {}
         for (layer, module), w in adapter.weights.items():
             a, b = self.shard.shard_lora(module, w.a, w.b)
             weights[(layer, module)] = replace(w, a=a, b=b)
-        return super()._prepare(replace(adapter, weights=weights))
+        return super()._prepare(replace(adapter, weights=weights), image=image)
 
 
 class TPEngine(LLMEngine):
