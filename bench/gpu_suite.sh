@@ -161,6 +161,7 @@ if part == "A":
         except ET.ParseError as e:
             failed.append(f"{path}: unreadable ({e})")
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    counts["planned"] = sum(len(open(p).read().split()) for p in glob.glob(f"{out}/.shard-*"))
     report["pytest"] = counts | {"failed": failed, "slowest": [
         {"test": n, "seconds": round(t, 1)} for t, n in sorted(slowest, reverse=True)[:15]]}
 scripts = {}
