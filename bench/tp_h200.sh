@@ -52,8 +52,10 @@ for p in parts:
         status[p] = {"rc": int(rc), "seconds": int(secs)}
     except (OSError, ValueError):
         status[p] = {"rc": None}
+nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus else None
 report = {"commit": os.environ.get("SLORA_COMMIT"), "command": "bash bench/tp_h200.sh",
-          "parts": status, "gpus": gpus, "gpu_count": len(gpus), "smoke": smoke}
+          "parts": status, "gpus": gpus, "gpu_count": len(gpus), "torch": torch.__version__,
+          "nccl": nccl, "smoke": smoke}
 name = "tp-run-smoke.json" if smoke else "tp-run-h200.json"
 open(f"{out}/{name}", "w").write(json.dumps(report, indent=1))
 print(json.dumps(report))

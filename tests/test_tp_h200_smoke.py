@@ -20,8 +20,8 @@ def test_tp_h200_script_smoke(tmp_path: Path) -> None:
                          text=True, timeout=400)
     assert res.returncode == 0, res.stdout + res.stderr
     run = json.loads((tmp_path / "tp-run-smoke.json").read_text())
-    assert {p: s["rc"] for p, s in run["parts"].items()} == {"7b": 0, "70b": 0}, (
-        (tmp_path / "tp-7b.log").read_text()[-3000:] + (tmp_path / "tp-70b.log").read_text()[-3000:])
+    logs = "".join((tmp_path / f"tp-{p}.log").read_text()[-3000:] for p in ("7b", "70b"))
+    assert {p: s["rc"] for p, s in run["parts"].items()} == {"7b": 0, "70b": 0}, logs
     check = json.loads((tmp_path / "tp-correctness-smoke.json").read_text())
     assert check["commit"] == "test"
     same = check["tp2_vs_tp1_eager"]

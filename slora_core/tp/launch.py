@@ -83,8 +83,8 @@ def _rank_engine(rank: int, source: str | Path | RandomWeights, config: EngineCo
                     detokenize=detokenize and rank == 0)
 
 
-def _serve_rank(rank: int, model_dir: str | Path | RandomWeights, config: EngineConfig, init_method: str,
-                timeout_s: float, rank0_pid: int) -> None:
+def _serve_rank(rank: int, model_dir: str | Path | RandomWeights, config: EngineConfig,
+                init_method: str, timeout_s: float, rank0_pid: int) -> None:
     _die_with_rank_0(rank0_pid)
     engine = _rank_engine(rank, model_dir, config, init_method, timeout_s, detokenize=False)
     try:
