@@ -6,7 +6,7 @@
 #      the compiled-variant count) and the rest of tests/kernels compiled (TRITON_INTERPRET=0),
 #      split over $SHARDS pytest processes, beside bench.gpu_numerics (massive activations,
 #      fp16/bf16 vs HF, the non-finite guard). Triton compiles each kernel variant in the
-#      calling process, one at a time: in one process the compiles alone outlasted the limit.
+#      calling process, one at a time; one process ran 114 of the ~150 tests in 250 s.
 #   B  bench.gpu_suite, one process per shape (Llama-2-7B, Llama-3-8B widths) side by side.
 # Every process writes its JSON as it goes (a process stopped at the limit keeps what it
 # finished; the scripts also skip, and record, a mode that would not end before the limit).
@@ -22,7 +22,7 @@
 #   PYTEST_PATHS="tests/kernels/test_fused.py tests/slora_core/test_ops.py" \
 #   SHAPES="tiny-mha tiny-gqa" OUT=/tmp/out bash bench/gpu_suite.sh A B
 set -u
-[ $# -ge 1 ] || { echo "usage: bash bench/gpu_suite.sh A|B [B]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: bash bench/gpu_suite.sh A|B ..." >&2; exit 2; }
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -38,7 +38,8 @@ DEVICE_ARGS=${DEVICE_ARGS:-}
 
 # OMP_NUM_THREADS for N processes side by side: the cores shared out. torch's default (every
 # core per process) oversubscribes them, and its spinning threads then slow host-side ops many
-# times over (a CPU smoke run of two suite processes: 1.8 s with one thread each, 122 s without).
+# times over (the engine run of one toy suite shape on a busy 2-core host: 1.8 s with one
+# thread, 52-122 s with the default).
 USER_THREADS=${OMP_NUM_THREADS:-}
 threads() { local n=$(( $(nproc) / $1 )); echo "${USER_THREADS:-$(( n > 0 ? n : 1 ))}"; }
 
