@@ -160,10 +160,18 @@ class LLMEngine:
         modules gets its graphs on first use."""
         if self.runner.graphs is None:
             return
+        self._capture_graphs(self._graph_module_sets(lora))
+
+    def _graph_module_sets(self, lora: bool | None) -> list[frozenset[int]]:
+        """The LoRA module sets `warmup(lora)` captures graphs for (empty: base model)."""
         sets: list[frozenset[int]] = [frozenset()]
         if lora if lora is not None else bool(self.adapters.names()):
             sets.append(self.adapters.target_module_ids()
                         or frozenset(range(len(LORA_MODULES))))
+        return sets
+
+    def _capture_graphs(self, sets: list[frozenset[int]]) -> None:
+        assert self.runner.graphs is not None
         for modules in sets:
             self.runner.graphs.capture_all(modules)
             if self.runner.mixed is not None:
