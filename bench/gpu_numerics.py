@@ -129,7 +129,7 @@ def vs_hf(run: Any, requests: list[tuple[str, list[int], str | None]], refs: dic
     """The engine's tokens and logits on its own trajectory (HF teacher forced): greedy
     agreement with HF float32 next to HF same-dtype's, and the logits' relative errors."""
     agree = agree_ref = total = hf_nonfinite = 0
-    err_same = err_fp32 = 0.0
+    err_same = err_fp32 = err_hf = 0.0
     for rid, prompt, adapter in requests:
         toks = run.tokens[rid]
         if not toks:
@@ -145,11 +145,13 @@ def vs_hf(run: Any, requests: list[tuple[str, list[int], str | None]], refs: dic
         hf_nonfinite += nonfinite_rows(list(ref))
         err_same = max(err_same, rel_err(ours, ref))
         err_fp32 = max(err_fp32, rel_err(ours, ref32))
+        err_hf = max(err_hf, rel_err(ref, ref32))
     return {"greedy_agreement_with_hf_fp32": agree / max(total, 1),
             "hf_same_dtype_agreement_with_hf_fp32": agree_ref / max(total, 1),
             "positions": total, "hf_same_dtype_nonfinite_rows": hf_nonfinite,
             "max_logits_rel_err_vs_hf_same_dtype": err_same,
-            "max_logits_rel_err_vs_hf_fp32": err_fp32}
+            "max_logits_rel_err_vs_hf_fp32": err_fp32,
+            "max_hf_same_dtype_logits_rel_err_vs_hf_fp32": err_hf}
 
 
 def check_guard(model_dir: Path, adapters: dict[str, Path], dtype: str, device: str,
