@@ -162,8 +162,9 @@ def part_7b(args: argparse.Namespace, out: Path) -> None:
         runs[label] = run = run_engine(engine, reqs, args.new_tokens)
         check.setdefault("vs_hf_same_dtype", {})[label] = against_hf(run, hf_peft, reqs)
         check.setdefault("stats", {})[label] = run.stats
-        if label == "tp2":
-            check.update({f"tp2_vs_{k}": tp_vs_tp1(run, runs[k]) for k in runs if k != "tp2"})
+        if label.startswith("tp2"):
+            check.update({f"{label}_vs_{k}": tp_vs_tp1(run, runs[k]) for k in runs
+                          if k.startswith("tp1")})
         save(check_path, check, t0)
         speed["runs"][label] = timed_replay(engine, work, cfg, args.adapters, label, cuda)
         save(speed_path, speed, t0)
@@ -177,16 +178,30 @@ def part_7b(args: argparse.Namespace, out: Path) -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache() if cuda else None
-    tp = start_tp_engine(weights, engine_config(args, cfg, 2), detokenize=False)
-    try:
-        serve(tp, "tp2")
-    finally:
-        tp.close()
-    tp2 = speed["runs"]["tp2"]["output_tok_per_s"]
-    for k in ("tp1_eager", "tp1_graphs"):
-        if k in speed["runs"]:
-            speed[f"tp2_over_{k}"] = tp2 / speed["runs"][k]["output_tok_per_s"]
-    save(speed_path, speed, t0)
+    for label, graphs in [("tp2", False), ("tp2_graphs", True)][: 2 if cuda else 1]:
+        try:
+            tp = start_tp_engine(weights, engine_config(args, cfg, 2, cuda_graphs=graphs),
+                                 detokenize=False, cuda_graphs=graphs)
+            try:
+                serve(tp, label)
+            finally:
+                tp.close()
+        except Exception as e:  # graphs under TP are new: record a failure, keep the rest
+            speed["runs"][label] = check[f"{label}_error"] = f"{type(e).__name__}: {e}"[:2000]
+            save(check_path, check, t0)
+            if label == "tp2":
+                raise
+        ratios(speed)
+        save(speed_path, speed, t0)
+
+
+def ratios(speed: dict[str, Any]) -> None:
+    """TP=2 throughput over TP=1's, eager over eager and graphs over graphs (and over eager)."""
+    runs = {k: r["output_tok_per_s"] for k, r in speed["runs"].items() if isinstance(r, dict)}
+    for tp2, tp1 in (("tp2", "tp1_eager"), ("tp2", "tp1_graphs"), ("tp2_graphs", "tp1_graphs"),
+                     ("tp2_graphs", "tp2")):
+        if tp2 in runs and tp1 in runs:
+            speed[f"{tp2}_over_{tp1}"] = runs[tp2] / runs[tp1]
 
 
 def part_70b(args: argparse.Namespace, out: Path) -> None:

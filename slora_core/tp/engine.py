@@ -59,8 +59,8 @@ class TPEngine(LLMEngine):
         """`model`: this rank's shard (`load_model_shard`)."""
         if config.async_steps:
             raise ConfigError("async_steps is not supported with tensor_parallel_size > 1")
-        # Eager steps: CUDA graphs with NCCL collectives inside are not built yet.
-        config = replace(config, cuda_graphs=False)
+        # Decode graphs only (TPModelRunner): mixed-step graphs are not shared by the ranks yet.
+        config = replace(config, mixed_graphs=False)
         super().__init__(model, shard.engine_config(), tokenizer, config, detokenize=detokenize)
         self.shard, self.group = shard, group
         parallelize_rows(model, group)  # after the LoRA wrap: LoRA deltas join the sums
@@ -73,6 +73,17 @@ class TPEngine(LLMEngine):
 
     def _record(self, op: ArenaOp) -> None:
         self.tp_runner.record(op)
+
+    def warmup(self, lora: bool | None = None) -> None:
+        """Rank 0: every rank captures the same graphs, in the same order (their warm-up
+        forwards and captures run collectives)."""
+        if self.runner.graphs is None:
+            return
+        sets = self._graph_module_sets(lora)
+        with self.tp_runner.ops_lock:
+            ops, self.tp_runner.pending_ops = self.tp_runner.pending_ops, []
+        self.tp_runner.send([*ops, ("capture", sets)])
+        self._capture_graphs(sets)
 
     # ---- rank 0: record what the other ranks must repeat ----------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
@@ -128,7 +139,7 @@ class TPEngine(LLMEngine):
                 if op[0] == "write":
                     self.copier.wait(op[1])
             if msg.shape is not None and msg.flat is not None:
-                self.tp_runner.forward(msg.flat, msg.shape)
+                self.tp_runner.follow(msg.flat, msg.shape)
 
     def apply_op(self, op: ArenaOp) -> None:
         kind = op[0]
@@ -147,5 +158,7 @@ class TPEngine(LLMEngine):
             self.adapters.add_loaded(op[1], op[2])
         elif kind == "unregister":
             self.adapters.unregister(op[1])
+        elif kind == "capture":
+            self._capture_graphs(op[1])
         else:
             raise ValueError(f"unknown arena op {kind!r}")

@@ -29,12 +29,16 @@ from slora_core.tp.weights import RandomWeights, load_model_shard, random_model_
 
 
 def start_tp_engine(model_dir: str | Path | RandomWeights, config: EngineConfig, *,
-                    detokenize: bool = True, timeout_s: float = 600.0) -> TPEngine:
+                    detokenize: bool = True, timeout_s: float = 600.0,
+                    cuda_graphs: bool = False) -> TPEngine:
     """Rank 0's engine over `config.tensor_parallel_size` ranks (one GPU each on CUDA: rank r
     uses cuda:r). `model_dir` may be `RandomWeights` instead: every rank makes its shard of
     that random model on its device, and the engine has no tokenizer. A collective that waits
-    longer than `timeout_s` (a rank died) raises."""
+    longer than `timeout_s` (a rank died) raises. Decode steps replay CUDA graphs only with
+    `cuda_graphs` (and config.cuda_graphs): graphs with NCCL collectives inside are built but
+    not yet checked on GPUs, so they stay off unless asked for (bench.tensor_parallel asks)."""
     size = config.tensor_parallel_size
+    config = replace(config, cuda_graphs=config.cuda_graphs and cuda_graphs)
     # Refuse what TPEngine would refuse before any process starts.
     TPShard(_model_config(model_dir), 0, size)
     if config.async_steps:

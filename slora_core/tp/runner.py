@@ -25,6 +25,7 @@ from slora_core.step_inputs import (
     StepShape,
     TokenPatch,
     build_step_inputs,
+    inputs_from_arrays,
     pack_to_device,
     step_arrays,
 )
@@ -32,7 +33,7 @@ from slora_core.tp.group import TPGroup
 
 # An arena or adapter-store change, applied by every rank in rank 0's order:
 # ("clear", slot) | ("write", slot, pages, name) | ("register", name, path, sha256)
-# | ("add", name, LoraAdapter) | ("unregister", name)
+# | ("add", name, LoraAdapter) | ("unregister", name) | ("capture", [LoRA module sets])
 ArenaOp = tuple[Any, ...]
 
 _STOP, _OPS, _STEP = 1, 2, 4
@@ -50,10 +51,14 @@ class StepMessage:
 
 
 class TPModelRunner(ModelRunner):
-    """Eager steps only: CUDA graphs with NCCL collectives inside are not built yet."""
+    """Decode steps replay CUDA graphs (NCCL collectives captured in them) when the engine's
+    config asks for graphs: every rank captures the same buckets in the same order (warm-up is
+    a message from rank 0, a bucket first met at a step is met by every rank at that step) and
+    replays the same one. Steps with prefill tokens run eagerly (no mixed-step graphs)."""
 
     def __init__(self, runner: ModelRunner, group: TPGroup) -> None:
         super().__init__(runner.model, runner.arena, use_cuda_graphs=False)
+        self.graphs = runner.graphs  # built over the same model and arena, or None
         self.group = group
         self.pending_ops: list[ArenaOp] = []  # rank 0: changes not yet sent
         # The worker's engine core changes adapters from other threads; a change and its
@@ -73,12 +78,15 @@ class TPModelRunner(ModelRunner):
         if patch is not None:
             raise RuntimeError("tensor-parallel steps take their input ids from the host")
         start = time.perf_counter()
-        arrays, shape = step_arrays(build_step_inputs(scheduled, self.arena.block_size))
+        inputs = build_step_inputs(scheduled, self.arena.block_size)
+        arrays, shape = step_arrays(inputs)
         with self.ops_lock:
             ops, self.pending_ops = self.pending_ops, []
         flat = pack_to_device(arrays, self.device)
         self.send(ops, shape, flat)
         self.send_seconds.append(time.perf_counter() - start)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
         return self.forward(flat, shape)
 
     def send(self, ops: list[ArenaOp], shape: StepShape | None = None,
@@ -107,6 +115,17 @@ class TPModelRunner(ModelRunner):
         flat = torch.empty(numel, dtype=torch.int64, device=self.device)
         return StepMessage(ops=ops, shape=StepShape(*sizes),
                            flat=self.group.broadcast_tensor(flat))
+
+    @torch.inference_mode()
+    def follow(self, flat: torch.Tensor, shape: StepShape) -> None:
+        """Rank > 0: run the step rank 0 sent, as rank 0 runs it (graph or eager)."""
+        if self.graphs is not None:
+            # The graphs fill their static buffers from host arrays: one small copy back.
+            inputs = inputs_from_arrays(flat.cpu().numpy(), shape)
+            if self.graphs.can_run(inputs):
+                self.graphs.run(inputs)
+                return
+        self.forward(flat, shape)
 
     @torch.inference_mode()
     def forward(self, flat: torch.Tensor, shape: StepShape) -> torch.Tensor:
