@@ -119,7 +119,9 @@ def check_mode(model_dir: Path, adapters: dict[str, Path], dtype: str, device: s
         "nonfinite_rows_met": sum(out.finish_reason == "error" for out in run.finish.values()),
         "tokens_from_nonfinite_rows": sum(nonfinite_rows(run.logits[rid][: len(run.tokens[rid])])
                                           for rid in run.tokens),
-        "errored_requests": sorted(r for r, o in run.finish.items() if o.finish_reason == "error"),
+        # id "<prompt index>-<adapter>": the message names the output token that failed
+        "errored_requests": {r: o.error for r, o in sorted(run.finish.items())
+                             if o.finish_reason == "error"},
         **vs_hf(run, requests, refs, dtype), "stats": run.stats,
     }
 
