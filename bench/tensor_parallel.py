@@ -244,7 +244,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="cut the 7B depth (full width)")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[7, 33, 130, 257, 500])
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--requests", type=int, default=256)
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--max-input", type=int, default=512)
     p.add_argument("--max-output", type=int, default=256)

@@ -187,3 +187,29 @@ def test_rank_0_failure_stops_the_other_ranks(demo_dir: Path,
         LLMEngine.from_model_dir(demo_dir / "model",
                                  EngineConfig(tensor_parallel_size=2, max_model_len=10**6))
     assert len(started) == 1 and not started[0].is_alive()
+
+
+def test_step_buffer_gives_back_the_step_inputs() -> None:
+    """What a rank > 0 replaying CUDA graphs rebuilds from the broadcast buffer is the step
+    rank 0 built (with and without LoRA tokens)."""
+    import dataclasses
+
+    import numpy as np
+
+    from kernels.lora_meta import lora_segments
+    from slora_core.step_inputs import StepInputs, inputs_from_arrays, step_arrays
+
+    for slots in ([-1, -1, -1], [0, 0, 1, -1, 2, 2]):
+        n = len(slots)
+        token_slots = np.array(slots, dtype=np.int64)
+        starts, lens, seg_slots = lora_segments(token_slots)
+        step = StepInputs(
+            input_ids=np.arange(n) + 3, positions=np.arange(n) + 5,
+            slot_mapping=np.arange(n) * 3, token_slots=token_slots,
+            seq_lens=np.array([n - 1, 1]), query_starts=np.array([0, n - 1, n]),
+            block_tables=np.array([[1, 2, 3], [4, 0, 0]]), logits_indices=np.array([n - 2, n - 1]),
+            max_query_len=n - 1, seg_starts=starts, seg_lens=lens, seg_slots=seg_slots)
+        arrays, shape = step_arrays(step)
+        back = inputs_from_arrays(np.concatenate([a.reshape(-1) for a in arrays]), shape)
+        for f in dataclasses.fields(StepInputs):
+            assert np.array_equal(getattr(back, f.name), getattr(step, f.name)), f.name
