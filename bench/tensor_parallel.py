@@ -250,7 +250,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--arena-gb", type=float, default=24.0, help="page arena per rank")
+    p.add_argument("--arena-gb", type=float, default=40.0, help="page arena per rank")
     p.add_argument("--big-shape", default="llama3-70b")
     p.add_argument("--big-layers", type=int, default=None)
     p.add_argument("--big-adapters", type=int, default=1000)

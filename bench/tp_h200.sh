@@ -20,7 +20,7 @@ PARTS=${PARTS:-7b 70b}
 LIMIT_7B=${LIMIT_7B:-290}    # + LIMIT_70B stays under the call's 540 s
 LIMIT_70B=${LIMIT_70B:-240}
 ARGS_7B=${ARGS_7B:-}          # e.g. "--layers 16" if the full depth does not fit
-ARGS_70B=${ARGS_70B:---arena-gb 40}
+ARGS_70B=${ARGS_70B:-}
 SMOKE_FLAG=""
 [ "${SMOKE:-0}" = 1 ] && SMOKE_FLAG="--smoke"
 # NVLink multicast stays off (the device notes: it can take the shared GPUs down).
