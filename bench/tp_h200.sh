@@ -2,9 +2,9 @@
 # Tensor parallelism on 2 H200s (issue 16) in one device call (kind nvidia-h200-x2, timeout_s
 # 600): each part is its own process under its own limit and writes its JSON under $OUT as soon
 # as it finishes (bench/tensor_parallel.py says what each holds):
+#   70b : tp-70b-h200.json (Llama-3-70B-shaped random model, 1,000 r16 adapters, Poisson);
 #   7b  : tp-correctness-h200.json (TP=2 = TP=1 tokens, both against HF + peft, fp16 greedy) and
-#         tp-throughput-h200.json (TP=1 eager, TP=1 CUDA graphs, TP=2 on one workload);
-#   70b : tp-70b-h200.json (Llama-3-70B-shaped random model, 1,000 r16 adapters, Poisson).
+#         tp-throughput-h200.json (TP=1 eager, TP=1 CUDA graphs, TP=2 eager, TP=2 graphs).
 # Then tp-run-h200.json: commit, GPUs, each part's exit status. Logs: $OUT/tp-<part>.log.
 #
 #   SLORA_COMMIT=$(git rev-parse HEAD) OUT=/tmp/out bash bench/tp_h200.sh
@@ -16,9 +16,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=${TRITON_INTERPRET:-0}
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PY=${PY:-python3}
-PARTS=${PARTS:-7b 70b}
-LIMIT_7B=${LIMIT_7B:-290}    # + LIMIT_70B stays under the call's 540 s
-LIMIT_70B=${LIMIT_70B:-240}
+# 70b first: its JSON is written once its run ends, while the 7b part writes as it goes (a 7b
+# part cut short loses only its last runs, TP=2 with CUDA graphs first).
+PARTS=${PARTS:-70b 7b}
+LIMIT_70B=${LIMIT_70B:-250}  # + LIMIT_7B stays under the call's 540 s
+LIMIT_7B=${LIMIT_7B:-280}
 ARGS_7B=${ARGS_7B:-}          # e.g. "--layers 16" if the full depth does not fit
 ARGS_70B=${ARGS_70B:-}
 SMOKE_FLAG=""
