@@ -6,8 +6,10 @@ finishes, with the commit, the command and the GPUs.
   tp-correctness: greedy, 4 peft adapters written from the HF model and registered by path (every
   rank shard-loads the files), TP=2 tokens against TP=1, each against transformers + peft in the
   same dtype on the same GPU, teacher-forced on the engine's own tokens. tp-throughput: one
-  workload (in-memory r16 adapters, all arriving at t=0) through TP=1 eager, TP=1 with CUDA
-  graphs, and TP=2 (eager: graphs are off under TP), with the host time of each step's broadcast.
+  workload (in-memory r16 adapters, all arriving at t=0) through TP=1 eager, TP=1 with decode
+  CUDA graphs, TP=2 eager and, last, TP=2 with decode graphs (NCCL inside them: new, so a
+  failure there is recorded and the rest kept), with rank 0's host time to send each step.
+  Engines that run are checked too (tokens against TP=1 and HF).
 - `70b`: a Llama-3-70B-shaped random model at TP=2 with 1,000 rank-16 adapters (a few random
   weight sets, each adapter its own identity and arena pages) on an S-LoRA-style workload
   (Poisson arrivals, power-law adapter popularity): throughput, TTFT and TPOT percentiles.
