@@ -22,7 +22,10 @@ QKV = (0, 1, 2)
 
 def test_decode_graph_tile_lists(demo_dir: Path) -> None:
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())[:3]
-    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(max_num_seqs=40))
+    # On a GPU machine the kernels run compiled on CUDA; on the CPU in Triton's interpreter.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(max_num_seqs=40, device=dev))
     for name in names:
         engine.register_adapter(name, demo_dir / "adapters" / name)
     runner = engine.runner
@@ -43,17 +46,17 @@ def test_decode_graph_tile_lists(demo_dir: Path) -> None:
             real = inputs.lora_tiles(16)[0].size
             assert real <= tiles and int((meta.tile_segs >= 0).sum()) == real
             seen.append((bucket, tiles))
-            x = torch.randn(bucket, hidden)
-            y = torch.zeros(bucket, hidden + 32)
-            y_ref = y.double()
+            x = torch.randn(bucket, hidden, device=dev)
+            y = torch.zeros(bucket, hidden + 32, device=dev)
+            y_ref = y.double().cpu()
             args = (tables.arena, tables.a_offsets[0], tables.b_offsets[0], tables.ranks[0],
                     tables.scales[0], QKV, slices)
             add_lora_triton(y, x, *args, meta, max_rank=64)
             n = inputs.num_seqs
             ref_meta = type(meta).from_token_slots(inputs.token_slots.tolist(), block_m=16)
-            add_lora_reference(y_ref[:n], x[:n].double(), tables.arena.double(), *args[1:],
-                               ref_meta)
-            assert rel_err(y, y_ref) < 1e-5
+            add_lora_reference(y_ref[:n], x[:n].double().cpu(), tables.arena.double().cpu(),
+                               *(t.cpu() for t in args[1:5]), *args[5:], ref_meta)
+            assert rel_err(y.cpu(), y_ref) < 1e-5
             nonzero.append(bool(y_ref.abs().sum() > 0))
         return run(scheduled, patch)
 
