@@ -6,6 +6,9 @@ launches) for 5-10 ms of GPU work at mixed-step sizes."""
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import numpy as np
@@ -102,7 +105,13 @@ class _StepGraphs:
             self._forward(bucket, ctx)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # "thread_local": only this thread's capture-unsafe CUDA calls break the capture. In
+        # "global" mode (torch's default) any thread's do: the engine core loads adapters on a
+        # thread pool beside the steps, and pin_memory (cudaHostAlloc, cudaEventQuery) there
+        # would invalidate a graph captured mid-serving. That thread launches nothing on the
+        # capture stream, so nothing of it belongs in the graph.
+        with _gc_paused(), torch.cuda.graph(graph, pool=self.pool,
+                                             capture_error_mode="thread_local"):
             self.logits[key] = self._forward(bucket, ctx)
         self.graphs[key] = graph
 
@@ -136,6 +145,24 @@ class _StepGraphs:
                 src = src.pin_memory()
             static.copy_(src, non_blocking=static.is_cuda)
         apply_patch(self.buf.input_ids, patch)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No automatic Python garbage collection inside the block. A collection during a capture
+    can free CUDA graphs held by dead reference cycles (an engine dropped by its owner), and
+    their destructor's cudaGraphExecDestroy is illegal while this thread captures: the capture
+    is invalidated and the next launch fails with cudaErrorStreamCaptureInvalidated (H200,
+    gpu_numerics bf16 asynchronous steps, a bucket first met mid-serving; pytorch#161037).
+    torch.cuda.graph no longer collects before a capture (only under
+    torch.compiler.config.force_cudagraph_gc), and a pause costs nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _fill(dst: np.ndarray, values: np.ndarray, pad: int) -> None:
