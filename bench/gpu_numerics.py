@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import sys
@@ -114,6 +115,7 @@ def check_mode(model_dir: Path, adapters: dict[str, Path], dtype: str, device: s
     engine = make_engine(model_dir, dtype, device, adapters, **mode)
     run = run_engine(engine, requests, new_tokens)
     del engine
+    gc.collect()  # its arena and graph pool go now, not at some later allocation
     return {
         "requests": len(requests),
         "nonfinite_rows_met": sum(out.finish_reason == "error" for out in run.finish.values()),
@@ -185,6 +187,7 @@ def check_guard(model_dir: Path, adapters: dict[str, Path], dtype: str, device: 
     engine.runner.run = nan_row  # type: ignore[method-assign]
     guarded = run_engine(engine, [*requests, ("poison", requests[-1][1], "poison")],
                          new_tokens)
+    del engine.runner.run  # nan_row holds the runner: no reference cycle left behind
     others = [r for r in requests if r[0] != forced]
     return {
         "poisoned_request": _ending(guarded, "poison"),

@@ -3,10 +3,10 @@
 Random-weight (HF init) Llama-2-7B and Llama-3-8B shapes (GQA, 128k vocabulary, rope theta
 500k) at full width with fewer layers (`--layers`, recorded), 8 peft adapters of mixed ranks
 (4..64) and target sets including two rsLoRA ones, base-model requests beside them, prompts of
-17..1,024 tokens and 64 new greedy tokens. The arena holds two of the largest adapters and
-three of the longest requests, so adapters are evicted and reloaded from the host tier and
-sequences are preempted inside the run (counts asserted > 0). Modes: eager, every step a CUDA
-graph, and the same with asynchronous steps.
+17..1,024 tokens and 64 new greedy tokens. The arena is small enough that adapters are
+evicted and reloaded from the host tier and sequences are preempted inside the run (counts
+asserted > 0; the size comes from simulating the engine's scheduler: `arena_pages`). Modes:
+eager, every step a CUDA graph, and the same with asynchronous steps.
 
 Per request, the engine's logits at every generated position are compared with HF + peft fed
 the engine's own tokens (teacher forced): relative error against HF in the same dtype, and
@@ -26,6 +26,7 @@ and recorded; `--budget-s` skips (and records) a mode that would not end in time
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -55,6 +56,10 @@ from bench.numerics_common import (
 from bench.run_record import commit_id
 from slora_core.adapter_cache import AdapterStore
 from slora_core.config import EngineConfig, ModelConfig
+from slora_core.page_pool import PagePool
+from slora_core.sampling_params import SamplingParams
+from slora_core.scheduler import Scheduler, SchedulerLimits
+from slora_core.sequence import Sequence
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -69,6 +74,9 @@ ADAPTERS = [AdapterSpec("qv-r8", 8, 16, ("q_proj", "v_proj")),
 PROMPT_LENGTHS = [1024, 17, 700, 333, 129, 64, 900, 512, 250, 1000, 40, 600, 128, 777, 300, 999]
 MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False}, "all_graphs": {},
          "all_graphs_async": {"async_steps": True}}
+# The engine's limits in every mode (the arena is sized by simulating them).
+ENGINE: dict[str, Any] = {"max_num_seqs": 16, "max_num_batched_tokens": 1024,
+                          "max_model_len": 2048}
 
 
 def shapes(layers: int) -> dict[str, Shape]:
@@ -81,10 +89,15 @@ def shapes(layers: int) -> dict[str, Shape]:
 
 
 def arena_pages(model_dir: Path, adapters: dict[str, Path], dtype: str, max_rank: int,
-                longest: int) -> tuple[int, dict[str, int]]:
-    """An arena of two of the largest adapters plus three of the longest requests."""
+                requests: list[tuple[str, list[int], str | None]], new_tokens: int
+                ) -> dict[str, Any]:
+    """The arena: the largest one, starting from two of the largest adapters plus three of the
+    longest requests, whose schedule (the engine's own scheduler, simulated) preempts twice and
+    evicts and reloads adapters. The starting size alone preempted no sequence at Llama-3-8B
+    width (H200, 8d70290): GQA makes a page hold 128 tokens instead of 32, so the few pages an
+    evicted adapter frees hold 4x the KV and 64 new tokens rarely cross a page."""
     mc = ModelConfig.from_hf_dir(model_dir)
-    cfg = EngineConfig(dtype=dtype, max_rank=max_rank)
+    cfg = EngineConfig(dtype=dtype, max_rank=max_rank, **ENGINE)
     block = cfg.resolve_block_size(mc)
     page_numel = block * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim
     store = AdapterStore(mc, max_rank=max_rank, dtype=cfg.torch_dtype, page_numel=page_numel,
@@ -93,8 +106,40 @@ def arena_pages(model_dir: Path, adapters: dict[str, Path], dtype: str, max_rank
     for name, path in adapters.items():
         store.register(name, path)
         pages[name] = store.get(name).layout.num_pages
-    per_request = -(-longest // block)
-    return 2 * max(pages.values()) + 3 * per_request, pages
+    longest = max(len(p) for _, p, _ in requests) + new_tokens
+    start = 2 * max(pages.values()) + 3 * -(-longest // block)
+    for num_pages in range(start, max(pages.values()) + -(-longest // block) - 1, -1):
+        churn = simulate_churn(cfg, block, num_pages, requests, pages, new_tokens)
+        if (churn["preemptions"] >= 2 and churn["adapter_evictions"] > 0
+                and churn["adapter_loads"] > len(adapters)):
+            return {"num_pages": num_pages, "block_size": block, "start_pages": start,
+                    "adapter_pages": pages, "planned": churn}
+    raise RuntimeError(f"no arena of at most {start} pages preempts and evicts")
+
+
+def simulate_churn(cfg: EngineConfig, block: int, num_pages: int,
+                   requests: list[tuple[str, list[int], str | None]], pages: dict[str, int],
+                   new_tokens: int) -> dict[str, int]:
+    """The run's schedule on the engine's scheduler and page pool alone (torch-free, a few
+    milliseconds): with greedy tokens and EOS ignored it depends on no token value, so the
+    engine's counts come out the same (eager and graph modes; asynchronous steps add a step)."""
+    pool = PagePool(num_pages, num_slots=num_pages)
+    sched = Scheduler(SchedulerLimits(block, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                      cfg.max_adapters_per_batch,
+                                      max_model_len=cfg.max_model_len), pool, (-1,))
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    for rid, prompt, adapter in requests:
+        sched.add(Sequence(rid, prompt, params, adapter=adapter,
+                           adapter_pages=pages[adapter] if adapter else 0))
+    counts = {"steps": 0, "preemptions": 0, "adapter_loads": 0, "adapter_evictions": 0}
+    while sched.has_work() and counts["steps"] < 10 * len(requests) * new_tokens:
+        out = sched.schedule(now=0.0)
+        counts["steps"] += bool(out.scheduled)
+        counts["preemptions"] += len(out.preempted)
+        counts["adapter_loads"] += len(out.new_adapters)
+        counts["adapter_evictions"] += len(out.evicted)
+        sched.postprocess(out.scheduled, [(s.seq, 0) for s in out.scheduled if s.samples])
+    return counts
 
 
 def compare(run: Any, requests: list[tuple[str, list[int], str | None]],
@@ -172,12 +217,13 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
     requests = [(f"r{i}", torch.randint(3, shape.vocab, (n,), generator=gen).tolist(),
                  names[i % len(names)]) for i, n in enumerate(lengths)]
     max_rank = max(a.r for a in specs)
-    num_pages, pages = arena_pages(model_dir, adapters, args.dtype, max_rank,
-                                   max(lengths) + args.new_tokens)
+    arena = arena_pages(model_dir, adapters, args.dtype, max_rank, requests, args.new_tokens)
+    num_pages = arena["num_pages"]
+    t = lap("plan_arena", t)
     refs = hf_refs_in_memory(base, adapters, ["float32", args.dtype])
     del base
     t = lap("hf_references", t)
-    out.update({"shape": vars(shape), "num_pages": num_pages, "adapter_pages": pages,
+    out.update({"shape": vars(shape), "num_pages": num_pages, "arena": arena,
                 "setup_seconds": round(t - t0, 2), "timings": timings, "modes": {}})
     modes = {m: MODES[m] for m in args.modes} if args.device == "cuda" else {"eager": {}}
     slowest = 0.0
@@ -189,11 +235,11 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
             continue
         m0 = time.perf_counter()
         engine = make_engine(model_dir, args.dtype, args.device, adapters, num_pages=num_pages,
-                             max_rank=max_rank, max_num_seqs=16, max_num_batched_tokens=1024,
-                             max_model_len=2048, **kw)
+                             max_rank=max_rank, **ENGINE, **kw)
         t = lap(f"{mode}.build_engine", m0)
         run = run_engine(engine, requests, args.new_tokens)
         del engine
+        gc.collect()  # its arena and graph pool go now, before the next engine's
         t = lap(f"{mode}.run", t)
         out["modes"][mode] = compare(run, requests, refs, args.dtype, args.new_tokens)
         del run

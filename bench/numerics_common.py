@@ -199,6 +199,7 @@ def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], str | Non
     replays return a static buffer)."""
     logits: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in requests}
     run = engine.runner.run
+    wrapped = "run" in vars(engine.runner)  # a caller's wrapper, put back at the end
 
     def spy(scheduled: Any, patch: Any = None) -> torch.Tensor:
         out = run(scheduled, patch)
@@ -223,7 +224,13 @@ def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], str | Non
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    engine.runner.run = run  # type: ignore[method-assign]
+    if wrapped:
+        engine.runner.run = run  # type: ignore[method-assign]
+    else:
+        # The bound method stored on its own runner would make the engine a reference cycle,
+        # freed only by the cyclic collector at some later allocation (a CUDA-graph capture
+        # then had to pause collection: slora_core.cuda_graphs._gc_paused).
+        del engine.runner.run
     # Asynchronous steps compute one row past a request's end; it was never sampled.
     for rid in logits:
         del logits[rid][len(tokens[rid]) + (finish[rid].finish_reason == "error"):]
