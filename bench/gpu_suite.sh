@@ -12,7 +12,10 @@
 # finished; the scripts also skip, and record, a mode that would not end before the limit).
 # Each part then writes $OUT/gpu-part-<A|B>-h200.json: commit ($SLORA_COMMIT: the device copy
 # has no .git), command, hardware, limits, each process's exit status and seconds, the pytest
-# counts, failures and slowest tests, and the verdicts of the scripts' JSONs.
+# counts, failures and slowest tests, and the verdicts of the scripts' JSONs. The device sends
+# back a limited number of files, so each part ends with two in $OUT: that summary, and
+# gpu-part-<A|B>.tgz holding everything the part wrote (logs, JUnit XML, the scripts' JSONs,
+# the summary); the loose copies are removed (tar xzf gpu-part-A.tgz gives them back).
 #
 #   export SLORA_COMMIT=$(git rev-parse HEAD)
 #   OUT=/tmp/out bash bench/gpu_suite.sh A      # then: bash bench/gpu_suite.sh B
@@ -122,6 +125,16 @@ part_b() {
     wait
 }
 
+# pack PART FILE...: the part's summary and FILEs (names in $OUT) into $OUT/gpu-part-PART.tgz;
+# the FILEs are removed once the tarball is written, the summary stays beside it.
+pack() {
+    local part=$1
+    shift
+    local files=("gpu-part-$part-h200.json" "$@")
+    tar czf "$OUT/gpu-part-$part.tgz" -C "$OUT" "${files[@]}" \
+        && (cd "$OUT" && rm -f -- "${files[@]:1}")
+}
+
 for part in "$@"; do
     start=$SECONDS
     case $part in
@@ -191,4 +204,9 @@ json.dump(report, open(f"{out}/gpu-part-{part}-h200.json", "w"), indent=1)
 print(json.dumps(report, indent=1))
 EOF
     rm -f "$OUT"/.status-* "$OUT"/.shard-*
+    # shellcheck disable=SC2046  # the part's file names (no spaces), one word each
+    case $part in
+        A) pack A $(cd "$OUT" && ls -d gpu-pytest-* gpu-numerics* 2>/dev/null) ;;
+        B) pack B $(cd "$OUT" && ls -d gpu-suite-* 2>/dev/null) ;;
+    esac
 done

@@ -1,6 +1,7 @@
 """The GPU check script's smoke path on the CPU at toy sizes: both parts of bench/gpu_suite.sh
 run end to end (pytest shards, bench.gpu_numerics, one bench.gpu_suite shape) and every JSON
-the H200 run commits is written, with the commit it was given."""
+the H200 run commits is written, with the commit it was given: each part leaves its summary
+and one tarball of everything else (the device returns a limited number of files)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +25,14 @@ def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
     res = subprocess.run(["bash", "bench/gpu_suite.sh", "A", "B"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "gpu-part-A-h200.json", "gpu-part-A.tgz", "gpu-part-B-h200.json", "gpu-part-B.tgz"]
+    for part, names in (("A", {"gpu-numerics-h200.json", "gpu-numerics.log",
+                               "gpu-pytest-0.xml", "gpu-pytest-0.log"}),
+                        ("B", {"gpu-suite-tiny-gqa-h200.json", "gpu-suite-tiny-gqa.log"})):
+        with tarfile.open(tmp_path / f"gpu-part-{part}.tgz") as tar:
+            assert set(tar.getnames()) == names | {f"gpu-part-{part}-h200.json"}
+            tar.extractall(tmp_path, filter="data")
     part_a = json.loads((tmp_path / "gpu-part-A-h200.json").read_text())
     assert part_a["ok"] and part_a["commit"] == "smoke-commit"
     assert part_a["pytest"]["passed"] > 0 and not part_a["pytest"]["failed"]
@@ -35,3 +45,6 @@ def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
     suite = json.loads((tmp_path / "gpu-suite-tiny-gqa-h200.json").read_text())
     eager = suite["shapes"][0]["modes"]["eager"]
     assert eager["churn_counts_positive"] and eager["logits_within_tolerance"]
+    # The arena was sized by simulating the scheduler: the engine met the counts planned.
+    planned = suite["shapes"][0]["arena"]["planned"]
+    assert planned == {k: eager["stats"][k] for k in planned}
