@@ -192,7 +192,7 @@ for path in sorted(glob.glob(f"{out}/gpu-numerics-h200.json" if part == "A"
     summary = {k: d[k] for k in keys if k in d}
     for s in d.get("shapes", []):
         summary[s.get("shape", {}).get("name", "?")] = {
-            m: {k: r.get(k) for k in ("ok", "skipped", "max_rel_err_vs_hf_fp32",
+            m: {k: r.get(k) for k in ("ok", "skipped", "agreement", "max_rel_err_vs_hf_fp32",
                                       "max_hf_same_dtype_rel_err_vs_fp32",
                                       "greedy_agreement_with_hf_fp32",
                                       "hf_same_dtype_agreement_with_hf_fp32", "stats")
