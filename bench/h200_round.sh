@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The last device call of a session on 2 H200s (kind nvidia-h200-x2), every step under its own
+# time limit, results packed into one archive (the device returns only a few files):
+#   1. tensor parallelism (both GPUs): bench/tp_h200.sh with $TP_ENV (issue 16);
+#   2. two lanes side by side, one GPU each, nothing else on that GPU:
+#      GPU 0: service overhead at 256 streams with a 4-process gateway (issue 12), then one
+#             adapter vs base and the decode-step floor with LoRA in line (issue 15);
+#      GPU 1: adapter churn (coldttft, churndisk, churn; issue 15), then the same engine step
+#             with LoRA on a second stream (each arm's ratio is against its own base run on
+#             its own GPU, so the arms compare without sharing a GPU).
+# Run from the root of a clean export with the wheels in .whl and SLORA_COMMIT exported:
+#   SLORA_COMMIT=<sha> OUT=$OUT bash bench/h200_round.sh
+set -u
+OUT=${OUT:-/tmp/round}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    >"$OUT/pip.log" 2>&1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export SLORA_COMMIT=${SLORA_COMMIT:?export SLORA_COMMIT (the device copy has no .git)}
+STEP_LOG=$OUT/steps.log
+step() {  # step NAME LIMIT CMD...: CMD under LIMIT seconds, its exit status and time logged
+    local name=$1 limit=$2 t0=$SECONDS
+    shift 2
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "$name rc=$? ${SECONDS}s (took $((SECONDS - t0))s)" >>"$STEP_LOG"
+}
+engine_arm() {  # engine_arm NAME [--lora-overlap]
+    step "engine-$1" "${ENGINE_S:-80}" python3 -m bench.serving --shape llama2-7b \
+        --device cuda --dtype float16 --scenarios overhead,floor --requests 100 \
+        --overhead-repeats 3 "${@:2}" --out "$OUT/engine-speed-$1-h200.json"
+}
+
+# shellcheck disable=SC2086  # TP_ENV is a list of VAR=value words
+[ -n "${TP_ENV+x}" ] && step tp "${TP_S:-230}" env $TP_ENV OUT="$OUT/tp" bash bench/tp_h200.sh
+
+lane0() {
+    export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8
+    step service "${SERVICE_S:-140}" python3 -m bench.service_overhead --device cuda \
+        --dtype float16 --shape llama2-7b --num-pages 2400 --max-model-len 256 \
+        --concurrency 256 --requests-per-stream 2 --new-tokens 64 --client-procs 4 --http \
+        --repeats 2 --gateway-procs 4 --client-channels 8 \
+        --out "$OUT/service-overhead-7b-gw4-h200.json"
+    engine_arm inline
+}
+lane1() {
+    export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8
+    step churn "${CHURN_S:-210}" python3 -m bench.serving --shape llama2-7b --device cuda \
+        --dtype float16 --arena-gb 32 --scenarios coldttft,churndisk,churn \
+        --many-adapters 2000 --churn-requests 600 --churn-disk-requests 200 --churn-rate 60 \
+        --churn-disk-dir /tmp --out "$OUT/churn-h200.json"
+    engine_arm overlap --lora-overlap
+}
+lane0 &
+lane1 &
+wait
+cat "$STEP_LOG"
+grep -h "^== \|throughput_ratio\|ttft_p50" "$OUT"/*.log | cut -c1-300 | tail -30
+tar czf /tmp/round.tgz -C "$OUT" . && mv /tmp/round.tgz "$OUT/round.tgz"
+find "$OUT" -mindepth 1 -not -name round.tgz -not -name steps.log -delete
