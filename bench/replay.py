@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from typing import Any
@@ -55,6 +56,7 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
     done: dict[int, float] = {}
     ntok: dict[int, int] = {}
     distinct: list[int] = []
+    tokens: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     nxt = 0
     bar = tqdm(total=len(requests), desc=label, file=sys.stderr, leave=False)
@@ -79,6 +81,7 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
             if out.token_ids and i not in first:
                 first[i] = t
             ntok[i] = ntok.get(i, 0) + len(out.token_ids)
+            tokens.setdefault(i, []).extend(out.token_ids)
             if out.finished:
                 done[i] = t
                 bar.update(1)
@@ -99,6 +102,10 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
         "adapter_loads": engine.stats.adapter_loads,
         # Triton variants compiled inside the timed window (each stalls a step): should be 0.
         "kernel_compiles": compiled_kernel_variants() - compiled,
+        # One short digest of each request's tokens: two runs of a greedy workload compare
+        # request by request (batches differ with timing, so a rare near-tie may flip).
+        "token_digests": [hashlib.sha256(str(tokens.get(i, [])).encode()).hexdigest()[:12]
+                          for i in range(len(requests))],
     }
 
 
