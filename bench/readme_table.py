@@ -26,11 +26,14 @@ def _fig(f: dict[str, float], digits: int = 3, unit: str = "") -> str:
 
 def service_rows(result: dict[str, Any], source: str) -> list[str]:
     rows = []
+    procs = result.get("gateway_procs", 1)
+    gw = f" ({procs} gateway processes)" if procs > 1 else ""
     for level in result["levels"]:
         c = level["concurrency"]
         for path, figs in level["ratios"].items():
             rows.append(
-                f"| {PATHS.get(path, path)}, {c} streams x {result['new_tokens']} tokens "
+                f"| {PATHS.get(path, path)}{gw if path != 'worker' else ''}, {c} streams x "
+                f"{result['new_tokens']} tokens "
                 f"| {_fig(figs['throughput_ratio'])}x of in-process; TTFT added p50 "
                 f"{_fig(figs['ttft_p50_added_ms'], 1, ' ms')}, p99 "
                 f"{_fig(figs['ttft_p99_added_ms'], 1, ' ms')} "
@@ -68,6 +71,43 @@ def profile_row(sync: dict[str, Any], asyn: dict[str, Any], source: str) -> str:
             f"{s['output_send']:.2f}) | | {source} |")
 
 
+def engine_rows(result: dict[str, Any], arm: str, source: str) -> list[str]:
+    """One adapter vs base and the decode step against its floor (bench.serving), one arm."""
+    rows = []
+    ovh, floor = result.get("overhead", {}), result.get("floor", {})
+    if "throughput_ratio" in ovh:
+        rows.append(f"| one rank-16 adapter on every request vs base, LoRA {arm}, "
+                    f"{len(ovh['repeats'])} interleaved pairs | {ovh['throughput_ratio']:.3f} "
+                    f"[{ovh['ratio_min']:.3f}, {ovh['ratio_max']:.3f}]x | 0.98x | {source} |")
+    if "ratio_to_floor" in floor:
+        rows.append(f"| decode step, batch {floor['batch']}, context {floor['context']}, "
+                    f"{floor['batch']} rank-16 adapters, LoRA {arm} | {floor['step_s'] * 1e3:.2f}"
+                    f" ms = {floor['ratio_to_floor']:.2f}x its bytes floor "
+                    f"({floor['floor_s'] * 1e3:.2f} ms at copy bandwidth) | 1.3x | {source} |")
+    return rows
+
+
+def churn_rows(result: dict[str, Any], source: str) -> list[str]:
+    rows = []
+    churn = result.get("churn", {})
+    for key, what in (("alpha1.0_host", "alpha 1.0"), ("alpha0.5_host", "alpha 0.5")):
+        run = churn.get(key)
+        if run:
+            rows.append(
+                f"| 2,000 adapters vs 5, {what}, reloads from pinned host "
+                f"| {run['throughput_ratio']:.3f}x throughput, p99 TTFT "
+                f"{run['p99_ttft_ratio']:.2f}x; {run['distinct_requested']} adapters used, "
+                f"{run['gpu_loads']} loads, {run['evictions']} evictions in the window "
+                f"| 0.95x, 2x (alpha 1.0) | {source} |")
+    disk = result.get("churndisk", {})
+    if "throughput_ratio" in disk:
+        rows.append(f"| 2,000 adapters vs 5, alpha 1.0, small host tier (disk reloads) "
+                    f"| {disk['throughput_ratio']:.3f}x throughput, p99 TTFT "
+                    f"{disk['p99_ttft_ratio']:.2f}x; {disk['loads_from_disk']} loads from disk, "
+                    f"{disk['loads_from_host']} from host | | {source} |")
+    return rows
+
+
 def table() -> str:
     lines = [BEGIN, "| what | figure (median [min, max] over repeats) | target | JSON |",
              "| --- | --- | --- | --- |"]
@@ -76,11 +116,25 @@ def table() -> str:
         result = json.loads((RESULTS / name).read_text())
         source = f"`{name}` @ {result['commit'][:8]}"
         lines += service_rows(result, source) + hop_rows(result, source)
+    name = "service-overhead-7b-gw4-h200.json"
+    if (RESULTS / name).exists():
+        result = json.loads((RESULTS / name).read_text())
+        lines += service_rows(result, f"`{name}` @ {result['commit'][:8]}")
     sync, asyn = RESULTS / "profile-core-sync-h200.json", RESULTS / "profile-core-async-h200.json"
     if sync.exists() and asyn.exists():
         s = json.loads(sync.read_text())
         lines.append(profile_row(s, json.loads(asyn.read_text()),
                                  f"`{sync.name}`, `{asyn.name}` @ {s['commit'][:8]}"))
+    for arm in ("inline", "overlap"):
+        path = RESULTS / f"engine-speed-{arm}-h200.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            arm_name = "in line" if arm == "inline" else "on a second stream"
+            lines += engine_rows(result, arm_name, f"`{path.name}` @ {result['commit'][:8]}")
+    path = RESULTS / "churn-h200.json"
+    if path.exists():
+        result = json.loads(path.read_text())
+        lines += churn_rows(result, f"`{path.name}` @ {result['commit'][:8]}")
     return "\n".join([*lines, END])
 
 
