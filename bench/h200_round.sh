@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The last device call of a session on 2 H200s (kind nvidia-h200-x2), every step under its own
-# time limit, results packed into one archive (the device returns only a few files):
+# The last device call of a session on 2 H200s (kind nvidia-h200-x2): every step under its own
+# time limit and all under one deadline (BUDGET_S from the start; a step that would not fit is
+# skipped and logged), results packed into one archive (the device returns a few files only).
 #   1. tensor parallelism (both GPUs): bench/tp_h200.sh with $TP_ENV (issue 16);
-#   2. two lanes side by side, one GPU each, nothing else on that GPU:
-#      GPU 0: service overhead at 256 streams with a 4-process gateway (issue 12), then one
-#             adapter vs base and the decode-step floor with LoRA in line (issue 15);
-#      GPU 1: adapter churn (coldttft, churndisk, churn; issue 15), then the same engine step
-#             with LoRA on a second stream (each arm's ratio is against its own base run on
-#             its own GPU, so the arms compare without sharing a GPU).
+#   2. two lanes side by side, one GPU each, nothing else on that GPU, in priority order:
+#      GPU 0: gpu_suite part A (GPU-only tests, numerics; issue 13), then one adapter vs base
+#             and the decode-step floor with LoRA in line, then with LoRA on a second stream
+#             (issue 15; the same GPU, one after the other);
+#      GPU 1: gpu_suite part B (7B/8B shapes vs HF under churn; issue 13), adapter churn
+#             (coldttft, churndisk, churn; issue 15), then the service path at 256 streams with
+#             a 4-process gateway (issue 12).
 # Run from the root of a clean export with the wheels in .whl and SLORA_COMMIT exported:
-#   SLORA_COMMIT=<sha> OUT=$OUT bash bench/h200_round.sh
+#   SLORA_COMMIT=<sha> OUT=$OUT TP_ENV="PARTS=7b ..." bash bench/h200_round.sh
 set -u
 OUT=${OUT:-/tmp/round}
 mkdir -p "$OUT"
@@ -18,11 +20,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 export SLORA_COMMIT=${SLORA_COMMIT:?export SLORA_COMMIT (the device copy has no .git)}
 STEP_LOG=$OUT/steps.log
-step() {  # step NAME LIMIT CMD...: CMD under LIMIT seconds, its exit status and time logged
-    local name=$1 limit=$2 t0=$SECONDS
+DEADLINE=$((SECONDS + ${BUDGET_S:-500}))
+step() {  # step NAME LIMIT CMD...: CMD under min(LIMIT, time to the deadline), logged
+    local name=$1 limit=$2 t0=$SECONDS left=$((DEADLINE - SECONDS - 15))
     shift 2
+    if [ "$left" -lt 30 ]; then
+        echo "$name skipped: ${left}s left before the deadline" >>"$STEP_LOG"
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
     timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-    echo "$name rc=$? ${SECONDS}s (took $((SECONDS - t0))s)" >>"$STEP_LOG"
+    echo "$name rc=$? limit=${limit}s at=${SECONDS}s took=$((SECONDS - t0))s" >>"$STEP_LOG"
 }
 engine_arm() {  # engine_arm NAME [--lora-overlap]
     step "engine-$1" "${ENGINE_S:-80}" python3 -m bench.serving --shape llama2-7b \
@@ -35,25 +43,30 @@ engine_arm() {  # engine_arm NAME [--lora-overlap]
 
 lane0() {
     export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8
+    step suite-A "${SUITE_A_S:-190}" env OMP_NUM_THREADS=2 PART_LIMIT_S="${SUITE_A_PART_S:-160}" OUT="$OUT/A" \
+        NUMERICS_ARGS="--modes eager ops all_graphs guard all_graphs_async" \
+        bash bench/gpu_suite.sh A
+    engine_arm inline
+    engine_arm overlap --lora-overlap
+}
+lane1() {
+    export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8
+    step suite-B "${SUITE_B_S:-120}" env PART_LIMIT_S="${SUITE_B_PART_S:-100}" OUT="$OUT/B" \
+        bash bench/gpu_suite.sh B
+    step churn "${CHURN_S:-210}" python3 -m bench.serving --shape llama2-7b --device cuda \
+        --dtype float16 --arena-gb 32 --scenarios coldttft,churndisk,churn \
+        --many-adapters 2000 --churn-requests 600 --churn-disk-requests 200 --churn-rate 60 \
+        --churn-disk-dir /tmp --out "$OUT/churn-h200.json"
     step service "${SERVICE_S:-140}" python3 -m bench.service_overhead --device cuda \
         --dtype float16 --shape llama2-7b --num-pages 2400 --max-model-len 256 \
         --concurrency 256 --requests-per-stream 2 --new-tokens 64 --client-procs 4 --http \
         --repeats 2 --gateway-procs 4 --client-channels 8 \
         --out "$OUT/service-overhead-7b-gw4-h200.json"
-    engine_arm inline
-}
-lane1() {
-    export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8
-    step churn "${CHURN_S:-210}" python3 -m bench.serving --shape llama2-7b --device cuda \
-        --dtype float16 --arena-gb 32 --scenarios coldttft,churndisk,churn \
-        --many-adapters 2000 --churn-requests 600 --churn-disk-requests 200 --churn-rate 60 \
-        --churn-disk-dir /tmp --out "$OUT/churn-h200.json"
-    engine_arm overlap --lora-overlap
 }
 lane0 &
 lane1 &
 wait
 cat "$STEP_LOG"
-grep -h "^== \|throughput_ratio\|ttft_p50" "$OUT"/*.log | cut -c1-300 | tail -30
+grep -h "^== " "$OUT"/*.log | cut -c1-400 | tail -20
 tar czf /tmp/round.tgz -C "$OUT" . && mv /tmp/round.tgz "$OUT/round.tgz"
 find "$OUT" -mindepth 1 -not -name round.tgz -not -name steps.log -delete
