@@ -7,9 +7,9 @@
 #      GPU 0: gpu_suite part A (GPU-only tests, numerics; issue 13), then one adapter vs base
 #             and the decode-step floor with LoRA in line, then with LoRA on a second stream
 #             (issue 15; the same GPU, one after the other);
-#      GPU 1: gpu_suite part B (7B/8B shapes vs HF under churn; issue 13), adapter churn
-#             (coldttft, churndisk, churn; issue 15), then the service path at 256 streams with
-#             a 4-process gateway (issue 12).
+#      GPU 1: gpu_suite part B (7B/8B shapes vs HF under churn; issue 13), the service path
+#             at 64 and 256 streams with a 4-process gateway (issue 12), then adapter churn
+#             (coldttft, churndisk, churn; issue 15).
 # Run from the root of a clean export with the wheels in .whl and SLORA_COMMIT exported:
 #   SLORA_COMMIT=<sha> OUT=$OUT TP_ENV="PARTS=7b ..." bash bench/h200_round.sh
 set -u
@@ -53,15 +53,15 @@ lane1() {
     export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8
     step suite-B "${SUITE_B_S:-120}" env PART_LIMIT_S="${SUITE_B_PART_S:-100}" OUT="$OUT/B" \
         bash bench/gpu_suite.sh B
+    step service "${SERVICE_S:-190}" python3 -m bench.service_overhead --device cuda \
+        --dtype float16 --shape llama2-7b --num-pages 2400 --max-model-len 256 \
+        --concurrency 64,256 --requests-per-stream 2 --new-tokens 64 --client-procs 4 --http \
+        --repeats 2 --gateway-procs 4 --client-channels 8 \
+        --out "$OUT/service-overhead-7b-gw4-h200.json"
     step churn "${CHURN_S:-210}" python3 -m bench.serving --shape llama2-7b --device cuda \
         --dtype float16 --arena-gb 32 --scenarios coldttft,churndisk,churn \
         --many-adapters 2000 --churn-requests 600 --churn-disk-requests 200 --churn-rate 60 \
         --churn-disk-dir /tmp --out "$OUT/churn-h200.json"
-    step service "${SERVICE_S:-140}" python3 -m bench.service_overhead --device cuda \
-        --dtype float16 --shape llama2-7b --num-pages 2400 --max-model-len 256 \
-        --concurrency 256 --requests-per-stream 2 --new-tokens 64 --client-procs 4 --http \
-        --repeats 2 --gateway-procs 4 --client-channels 8 \
-        --out "$OUT/service-overhead-7b-gw4-h200.json"
 }
 lane0 &
 lane1 &
