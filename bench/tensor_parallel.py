@@ -17,6 +17,11 @@ finishes, with the commit, the command and the GPUs.
     python -m bench.tensor_parallel --part 7b --out-dir $OUT
     python -m bench.tensor_parallel --part 70b --out-dir $OUT
     python -m bench.tensor_parallel --smoke --part all --out-dir /tmp/tp   # CPU, gloo, tiny
+
+Every phase logs a timestamped line (stderr), so a run cut short by its time limit says where
+it stopped. `--engines` picks the 7b part's engines and their order (`--engines tp2 tp1_eager`:
+TP=2 before any TP=1 engine touched the GPU); `--check-arena` shrinks each engine's arena for
+the correctness requests so that they evict adapters and are preempted.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
+import os
 import sys
 import tempfile
 import time
@@ -35,7 +42,7 @@ import numpy as np
 import torch
 
 from bench.numerics_common import ALL_LINEAR, AdapterSpec, EngineRun, run_engine, write_adapters
-from bench.replay import pct, replay, unwrap_lora, warm
+from bench.replay import pct, replay, warm
 from bench.run_record import run_record
 from bench.tp_reference import against_hf, hf_random_model, tp_vs_tp1, with_adapters
 from bench.workload import WorkloadSpec, generate
@@ -62,7 +69,13 @@ CHECK_ADAPTERS = [AdapterSpec("attn-r16", 16, 32, ATTN), AdapterSpec("all-r16", 
                   AdapterSpec("qv-r8", 8, 16, ("q_proj", "v_proj")),
                   AdapterSpec("rs-all-r32", 32, 64, ALL_LINEAR, rslora=True)]
 MAX_MODEL_LEN = 1100
+ENGINES = ("tp1_eager", "tp1_graphs", "tp2", "tp2_graphs")
 Requests = list[tuple[str, list[int], str | None]]
+log = logging.getLogger("bench.tensor_parallel")
+
+
+def phase(t0: float, what: str) -> None:
+    log.info("%6.1f s  %s", time.perf_counter() - t0, what)
 
 
 def model_config(shape: str, layers: int | None) -> ModelConfig:
@@ -101,7 +114,23 @@ def record(args: argparse.Namespace, cfg: ModelConfig, shape: str) -> dict[str, 
 def save(path: Path, report: dict[str, Any], t0: float) -> None:
     report["seconds"] = time.perf_counter() - t0
     path.write_text(json.dumps(report, indent=1, default=str))
-    print(f"{report['seconds']:.0f} s: wrote {path}", flush=True)
+    phase(t0, f"wrote {path}")
+
+
+def hold_pages(engine: LLMEngine, reqs: Requests, new_tokens: int, scale: float) -> list[int]:
+    """Take all but `scale` x the largest single request's pages (KV at its longest + its
+    adapter + one more adapter) out of rank 0's free list, so that `reqs` evict adapters and get
+    preempted; the other ranks follow rank 0's page numbers. Give them back with pool.free."""
+    if scale <= 0:
+        return []
+    sched, adapters = engine.scheduler, engine.adapters
+    pages = [adapters.get(a).layout.num_pages if a else 0 for _, _, a in reqs]
+    need = max(sched.blocks_for(len(p) + new_tokens) + n
+               for (_, p, _), n in zip(reqs, pages, strict=True))
+    budget = int(scale * (need + max(pages)))
+    held, evicted = engine.pool.allocate(max(0, engine.pool.num_free - budget))
+    assert not evicted, "pages are held before any adapter is resident"
+    return held
 
 
 def check_requests(vocab: int, adapters: list[str], lengths: list[int]) -> Requests:
@@ -135,15 +164,19 @@ def timed_replay(engine: LLMEngine, work: list[Any], cfg: ModelConfig, n_adapter
     return res
 
 
-def part_7b(args: argparse.Namespace, out: Path) -> None:
+def part_7b(args: argparse.Namespace, out: Path) -> bool:
+    """True when every engine ran (a failure is recorded in both JSONs and logged)."""
     t0 = time.perf_counter()
     cfg, dtype = model_config(args.shape, args.layers), parse_dtype(args.dtype)
     weights, cuda = RandomWeights(cfg, seed=0), args.device.startswith("cuda")
     dev0 = "cuda:0" if cuda else "cpu"
     check: dict[str, Any] = {**record(args, cfg, args.shape), "new_tokens": args.new_tokens,
-                             "adapters": [asdict(a) for a in CHECK_ADAPTERS]}
+                             "adapters": [asdict(a) for a in CHECK_ADAPTERS],
+                             "engines": args.engines, "check_arena_scale": args.check_arena}
     speed: dict[str, Any] = {**record(args, cfg, args.shape), "runs": {}}
+    phase(t0, "7b: building the HF model")
     hf = hf_random_model(weights, dtype, dev0)
+    phase(t0, "7b: writing the peft adapters")
     dirs = write_adapters(hf, CHECK_ADAPTERS, Path(tempfile.mkdtemp()), seed=2)
     reqs = check_requests(cfg.vocab_size, list(dirs), args.prompt_lens)
     spec = WorkloadSpec(num_adapters=args.adapters, num_requests=args.requests,
@@ -152,6 +185,7 @@ def part_7b(args: argparse.Namespace, out: Path) -> None:
     speed["workload"] = asdict(spec)
     work = generate(spec)
     runs: dict[str, EngineRun] = {}
+    phase(t0, "7b: loading the adapters into peft")
     hf_peft = with_adapters(hf, dirs)  # peft injects its layers in place: hf is this now
     check_path = out / f"tp-correctness-{args.tag}.json"
     speed_path = out / f"tp-throughput-{args.tag}.json"
@@ -161,40 +195,59 @@ def part_7b(args: argparse.Namespace, out: Path) -> None:
         for name, path in dirs.items():
             engine.register_adapter(name, path)
         add_workload_adapters(engine, cfg, dtype, args.adapters, args.adapters)
+        held = hold_pages(engine, reqs, args.new_tokens, args.check_arena)
+        check.setdefault("check_arena_pages", {})[label] = engine.pool.num_free
+        phase(t0, f"7b {label}: {len(reqs)} check requests, {engine.pool.num_free} pages")
         runs[label] = run = run_engine(engine, reqs, args.new_tokens)
+        engine.pool.free(held)
+        phase(t0, f"7b {label}: comparing with HF")
         check.setdefault("vs_hf_same_dtype", {})[label] = against_hf(run, hf_peft, reqs)
         check.setdefault("stats", {})[label] = run.stats
-        if label.startswith("tp2"):
-            check.update({f"{label}_vs_{k}": tp_vs_tp1(run, runs[k]) for k in runs
+        for tp2 in (k for k in runs if k.startswith("tp2")):
+            check.update({f"{tp2}_vs_{k}": tp_vs_tp1(runs[tp2], runs[k]) for k in runs
                           if k.startswith("tp1")})
         save(check_path, check, t0)
+        phase(t0, f"7b {label}: timed workload of {len(work)} requests")
         speed["runs"][label] = timed_replay(engine, work, cfg, args.adapters, label, cuda)
-        save(speed_path, speed, t0)
-
-    model = random_model_shard(weights, TPShard(cfg, 0, 1), dtype, dev0, TPGroup(0, 1))
-    for label, graphs in [("tp1_eager", False), ("tp1_graphs", True)][: 2 if cuda else 1]:
-        unwrap_lora(model)
-        serve(LLMEngine(model, cfg, None, engine_config(args, cfg, 1, cuda_graphs=graphs)),
-              label)
-        gc.collect()
-    del model
-    gc.collect()
-    torch.cuda.empty_cache() if cuda else None
-    for label, graphs in [("tp2", False), ("tp2_graphs", True)][: 2 if cuda else 1]:
-        try:
-            tp = start_tp_engine(weights, engine_config(args, cfg, 2, cuda_graphs=graphs),
-                                 detokenize=False, cuda_graphs=graphs)
-            try:
-                serve(tp, label)
-            finally:
-                tp.close()
-        except Exception as e:  # graphs under TP are new: record a failure, keep the rest
-            speed["runs"][label] = check[f"{label}_error"] = f"{type(e).__name__}: {e}"[:2000]
-            save(check_path, check, t0)
-            if label == "tp2":
-                raise
         ratios(speed)
         save(speed_path, speed, t0)
+
+    ok = True
+    for label in args.engines:
+        graphs = label.endswith("graphs")
+        try:
+            if label.startswith("tp1"):
+                phase(t0, f"7b {label}: building the engine")
+                model = random_model_shard(weights, TPShard(cfg, 0, 1), dtype, dev0,
+                                           TPGroup(0, 1))
+                engine = LLMEngine(model, cfg, None,
+                                   engine_config(args, cfg, 1, cuda_graphs=graphs))
+                del model  # the engine's only: freed with it
+                serve(engine, label)
+                del engine
+            else:
+                phase(t0, f"7b {label}: starting the ranks")
+                tp = start_tp_engine(weights, engine_config(args, cfg, 2, cuda_graphs=graphs),
+                                     detokenize=False, cuda_graphs=graphs,
+                                     timeout_s=args.collective_timeout)
+                try:
+                    serve(tp, label)
+                except BaseException:
+                    log.exception("7b %s failed (closing the engine next)", label)
+                    raise
+                finally:
+                    phase(t0, f"7b {label}: closing")
+                    tp.close()
+                    phase(t0, f"7b {label}: closed")
+        except Exception as e:  # record the failure, run the other engines
+            log.exception("7b %s failed", label)
+            ok = False
+            speed["runs"][label] = check[f"{label}_error"] = f"{type(e).__name__}: {e}"[:2000]
+            save(check_path, check, t0)
+            save(speed_path, speed, t0)
+        gc.collect()  # one engine's weights on the GPU at a time
+        torch.cuda.empty_cache() if cuda else None
+    return ok
 
 
 def ratios(speed: dict[str, Any]) -> None:
@@ -206,7 +259,7 @@ def ratios(speed: dict[str, Any]) -> None:
             speed[f"{tp2}_over_{tp1}"] = runs[tp2] / runs[tp1]
 
 
-def part_70b(args: argparse.Namespace, out: Path) -> None:
+def part_70b(args: argparse.Namespace, out: Path) -> bool:
     t0 = time.perf_counter()
     cfg, dtype = model_config(args.big_shape, args.big_layers), parse_dtype(args.dtype)
     report: dict[str, Any] = record(args, cfg, args.big_shape)
@@ -215,23 +268,35 @@ def part_70b(args: argparse.Namespace, out: Path) -> None:
                         vocab_size=cfg.vocab_size, input_range=(8, args.max_input),
                         output_range=(8, args.max_output), seed=4)
     report.update(workload=asdict(spec), adapter_weight_sets=args.weight_sets)
+    phase(t0, "70b: starting the ranks")
     engine = start_tp_engine(RandomWeights(cfg, seed=0),
-                             engine_config(args, cfg, 2, max_rank=16), detokenize=False)
+                             engine_config(args, cfg, 2, max_rank=16), detokenize=False,
+                             timeout_s=args.collective_timeout)
     path = out / f"tp-70b-{args.tag}.json"
     try:
         report["engine_start_s"] = time.perf_counter() - t0
+        phase(t0, f"70b: adding {args.big_adapters} adapters")
         add_workload_adapters(engine, cfg, dtype, args.big_adapters, args.weight_sets)
         report.update(num_pages=engine.config.num_pages,
                       adapters_added_s=time.perf_counter() - t0)
         save(path, report, t0)  # a run cut short still says how far it got
+        phase(t0, f"70b: warm-up and {spec.num_requests} requests")
         res = timed_replay(engine, generate(spec), cfg, args.big_adapters, "70b-tp2",
                            args.device.startswith("cuda"))
         report["run"] = res
         if args.device.startswith("cuda"):
             report["rank0_max_memory_gb"] = torch.cuda.max_memory_allocated(0) / 2**30
+        save(path, report, t0)  # before closing: a close that hangs loses nothing
+    except BaseException:
+        log.exception("70b failed (closing the engine next)")
+        raise
     finally:
+        phase(t0, "70b: closing")
         engine.close()
+        phase(t0, "70b: closed")
+    report["close_s"] = time.perf_counter() - t0 - report["seconds"]
     save(path, report, t0)
+    return True
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -259,6 +324,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--weight-sets", type=int, default=4)
     p.add_argument("--big-requests", type=int, default=300)
     p.add_argument("--rate", type=float, default=5.0, help="70b part: Poisson arrivals/s")
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=None,
+                   help="7b part: engines in run order (default: all four, TP=1 first)")
+    p.add_argument("--check-arena", type=float, default=1.5,
+                   help="7b check requests get this many times the largest request's pages "
+                        "(0: the whole arena)")
+    p.add_argument("--collective-timeout", type=float, default=600.0,
+                   help="seconds a TP collective may wait before NCCL's watchdog ends the run")
     args = p.parse_args(argv)
     if args.smoke:
         args.__dict__.update(device="cpu", dtype="float32", shape="tiny", big_shape="tiny-gqa",
@@ -266,6 +338,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              max_input=24, max_output=10, max_num_seqs=8, arena_gb=0.01,
                              big_adapters=20, weight_sets=2, big_requests=8, rate=40.0,
                              tag="smoke")
+    if args.engines is None:
+        args.engines = list(ENGINES if args.device.startswith("cuda")
+                            else ("tp1_eager", "tp2"))
     return args
 
 
@@ -275,12 +350,29 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.device.startswith("cuda"):
         torch.cuda.set_device(0)  # TP=1 runs and TP rank 0 on cuda:0
+    ok = True
     if args.part in ("7b", "all"):
-        part_7b(args, out)
+        ok &= part_7b(args, out)
     if args.part in ("70b", "all"):
-        part_70b(args, out)
-    return 0
+        ok &= part_70b(args, out)
+    return 0 if ok else 1
+
+
+def run_and_exit() -> None:
+    """main(), then exit without interpreter teardown: a process group that could not be
+    destroyed (logged by TPGroup.leave) can hang it, and every result is saved by then."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = main()
+    except BaseException:
+        log.exception("failed")
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit()

@@ -10,12 +10,24 @@
 #   SLORA_COMMIT=$(git rev-parse HEAD) OUT=/tmp/out bash bench/tp_h200.sh
 #   PARTS=70b LIMIT_70B=540 bash bench/tp_h200.sh      # one part alone, all the call's time
 #   SMOKE=1 OUT=/tmp/tp bash bench/tp_h200.sh            # CPU, gloo, tiny shapes (the test)
+#   SHORT=1 bash bench/tp_h200.sh   # 240 s in all: 7b = TP=2 then TP=1, eager only, 48 timed
+#                                   # requests; 70b = 150 requests (see the SHORT defaults)
+# Each part logs a timestamped line per phase; every JSON is written as its phase ends.
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=${TRITON_INTERPRET:-0}
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PY=${PY:-python3}
+if [ "${SHORT:-0}" = 1 ]; then
+    # TP=2 first, before a TP=1 engine or a timed run used the GPU; a collective stuck for
+    # 60 s ends the part through NCCL's watchdog, with a message, instead of its time limit.
+    PARTS=${PARTS:-7b 70b}
+    LIMIT_7B=${LIMIT_7B:-95}
+    LIMIT_70B=${LIMIT_70B:-135}
+    ARGS_7B=${ARGS_7B:---engines tp2 tp1_eager --requests 48 --collective-timeout 60}
+    ARGS_70B=${ARGS_70B:---big-requests 150 --weight-sets 2 --collective-timeout 90}
+fi
 # 70b first: its JSON is written once its run ends, while the 7b part writes as it goes (a 7b
 # part cut short loses only its last runs, TP=2 with CUDA graphs first).
 PARTS=${PARTS:-70b 7b}
@@ -36,10 +48,12 @@ for part in $PARTS; do
     esac
     start=$(date +%s)
     # shellcheck disable=SC2086  # SMOKE_FLAG and extra are word lists
-    timeout "$limit" "$PY" -m bench.tensor_parallel $SMOKE_FLAG --part "$part" --out-dir "$OUT" \
-        $extra >"$OUT/tp-$part.log" 2>&1
+    # SIGTERM at the limit, SIGKILL 5 s later if NCCL keeps the process from dying; the rank
+    # processes die with it (PR_SET_PDEATHSIG, slora_core/tp/launch.py).
+    timeout -k 5 "$limit" "$PY" -m bench.tensor_parallel $SMOKE_FLAG --part "$part" \
+        --out-dir "$OUT" $extra >"$OUT/tp-$part.log" 2>&1
     echo "$? $(( $(date +%s) - start ))" >"$OUT/.rc-$part"
-    tr "\r" "\n" <"$OUT/tp-$part.log" | grep -v "it/s]\|s/it]\|Warning\|warnings.warn" | tail -5
+    tr "\r" "\n" <"$OUT/tp-$part.log" | grep -v "it/s]\|s/it]\|Warning\|warnings.warn" | tail -8
 done
 
 "$PY" - "$OUT" "$PARTS" "${SMOKE:-0}" <<'PYEOF'
@@ -55,7 +69,8 @@ for p in parts:
     except (OSError, ValueError):
         status[p] = {"rc": None}
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus else None
-report = {"commit": os.environ.get("SLORA_COMMIT"), "command": "bash bench/tp_h200.sh",
+command = ("SHORT=1 " if os.environ.get("SHORT") == "1" else "") + "bash bench/tp_h200.sh"
+report = {"commit": os.environ.get("SLORA_COMMIT"), "command": command,
           "parts": status, "gpus": gpus, "gpu_count": len(gpus), "torch": torch.__version__,
           "nccl": nccl, "smoke": smoke}
 name = "tp-run-smoke.json" if smoke else "tp-run-h200.json"

@@ -5,6 +5,7 @@ so the other ranks apply the same ones before the step that needs them. On the o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from slora_core.tp.group import TPGroup
 from slora_core.tp.layers import parallelize_rows
 from slora_core.tp.runner import ArenaOp, TPModelRunner
 from slora_core.tp.shard import TPShard
+
+log = logging.getLogger(__name__)
 
 
 class ShardedAdapterStore(AdapterStore):
@@ -70,6 +73,7 @@ class TPEngine(LLMEngine):
             page_numel=self.arena.page_numel, capacity_bytes=config.host_cache_bytes,
             pin_memory=self.arena.pages.device.type == "cuda")
         self.worker_processes: list[Any] = []  # rank 0: the other ranks (see launch.py)
+        self._closed = False
 
     def _record(self, op: ArenaOp) -> None:
         self.tp_runner.record(op)
@@ -116,13 +120,30 @@ class TPEngine(LLMEngine):
                 self._record(("clear", rec.slot))
         return failed
 
-    def close(self) -> None:
-        """Rank 0: stop the other ranks and leave the group."""
-        if self.group.size > 1:
-            self.tp_runner.send([], stop=True)
-        for proc in self.worker_processes:
-            proc.join(timeout=30)
-        self.group.leave()
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Rank 0: stop the other ranks and leave the group, in bounded time: a rank that has
+        not exited `timeout_s` after leaving is killed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        procs = self.worker_processes
+        if self.group.size > 1 and all(p.is_alive() for p in procs):
+            try:
+                self.tp_runner.send([], stop=True)
+            except Exception:  # noqa: BLE001 (the group failed: the ranks are killed below)
+                log.exception("could not send stop to the other ranks")
+        else:  # a rank died: its peers could wait for it until the collective timeout
+            for proc in procs:
+                proc.kill()
+        # The other ranks leave as soon as they read the stop; NCCL's destroy waits for all
+        # ranks' destroy, so rank 0 leaves now, before waiting for their exit.
+        self.group.leave(timeout_s)
+        for proc in procs:
+            proc.join(timeout=timeout_s)
+            if proc.is_alive():
+                log.error("rank process %s did not exit: killed", proc.pid)
+                proc.kill()
+                proc.join(timeout=5)
 
     # ---- other ranks --------------------------------------------------------------------
     def serve(self) -> None:

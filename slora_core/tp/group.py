@@ -3,6 +3,8 @@ step broadcast need, over `torch.distributed` (gloo on CPU, NCCL on CUDA)."""
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there); the H200 image has 2.11.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,9 +41,30 @@ class TPGroup:
                                 timeout=timedelta(seconds=timeout_s), **kwargs)
         return cls(rank, size)
 
-    def leave(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def leave(self, timeout_s: float = 30.0) -> bool:
+        """Leave the group, waiting at most `timeout_s`; False when the group could not be
+        destroyed in that time (it is then left as it is: the caller should end the process).
+
+        Every rank should leave at about the same time: NCCL's destroy flushes the collectives
+        this rank started and waits for the other ranks' destroy, so it hangs for good when a
+        rank died or a collective was never matched (torch >= 2.6 no longer aborts there)."""
+        if not dist.is_initialized():
+            return True
+        done = threading.Event()
+
+        def destroy() -> None:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 (shutting down: report, go on)
+                log.exception("rank %d: destroy_process_group failed", self.rank)
+            done.set()
+
+        threading.Thread(target=destroy, name="tp-leave", daemon=True).start()
+        if done.wait(timeout_s):
+            return True
+        log.error("rank %d: the process group was not destroyed within %.0f s (a rank died "
+                  "or a collective was left unmatched)", self.rank, timeout_s)
+        return False
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place, in its own dtype (fp16/bf16 activations are

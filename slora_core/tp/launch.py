@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -26,6 +27,8 @@ from slora_core.tp.engine import TPEngine
 from slora_core.tp.group import TPGroup
 from slora_core.tp.shard import TPShard
 from slora_core.tp.weights import RandomWeights, load_model_shard, random_model_shard
+
+log = logging.getLogger(__name__)
 
 
 def start_tp_engine(model_dir: str | Path | RandomWeights, config: EngineConfig, *,
@@ -58,6 +61,7 @@ def start_tp_engine(model_dir: str | Path | RandomWeights, config: EngineConfig,
         for proc in procs:  # they would wait for rank 0's first message until the timeout
             proc.kill()
             proc.join()
+        TPGroup(0, size).leave(timeout_s=5.0)
         raise
     engine.worker_processes = procs
     return engine
@@ -90,11 +94,19 @@ def _rank_engine(rank: int, source: str | Path | RandomWeights, config: EngineCo
 def _serve_rank(rank: int, model_dir: str | Path | RandomWeights, config: EngineConfig,
                 init_method: str, timeout_s: float, rank0_pid: int) -> None:
     _die_with_rank_0(rank0_pid)
-    engine = _rank_engine(rank, model_dir, config, init_method, timeout_s, detokenize=False)
+    code = 1
     try:
-        engine.serve()
+        _rank_engine(rank, model_dir, config, init_method, timeout_s, detokenize=False).serve()
+        code = 0
+    except BaseException:
+        # Reported before leaving: a leave that waits for rank 0 must not hide why.
+        log.exception("tensor-parallel rank %d failed", rank)
     finally:
-        engine.group.leave()
+        TPGroup(rank, config.tensor_parallel_size).leave(timeout_s=30.0 if code == 0 else 5.0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # No interpreter teardown: a group that could not be destroyed can hang it.
+        os._exit(code)
 
 
 PR_SET_PDEATHSIG = 1

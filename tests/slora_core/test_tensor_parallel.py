@@ -213,3 +213,37 @@ def test_step_buffer_gives_back_the_step_inputs() -> None:
         back = inputs_from_arrays(np.concatenate([a.reshape(-1) for a in arrays]), shape)
         for f in dataclasses.fields(StepInputs):
             assert np.array_equal(getattr(back, f.name), getattr(step, f.name)), f.name
+
+
+def test_a_failing_rank_reports_before_leaving_and_close_is_bounded(
+        demo_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A rank that fails logs its traceback before it leaves the group (a leave that waits for
+    rank 0 must not hide it) and exits; rank 0's close then ends without waiting for it."""
+    import time
+
+    tp = LLMEngine.from_model_dir(demo_dir / "model",
+                                  EngineConfig(tensor_parallel_size=2, **CONFIG),
+                                  detokenize=False)
+    proc = tp.worker_processes[0]  # type: ignore[attr-defined]
+    tp.tp_runner.send([("no-such-op",)])  # type: ignore[attr-defined]
+    proc.join(timeout=30)
+    start = time.monotonic()
+    tp.close()  # type: ignore[attr-defined]
+    assert time.monotonic() - start < 10
+    assert proc.exitcode == 1
+    err = capfd.readouterr().err
+    assert "tensor-parallel rank 1 failed" in err and "unknown arena op 'no-such-op'" in err
+
+
+def test_leave_gives_up_on_a_destroy_that_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    release = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: release.wait(10))
+    try:
+        assert TPGroup(0, 2).leave(timeout_s=0.1) is False
+    finally:
+        release.set()
