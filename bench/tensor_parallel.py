@@ -237,7 +237,7 @@ def part_7b(args: argparse.Namespace, out: Path) -> bool:
                     raise
                 finally:
                     phase(t0, f"7b {label}: closing")
-                    tp.close()
+                    tp.close(timeout_s=20.0)
                     phase(t0, f"7b {label}: closed")
         except Exception as e:  # record the failure, run the other engines
             log.exception("7b %s failed", label)
@@ -292,7 +292,7 @@ def part_70b(args: argparse.Namespace, out: Path) -> bool:
         raise
     finally:
         phase(t0, "70b: closing")
-        engine.close()
+        engine.close(timeout_s=20.0)
         phase(t0, "70b: closed")
     report["close_s"] = time.perf_counter() - t0 - report["seconds"]
     save(path, report, t0)

@@ -79,7 +79,9 @@ def _rank_engine(rank: int, source: str | Path | RandomWeights, config: EngineCo
         device = f"cuda:{rank}"
         torch.cuda.set_device(rank)
         config = replace(config, device=device)
+    log.info("rank %d: joining the group on %s", rank, device)
     group = TPGroup.join(rank, config.tensor_parallel_size, init_method, device, timeout_s)
+    log.info("rank %d: joined; making its shard", rank)
     shard = TPShard(_model_config(source), rank, group.size)
     tokenizer = None
     if isinstance(source, RandomWeights):
@@ -87,16 +89,22 @@ def _rank_engine(rank: int, source: str | Path | RandomWeights, config: EngineCo
     else:
         model = load_model_shard(source, shard, config.torch_dtype, device, group)
         tokenizer = Tokenizer.from_dir(source) if rank == 0 else None
-    return TPEngine(model, shard, group, tokenizer, config,
-                    detokenize=detokenize and rank == 0)
+    engine = TPEngine(model, shard, group, tokenizer, config,
+                      detokenize=detokenize and rank == 0)
+    log.info("rank %d: engine ready", rank)
+    return engine
 
 
 def _serve_rank(rank: int, model_dir: str | Path | RandomWeights, config: EngineConfig,
                 init_method: str, timeout_s: float, rank0_pid: int) -> None:
     _die_with_rank_0(rank0_pid)
+    # This process's own log lines (rank 0's go where its caller configured), to stderr.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     code = 1
     try:
         _rank_engine(rank, model_dir, config, init_method, timeout_s, detokenize=False).serve()
+        log.info("rank %d: stopped by rank 0; leaving the group", rank)
         code = 0
     except BaseException:
         # Reported before leaving: a leave that waits for rank 0 must not hide why.
