@@ -3,6 +3,15 @@ engine step at a time through a hand-built StepContext (torch reference ops on C
 
 from __future__ import annotations
 
+import os
+
+# Kernel tests run the Triton kernels on the CPU interpreter unless TRITON_INTERPRET=0 is set
+# (on a GPU machine). Triton reads the variable when a kernel is decorated, so it is set here,
+# in the first conftest pytest loads: a test module collected before tests/kernels (tests/bench
+# imports bench scripts that import `kernels`) would otherwise fix every kernel as compiled,
+# and the CPU tests then fail with "Cannot call @triton.jit'd outside of the scope of a kernel".
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import random
 from collections.abc import Callable
 from pathlib import Path
