@@ -44,14 +44,14 @@ engine_arm() {  # engine_arm NAME [--lora-overlap]
 lane0() {
     export CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=8
     step suite-A "${SUITE_A_S:-190}" env OMP_NUM_THREADS=2 PART_LIMIT_S="${SUITE_A_PART_S:-160}" OUT="$OUT/A" \
-        NUMERICS_ARGS="--modes eager ops all_graphs guard all_graphs_async" \
+        NUMERICS_ARGS="--modes eager all_graphs all_graphs_async" \
         bash bench/gpu_suite.sh A
     engine_arm inline
     engine_arm overlap --lora-overlap
 }
 lane1() {
     export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8
-    step suite-B "${SUITE_B_S:-120}" env PART_LIMIT_S="${SUITE_B_PART_S:-100}" OUT="$OUT/B" \
+    step suite-B "${SUITE_B_S:-180}" env PART_LIMIT_S="${SUITE_B_PART_S:-160}" OUT="$OUT/B" \
         bash bench/gpu_suite.sh B
     step service "${SERVICE_S:-190}" python3 -m bench.service_overhead --device cuda \
         --dtype float16 --shape llama2-7b --num-pages 2400 --max-model-len 256 \
