@@ -271,8 +271,8 @@ def scenario_floor(b: Bench) -> dict[str, Any]:
     floor = (weights + kv + adapters) / bw
     return {"batch": batch, "context": ctx, "step_s": step_s, "bytes": {
         "weights": weights, "kv": kv, "adapters": adapters}, "copy_bandwidth_Bps": bw,
-        "floor_s": floor, "ratio_to_floor": step_s / floor, "target": 1.2,
-        "met": step_s / floor <= 1.2}
+        "floor_s": floor, "ratio_to_floor": step_s / floor, "target": 1.3,
+        "met": step_s / floor <= 1.3}
 
 
 def random_adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
