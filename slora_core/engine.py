@@ -230,6 +230,11 @@ class LLMEngine:
         """Release what the engine holds beyond its own memory (a tensor-parallel engine stops
         its other ranks); a plain engine holds nothing."""
 
+    def keepalive(self) -> None:
+        """Call when idle for a while: a tensor-parallel engine sends its other ranks an empty
+        message, so their pending receive completes before the collective timeout; a plain
+        engine does nothing."""
+
     def request_started(self, request_id: str) -> bool:
         """The request was scheduled at least once (it left the waiting queue)."""
         req = self._requests.get(request_id)

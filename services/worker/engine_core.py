@@ -39,6 +39,9 @@ BUSY_POLL_MS = 5
 PR_SET_PDEATHSIG = 1
 # How often the state sent with step outputs lists the warm adapters (heartbeats report them).
 WARM_EVERY_S = 0.5
+# An idle engine is told to keep its other ranks alive this often (tensor parallelism: their
+# pending receive must complete within the collective timeout).
+KEEPALIVE_EVERY_S = 60.0
 # Commands that parse adapter files: run on a thread so they overlap engine steps.
 BACKGROUND = ("load_adapter", "touch_adapters")
 
@@ -102,6 +105,7 @@ class EngineCore:
         self._unstarted: set[int] = set()     # rids not yet scheduled
         self._last_state: m.EngineState | None = None
         self._warm_at = -WARM_EVERY_S  # when warm_adapters was last sent
+        self._active_at = time.monotonic()  # last step or keepalive
 
     def run(self, inputs: zmq.Socket) -> None:
         while True:
@@ -118,6 +122,11 @@ class EngineCore:
             elif os.getppid() != self.parent_pid:
                 log.error("the front process is gone; exiting")
                 return
+            if busy or self.engine.has_unfinished():
+                self._active_at = time.monotonic()
+            elif time.monotonic() - self._active_at > KEEPALIVE_EVERY_S:
+                self.engine.keepalive()
+                self._active_at = time.monotonic()
 
     def _drain(self, inputs: zmq.Socket) -> bool:
         """Handle every message already waiting; False once asked to shut down."""

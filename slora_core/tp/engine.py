@@ -120,6 +120,13 @@ class TPEngine(LLMEngine):
                 self._record(("clear", rec.slot))
         return failed
 
+    def keepalive(self) -> None:
+        """Rank 0, idle: an empty message. Ranks > 0 always have a receive posted for rank 0's
+        next message, and NCCL's watchdog ends a collective that waits past the group timeout
+        (600 s), so an idle worker would lose its ranks without this."""
+        if self.group.size > 1:
+            self.tp_runner.send([])
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Rank 0: stop the other ranks and leave the group, in bounded time: a rank that has
         not exited `timeout_s` after leaving is killed. Idempotent."""
