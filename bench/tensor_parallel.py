@@ -19,18 +19,25 @@ finishes, with the commit, the command and the GPUs.
     python -m bench.tensor_parallel --smoke --part all --out-dir /tmp/tp   # CPU, gloo, tiny
 
 Every phase logs a timestamped line (stderr), so a run cut short by its time limit says where
-it stopped. `--engines` picks the 7b part's engines and their order (`--engines tp2 tp1_eager`:
-TP=2 before any TP=1 engine touched the GPU); `--check-arena` shrinks each engine's arena for
-the correctness requests so that they evict adapters and are preempted.
+it stopped; a phase (on rank 0) or a message from rank 0 (on the other ranks) that takes more
+than --stall-dump seconds prints every thread's Python stack, and again each --stall-dump
+seconds after (SIGUSR1 prints them at any time; SLORA_TP_DEBUG=1 logs each adapter or arena
+message). Keep --collective-timeout and --stall-dump well inside the part's time limit less
+its start-up (imports, HF model, ranks: ~40 s at 7B shapes), or neither fires before the
+limit kills the part. `--engines` picks the 7b part's engines and their order (`--engines tp2
+tp1_eager`: TP=2 before any TP=1 engine touched the GPU); `--check-arena` shrinks each
+engine's arena for the correctness requests so that they evict adapters and are preempted.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -72,10 +79,13 @@ MAX_MODEL_LEN = 1100
 ENGINES = ("tp1_eager", "tp1_graphs", "tp2", "tp2_graphs")
 Requests = list[tuple[str, list[int], str | None]]
 log = logging.getLogger("bench.tensor_parallel")
+STALL_DUMP_S = 0.0  # --stall-dump (main sets it)
 
 
 def phase(t0: float, what: str) -> None:
     log.info("%6.1f s  %s", time.perf_counter() - t0, what)
+    if STALL_DUMP_S > 0:  # a phase that stalls prints where this process is
+        faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
 
 
 def model_config(shape: str, layers: int | None) -> ModelConfig:
@@ -192,8 +202,10 @@ def part_7b(args: argparse.Namespace, out: Path) -> bool:
 
     def serve(engine: LLMEngine, label: str) -> None:
         """The check requests (compared and saved at once), then the timed workload."""
+        phase(t0, f"7b {label}: registering {len(dirs)} peft adapters")
         for name, path in dirs.items():
             engine.register_adapter(name, path)
+        phase(t0, f"7b {label}: adding {args.adapters} in-memory adapters")
         add_workload_adapters(engine, cfg, dtype, args.adapters, args.adapters)
         held = hold_pages(engine, reqs, args.new_tokens, args.check_arena)
         check.setdefault("check_arena_pages", {})[label] = engine.pool.num_free
@@ -229,7 +241,8 @@ def part_7b(args: argparse.Namespace, out: Path) -> bool:
                 phase(t0, f"7b {label}: starting the ranks")
                 tp = start_tp_engine(weights, engine_config(args, cfg, 2, cuda_graphs=graphs),
                                      detokenize=False, cuda_graphs=graphs,
-                                     timeout_s=args.collective_timeout)
+                                     timeout_s=args.collective_timeout,
+                                     stall_dump_s=args.stall_dump or None)
                 try:
                     serve(tp, label)
                 except BaseException:
@@ -271,7 +284,8 @@ def part_70b(args: argparse.Namespace, out: Path) -> bool:
     phase(t0, "70b: starting the ranks")
     engine = start_tp_engine(RandomWeights(cfg, seed=0),
                              engine_config(args, cfg, 2, max_rank=16), detokenize=False,
-                             timeout_s=args.collective_timeout)
+                             timeout_s=args.collective_timeout,
+                             stall_dump_s=args.stall_dump or None)
     path = out / f"tp-70b-{args.tag}.json"
     try:
         report["engine_start_s"] = time.perf_counter() - t0
@@ -331,6 +345,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "(0: the whole arena)")
     p.add_argument("--collective-timeout", type=float, default=600.0,
                    help="seconds a TP collective may wait before NCCL's watchdog ends the run")
+    p.add_argument("--stall-dump", type=float, default=30.0,
+                   help="print every thread's stack (every rank) after this many seconds "
+                        "without progress (0: never)")
     args = p.parse_args(argv)
     if args.smoke:
         args.__dict__.update(device="cpu", dtype="float32", shape="tiny", big_shape="tiny-gqa",
@@ -345,7 +362,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global STALL_DUMP_S
     args = parse(argv)
+    STALL_DUMP_S = args.stall_dump
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.device.startswith("cuda"):
@@ -363,8 +382,13 @@ def run_and_exit() -> None:
     destroyed (logged by TPGroup.leave) can hang it, and every result is saved by then."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("SLORA_TP_DEBUG") == "1":
+        logging.getLogger("slora_core.tp").setLevel(logging.DEBUG)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # where a stuck rank 0 is
     try:
         code = main()
+    except SystemExit as e:  # argparse: --help or a bad argument
+        code = e.code if isinstance(e.code, int) else 1
     except BaseException:
         log.exception("failed")
         code = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -33,13 +34,16 @@ log = logging.getLogger(__name__)
 
 def start_tp_engine(model_dir: str | Path | RandomWeights, config: EngineConfig, *,
                     detokenize: bool = True, timeout_s: float = 600.0,
-                    cuda_graphs: bool = False) -> TPEngine:
+                    cuda_graphs: bool = False, stall_dump_s: float | None = None) -> TPEngine:
     """Rank 0's engine over `config.tensor_parallel_size` ranks (one GPU each on CUDA: rank r
     uses cuda:r). `model_dir` may be `RandomWeights` instead: every rank makes its shard of
     that random model on its device, and the engine has no tokenizer. A collective that waits
     longer than `timeout_s` (a rank died) raises. Decode steps replay CUDA graphs only with
     `cuda_graphs` (and config.cuda_graphs): graphs with NCCL collectives inside are built but
-    not yet checked on GPUs, so they stay off unless asked for (bench.tensor_parallel asks)."""
+    not yet checked on GPUs, so they stay off unless asked for (bench.tensor_parallel asks).
+    `stall_dump_s`: ranks > 0 print every thread's stack when one message from rank 0 takes
+    that long (TPEngine.serve); they always print it on SIGUSR1. Set SLORA_TP_DEBUG=1 for a
+    log line per adapter or arena message on every rank."""
     size = config.tensor_parallel_size
     config = replace(config, cuda_graphs=config.cuda_graphs and cuda_graphs)
     # Refuse what TPEngine would refuse before any process starts.
@@ -51,7 +55,7 @@ def start_tp_engine(model_dir: str | Path | RandomWeights, config: EngineConfig,
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_serve_rank, daemon=True,
                          args=(rank, model_dir, config, init_method, timeout_s,
-                               os.getpid()))
+                               os.getpid(), stall_dump_s))
              for rank in range(1, size)]
     for proc in procs:
         proc.start()
@@ -96,14 +100,21 @@ def _rank_engine(rank: int, source: str | Path | RandomWeights, config: EngineCo
 
 
 def _serve_rank(rank: int, model_dir: str | Path | RandomWeights, config: EngineConfig,
-                init_method: str, timeout_s: float, rank0_pid: int) -> None:
+                init_method: str, timeout_s: float, rank0_pid: int,
+                stall_dump_s: float | None) -> None:
     _die_with_rank_0(rank0_pid)
     # This process's own log lines (rank 0's go where its caller configured), to stderr.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("SLORA_TP_DEBUG") == "1":
+        logging.getLogger("slora_core.tp").setLevel(logging.DEBUG)
+    # `kill -USR1 <pid>` prints where every thread of a stuck rank is (a blocked collective
+    # or host copy gives no traceback of its own).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = 1
     try:
-        _rank_engine(rank, model_dir, config, init_method, timeout_s, detokenize=False).serve()
+        _rank_engine(rank, model_dir, config, init_method, timeout_s,
+                     detokenize=False).serve(stall_dump_s)
         log.info("rank %d: stopped by rank 0; leaving the group", rank)
         code = 0
     except BaseException:

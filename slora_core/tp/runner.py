@@ -10,6 +10,7 @@ buffer it sent."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import astuple, dataclass, field, fields
@@ -37,6 +38,7 @@ from slora_core.tp.group import TPGroup
 ArenaOp = tuple[Any, ...]
 
 _STOP, _OPS, _STEP = 1, 2, 4
+log = logging.getLogger(__name__)
 HEADER_LEN = 2 + len(fields(StepShape))
 
 
@@ -97,6 +99,9 @@ class TPModelRunner(ModelRunner):
         sizes = astuple(shape) if shape is not None else (0,) * (HEADER_LEN - 2)
         header = pack_to_device([np.array([flags, numel, *sizes], dtype=np.int64)],
                                 self.device)
+        if ops or stop:  # rare: adapter changes, captures, shutdown
+            log.debug("rank 0: sending %d ops %s%s", len(ops), [op[0] for op in ops][:16],
+                      " and stop" if stop else "")
         self.group.broadcast_tensor(header)
         if ops:
             self.group.broadcast(ops)
