@@ -20,15 +20,20 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=${TRITON_INTERPRET:-0
 export SLORA_COMMIT=${SLORA_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 PY=${PY:-python3}
 if [ "${SHORT:-0}" = 1 ]; then
-    # TP=2 first, before a TP=1 engine or a timed run used the GPU; a collective stuck for
-    # 60 s ends the part through NCCL's watchdog, with a message, instead of its time limit.
+    # TP=2 first, before a TP=1 engine or a timed run used the GPU; a stuck collective ends
+    # the part through NCCL's watchdog, with a message, instead of its time limit.
     PARTS=${PARTS:-7b 70b}
     # One adapter weight set: each set is made on rank 0 before the run and again on rank 1
     # inside the first step (the 300-request run spent 49 s adding 1,000 adapters over four
     # sets); the kernels' speed does not depend on the values.
     LIMIT_7B=${LIMIT_7B:-100}
     LIMIT_70B=${LIMIT_70B:-135}
-    ARGS_7B=${ARGS_7B:---engines tp2 tp1_eager --requests 32 --max-output 128 --collective-timeout 60}
+    # The 7b part hung after 'engine ready' at d36bbb6 (tp-7b-h200-hang.log): a 30 s collective
+    # timeout and 20 s stall dumps fire well inside its limit, with every rank's stacks and
+    # (SLORA_TP_DEBUG) every adapter/arena message logged.
+    export SLORA_TP_DEBUG=${SLORA_TP_DEBUG:-1}
+    ARGS_7B=${ARGS_7B:---engines tp2 tp1_eager --requests 32 --max-output 128 \
+--collective-timeout 30 --stall-dump 20}
     ARGS_70B=${ARGS_70B:---big-requests 120 --weight-sets 1 --collective-timeout 90}
 fi
 # 70b first: its JSON is written once its run ends, while the 7b part writes as it goes (a 7b
