@@ -13,7 +13,6 @@ parent-pid check), like the worker's engine core.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -30,9 +29,9 @@ from pathlib import Path
 from services.common.server import bound_address
 from services.gateway.http_server import bind
 from services.gateway.main import GatewayOptions, serve_gateway
+from slora_core.process import die_with_parent
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 PARENT_CHECK_S = 1.0
 STOP_MARGIN_S = 5.0  # past the drain grace, a child still running is killed
 
@@ -83,10 +82,15 @@ def serve_processes(opts: GatewayOptions, processes: int) -> int:
 
 
 def _supervise(children: list[BaseProcess], stopping: list[int], stop_timeout_s: float) -> int:
-    sentinels = [c.sentinel for c in children]
+    by_sentinel = {c.sentinel: c for c in children}
     while not stopping:
-        if multiprocessing.connection.wait(sentinels, timeout=0.5) and not stopping:
-            dead = next(c for c in children if not c.is_alive())
+        ready = multiprocessing.connection.wait(list(by_sentinel), timeout=0.5)
+        if ready and not stopping:
+            # The child whose sentinel fired, not the first that `is_alive()` calls dead: its
+            # sentinel can fire before waitpid reaps it, and a search that found none raised
+            # here and left the parent joining the live siblings forever.
+            dead = by_sentinel[ready[0]]  # type: ignore[index]
+            dead.join(timeout=5)
             log.error("gateway process %s exited with %s; stopping the others", dead.name,
                       dead.exitcode)
             _stop_all(children, stop_timeout_s)
@@ -119,7 +123,8 @@ def run_child(opts: GatewayOptions, parent_pid: int) -> None:
     logging.basicConfig(level=os.environ.get("SLORA_LOG_LEVEL", "INFO"),
                         format=f"%(asctime)s gateway {opts.gateway_id} %(levelname)s "
                                "%(name)s: %(message)s")
-    _die_with_parent(parent_pid)
+    # SIGTERM, not SIGKILL: an orphaned child still drains its open streams.
+    die_with_parent(parent_pid, signal.SIGTERM)
     sys.exit(asyncio.run(_serve_child(opts, parent_pid)))
 
 
@@ -139,13 +144,3 @@ async def _watch_parent(parent_pid: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    # SIGTERM, not SIGKILL: an orphaned child still drains its open streams.
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:
-            log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid check")
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)

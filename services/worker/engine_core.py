@@ -11,12 +11,9 @@ keeps the GPU.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 import os
 import queue
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +26,7 @@ from services.worker.errors import to_service_error
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.outputs import ADAPTER_UNLOADABLE, DEADLINE, RequestOutput
+from slora_core.process import die_with_parent
 from slora_core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +34,6 @@ log = logging.getLogger(__name__)
 IDLE_POLL_MS = 200
 # While adapter loads run in the background, idle polls are short so their results go out soon.
 BUSY_POLL_MS = 5
-PR_SET_PDEATHSIG = 1
 # How often the state sent with step outputs lists the warm adapters (heartbeats report them).
 WARM_EVERY_S = 0.5
 # An idle engine is told to keep its other ranks alive this often (tensor parallelism: their
@@ -59,7 +56,7 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
     """Process entry point (spawned by the front)."""
     logging.basicConfig(level=spec.log_level,
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)  # SIGKILL: no orphan holding the GPU
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(spec.input_address)
@@ -79,18 +76,6 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
         inputs.close(linger=0)
         outputs.close()
         ctx.term()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the front dies (no orphan holding the GPU)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid check")
-    if os.getppid() != parent_pid:  # the front died before prctl took effect
-        os._exit(1)
 
 
 class EngineCore:

@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import faulthandler
 import logging
 import multiprocessing as mp
@@ -23,6 +21,7 @@ from pathlib import Path
 import torch
 
 from slora_core.config import ConfigError, EngineConfig, ModelConfig
+from slora_core.process import die_with_parent
 from slora_core.tokenizer import Tokenizer
 from slora_core.tp.engine import TPEngine
 from slora_core.tp.group import TPGroup
@@ -102,7 +101,7 @@ def _rank_engine(rank: int, source: str | Path | RandomWeights, config: EngineCo
 def _serve_rank(rank: int, model_dir: str | Path | RandomWeights, config: EngineConfig,
                 init_method: str, timeout_s: float, rank0_pid: int,
                 stall_dump_s: float | None) -> None:
-    _die_with_rank_0(rank0_pid)
+    die_with_parent(rank0_pid)
     # This process's own log lines (rank 0's go where its caller configured), to stderr.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -128,14 +127,3 @@ def _serve_rank(rank: int, model_dir: str | Path | RandomWeights, config: Engine
         os._exit(code)
 
 
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_rank_0(rank0_pid: int) -> None:
-    """SIGKILL this rank when rank 0 dies (say a killed engine core), instead of holding its
-    device in a collective until the group timeout."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):  # then the collective timeout ends it
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != rank0_pid:  # rank 0 died before prctl took effect
-        os._exit(1)
