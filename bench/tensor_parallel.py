@@ -51,6 +51,7 @@ import torch
 from bench.numerics_common import ALL_LINEAR, AdapterSpec, EngineRun, run_engine, write_adapters
 from bench.replay import pct, replay, warm
 from bench.run_record import run_record
+from bench.serving import SHAPES as SERVING_SHAPES
 from bench.tp_reference import against_hf, hf_random_model, tp_vs_tp1, with_adapters
 from bench.workload import WorkloadSpec, generate
 from devtools.synthetic import seeded_adapter, shared_weight_view
@@ -61,13 +62,10 @@ from slora_core.tp.launch import start_tp_engine
 from slora_core.tp.weights import RandomWeights, random_model_shard
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
+    **SERVING_SHAPES,
     "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
                        rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
     "tiny-gqa": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                      num_attention_heads=8, num_key_value_heads=2, vocab_size=1024),
 }

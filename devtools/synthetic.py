@@ -39,13 +39,7 @@ def random_adapter(
             if pin_memory:
                 a, b = a.pin_memory(), b.pin_memory()
             weights[(layer, module)] = LoraWeight(a=a, b=b, scale=alpha / rank)
-    nbytes = sum(w.a.nbytes + w.b.nbytes for w in weights.values())
-    return LoraAdapter(
-        path=f"random://rank{rank}/seed{seed}", sha256=f"random-{rank}-{seed}",
-        rank=rank, lora_alpha=alpha, use_rslora=False,
-        target_modules=tuple(m for m in LORA_MODULES if m in modules), weights=weights,
-        base_model_name_or_path=None, num_bytes=nbytes, config={"r": rank, "lora_alpha": alpha},
-    )
+    return _random_adapter_of(weights, rank, alpha, modules, seed)
 
 
 def shared_weight_view(adapter: LoraAdapter, seed: int) -> LoraAdapter:
@@ -91,6 +85,11 @@ def seeded_adapter(config: ModelConfig, rank: int, *,
     one process builds each (config, rank, modules, alpha, dtype, seed, std) once."""
     alpha = float(2 * rank if alpha is None else alpha)
     weights = _seeded_weights(config, rank, tuple(modules), alpha, dtype, seed, std)
+    return _random_adapter_of(weights, rank, alpha, modules, seed)
+
+
+def _random_adapter_of(weights: dict[tuple[int, str], LoraWeight], rank: int, alpha: float,
+                       modules: tuple[str, ...], seed: int) -> LoraAdapter:
     nbytes = sum(w.a.nbytes + w.b.nbytes for w in weights.values())
     return LoraAdapter(
         path=f"random://rank{rank}/seed{seed}", sha256=f"random-{rank}-{seed}",
