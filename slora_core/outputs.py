@@ -47,4 +47,3 @@ def nonfinite_logits_error(position: int) -> str:
 def is_nonfinite_failure(out: RequestOutput) -> bool:
     """The output ends a request that failed on non-finite logits."""
     return out.finish_reason == "error" and out.error_kind == NONFINITE
-

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -108,12 +109,16 @@ def pack_to_device(arrays: list[np.ndarray], device: torch.device) -> torch.Tens
     return host.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
-def unpack(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Views of `flat` shaped `shapes`, in order (the inverse of `pack_to_device`)."""
+Flat = TypeVar("Flat", torch.Tensor, np.ndarray)
+
+
+def unpack(flat: Flat, shapes: list[tuple[int, ...]]) -> list[Flat]:
+    """Views of `flat` (a device tensor or a host array) shaped `shapes`, in order (the inverse
+    of `pack_to_device`)."""
     out, offset = [], 0
     for shape in shapes:
         size = int(np.prod(shape))
-        out.append(flat[offset : offset + size].view(shape))
+        out.append(flat[offset : offset + size].reshape(shape))
         offset += size
     return out
 
@@ -140,10 +145,6 @@ class StepShape:
         if s:
             shapes += [(t,), (s,), (s,), (s,), (k,), (k,)]
         return shapes
-
-    @property
-    def numel(self) -> int:
-        return sum(int(np.prod(shape)) for shape in self.array_shapes())
 
 
 def step_arrays(inputs: StepInputs) -> tuple[list[np.ndarray], StepShape]:
@@ -172,11 +173,7 @@ def step_arrays(inputs: StepInputs) -> tuple[list[np.ndarray], StepShape]:
 def inputs_from_arrays(flat: np.ndarray, shape: StepShape) -> StepInputs:
     """The StepInputs whose `step_arrays` were packed into `flat` (the inverse, for a
     tensor-parallel rank that replays CUDA graphs, which fill their buffers from host arrays)."""
-    parts, offset = [], 0
-    for dims in shape.array_shapes():
-        size = int(np.prod(dims))
-        parts.append(flat[offset : offset + size].reshape(dims))
-        offset += size
+    parts = unpack(flat, shape.array_shapes())
     ids, positions, slot_mapping, logits_indices, seq_lens, query_starts, tables = parts[:7]
     empty = np.zeros(0, dtype=np.int64)
     token_slots, seg_starts, seg_lens, seg_slots = (

@@ -12,8 +12,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from slora_core.adapter_cache import AdapterStore, HostAdapter
 from slora_core.adapters import LoraAdapter
 from slora_core.config import ConfigError, EngineConfig
@@ -50,40 +48,11 @@ class ShardedAdapterStore(AdapterStore):
             self._in_memory[name] = replace(hit[1], adapter=adapter)
 
     def _prepare(self, adapter: LoraAdapter, image: bool = False) -> HostAdapter:
-        pairs = {key: self.shard.shard_lora(key[1], w.a, w.b)
-                 for key, w in adapter.weights.items()}
-        if self.pin_memory and not image:  # a file's adapter is pinned once, as its image
-            pairs = packed_pairs(pairs, pin_memory=True)
-        weights = {key: replace(adapter.weights[key], a=a, b=b) for key, (a, b) in pairs.items()}
+        weights = {}
+        for (layer, module), w in adapter.weights.items():
+            a, b = self.shard.shard_lora(module, w.a, w.b)
+            weights[(layer, module)] = replace(w, a=a, b=b)
         return super()._prepare(replace(adapter, weights=weights), image=image)
-
-
-Pairs = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-
-def packed_pairs(pairs: Pairs, *, pin_memory: bool) -> Pairs:
-    """The same (A, B) matrices as views of one new buffer (pinned with `pin_memory`): an
-    in-memory adapter then costs one page-locked allocation instead of two per module and
-    layer (the store pins each matrix it is given unless it is pinned already). On the H200s,
-    with the other rank waiting in NCCL, rank 0 took ~11 s to add one 70B-shaped r16 weight
-    set (640 matrices, tp-70b-h200.json at d36bbb6), ~17 ms a matrix: the page-locked
-    allocations are the likely cost (not yet timed alone)."""
-    tensors = [t for pair in pairs.values() for t in pair]
-    if not tensors or len({t.dtype for t in tensors}) > 1:
-        return pairs
-    buf = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype,
-                      pin_memory=pin_memory)
-    out: Pairs = {}
-    offset = 0
-    for key, pair in pairs.items():
-        views = []
-        for t in pair:
-            view = buf[offset:offset + t.numel()].view(t.shape)
-            view.copy_(t)
-            views.append(view)
-            offset += t.numel()
-        out[key] = (views[0], views[1])
-    return out
 
 
 class TPEngine(LLMEngine):

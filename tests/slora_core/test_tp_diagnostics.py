@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from slora_core.adapter_cache import packed_pairs
 from slora_core.config import EngineConfig
 from slora_core.sampling_params import SamplingParams
-from slora_core.tp.engine import packed_pairs
 from slora_core.tp.launch import start_tp_engine
 
 CONFIG = dict(num_pages=16, block_size=32, max_rank=32, max_num_seqs=4,
