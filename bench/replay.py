@@ -54,7 +54,6 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
     first: dict[int, float] = {}
     done: dict[int, float] = {}
-    ntok: dict[int, int] = {}
     distinct: list[int] = []
     tokens: dict[int, list[int]] = {}
     t0 = time.perf_counter()
@@ -80,7 +79,6 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
             i = int(out.request_id)
             if out.token_ids and i not in first:
                 first[i] = t
-            ntok[i] = ntok.get(i, 0) + len(out.token_ids)
             tokens.setdefault(i, []).extend(out.token_ids)
             if out.finished:
                 done[i] = t
@@ -90,7 +88,7 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
     arr = np.array([requests[i].arrival for i in range(len(requests))])
     ttft = np.array([first[i] for i in range(len(requests))]) - arr
     e2e = np.array([done[i] for i in range(len(requests))]) - arr
-    toks = np.array([ntok[i] for i in range(len(requests))])
+    toks = np.array([len(tokens.get(i, [])) for i in range(len(requests))])
     tpot = (e2e - ttft)[toks > 1] / (toks[toks > 1] - 1)
     return {
         "label": label, "requests": len(requests), "wall_s": wall,

@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": "float16", "device": "cuda" if torch.cuda.is_available() else "cpu",
         "max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": MAX_MODEL_LEN})
     args = p.parse_args(argv)
+    if args.overhead_repeats < 1:
+        p.error(f"--overhead-repeats must be 1 or more, got {args.overhead_repeats}")
     bench = Bench(args)
     results: dict[str, Any] = {
         "command": "python -m bench.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
