@@ -69,7 +69,9 @@ def test_queue_limit_drain_and_error_codes(demo_dir: Path, tmp_path: Path) -> No
                 t.join()
             assert codes[3] is None  # the waiting request was served during the drain
         assert rest[-1].complete.finish_reason == "length"
-        assert 1 + sum(len(r.chunk.token_ids) for r in rest[:-1]) == LONG
+        # The first chunk may carry several tokens (a stream behind the core gets them merged).
+        got = len(first.chunk.token_ids) + sum(len(r.chunk.token_ids) for r in rest[:-1])
+        assert got == LONG
         assert worker.popen.wait(30) == 0
     finally:
         worker.kill()
