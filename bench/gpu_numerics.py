@@ -6,7 +6,7 @@ intermediate channels, scaled up, into three hidden channels, calibrated in floa
 are written by peft: an rsLoRA r32 alpha 64 and an all-linear r16, both sized to move each
 layer's output by about its own size. Then, per dtype:
 
-- engine level, eager / all-graphs / asynchronous steps: 18 greedy requests (6 prompts x base
+- engine level, eager / all-graphs / asynchronous steps: 72 greedy requests (4 x 6 prompts x base
   and the two adapters); non-finite rows met (each would have been a token before the guard)
   and tokens emitted from non-finite rows (must be 0); greedy agreement with HF fp32 on the
   engine's own trajectory (teacher forced) next to HF fp16/bf16's agreement on the same
@@ -16,7 +16,7 @@ layer's output by about its own size. Then, per dtype:
   logits) against HF fp32, next to HF in the same dtype, and the first op that goes non-finite;
 - the guard (all-graphs mode): an adapter whose scale overflows and a row forced to NaN at a
   request's third token end those two requests in error with no token from a non-finite row;
-  the other 17 finish, as faithful to HF fp32 as HF's own dtype.
+  the other 71 finish, as faithful to HF fp32 as HF's own dtype.
 
 `ok` in the JSON: every piece ran, no token came from a non-finite row, every guard check held,
 and every mode was as faithful as HF (no non-finite row where HF had none, greedy agreement
@@ -107,9 +107,10 @@ def _peak_residual(model: Any, prompts: list[list[int]]) -> float:
     return max(peaks)
 
 
-def make_prompts(vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(vocab: int, seed: int, sets: int = 1) -> list[list[int]]:
+    """`sets` x six prompts of 7 to 500 random tokens (the last one is the longest)."""
     gen = torch.Generator().manual_seed(seed)
-    lengths = [7, 33, 64, 130, 257, 500]
+    lengths = [7, 33, 64, 130, 257, 500] * sets
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
@@ -225,7 +226,7 @@ def check_strength(target: float, args: argparse.Namespace, root: Path,
     as skipped instead of started."""
     device = args.device
     shape = TINY_SHAPE if args.tiny else SHAPE
-    prompts = make_prompts(shape.vocab, seed=1)
+    prompts = make_prompts(shape.vocab, seed=1, sets=1 if args.tiny else args.prompt_sets)
     if args.tiny:
         prompts = [p[:40] for p in prompts]
     base = build_base(shape, seed=0, device=device)
@@ -306,7 +307,10 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     ap.add_argument("--massive", nargs="+", type=float, default=[1e4])
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    ap.add_argument("--new-tokens", type=int, default=16)
+    # 4 sets x 6 prompts x 3 adapters x 32 tokens = 2,304 positions: with 288 (1 set, 16
+    # tokens) the agreement figures of two 16-bit runs turned on two or three near-ties.
+    ap.add_argument("--prompt-sets", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="start no piece that would end past this many seconds from start")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")

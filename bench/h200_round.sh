@@ -12,6 +12,7 @@
 #             (coldttft, churndisk, churn; issue 15).
 # Run from the root of a clean export with the wheels in .whl and SLORA_COMMIT exported:
 #   SLORA_COMMIT=<sha> OUT=$OUT TP_ENV="PARTS=7b ..." bash bench/h200_round.sh
+# SKIP="engine-inline service ..." leaves those steps out (logged).
 set -u
 OUT=${OUT:-/tmp/round}
 mkdir -p "$OUT"
@@ -24,6 +25,10 @@ DEADLINE=$((SECONDS + ${BUDGET_S:-500}))
 step() {  # step NAME LIMIT CMD...: CMD under min(LIMIT, time to the deadline), logged
     local name=$1 limit=$2 t0=$SECONDS left=$((DEADLINE - SECONDS - 15))
     shift 2
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then
+        echo "$name skipped: named in SKIP" >>"$STEP_LOG"
+        return
+    fi
     if [ "$left" -lt 30 ]; then
         echo "$name skipped: ${left}s left before the deadline" >>"$STEP_LOG"
         return
