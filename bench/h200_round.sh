@@ -2,9 +2,11 @@
 # The last device call of a session on 2 H200s (kind nvidia-h200-x2): every step under its own
 # time limit and all under one deadline (BUDGET_S from the start; a step that would not fit is
 # skipped and logged), results packed into one archive (the device returns a few files only).
+#   0. bench.host_probe (CPU counts, threads, the loader's host work);
 #   1. tensor parallelism (both GPUs): bench/tp_h200.sh with $TP_ENV (issue 16);
 #   2. two lanes side by side, one GPU each, nothing else on that GPU, in priority order:
-#      GPU 0: gpu_suite part A (GPU-only tests, numerics; issue 13), then one adapter vs base
+#      GPU 0: gpu_suite part A (GPU-only tests, numerics; issue 13), bench.gpu_numerics
+#             alone, then one adapter vs base
 #             and the decode-step floor with LoRA in line, then with LoRA on a second stream
 #             (issue 15; the same GPU, one after the other);
 #      GPU 1: gpu_suite part B (7B/8B shapes vs HF under churn; issue 13), the service path
@@ -43,6 +45,7 @@ engine_arm() {  # engine_arm NAME [--lora-overlap]
         --overhead-repeats 3 "${@:2}" --out "$OUT/engine-speed-$1-h200.json"
 }
 
+step probe 90 python3 -m bench.host_probe --out "$OUT/host-probe-h200.json"
 # shellcheck disable=SC2086  # TP_ENV is a list of VAR=value words
 [ -n "${TP_ENV+x}" ] && step tp "${TP_S:-230}" env $TP_ENV OUT="$OUT/tp" bash bench/tp_h200.sh
 
@@ -51,6 +54,9 @@ lane0() {
     step suite-A "${SUITE_A_S:-190}" env OMP_NUM_THREADS=2 PART_LIMIT_S="${SUITE_A_PART_S:-160}" OUT="$OUT/A" \
         NUMERICS_ARGS="--modes eager all_graphs all_graphs_async" \
         bash bench/gpu_suite.sh A
+    # The numerics part alone (suite-A runs it beside 8 pytest shards), for a re-run.
+    step numerics "${NUMERICS_S:-330}" python3 -m bench.gpu_numerics \
+        --budget-s "$((${NUMERICS_S:-330} - 30))" --out "$OUT/gpu-numerics-h200.json"
     engine_arm inline
     engine_arm overlap --lora-overlap
 }

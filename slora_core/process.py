@@ -24,3 +24,30 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
             log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid check")
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity set, cut to the cgroup v2 quota if one is
+    set (a container can see every core of its host and be allowed a few)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def share_cpu_threads(processes: int) -> None:
+    """torch's CPU thread pool sized to this process's share of the usable CPUs, when the
+    user set no OMP_NUM_THREADS. torch's default is every core the process can see, per
+    process: N engine processes on one host then oversubscribe the cores, and idle threads
+    spinning for work slow the host-side work (adapter loads, input building) many times."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), usable_cpus() // processes)))

@@ -26,7 +26,7 @@ from services.worker.errors import to_service_error
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.outputs import ADAPTER_UNLOADABLE, DEADLINE, RequestOutput
-from slora_core.process import die_with_parent
+from slora_core.process import die_with_parent, share_cpu_threads
 from slora_core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
     logging.basicConfig(level=spec.log_level,
                         format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     die_with_parent(parent_pid)  # SIGKILL: no orphan holding the GPU
+    share_cpu_threads(1)  # the host may grant fewer cores than it shows
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(spec.input_address)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from slora_core.config import ConfigError, EngineConfig, ModelConfig
-from slora_core.process import die_with_parent
+from slora_core.process import die_with_parent, share_cpu_threads
 from slora_core.tokenizer import Tokenizer
 from slora_core.tp.engine import TPEngine
 from slora_core.tp.group import TPGroup
@@ -76,6 +76,7 @@ def _model_config(source: str | Path | RandomWeights) -> ModelConfig:
 
 def _rank_engine(rank: int, source: str | Path | RandomWeights, config: EngineConfig,
                  init_method: str, timeout_s: float, detokenize: bool) -> TPEngine:
+    share_cpu_threads(config.tensor_parallel_size)
     device = config.device
     if torch.device(device).type == "cuda":
         # Before the group is joined: NCCL binds each rank to the current device.
