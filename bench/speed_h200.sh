@@ -28,7 +28,7 @@ if [[ $STEPS == *,engine,* ]]; then
             | grep -v "it/s]\|s/it]" | grep "^==" | tail -2
     done
 fi
-# The disk-tier churn last: its first run hit an illegal memory access (churn-h200-failed.json).
+# The disk-tier churn last: its first run hit an illegal memory access (fixed since; git log).
 [[ $STEPS == *,serve,* ]] && timeout "${SERVE_S:-200}" python3 -m bench.serving \
     --shape llama2-7b --device cuda --dtype float16 --arena-gb "${ARENA_GB:-32}" \
     --scenarios "${SCENARIOS:-churn,coldttft,churndisk}" --many-adapters 2000 \

@@ -52,7 +52,13 @@ from bench.numerics_common import ALL_LINEAR, AdapterSpec, EngineRun, run_engine
 from bench.replay import pct, replay, warm
 from bench.run_record import run_record
 from bench.serving import SHAPES as SERVING_SHAPES
-from bench.tp_reference import against_hf, hf_random_model, tp_vs_tp1, with_adapters
+from bench.tp_reference import (
+    against_hf,
+    against_hf_fp32,
+    hf_random_model,
+    tp_vs_tp1,
+    with_adapters,
+)
 from bench.workload import WorkloadSpec, generate
 from devtools.synthetic import seeded_adapter, shared_weight_view
 from slora_core.config import EngineConfig, ModelConfig, parse_dtype
@@ -258,6 +264,11 @@ def part_7b(args: argparse.Namespace, out: Path) -> bool:
             save(speed_path, speed, t0)
         gc.collect()  # one engine's weights on the GPU at a time
         torch.cuda.empty_cache() if cuda else None
+    if runs:
+        # Last: the HF model turns float32 here (the engines are gone; 27 GB at 7B shapes).
+        phase(t0, f"7b: {', '.join(runs)} against HF float32, beside HF {args.dtype}'s own")
+        check["vs_hf_fp32"] = against_hf_fp32(runs, hf_peft, reqs)
+        save(check_path, check, t0)
     return ok
 
 

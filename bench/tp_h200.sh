@@ -28,9 +28,11 @@ if [ "${SHORT:-0}" = 1 ]; then
     # sets); the kernels' speed does not depend on the values.
     LIMIT_7B=${LIMIT_7B:-100}
     LIMIT_70B=${LIMIT_70B:-135}
-    # The 7b part hung after 'engine ready' at d36bbb6 (tp-7b-h200-hang.log): a 30 s collective
-    # timeout and 20 s stall dumps fire well inside its limit, with every rank's stacks and
-    # (SLORA_TP_DEBUG) every adapter/arena message logged.
+    # The 7b part once stalled after 'engine ready' (rank 0 in the adapter loader's casts for
+    # over 80 s with torch's 32 threads in each rank's process; 1.5 s since each rank takes its
+    # share, slora_core.process.share_cpu_threads): a 30 s collective timeout and 20 s stall
+    # dumps fire well inside its limit, with every rank's stacks and (SLORA_TP_DEBUG) every
+    # adapter/arena message logged.
     export SLORA_TP_DEBUG=${SLORA_TP_DEBUG:-1}
     ARGS_7B=${ARGS_7B:---engines tp2 tp1_eager --requests 32 --max-output 128 \
 --collective-timeout 30 --stall-dump 20}

@@ -11,7 +11,13 @@ import torch
 from peft import PeftModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.numerics_common import EngineRun, hf_logits, rel_err
+from bench.numerics_common import (
+    EngineRun,
+    agreement_verdict,
+    disagreements,
+    hf_logits,
+    rel_err,
+)
 from slora_core.tp.weights import RandomWeights, random_checkpoint_tensor
 from slora_core.weights import checkpoint_shapes
 
@@ -90,3 +96,39 @@ def tp_vs_tp1(tp: EngineRun, tp1: EngineRun) -> dict[str, Any]:
     return {"requests": len(tp1.tokens), "requests_with_equal_tokens": equal,
             "positions_before_first_difference": same, "positions": total,
             "first_difference_at": first_diff, "max_logits_rel_err_on_common_prefix": worst}
+
+
+@torch.no_grad()
+def against_hf_fp32(runs: dict[str, EngineRun], hf: Any,
+                    requests: list[tuple[str, list[int], str | None]]) -> dict[str, Any]:
+    """The GPU-numerics yardstick for each run: teacher forced on the run's own tokens, its
+    greedy agreement with HF float32 next to HF same-dtype's agreement with HF float32 on the
+    same positions, with each disagreement's margin (numerics_common.agreement_verdict). `hf`
+    (peft adapters included) is in the runs' 16-bit dtype and is turned to float32 in place
+    here: the same weight values, float32 arithmetic (peft keeps adapters in float32)."""
+    same: dict[str, dict[str, torch.Tensor]] = {
+        label: {rid: hf_logits(hf, a, (p + run.tokens[rid])[:-1], len(run.tokens[rid])).cpu()
+                for rid, p, a in requests if run.tokens[rid]}
+        for label, run in runs.items()}
+    hf.float()
+    out: dict[str, Any] = {}
+    for label, run in runs.items():
+        agree = agree_ref = total = 0
+        missed: list[dict[str, Any]] = []
+        for rid, p, a in requests:
+            toks = run.tokens[rid]
+            if not toks:
+                continue
+            ref32 = hf_logits(hf, a, (p + toks)[:-1], len(toks)).cpu()
+            ref, best = same[label][rid], ref32.argmax(-1)
+            agree += int((torch.tensor(toks) == best).sum())
+            agree_ref += int((ref.argmax(-1) == best).sum())
+            missed += [{"request": rid, **d} for d in disagreements(toks, ref, ref32)]
+            total += len(toks)
+        out[label] = {"greedy_agreement_with_hf_fp32": agree / max(total, 1),
+                      "hf_same_dtype_agreement_with_hf_fp32": agree_ref / max(total, 1),
+                      "positions": total,
+                      "agreement": agreement_verdict(total - agree, total - agree_ref,
+                                                     sum(not d["within_noise"] for d in missed)),
+                      "disagreements": missed}
+    return out

@@ -29,6 +29,9 @@ def test_tp_h200_script_smoke(tmp_path: Path) -> None:
     for engine in ("tp1_eager", "tp2"):
         assert check["vs_hf_same_dtype"][engine]["greedy_agreement"] == 1.0
         assert check["vs_hf_same_dtype"][engine]["max_logits_rel_err"] < 1e-4
+        fp32 = check["vs_hf_fp32"][engine]  # float32 runs: the yardstick's both sides agree
+        assert fp32["greedy_agreement_with_hf_fp32"] == 1.0 and fp32["positions"] > 0
+        assert fp32["agreement"]["faithful"]
     speed = json.loads((tmp_path / "tp-throughput-smoke.json").read_text())
     assert set(speed["runs"]) == {"tp1_eager", "tp2"}
     assert speed["runs"]["tp2"]["step_send_host_s"]["p50"] > 0
