@@ -5,13 +5,13 @@
 #   0. bench.host_probe (CPU counts, threads, the loader's host work);
 #   1. tensor parallelism (both GPUs): bench/tp_h200.sh with $TP_ENV (issue 16);
 #   2. two lanes side by side, one GPU each, nothing else on that GPU, in priority order:
-#      GPU 0: gpu_suite part A (GPU-only tests, numerics; issue 13), bench.gpu_numerics
-#             alone, then one adapter vs base
-#             and the decode-step floor with LoRA in line, then with LoRA on a second stream
-#             (issue 15; the same GPU, one after the other);
+#      GPU 0: gpu_suite part A (GPU-only tests, numerics; issue 13), then bench.gpu_numerics
+#             alone ($NUMERICS_ARGS);
 #      GPU 1: gpu_suite part B (7B/8B shapes vs HF under churn; issue 13), the service path
-#             at 64 and 256 streams with a 4-process gateway (issue 12), then adapter churn
-#             (coldttft, churndisk, churn; issue 15).
+#             at 64 and 256 streams with a 4-process gateway (issue 12), adapter churn
+#             (coldttft, churndisk, churn; issue 15), then one adapter vs base and the
+#             decode-step floor with LoRA in line, then with LoRA on a second stream (issue 15;
+#             $OVERHEAD_REPEATS interleaved pairs).
 # Run from the root of a clean export with the wheels in .whl and SLORA_COMMIT exported:
 #   SLORA_COMMIT=<sha> OUT=$OUT TP_ENV="PARTS=7b ..." bash bench/h200_round.sh
 # SKIP="engine-inline service ..." leaves those steps out (logged).
@@ -42,7 +42,7 @@ step() {  # step NAME LIMIT CMD...: CMD under min(LIMIT, time to the deadline), 
 engine_arm() {  # engine_arm NAME [--lora-overlap]
     step "engine-$1" "${ENGINE_S:-80}" python3 -m bench.serving --shape llama2-7b \
         --device cuda --dtype float16 --scenarios overhead,floor --requests 100 \
-        --overhead-repeats 3 "${@:2}" --out "$OUT/engine-speed-$1-h200.json"
+        --overhead-repeats "${OVERHEAD_REPEATS:-3}" "${@:2}" --out "$OUT/engine-speed-$1-h200.json"
 }
 
 step probe 90 python3 -m bench.host_probe --out "$OUT/host-probe-h200.json"
@@ -55,10 +55,9 @@ lane0() {
         NUMERICS_ARGS="--modes eager all_graphs all_graphs_async" \
         bash bench/gpu_suite.sh A
     # The numerics part alone (suite-A runs it beside 8 pytest shards), for a re-run.
-    step numerics "${NUMERICS_S:-330}" python3 -m bench.gpu_numerics \
+    # shellcheck disable=SC2086  # NUMERICS_ARGS is a word list
+    step numerics "${NUMERICS_S:-330}" python3 -m bench.gpu_numerics ${NUMERICS_ARGS:-} \
         --budget-s "$((${NUMERICS_S:-330} - 30))" --out "$OUT/gpu-numerics-h200.json"
-    engine_arm inline
-    engine_arm overlap --lora-overlap
 }
 lane1() {
     export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8
@@ -73,6 +72,8 @@ lane1() {
         --dtype float16 --arena-gb 32 --scenarios coldttft,churndisk,churn \
         --many-adapters 2000 --churn-requests 600 --churn-disk-requests 200 --churn-rate 60 \
         --churn-disk-dir /tmp --out "$OUT/churn-h200.json"
+    engine_arm inline
+    engine_arm overlap --lora-overlap
 }
 lane0 &
 lane1 &
