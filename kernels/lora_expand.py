@@ -165,7 +165,7 @@ def lora_expand(
         mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1], sizes[2],
         n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, DOT_PRECISION=dot_precision(y.dtype),
+        MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -188,6 +188,6 @@ def _check_expand_inputs(
     for start, size in out_slices:
         if start < 0 or size <= 0 or start + size > y.shape[1]:
             raise ValueError(f"slice ({start}, {size}) outside y's {y.shape[1]} columns")
-    check_tables(arena, y, b_offsets, ranks)
+    check_tables(arena, y, b_offsets, ranks, float32_x=True)
     if scales.dtype != torch.float32 or scales.shape != ranks.shape or not scales.is_contiguous():
         raise ValueError("scales must be a contiguous float32 table shaped like ranks")

@@ -34,9 +34,11 @@ def _run(
     dtype: torch.dtype,
     seed: int,
     aligned: bool = False,
+    y_dtype: torch.dtype | None = None,
     **knobs: object,
 ) -> None:
-    """Run add_lora_triton on a random case and compare y with the float64 reference."""
+    """Run add_lora_triton on a random case and compare y (of `y_dtype`, default the arena's)
+    with the float64 reference."""
     gen = generator(seed)
     sizes = dict(zip(module_ids, out_sizes, strict=True))
     rank_of = {
@@ -50,7 +52,7 @@ def _run(
     slices = tuple(zip(starts, out_sizes, strict=True))
     t = len(token_slots)
     x = randn(t, in_features, dtype=dtype, gen=gen)
-    y0 = randn(t, sum(out_sizes), dtype=dtype, gen=gen)
+    y0 = randn(t, sum(out_sizes), dtype=y_dtype or dtype, gen=gen)
     y = y0.clone()
     args = (case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales, module_ids,
             slices, case.meta)
@@ -81,6 +83,13 @@ def test_decode_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None, aligned
     slots = _decode_slots(12, 6, seed=1)
     _run(slots, 6, 64, QKV, (64, 32, 32), [1, 8, 16, 33, 64, 128], dtype, seed=2,
          aligned=aligned, split_k=split_k, max_rank=128)
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_float32_output_over_a_16_bit_arena(dtype: torch.dtype) -> None:
+    """lora_overlap sums the delta in a float32 buffer beside the 16-bit base output."""
+    _run(_decode_slots(24, 4, seed=11), 4, 64, QKV, (48, 16, 16), [4, 8], dtype, seed=12,
+         y_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
