@@ -76,7 +76,11 @@ ADAPTERS = [AdapterSpec("qv-r8", 8, 16, ("q_proj", "v_proj")),
             AdapterSpec("rslora-qvdown-r8", 8, 16, ("q_proj", "v_proj", "down_proj"), rslora=True)]
 PROMPT_LENGTHS = [1024, 17, 700, 333, 129, 64, 900, 512, 250, 1000, 40, 600, 128, 777, 300, 999]
 MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False}, "all_graphs": {},
-         "all_graphs_async": {"async_steps": True}}
+         "all_graphs_async": {"async_steps": True},
+         # LoRA on a side stream for decode-sized steps (EngineConfig.lora_overlap; off by
+         # default, so asked for by name).
+         "all_graphs_lora_overlap": {"lora_overlap": True}}
+DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async")
 # The engine's limits in every mode (the arena is sized by simulating them).
 ENGINE: dict[str, Any] = {"max_num_seqs": 16, "max_num_batched_tokens": 1024,
                           "max_model_len": 2048}
@@ -270,7 +274,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--shapes", nargs="+", default=["llama2-7b", "llama3-8b"],
                     choices=list(shapes(1)))
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=list(MODES))
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="start no mode that would end past this many seconds from start")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
