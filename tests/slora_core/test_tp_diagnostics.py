@@ -41,8 +41,14 @@ def test_a_waiting_rank_dumps_its_stack_and_logs_messages(
     monkeypatch.setenv("SLORA_TP_DEBUG", "1")  # the spawned rank inherits it
     tp = start_tp_engine(demo_dir / "model", EngineConfig(**CONFIG), detokenize=False,
                          timeout_s=60.0, stall_dump_s=1.0)
+    err = ""
     try:
-        time.sleep(2.5)  # rank 1 waits for a message: two dumps
+        # Rank 1 waits for rank 0's first message (it may still be making its engine when
+        # start_tp_engine returns): its stack is dumped once it waited 1 s.
+        deadline = time.monotonic() + 60.0
+        while "in receive" not in err and time.monotonic() < deadline:
+            time.sleep(0.2)
+            err += capfd.readouterr().err
         tp.register_adapter("qv", demo_dir / "adapters" / "qv-r4")
         tp.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3,
                                                       ignore_eos=True), adapter="qv")
@@ -51,6 +57,6 @@ def test_a_waiting_rank_dumps_its_stack_and_logs_messages(
         assert len(tokens) == 3
     finally:
         tp.close(timeout_s=10.0)
-    err = capfd.readouterr().err
+    err += capfd.readouterr().err
     assert "Thread" in err and "in receive" in err and "in serve" in err, err[-3000:]
     assert "rank 1: 2 ops ['register', 'write']" in err, err[-3000:]
