@@ -47,10 +47,9 @@ import torch
 from bench.numerics_common import (
     ALL_LINEAR,
     AdapterSpec,
+    Agreement,
     Shape,
-    agreement_verdict,
     build_base,
-    disagreements,
     hardware,
     hf_logits,
     hf_with_adapters,
@@ -137,9 +136,8 @@ def vs_hf(run: Any, requests: list[tuple[str, list[int], str | None]], refs: dic
           dtype: str) -> dict[str, Any]:
     """The engine's tokens and logits on its own trajectory (HF teacher forced): greedy
     agreement with HF float32 next to HF same-dtype's, and the logits' relative errors."""
-    agree = agree_ref = total = hf_nonfinite = 0
+    agreement, hf_nonfinite = Agreement(), 0
     err_same = err_fp32 = err_hf = 0.0
-    missed: list[dict[str, Any]] = []
     for rid, prompt, adapter in requests:
         toks = run.tokens[rid]
         if not toks:
@@ -148,24 +146,15 @@ def vs_hf(run: Any, requests: list[tuple[str, list[int], str | None]], refs: dic
         ref32 = hf_logits(refs["float32"], adapter, ids[:-1], len(toks))
         ref = hf_logits(refs[dtype], adapter, ids[:-1], len(toks))
         ours = torch.stack(run.logits[rid][: len(toks)])
-        best = ref32.argmax(-1)
-        agree += int((torch.tensor(toks, device=best.device) == best).sum())
-        agree_ref += int((ref.argmax(-1) == best).sum())
-        missed += [{"request": rid, **d} for d in disagreements(toks, ref, ref32)]
-        total += len(toks)
+        agreement.add(rid, toks, ref, ref32)
         hf_nonfinite += nonfinite_rows(list(ref))
         err_same = max(err_same, rel_err(ours, ref))
         err_fp32 = max(err_fp32, rel_err(ours, ref32))
         err_hf = max(err_hf, rel_err(ref, ref32))
-    return {"greedy_agreement_with_hf_fp32": agree / max(total, 1),
-            "hf_same_dtype_agreement_with_hf_fp32": agree_ref / max(total, 1),
-            "positions": total, "hf_same_dtype_nonfinite_rows": hf_nonfinite,
+    return {**agreement.summary(), "hf_same_dtype_nonfinite_rows": hf_nonfinite,
             "max_logits_rel_err_vs_hf_same_dtype": err_same,
             "max_logits_rel_err_vs_hf_fp32": err_fp32,
-            "max_hf_same_dtype_logits_rel_err_vs_hf_fp32": err_hf,
-            "agreement": agreement_verdict(total - agree, total - agree_ref,
-                                           sum(not d["within_noise"] for d in missed)),
-            "disagreements": missed}
+            "max_hf_same_dtype_logits_rel_err_vs_hf_fp32": err_hf}
 
 
 def check_guard(model_dir: Path, adapters: dict[str, Path], dtype: str, device: str,

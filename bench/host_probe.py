@@ -24,15 +24,7 @@ from typing import Any
 import torch
 
 from bench.run_record import commit_id
-
-
-def cgroup_cpus() -> float | None:
-    """The cgroup v2 CPU quota in cores (None when unlimited or unreadable)."""
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-    except (OSError, ValueError):
-        return None
-    return None if quota == "max" else int(quota) / int(period)
+from slora_core.process import cgroup_cpus
 
 
 def work(threads: int, fresh: bool, numel: int, passes: int) -> float:

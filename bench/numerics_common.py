@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +258,34 @@ def disagreements(tokens: list[int], ref: torch.Tensor, ref32: torch.Tensor
                     "hf_fp32_margin": margin, "hf_same_dtype_max_abs_logit_err": noise,
                     "within_noise": margin <= 2 * noise})
     return out
+
+
+@dataclass
+class Agreement:
+    """Greedy agreement with HF float32 over a run's requests, teacher forced on the run's own
+    tokens, next to HF same-dtype's on the same positions; `add` one request at a time."""
+
+    agree: int = 0
+    agree_ref: int = 0
+    total: int = 0
+    missed: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, rid: str, tokens: list[int], ref: torch.Tensor, ref32: torch.Tensor) -> None:
+        best = ref32.argmax(-1)
+        self.agree += int((torch.tensor(tokens, device=best.device) == best).sum())
+        self.agree_ref += int((ref.argmax(-1) == best).sum())
+        self.missed += [{"request": rid, **d} for d in disagreements(tokens, ref, ref32)]
+        self.total += len(tokens)
+
+    def summary(self) -> dict[str, Any]:
+        n = max(self.total, 1)
+        return {"greedy_agreement_with_hf_fp32": self.agree / n,
+                "hf_same_dtype_agreement_with_hf_fp32": self.agree_ref / n,
+                "positions": self.total,
+                "agreement": agreement_verdict(
+                    self.total - self.agree, self.total - self.agree_ref,
+                    sum(not d["within_noise"] for d in self.missed)),
+                "disagreements": self.missed}
 
 
 def agreement_verdict(ours: int, hf: int, beyond_noise: int) -> dict[str, Any]:

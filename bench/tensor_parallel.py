@@ -51,6 +51,7 @@ import torch
 from bench.numerics_common import ALL_LINEAR, AdapterSpec, EngineRun, run_engine, write_adapters
 from bench.replay import pct, replay, warm
 from bench.run_record import run_record
+from bench.serving import ATTN
 from bench.serving import SHAPES as SERVING_SHAPES
 from bench.tp_reference import (
     against_hf,
@@ -75,7 +76,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny-gqa": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                      num_attention_heads=8, num_key_value_heads=2, vocab_size=1024),
 }
-ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 CHECK_ADAPTERS = [AdapterSpec("attn-r16", 16, 32, ATTN), AdapterSpec("all-r16", 16, 32, ALL_LINEAR),
                   AdapterSpec("qv-r8", 8, 16, ("q_proj", "v_proj")),
                   AdapterSpec("rs-all-r32", 32, 64, ALL_LINEAR, rslora=True)]

@@ -12,9 +12,8 @@ from peft import PeftModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.numerics_common import (
+    Agreement,
     EngineRun,
-    agreement_verdict,
-    disagreements,
     hf_logits,
     rel_err,
 )
@@ -113,22 +112,10 @@ def against_hf_fp32(runs: dict[str, EngineRun], hf: Any,
     hf.float()
     out: dict[str, Any] = {}
     for label, run in runs.items():
-        agree = agree_ref = total = 0
-        missed: list[dict[str, Any]] = []
+        agreement = Agreement()
         for rid, p, a in requests:
-            toks = run.tokens[rid]
-            if not toks:
-                continue
-            ref32 = hf_logits(hf, a, (p + toks)[:-1], len(toks)).cpu()
-            ref, best = same[label][rid], ref32.argmax(-1)
-            agree += int((torch.tensor(toks) == best).sum())
-            agree_ref += int((ref.argmax(-1) == best).sum())
-            missed += [{"request": rid, **d} for d in disagreements(toks, ref, ref32)]
-            total += len(toks)
-        out[label] = {"greedy_agreement_with_hf_fp32": agree / max(total, 1),
-                      "hf_same_dtype_agreement_with_hf_fp32": agree_ref / max(total, 1),
-                      "positions": total,
-                      "agreement": agreement_verdict(total - agree, total - agree_ref,
-                                                     sum(not d["within_noise"] for d in missed)),
-                      "disagreements": missed}
+            if toks := run.tokens[rid]:
+                ref32 = hf_logits(hf, a, (p + toks)[:-1], len(toks)).cpu()
+                agreement.add(rid, toks, same[label][rid], ref32)
+        out[label] = agreement.summary()
     return out

@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 import triton
 
-from kernels.lora_common import MAX_MODULES_PER_LAUNCH
+from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
 from kernels.lora_shrink import lora_shrink
@@ -114,9 +114,7 @@ def add_lora_triton(
         raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
     if meta.num_tiles == 0 or x.shape[0] == 0:
         return
-    if x.shape[0] != y.shape[0] or meta.token_slots.shape[0] != x.shape[0]:
-        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)} and the segment metadata "
-                         "disagree on the token count")
+    check_rows(x, y, meta)
     if max_rank is None:
         max_rank = int(ranks.max())
     if max_rank <= 0:

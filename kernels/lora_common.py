@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_meta import LoraMeta
+
 # The kernels take module ids and output slices as scalar arguments (no per-call host-to-device
 # copy, so launches can be captured in CUDA graphs); three covers q,k,v and gate,up.
 MAX_MODULES_PER_LAUNCH = 3
@@ -40,6 +42,28 @@ def check_tables(arena: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
         raise ValueError("offset and rank tables must be contiguous [num_slots, num_modules]")
     if arena.device != x.device or offsets.device != x.device:
         raise ValueError("arena, tables and activations must be on one device")
+
+
+def check_rows(x: torch.Tensor, y: torch.Tensor, meta: LoraMeta) -> None:
+    """Raise ValueError unless x, y and the step's segment metadata have one token count."""
+    if x.shape[0] != y.shape[0] or meta.token_slots.shape[0] != x.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)} and the segment metadata "
+                         "disagree on the token count")
+
+
+def check_slices(y: torch.Tensor, module_ids: tuple[int, ...],
+                 out_slices: tuple[tuple[int, int], ...]) -> None:
+    """Raise ValueError unless each module has one output slice inside y's columns."""
+    if len(out_slices) != len(module_ids) or not module_ids:
+        raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
+    for start, size in out_slices:
+        if start < 0 or size <= 0 or start + size > y.shape[1]:
+            raise ValueError(f"slice ({start}, {size}) outside y's {y.shape[1]} columns")
+
+
+def check_scales(scales: torch.Tensor, ranks: torch.Tensor) -> None:
+    if scales.dtype != torch.float32 or scales.shape != ranks.shape or not scales.is_contiguous():
+        raise ValueError("scales must be a contiguous float32 table shaped like ranks")
 
 
 def check_buf(buf: torch.Tensor, tokens: int, num_modules: int, against: str) -> None:

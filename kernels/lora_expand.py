@@ -23,6 +23,8 @@ import triton.language as tl
 from kernels.lora_common import (
     MAX_MODULES_PER_LAUNCH,
     check_buf,
+    check_scales,
+    check_slices,
     check_tables,
     dot_precision,
     select3,
@@ -182,12 +184,8 @@ def _check_expand_inputs(
     out_slices: tuple[tuple[int, int], ...],
 ) -> None:
     check_buf(buf, y.shape[0], len(module_ids), f"y {tuple(y.shape)}")
-    if len(out_slices) != len(module_ids) or not 1 <= len(module_ids) <= MAX_MODULES_PER_LAUNCH:
-        raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules with one slice each, got "
-                         f"{module_ids} and {out_slices}")
-    for start, size in out_slices:
-        if start < 0 or size <= 0 or start + size > y.shape[1]:
-            raise ValueError(f"slice ({start}, {size}) outside y's {y.shape[1]} columns")
+    if len(module_ids) > MAX_MODULES_PER_LAUNCH:
+        raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules per launch, got {module_ids}")
+    check_slices(y, module_ids, out_slices)
     check_tables(arena, y, b_offsets, ranks, float32_x=True)
-    if scales.dtype != torch.float32 or scales.shape != ranks.shape or not scales.is_contiguous():
-        raise ValueError("scales must be a contiguous float32 table shaped like ranks")
+    check_scales(scales, ranks)

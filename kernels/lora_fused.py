@@ -21,7 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_tables, dot_precision, select3
+from kernels.lora import rank_block
+from kernels.lora_common import (
+    MAX_MODULES_PER_LAUNCH,
+    check_rows,
+    check_scales,
+    check_slices,
+    check_tables,
+    dot_precision,
+    select3,
+)
 from kernels.lora_meta import LoraMeta
 
 
@@ -149,11 +158,14 @@ def add_lora_fused(
 ) -> None:
     """y += the multi-LoRA delta of x (as `add_lora_reference` defines it) in one launch per
     group of up to three modules. `max_rank` bounds every rank in the tables (no host sync)."""
-    _check_fused_inputs(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
-                        out_slices, meta)
+    check_rows(x, y, meta)
+    check_slices(y, module_ids, out_slices)
+    check_tables(arena, x, a_offsets, ranks)
+    check_tables(arena, y, b_offsets, ranks, float32_x=True)
+    check_scales(scales, ranks)
     if meta.num_tiles == 0 or x.shape[0] == 0 or max_rank <= 0:
         return
-    block_r = min(max(16, triton.next_power_of_2(max_rank)), 64)
+    block_r = rank_block(max_rank)
     for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
@@ -172,28 +184,3 @@ def add_lora_fused(
             RANK_BUCKETS=rank_buckets, num_warps=num_warps, num_stages=num_stages,
         )
 
-
-def _check_fused_inputs(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    arena: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scales: torch.Tensor,
-    module_ids: tuple[int, ...],
-    out_slices: tuple[tuple[int, int], ...],
-    meta: LoraMeta,
-) -> None:
-    if len(module_ids) != len(out_slices) or not module_ids:
-        raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
-    if x.shape[0] != y.shape[0] or meta.token_slots.shape[0] != x.shape[0]:
-        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)} and the segment metadata "
-                         "disagree on the token count")
-    for start, size in out_slices:
-        if start < 0 or size <= 0 or start + size > y.shape[1]:
-            raise ValueError(f"slice ({start}, {size}) outside y's {y.shape[1]} columns")
-    check_tables(arena, x, a_offsets, ranks)
-    check_tables(arena, y, b_offsets, ranks, float32_x=True)
-    if scales.dtype != torch.float32 or scales.shape != ranks.shape or not scales.is_contiguous():
-        raise ValueError("scales must be a contiguous float32 table shaped like ranks")

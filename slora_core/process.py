@@ -26,19 +26,22 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
+def cgroup_cpus() -> float | None:
+    """The cgroup v2 CPU quota in cores (None when unlimited or unreadable)."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity set, cut to the cgroup v2 quota if one is
     set (a container can see every core of its host and be allowed a few)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, int(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cpus
+    quota = cgroup_cpus()
+    return min(cpus or 1, max(1, int(quota))) if quota is not None else cpus or 1
 
 
 def share_cpu_threads(processes: int) -> None:
