@@ -14,6 +14,8 @@ case times, over inputs rotated past the L2:
   max rank 64, with and without rank-bucketed tiles;
 - `fused_graph` / `fused_exact`: kernels/lora_fused.py, one launch computing x @ A.T and its
   expand per output tile (the graph's padded tile list / the real one), 128-wide output tiles;
+- `f32_weights_graph` (grouped rows): `graph_capture_split` over float32 adapter weights
+  (EngineConfig.adapter_dtype="float32", tf32x3 dots), the cost of peft's adapter precision;
 - `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
 
     python -m bench.kernels_lora_grid --out bench/results/lora-grid-h200.json
@@ -128,6 +130,15 @@ def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float) -> dict[str
         row[f"{name}_us"] = graph_time_us([call_fused(lay, meta, rank) for lay in layers],
                                           replays=10)
         row[f"{name}_rel_err"] = rel_err_f64(layers[0], slots, call_fused(layers[0], meta, rank))
+    if order == "grouped":
+        # float32 adapter weights (EngineConfig.adapter_dtype="float32"), the graph's split.
+        f32 = kl.build_layers(slots, u, rank, weight_dtype=torch.float32)
+        meta, max_rank, tiles, split = variants(slots, rank)["graph_capture_split"]
+        row["f32_weights_graph_us"] = graph_time_us(
+            [call(lay, meta, max_rank, tiles, split) for lay in f32], replays=10)
+        row["f32_weights_graph_rel_err"] = rel_err_f64(
+            f32[0], slots, call(f32[0], meta, max_rank, tiles, split))
+        del f32
     sl = torch.tensor(slots, device=DEVICE)
     row["gather_bmm_us"] = graph_time_us([kl.gather_bmm(lay, sl) for lay in layers[:4]],
                                          replays=10)

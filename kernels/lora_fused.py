@@ -56,7 +56,7 @@ def _fused_rank_tiles(
             # A is [r, K] row-major; this tile is A.T[k0:k0+BLOCK_K, r0:r0+BLOCK_R].
             a_tile = tl.load(a_base + offs_r[None, :] * K + offs_k[:, None],
                              mask=mask_r[None, :] & mask_k[:, None], other=0.0)
-            h += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
+            h += tl.dot(x_tile.to(a_tile.dtype), a_tile, input_precision=DOT_PRECISION)
         # B is [N, r] row-major; this tile is B.T[r0:r0+BLOCK_R, n0:n0+BLOCK_N].
         b_tile = tl.load(b_base + offs_n[None, :] * rank + offs_r[:, None],
                          mask=mask_n[None, :] & mask_r[:, None], other=0.0)
@@ -179,7 +179,7 @@ def add_lora_fused(
             ids[0], ids[1], ids[2], starts[0], starts[1], starts[2],
             sizes[0], sizes[1], sizes[2], n_tiles, x.shape[1], x.stride(0), x.stride(1),
             y.stride(0), y.stride(1), a_offsets.stride(0),
-            MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
+            MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype, arena.dtype),
             BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k,
             RANK_BUCKETS=rank_buckets, num_warps=num_warps, num_stages=num_stages,
         )

@@ -421,3 +421,64 @@ def test_graph_lora_split_reaches_the_lora_launch(demo_dir, adapter_names, monke
     with torch.inference_mode():
         graphs.run_padded_eager(inputs)
     assert splits and set(splits) == {3}
+
+
+@torch.no_grad()
+def test_float32_adapters_beside_a_16_bit_model(demo_dir, adapter_names):
+    """adapter_dtype="float32" (peft's own adapter storage): the arena holds each adapter's
+    file weights bit for bit while the model runs in fp16, the tokens survive eviction and
+    preemption, and the first-step logits track transformers + peft in fp16 (which keeps
+    adapters in float32 too) more closely than the same engine with fp16 adapters."""
+    from safetensors.torch import load_file
+
+    from slora_core.config import LORA_MODULES
+
+    reqs = _requests(adapter_names)
+    roomy = make_engine(demo_dir, adapter_names, dtype="float16", adapter_dtype="float32",
+                        max_adapters_per_batch=16)
+    assert roomy.arena.tables.arena.dtype == torch.float32
+    tokens, logits = run_all(roomy, reqs, capture_logits=True)
+
+    name = adapter_names[0]
+    files = load_file(demo_dir / "adapters" / name / "adapter_model.safetensors")
+    slot = roomy.pool.resident(name).slot
+    t = roomy.arena.tables
+    checked = 0
+    for key, w in files.items():
+        if ".lora_A." not in key:
+            continue
+        layer = int(key.split(".layers.")[1].split(".")[0])
+        module = key.split(".lora_A.")[0].rsplit(".", 1)[1]
+        m = LORA_MODULES.index(module)
+        r = int(t.ranks[layer, slot, m])
+        off = int(t.a_offsets[layer, slot, m])
+        assert w.dtype == torch.float32 and r == w.shape[0]
+        assert torch.equal(t.arena[off : off + w.numel()].view(w.shape), w), key
+        checked += 1
+    assert checked > 0
+
+    # Ranks <= 32 only: at 64-token blocks a float32 rank-64 matrix would not fit one page.
+    small = [n for n in adapter_names if n not in ("all-r64", "rslora-r48", "gateup-r40")]
+    small_reqs = [(p, n) for p, n in reqs if n is None or n in small]
+    tiny = make_engine(demo_dir, small, dtype="float16", adapter_dtype="float32", max_rank=32,
+                       num_pages=16, block_size=64, max_num_seqs=8, max_num_batched_tokens=48,
+                       max_adapters_per_batch=3)
+    tiny_tokens, _ = run_all(tiny, small_reqs * 2)
+    assert tiny.stats.adapter_evictions > 0 and tiny.stats.preemptions > 0
+    index = {i: reqs.index(r) for i, r in enumerate(small_reqs * 2)}
+    for i, j in index.items():
+        assert tiny_tokens[str(i)] == tokens[str(j)], f"request {i}"
+
+    half = make_engine(demo_dir, adapter_names, dtype="float16", max_adapters_per_batch=16)
+    _, half_logits = run_all(half, reqs, capture_logits=True)
+    err32 = err16 = 0.0
+    for i, (prompt, name) in enumerate(reqs):
+        if name is None:
+            continue
+        model = AutoModelForCausalLM.from_pretrained(demo_dir / "model",
+                                                     torch_dtype=torch.float16)
+        model = PeftModel.from_pretrained(model, demo_dir / "adapters" / name).eval()
+        ref = model(torch.tensor([prompt])).logits[0, -1].double()
+        err32 += float((logits[str(i)].double() - ref).norm() / ref.norm())
+        err16 += float((half_logits[str(i)].double() - ref).norm() / ref.norm())
+    assert err32 < err16, (err32, err16)
