@@ -72,5 +72,5 @@ def test_fused_refuses_bad_inputs() -> None:
         add_lora_fused(y0[:1], x, *args, max_rank=8)
     with pytest.raises(ValueError, match="outside y's"):
         add_lora_fused(y0, x, *args[:6], ((8, 16),), args[7], max_rank=8)
-    with pytest.raises(ValueError, match="arena must be 1-D"):
-        add_lora_fused(y0.half(), x.half(), *args, max_rank=8)
+    with pytest.raises(ValueError, match="arena must be 1-D"):  # neither x's dtype nor float32
+        add_lora_fused(y0.bfloat16(), x.bfloat16(), args[0].half(), *args[1:], max_rank=8)
