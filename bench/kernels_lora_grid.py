@@ -172,20 +172,20 @@ def main(argv: list[str] | None = None) -> int:
         RANKS, BATCHES = (8, 64), (1, 16)
     copy = copy_bandwidth_gbs(1 << 30 if DEVICE == "cuda" else 1 << 20)
     copy_gbs = max(copy.values())
-    rows = []
+    rows: list[dict[str, object]] = []
+    result = {**run_record(["bench.kernels_lora_grid", *(argv or sys.argv[1:])]),
+              "dtype": "float16", "hidden": kl.K, "copy_gbs": copy, "method":
+              "median of 10 CUDA-graph replays, >= 24 calls a graph over inputs rotated past "
+              "the L2", "vllm_source": "issue 15's quoted H200 times (not re-measured)",
+              "cases": len(cases()), "rows": rows}
     for case in cases():
         row = run_case(*case, copy_gbs)
         rows.append(row)
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items() if not k.endswith("rel_err")), flush=True)
-    result = {**run_record(["bench.kernels_lora_grid", *(argv or sys.argv[1:])]),
-              "dtype": "float16", "hidden": kl.K, "copy_gbs": copy, "method":
-              "median of 10 CUDA-graph replays, >= 24 calls a graph over inputs rotated past "
-              "the L2", "vllm_source": "issue 15's quoted H200 times (not re-measured)",
-              "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        if args.out:  # after every case: a run cut short keeps the rows it finished
+            with open(args.out, "w") as f:
+                json.dump({**result, "complete": len(rows) == len(cases())}, f, indent=1)
     return 0
 
 
