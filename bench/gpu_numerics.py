@@ -61,7 +61,6 @@ from bench.numerics_common import (
 )
 from bench.numerics_ops import compare_ops
 from bench.run_record import commit_id
-from slora_core.config import ADAPTER_DTYPES
 
 SHAPE = Shape("massive-1024", hidden=1024, inter=2816, layers=4, heads=16, kv_heads=4,
               vocab=8192)
@@ -230,7 +229,6 @@ def check_strength(target: float, args: argparse.Namespace, root: Path,
     del base
     requests = [(f"{i}-{a}", p, a) for a in [None, *adapters] for i, p in enumerate(prompts)]
     modes = {m: MODES[m] for m in args.modes} if device == "cuda" else {"eager": {}}
-    modes = {m: {**kw, "adapter_dtype": args.adapter_dtype} for m, kw in modes.items()}
     took: dict[str, float] = {}  # piece -> seconds it last took
 
     def piece(res: dict[str, Any], key: str, fn: Callable[..., dict[str, Any]],
@@ -304,8 +302,6 @@ def main() -> int:
     # tokens) the agreement figures of two 16-bit runs turned on two or three near-ties.
     ap.add_argument("--prompt-sets", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--adapter-dtype", choices=ADAPTER_DTYPES, default="model",
-                    help="EngineConfig.adapter_dtype of every engine run")
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="start no piece that would end past this many seconds from start")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
@@ -317,8 +313,7 @@ def main() -> int:
                                                    *sys.argv[1:]]), "commit": commit_id(),
                               "hardware": hardware(), "torch": torch.__version__,
                               "shape": vars(TINY_SHAPE if args.tiny else SHAPE),
-                              "adapters": [vars(a) for a in ADAPTERS],
-                              "adapter_dtype": args.adapter_dtype, "strengths": []}
+                              "adapters": [vars(a) for a in ADAPTERS], "strengths": []}
 
     def save() -> None:
         report["seconds"] = round(time.perf_counter() - args.start, 1)

@@ -58,8 +58,7 @@ from bench.numerics_common import (
 )
 from bench.run_record import commit_id
 from slora_core.adapter_cache import AdapterStore
-from slora_core.arena import adapter_page_numel
-from slora_core.config import ADAPTER_DTYPES, EngineConfig, ModelConfig
+from slora_core.config import EngineConfig, ModelConfig
 from slora_core.page_pool import PagePool
 from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler, SchedulerLimits
@@ -97,21 +96,19 @@ def shapes(layers: int) -> dict[str, Shape]:
 
 
 def arena_pages(model_dir: Path, adapters: dict[str, Path], dtype: str, max_rank: int,
-                requests: list[tuple[str, list[int], str | None]], new_tokens: int,
-                adapter_dtype: str = "model") -> dict[str, Any]:
+                requests: list[tuple[str, list[int], str | None]], new_tokens: int
+                ) -> dict[str, Any]:
     """The arena: the largest one, starting from two of the largest adapters plus three of the
     longest requests, whose schedule (the engine's own scheduler, simulated) preempts twice and
     evicts and reloads adapters. The starting size alone preempted no sequence at Llama-3-8B
     width (H200, 8d70290): GQA makes a page hold 128 tokens instead of 32, so the few pages an
     evicted adapter frees hold 4x the KV and 64 new tokens rarely cross a page."""
     mc = ModelConfig.from_hf_dir(model_dir)
-    cfg = EngineConfig(dtype=dtype, max_rank=max_rank, adapter_dtype=adapter_dtype, **ENGINE)
+    cfg = EngineConfig(dtype=dtype, max_rank=max_rank, **ENGINE)
     block = cfg.resolve_block_size(mc)
-    page_numel = adapter_page_numel(
-        block * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim,
-        cfg.torch_dtype, cfg.adapter_torch_dtype)
-    store = AdapterStore(mc, max_rank=max_rank, dtype=cfg.adapter_torch_dtype,
-                         page_numel=page_numel, capacity_bytes=1 << 34)
+    page_numel = block * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim
+    store = AdapterStore(mc, max_rank=max_rank, dtype=cfg.torch_dtype, page_numel=page_numel,
+                         capacity_bytes=1 << 34)
     pages = {}
     for name, path in adapters.items():
         store.register(name, path)
@@ -233,8 +230,7 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
     requests = [(f"r{i}", torch.randint(3, shape.vocab, (n,), generator=gen).tolist(),
                  names[i % len(names)]) for i, n in enumerate(lengths)]
     max_rank = max(a.r for a in specs)
-    arena = arena_pages(model_dir, adapters, args.dtype, max_rank, requests, args.new_tokens,
-                        args.adapter_dtype)
+    arena = arena_pages(model_dir, adapters, args.dtype, max_rank, requests, args.new_tokens)
     num_pages = arena["num_pages"]
     t = lap("plan_arena", t)
     refs = hf_refs_in_memory(base, adapters, ["float32", args.dtype])
@@ -243,7 +239,6 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
     out.update({"shape": vars(shape), "num_pages": num_pages, "arena": arena,
                 "setup_seconds": round(t - t0, 2), "timings": timings, "modes": {}})
     modes = {m: MODES[m] for m in args.modes} if args.device == "cuda" else {"eager": {}}
-    modes = {m: {**kw, "adapter_dtype": args.adapter_dtype} for m, kw in modes.items()}
     slowest = 0.0
     for mode, kw in modes.items():
         if time.perf_counter() - args.start + slowest > args.budget_s:
@@ -280,8 +275,6 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=["llama2-7b", "llama3-8b"],
                     choices=list(shapes(1)))
     ap.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=list(MODES))
-    ap.add_argument("--adapter-dtype", choices=ADAPTER_DTYPES, default="model",
-                    help="EngineConfig.adapter_dtype of every mode")
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="start no mode that would end past this many seconds from start")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")

@@ -6,13 +6,13 @@
 #   1. tensor parallelism (both GPUs): bench/tp_h200.sh with $TP_ENV (issue 16);
 #   2. two lanes side by side, one GPU each, nothing else on that GPU, in priority order:
 #      GPU 0: gpu_suite part A (GPU-only tests, numerics; issue 13), then bench.gpu_numerics
-#             alone ($NUMERICS_ARGS), then again with float32 adapters (numerics32);
+#             alone ($NUMERICS_ARGS);
 #      GPU 1: the decode LoRA kernel grid (grid) and adapter cold loads (cold; issue 15),
 #             gpu_suite part B (7B/8B shapes vs HF under churn; issue 13), the service path
 #             at 64 and 256 streams with a 4-process gateway (issue 12), adapter churn
 #             (coldttft, churndisk, churn; issue 15), then one adapter vs base and the
-#             decode-step floor with LoRA in line, then with LoRA on a second stream, then in
-#             line with float32 adapters (issue 15; $OVERHEAD_REPEATS interleaved pairs).
+#             decode-step floor with LoRA in line, then with LoRA on a second stream (issue 15;
+#             $OVERHEAD_REPEATS interleaved pairs).
 # Run from the root of a clean export with the wheels in .whl and SLORA_COMMIT exported:
 #   SLORA_COMMIT=<sha> OUT=$OUT TP_ENV="PARTS=7b ..." bash bench/h200_round.sh
 # SKIP="engine-inline service ..." leaves those steps out (logged).
@@ -59,15 +59,11 @@ lane0() {
     # shellcheck disable=SC2086  # NUMERICS_ARGS is a word list
     step numerics "${NUMERICS_S:-330}" python3 -m bench.gpu_numerics ${NUMERICS_ARGS:-} \
         --budget-s "$((${NUMERICS_S:-330} - 30))" --out "$OUT/gpu-numerics-h200.json"
-    # shellcheck disable=SC2086
-    step numerics32 "${NUMERICS_S:-330}" python3 -m bench.gpu_numerics ${NUMERICS_ARGS:-} \
-        --adapter-dtype float32 --budget-s "$((${NUMERICS_S:-330} - 30))" \
-        --out "$OUT/gpu-numerics-f32-adapters-h200.json"
 }
 lane1() {
     export CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=8
-    step grid "${GRID_S:-300}" python3 -m bench.kernels_lora_grid --out "$OUT/lora-grid-h200.json"
-    step cold "${COLD_S:-120}" python3 -m bench.cold_load --tmp /tmp \
+    step grid "${GRID_S:-120}" python3 -m bench.kernels_lora_grid --out "$OUT/lora-grid-h200.json"
+    step cold "${COLD_S:-90}" python3 -m bench.cold_load --tmp /tmp \
         --out "$OUT/cold-load-h200.json"
     step suite-B "${SUITE_B_S:-180}" env PART_LIMIT_S="${SUITE_B_PART_S:-160}" OUT="$OUT/B" \
         bash bench/gpu_suite.sh B
@@ -82,7 +78,6 @@ lane1() {
         --churn-disk-dir /tmp --out "$OUT/churn-h200.json"
     engine_arm inline
     engine_arm overlap --lora-overlap
-    engine_arm f32-adapters --adapter-dtype float32
 }
 lane0 &
 lane1 &

@@ -33,16 +33,12 @@ class LoraLayer:
     y: torch.Tensor
 
 
-def build_layers(token_slots: list[int], adapters: int, rank: int,
-                 weight_dtype: torch.dtype | None = None) -> list[LoraLayer]:
-    """Enough layers, each with its adapters packed in one arena, to cycle past the L2. The
-    arena holds `weight_dtype` (default DTYPE; float32: EngineConfig.adapter_dtype)."""
-    weight_dtype = weight_dtype or DTYPE
-    per_layer = (adapters * (rank * K + N * rank) * weight_dtype.itemsize
-                 + len(token_slots) * (K + 2 * N) * 2)
+def build_layers(token_slots: list[int], adapters: int, rank: int) -> list[LoraLayer]:
+    """Enough layers, each with its adapters packed in one arena, to cycle past the L2."""
+    per_layer = adapters * (rank * K + N * rank) * 2 + len(token_slots) * (K + 2 * N) * 2
     count = rotation_count(per_layer)
     a_numel, b_numel = adapters * rank * K, adapters * N * rank
-    arena = torch.empty(count * (a_numel + b_numel), dtype=weight_dtype, device=DEVICE)
+    arena = torch.empty(count * (a_numel + b_numel), dtype=DTYPE, device=DEVICE)
     arena.normal_(0, 0.02)
     layers = []
     slot_ids = torch.arange(adapters, device=DEVICE, dtype=torch.int64)

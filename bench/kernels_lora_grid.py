@@ -12,10 +12,6 @@ case times, over inputs rotated past the L2:
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
-- `fused_graph` / `fused_exact`: kernels/lora_fused.py, one launch computing x @ A.T and its
-  expand per output tile (the graph's padded tile list / the real one), 128-wide output tiles;
-- `f32_weights_graph` (grouped rows): `graph_capture_split` over float32 adapter weights
-  (EngineConfig.adapter_dtype="float32", tf32x3 dots), the cost of peft's adapter precision;
 - `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
 
     python -m bench.kernels_lora_grid --out bench/results/lora-grid-h200.json
@@ -37,7 +33,6 @@ from bench import kernels_timing as timing
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record
 from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split_k, split_cap
-from kernels.lora_fused import add_lora_fused
 from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 
 RANKS: tuple[int, ...] = (8, 16, 64)
@@ -65,12 +60,6 @@ def call(lay: kl.LoraLayer, meta: LoraMeta, max_rank: int, tiles: LoraTiles = DE
     return lambda: add_lora_triton(lay.y, lay.x, lay.arena, lay.a_offsets, lay.b_offsets,
                                    lay.ranks, lay.scales, (0,), ((0, kl.N),), meta,
                                    max_rank=max_rank, split_k=split_k, tiles=tiles)
-
-
-def call_fused(lay: kl.LoraLayer, meta: LoraMeta, max_rank: int) -> Callable[[], None]:
-    return lambda: add_lora_fused(lay.y, lay.x, lay.arena, lay.a_offsets, lay.b_offsets,
-                                  lay.ranks, lay.scales, (0,), ((0, kl.N),), meta,
-                                  max_rank=max_rank)
 
 
 def rel_err_f64(lay: kl.LoraLayer, slots: list[int], fn: Callable[[], None]) -> float:
@@ -125,20 +114,6 @@ def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float) -> dict[str
                                            for lay in layers], replays=10)
         row[f"{name}_rel_err"] = rel_err_f64(layers[0], slots,
                                              call(layers[0], meta, max_rank, tiles, split))
-    exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
-    for name, meta in (("fused_graph", padded_meta(slots, b)), ("fused_exact", exact)):
-        row[f"{name}_us"] = graph_time_us([call_fused(lay, meta, rank) for lay in layers],
-                                          replays=10)
-        row[f"{name}_rel_err"] = rel_err_f64(layers[0], slots, call_fused(layers[0], meta, rank))
-    if order == "grouped":
-        # float32 adapter weights (EngineConfig.adapter_dtype="float32"), the graph's split.
-        f32 = kl.build_layers(slots, u, rank, weight_dtype=torch.float32)
-        meta, max_rank, tiles, split = variants(slots, rank)["graph_capture_split"]
-        row["f32_weights_graph_us"] = graph_time_us(
-            [call(lay, meta, max_rank, tiles, split) for lay in f32], replays=10)
-        row["f32_weights_graph_rel_err"] = rel_err_f64(
-            f32[0], slots, call(f32[0], meta, max_rank, tiles, split))
-        del f32
     sl = torch.tensor(slots, device=DEVICE)
     row["gather_bmm_us"] = graph_time_us([kl.gather_bmm(lay, sl) for lay in layers[:4]],
                                          replays=10)

@@ -19,30 +19,21 @@ def select3(i, v0, v1, v2):
     return tl.where(i == 0, v0, tl.where(i == 1, v1, v2))
 
 
-def dot_precision(act_dtype: torch.dtype, weight_dtype: torch.dtype) -> str:
-    """How the LoRA dots round, by activation and adapter-weight dtype.
-
-    - float32 models: exact float32 dots ("ieee").
-    - 16-bit models, float32 adapters (EngineConfig.adapter_dtype="float32", peft's own
-      storage): "tf32x3", three tensor-core passes on hi/lo tf32 halves, float32 to ~2^-22,
-      so the delta is peft's float32 math; plain tf32 would round the weights back to 10 bits.
-    - 16-bit models, 16-bit adapters: the shrink's operands are exact in any mode and the
-      expand's float32 intermediate goes through tf32, whose 10-bit mantissa matches fp16's.
-    """
-    if act_dtype == torch.float32:
-        return "ieee"
-    return "tf32x3" if weight_dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 models get exact float32 dots. With 16-bit models the shrink's operands are exact
+    in any mode and the expand's float32 intermediate goes through tf32, whose 10-bit mantissa
+    matches fp16's, so the delta keeps the output dtype's precision."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def check_tables(arena: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
                  ranks: torch.Tensor, *, float32_x: bool = False) -> None:
     """Raise ValueError unless the arena and one layer's offset/rank tables fit the kernels.
-    The arena (the adapter-weight view of the pages) holds the activations' dtype or float32
-    (float32 adapters beside a 16-bit model); with `float32_x`, x may also be float32 (the
+    The arena holds the activations' dtype; with `float32_x`, x may also be float32 (the
     expand's output when the delta is summed apart from the base output, lora_overlap)."""
-    if arena.dim() != 1 or (arena.dtype not in (x.dtype, torch.float32)
+    if arena.dim() != 1 or (arena.dtype != x.dtype
                             and not (float32_x and x.dtype == torch.float32)):
-        raise ValueError(f"arena must be 1-D of dtype {x.dtype} or float32, got {arena.dtype} "
+        raise ValueError(f"arena must be 1-D of dtype {x.dtype}, got {arena.dtype} "
                          f"{tuple(arena.shape)}")
     if offsets.dtype != torch.int64 or ranks.dtype != torch.int32:
         raise ValueError("offset tables must be int64 and ranks int32")

@@ -167,17 +167,10 @@ def lora_expand(
         mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1], sizes[2],
         n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, DOT_PRECISION=_expand_precision(y, arena),
+        MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         num_warps=num_warps, num_stages=num_stages,
     )
-
-
-def _expand_precision(y: torch.Tensor, arena: torch.Tensor) -> str:
-    """The model's activations are y's dtype, or the arena's when y is a float32 delta buffer
-    (lora_overlap) over a 16-bit model's arena."""
-    act = arena.dtype if y.dtype == torch.float32 else y.dtype
-    return dot_precision(act, arena.dtype)
 
 
 def _check_expand_inputs(

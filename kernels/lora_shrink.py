@@ -12,7 +12,7 @@ decode step has few segments; the partial sums are added by the expand kernel, s
 and no zero-fill are needed. Each segment runs the narrowest rank tile (16, 32, BLOCK_R)
 that covers its rank, so rank-8 adapters do not pay for a launch bounded at rank 64.
 
-Shapes: x [T, K] (any strides); arena 1-D, x's dtype or float32 (float32 adapters); a_offsets [num_slots, num_modules] int64, ranks the
+Shapes: x [T, K] (any strides); arena 1-D; a_offsets [num_slots, num_modules] int64, ranks the
 same shape int32 (both contiguous); buf [split_k, T, len(module_ids), max_rank] float32.
 """
 
@@ -55,8 +55,7 @@ def _shrink_rank_tiles(
                 a_base + offs_r[None, :] * K + offs_k[:, None],
                 mask=mask_r[None, :] & mask_k[:, None], other=0.0,
             )
-            # float32 adapters beside a 16-bit model: x is exact in float32.
-            acc += tl.dot(x_tile.to(a_tile.dtype), a_tile, input_precision=DOT_PRECISION)
+            acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
         tl.store(buf_rows[:, None] + offs_r[None, :], acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
@@ -171,7 +170,7 @@ def lora_shrink(
         mods[0], mods[1], mods[2], meta.num_tiles, num_mods, split_k,
         x.shape[1], x.stride(0), x.stride(1), a_offsets.stride(0),
         buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype, arena.dtype),
+        MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -1,10 +1,6 @@
 """The page arena's tensors: one [num_pages, page_numel] tensor holding KV blocks and adapter
 weights, the per-layer KV views the attention kernels read, and the LoRA offset tables.
 
-Adapter weights are kept in `adapter_dtype`: the model's dtype, or float32 beside a 16-bit model
-(EngineConfig.adapter_dtype). Adapter pages are then read through a view of the arena in that
-dtype, a page holding `adapter_page_numel` of its elements, and the offset tables count those.
-
 Which page holds what is decided by `PagePool`; this module only moves data.
 """
 
@@ -45,14 +41,6 @@ def plan_adapter_layout(
     return AdapterLayout(num_pages=num_pages, entries=entries)
 
 
-def adapter_page_numel(page_numel: int, dtype: torch.dtype, adapter_dtype: torch.dtype) -> int:
-    """Adapter elements one page of `page_numel` arena elements of `dtype` holds."""
-    nbytes = page_numel * dtype.itemsize
-    if nbytes % adapter_dtype.itemsize:
-        raise ValueError(f"a page of {nbytes} bytes does not hold whole {adapter_dtype} elements")
-    return nbytes // adapter_dtype.itemsize
-
-
 class PageArena:
     """The arena tensor plus offset tables; see DESIGN section 3 for the layout."""
 
@@ -65,7 +53,6 @@ class PageArena:
         dtype: torch.dtype,
         device: torch.device | str,
         max_rank: int = 0,
-        adapter_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.num_pages = num_pages
@@ -74,13 +61,11 @@ class PageArena:
         L, hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.page_numel = block_size * L * 2 * hkv * d
         self.pages = torch.zeros(num_pages, self.page_numel, dtype=dtype, device=device)
-        self.adapter_dtype = adapter_dtype or dtype
-        self.adapter_page_numel = adapter_page_numel(self.page_numel, dtype, self.adapter_dtype)
         kv = self.pages.view(num_pages, L, 2, block_size, hkv, d)
         self.kv_caches = tuple((kv[:, layer, 0], kv[:, layer, 1]) for layer in range(L))
         shape = (L, num_slots, len(LORA_MODULES))
         self.tables = LoraTables(
-            arena=self.pages.view(-1).view(self.adapter_dtype),
+            arena=self.pages.view(-1),
             a_offsets=torch.zeros(shape, dtype=torch.int64, device=device),
             b_offsets=torch.zeros(shape, dtype=torch.int64, device=device),
             ranks=torch.zeros(shape, dtype=torch.int32, device=device),
@@ -121,16 +106,15 @@ class PageArena:
     ) -> None:
         """Copy an adapter's A/B matrices into its pages and fill its rows of the tables.
         Copies are non-blocking from pinned host memory. With `image` (the adapter's pages as
-        laid out, HostAdapter.image), one copy per run of consecutive pages. Layout offsets
-        and the matrices are in the arena's adapter dtype."""
+        laid out, HostAdapter.image), one copy per run of consecutive pages."""
         flat = self.tables.arena
         if image is not None:
             self._write_image(flat, pages, image)
         a_off, b_off, ranks, scales = [], [], [], []
         layers, mods = [], []
         for (layer, module), (r, scale, (pa, oa), (pb, ob)) in layout.entries.items():
-            start_a = pages[pa] * self.adapter_page_numel + oa
-            start_b = pages[pb] * self.adapter_page_numel + ob
+            start_a = pages[pa] * self.page_numel + oa
+            start_b = pages[pb] * self.page_numel + ob
             if image is None:
                 a, b = matrices[(layer, module)]
                 flat[start_a : start_a + a.numel()].copy_(a.reshape(-1), non_blocking=True)
@@ -154,7 +138,7 @@ class PageArena:
         self.tables.scales[idx] = torch.tensor(scales, dtype=torch.float32, device=dev)
 
     def _write_image(self, flat: torch.Tensor, pages: list[int], image: torch.Tensor) -> None:
-        n = self.adapter_page_numel
+        n = self.page_numel
         if image.numel() != len(pages) * n:
             raise ValueError(f"an adapter image of {image.numel()} elements for {len(pages)} "
                              f"pages of {n}")

@@ -43,10 +43,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-# EngineConfig.adapter_dtype values: the model's dtype, or float32 (peft's adapter storage).
-ADAPTER_DTYPES: tuple[str, ...] = ("model", "float32")
-
-
 class ConfigError(ValueError):
     """A model or engine configuration that cannot be served."""
 
@@ -214,19 +210,12 @@ class EngineConfig:
     # on a second CUDA stream beside the base GEMM, then add it (CUDA only; graphs capture
     # the fork and join). Costs one add per LoRA layer; saves the LoRA launches' latency.
     lora_overlap: bool = False
-    # Adapter weights in the arena and the host tier: "model" (the model's dtype) or "float32"
-    # (peft's own storage: with a 16-bit model the LoRA delta is then peft's float32 math,
-    # kernels in tf32x3; an adapter takes twice the pages). See docs/numerics.md.
-    adapter_dtype: str = "model"
     # Ranks of one engine (DESIGN section 5): LLMEngine.from_model_dir starts the other ranks
     # (slora_core/tp); 1 is the single-device engine, untouched.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.adapter_dtype not in ADAPTER_DTYPES:
-            raise ConfigError(f"adapter_dtype must be one of {ADAPTER_DTYPES}, "
-                              f"got {self.adapter_dtype!r}")
         for name in ("num_pages", "max_rank", "max_num_seqs", "max_num_batched_tokens",
                      "max_adapters_per_batch", "tensor_parallel_size"):
             if getattr(self, name) <= 0:
@@ -239,10 +228,6 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
-
-    @property
-    def adapter_torch_dtype(self) -> torch.dtype:
-        return torch.float32 if self.adapter_dtype == "float32" else self.torch_dtype
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:
         """`max_model_len` for `model`: the model's own limit when unset; a value above that
@@ -273,9 +258,7 @@ class EngineConfig:
     def resolve_block_size(self, model: ModelConfig) -> int:
         """The KV block size whose page fits the largest A or B matrix at `max_rank`."""
         per_token = model.num_hidden_layers * 2 * model.num_key_value_heads * model.head_dim
-        # In arena elements: a float32 adapter element takes two of a 16-bit arena's.
-        need = (self.max_rank * model.max_module_dim * self.adapter_torch_dtype.itemsize
-                // self.torch_dtype.itemsize)
+        need = self.max_rank * model.max_module_dim
         if self.block_size is not None:
             if self.block_size * per_token < need:
                 raise ConfigError(

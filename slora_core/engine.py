@@ -130,8 +130,8 @@ class LLMEngine:
             self.pool, self.eos_token_ids,
         )
         self.adapters = AdapterStore(
-            model_config, max_rank=config.max_rank, dtype=self.arena.adapter_dtype,
-            page_numel=self.arena.adapter_page_numel, capacity_bytes=config.host_cache_bytes,
+            model_config, max_rank=config.max_rank, dtype=config.torch_dtype,
+            page_numel=self.arena.page_numel, capacity_bytes=config.host_cache_bytes,
             pin_memory=self.arena.pages.device.type == "cuda",
         )
         self.sampler = Sampler()

@@ -37,8 +37,6 @@ HELP: dict[str, str] = {
     "async_steps": "launch each step before reading the previous one's tokens (overlaps host "
                    "work with the GPU)",
     "lora_overlap": "run decode steps' LoRA on a second CUDA stream beside the base GEMMs",
-    "adapter_dtype": "adapter weights' dtype: model (the model's) or float32 (peft's: the "
-                     "LoRA delta in float32 beside a 16-bit model, twice the adapter pages)",
     "tensor_parallel_size": "ranks (one GPU each) one engine is sharded over; rank 0 "
                             "schedules (slora_core/tp)",
 }

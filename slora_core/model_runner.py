@@ -64,7 +64,7 @@ class ModelRunner:
         # steps point base-model and padding rows at it.
         arena = PageArena(model_config, config.num_pages, block_size, config.num_pages + 1,
                           config.torch_dtype, torch.device(config.device),
-                          max_rank=config.max_rank, adapter_dtype=config.adapter_torch_dtype)
+                          max_rank=config.max_rank)
         wrap_lora(model, model_config)
         return cls(model, arena, max_num_seqs=config.max_num_seqs,
                    # Graph block tables need no more columns than the arena has pages,

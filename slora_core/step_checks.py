@@ -121,7 +121,7 @@ def check_slot_rows(arena: PageArena, slots: Iterable[int] | dict[int, set[int]]
     a_off, b_off = _np(t.a_offsets[:, slots]), _np(t.b_offsets[:, slots])
     if t.max_rank and ranks.size and ranks.max() > t.max_rank:
         _fail(where, f"rank {ranks.max()} above max_rank {t.max_rank}")
-    pn = arena.adapter_page_numel
+    pn = arena.page_numel
     owns = None  # [S, num_pages]: slot i's adapter owns the page
     if owned is not None:
         owns = np.zeros((len(slots), arena.num_pages), dtype=bool)

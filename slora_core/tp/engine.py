@@ -71,8 +71,8 @@ class TPEngine(LLMEngine):
         parallelize_rows(model, group)  # after the LoRA wrap: LoRA deltas join the sums
         self.runner = self.tp_runner = TPModelRunner(self.runner, group)
         self.adapters = ShardedAdapterStore(
-            shard, max_rank=config.max_rank, dtype=self.arena.adapter_dtype,
-            page_numel=self.arena.adapter_page_numel, capacity_bytes=config.host_cache_bytes,
+            shard, max_rank=config.max_rank, dtype=config.torch_dtype,
+            page_numel=self.arena.page_numel, capacity_bytes=config.host_cache_bytes,
             pin_memory=self.arena.pages.device.type == "cuda")
         self.worker_processes: list[Any] = []  # rank 0: the other ranks (see launch.py)
         self._closed = False
