@@ -89,3 +89,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return silu_mul_triton(gate_up)
     return silu_mul_reference(gate_up)
+
+
+def linear_float32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T accumulated in float32 and returned in float32: a 16-bit GEMM's float32
+    result is not rounded to x's dtype on the way out (on CUDA, cuBLAS writes float32 outputs
+    from 16-bit inputs: `mm` with `out_dtype`)."""
+    if x.dtype == torch.float32:
+        return torch.nn.functional.linear(x, weight)
+    if x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return torch.nn.functional.linear(x.float(), weight.float())

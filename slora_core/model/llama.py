@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slora_core import ops
 from slora_core.config import ModelConfig
 from slora_core.model.layers import DecoderLayer, RMSNorm
 from slora_core.model.rope import RotaryEmbedding
@@ -35,6 +36,17 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
+class LMHead(nn.Linear):
+    """The LM head; its output is float32 logits whatever the model dtype. HF rounds a 16-bit
+    model's logits to fp16/bf16, an error of up to half an ulp of each logit (0.004 at |logit|
+    8-16 in fp16): the size of the margins that decide greedy near-ties. Here the GEMM's
+    float32 accumulator is kept instead, which costs [tokens, vocab] float32 writes beside
+    the [vocab, hidden] weight read (docs/numerics.md)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return ops.linear_float32(hidden, self.weight)
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head. Must run inside `slora_core.context.step_context(ctx)`,
     whose `kv_caches[i]` is layer i's (k, v) view of the page arena."""
@@ -43,7 +55,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -62,4 +74,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> float32 logits [n, vocab]."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)

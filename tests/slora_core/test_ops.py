@@ -76,3 +76,25 @@ def test_cuda_tensors_take_the_triton_kernels() -> None:
         out = ops.paged_attention(q, k_cache, v_cache, tables, lens, starts, 0.2,
                                   max_query_len=mql)
         assert torch.allclose(out.double(), ref, atol=5e-3)
+
+
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_linear_float32_keeps_the_float32_accumulator(device: str, dtype: torch.dtype) -> None:
+    """The LM head's logits: float32 out of 16-bit inputs, within float32 accumulation of the
+    float64 product; the 16-bit output of the same GEMM carries its own rounding, orders of
+    magnitude more (fp16 ~2^-12 relative, bf16 ~2^-9)."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 256, generator=gen) * 3).to(device, dtype)
+    w = (torch.randn(1000, 256, generator=gen) / 16).to(device, dtype)
+    ref = x.double() @ w.double().T
+    got = ops.linear_float32(x, w)
+    assert got.dtype == torch.float32 and got.shape == (5, 1000)
+    err = float((got.double() - ref).norm() / ref.norm())
+    rounded = torch.nn.functional.linear(x, w).double()
+    err16 = float((rounded - ref).norm() / ref.norm())
+    assert err < 1e-5, err
+    assert err16 > 10 * err, (err16, err)
