@@ -38,10 +38,17 @@ ATTN_SHAPES = (("llama2-7b", 64, 512), ("llama3-8b", 64, 512))
 LORA_CASES = ((16, 64), (16, 256), (64, 64), (64, 256))  # (rank, rows), one adapter
 
 
-def attention_rows(copy_gbs: float) -> list[dict[str, Any]]:
+ATTN_GRID = tuple(itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)))
+# The other shapes of bench.kernels' decode table, for a few candidates (--attn-wide).
+WIDE_SHAPES = (("llama2-7b", 1, 4096), ("llama2-7b", 16, 2048), ("llama2-7b", 256, 1024),
+               ("llama3-8b", 1, 4096), ("llama3-8b", 16, 2048), ("llama3-8b", 256, 1024))
+
+
+def attention_rows(copy_gbs: float, shapes: tuple[tuple[str, int, int], ...] = ATTN_SHAPES,
+                   grid: tuple[tuple[int, ...], ...] = ATTN_GRID) -> list[dict[str, Any]]:
     rows = []
-    for model, batch, ctx in ATTN_SHAPES:
-        for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+    for model, batch, ctx in shapes:
+        for n, w, s in grid:
             tiles = dataclasses.replace(DEFAULT_TILES, decode_block_n=n, decode_num_warps=w,
                                         decode_num_stages=s)
             try:
@@ -100,12 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", nargs="+", default=["logits", "lora", "attention"])
+    ap.add_argument("--attn-wide", nargs="*", default=None, metavar="N,W,S",
+                    help="attention on WIDE_SHAPES too, for these tiles and the default's")
     args = ap.parse_args(argv)
     copy = copy_bandwidth_gbs(1 << 30 if DEVICE == "cuda" else 1 << 20)
     copy_gbs = max(copy.values())
     result: dict[str, Any] = {**run_record(["bench.decode_sweep", *(argv or sys.argv[1:])]),
                               "copy_gbs": copy, "method": "CUDA-graph replay, median"}
     fns = {"logits": logits_rows, "lora": lora_rows, "attention": attention_rows}
+    if args.attn_wide is not None:
+        dflt = (DEFAULT_TILES.decode_block_n, DEFAULT_TILES.decode_num_warps,
+                DEFAULT_TILES.decode_num_stages)
+        grid = (dflt, *(tuple(int(v) for v in t.split(",")) for t in args.attn_wide))
+        fns["attention_wide"] = lambda gbs: attention_rows(gbs, WIDE_SHAPES + ATTN_SHAPES,
+                                                           grid)
     for part in args.parts:
         result[part] = fns[part](copy_gbs)
         if args.out:
