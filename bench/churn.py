@@ -52,6 +52,7 @@ def _run(engine: LLMEngine, b: Any, n: int, alpha: float, label: str,
     return {**res, "distinct_requested": len({r.adapter for r in reqs}),
             "gpu_loads": st.adapter_loads, "evictions": st.adapter_evictions,
             "loads_from_host": st.adapter_host_hits, "loads_from_disk": st.adapter_disk_loads,
+            "background_disk_reads": st.adapter_background_reads,
             "disk_reads": engine.adapters.loads - disk_reads}
 
 
@@ -93,7 +94,8 @@ def scenario_churn(b: Any) -> dict[str, Any]:
 
 def scenario_churndisk(b: Any) -> dict[str, Any]:
     """alpha 1.0 with the adapters as files and a small host tier, so reloads read the disk
-    (fewer requests: every disk read blocks the step loop, see bench.cold_load)."""
+    (fewer requests: a read takes 0.1-1.2 s, bench.cold_load; reads for waiting requests run
+    on the engine's reader threads, off the step loop)."""
     a = b.args
     with tempfile.TemporaryDirectory(dir=a.churn_disk_dir) as tmp:
         engine = disk_engine(b, a.many_adapters, Path(tmp))

@@ -96,6 +96,17 @@ class AdapterStore:
     def is_cached(self, name: str) -> bool:
         return name in self._cache
 
+    def peek(self, name: str) -> HostAdapter | None:
+        """The adapter if it is in host memory (touched in the LRU), else None: never reads
+        the disk."""
+        if name in self._in_memory:
+            return self._in_memory[name]
+        with self._lock:
+            host = self._cache.get(name)
+            if host is not None:
+                self._cache.move_to_end(name)
+            return host
+
     def names(self) -> list[str]:
         return [*self._specs, *self._in_memory]
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from slora_core import step_checks
-from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
+from slora_core.adapter_cache import AdapterStore, HostAdapter, UnknownAdapterError
 from slora_core.adapter_copies import AdapterCopier
 from slora_core.adapters import AdapterError, LoraAdapter
 from slora_core.config import LORA_MODULES, ConfigError, EngineConfig, ModelConfig
@@ -39,6 +40,10 @@ from slora_core.scheduler import PLACEHOLDER, Scheduler, SchedulerLimits, Schedu
 from slora_core.sequence import Sequence
 from slora_core.tokenizer import Tokenizer
 from slora_core.weights import load_model
+
+# Threads reading adapters from disk for waiting requests; how long an idle step waits for one.
+DISK_LOAD_THREADS = 2
+IDLE_WAIT_S = 0.01
 
 
 class RequestError(ValueError):
@@ -82,6 +87,9 @@ class EngineStats:
     # Where each of adapter_loads came from: the host tier, or a disk read in that step.
     adapter_host_hits: int = 0
     adapter_disk_loads: int = 0
+    # Adapters read from disk in the background for requests that found them in no tier (their
+    # arena loads then count as host hits).
+    adapter_background_reads: int = 0
     last_distinct_adapters: int = 0
 
 
@@ -139,6 +147,10 @@ class LLMEngine:
         self.stats = EngineStats()
         self.copier = AdapterCopier(self.arena)
         self._inflight: _Inflight | None = None  # async steps: the sampled batch not yet read
+        # Adapters being read from disk for waiting requests, off the step loop (a read of a
+        # 7B-shape adapter takes 0.1-1.2 s: on the loop it stalled every running request).
+        self._loading: dict[str, Future[HostAdapter]] = {}
+        self._loader: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, *,
@@ -227,8 +239,10 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Release what the engine holds beyond its own memory (a tensor-parallel engine stops
-        its other ranks); a plain engine holds nothing."""
+        """Release what the engine holds beyond its own memory: its disk-reading threads (a
+        tensor-parallel engine also stops its other ranks)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
 
     def keepalive(self) -> None:
         """Call when idle for a while: a tensor-parallel engine sends its other ranks an empty
@@ -262,18 +276,23 @@ class LLMEngine:
         self._check_prompt(ids, params)
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests waiting")
-        pages = 0
+        pages, host = 0, None
         if adapter:
             if not self.adapters.is_registered(adapter):
                 raise UnknownAdapterError(adapter)
-            pages = self.adapters.get(adapter).layout.num_pages
+            host = self.adapters.peek(adapter)
+            pages = host.layout.num_pages if host is not None else 0
+        # An adapter in no tier yet: the request waits (adapter_ready False) while a thread
+        # reads it, and its pages are checked then (_finish_loads).
         self._check_fits(len(ids) + params.max_new_tokens, pages)
-        now = time.monotonic()
-        seq = Sequence(request_id, ids, params, adapter=adapter or None, adapter_pages=pages,
-                       tenant=tenant, arrival=now,
-                       deadline=None if deadline_s is None else now + deadline_s)
         if not self.detokenize and params.stop:
             raise RequestError("stop strings need a detokenizing engine; this one is not")
+        now = time.monotonic()
+        seq = Sequence(request_id, ids, params, adapter=adapter or None, adapter_pages=pages,
+                       adapter_ready=not adapter or host is not None, tenant=tenant,
+                       arrival=now, deadline=None if deadline_s is None else now + deadline_s)
+        if not seq.adapter_ready:
+            self._start_load(str(adapter))
         decoder = self.tokenizer if self.detokenize and self.tokenizer is not None else _NoText()
         stream = TextStream(decoder, ids, params.stop,
                             min_tokens=params.min_new_tokens)
@@ -301,6 +320,51 @@ class LLMEngine:
                 f"the request needs {need} arena pages at its longest, the arena has "
                 f"{self.config.num_pages}"
             )
+
+    def _start_load(self, name: str) -> None:
+        if name in self._loading:
+            return
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(DISK_LOAD_THREADS, thread_name_prefix="adapter-disk")
+        self._loading[name] = self._loader.submit(self.adapters.get, name)
+
+    def _finish_loads(self) -> list[RequestOutput]:
+        """Requests whose adapter finished loading in the background become schedulable, or
+        end with an error that says why (the file could not be parsed or validated, or the
+        request does not fit the arena with it); the other requests go on."""
+        outputs: list[RequestOutput] = []
+        for name, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[name]
+            waiting = [r for r in self._requests.values()
+                       if r.seq.adapter == name and not r.seq.adapter_ready]
+            try:
+                host = future.result()
+            except Exception as e:  # noqa: BLE001 - any failure ends the requests, with it
+                outputs += [self._fail_waiting(r, f"adapter {name!r} could not be loaded: {e}")
+                            for r in waiting]
+                continue
+            self.stats.adapter_background_reads += 1
+            pages = host.layout.num_pages
+            for req in waiting:
+                seq = req.seq
+                need = self.scheduler.blocks_for(len(seq.prompt_token_ids)
+                                                 + seq.params.max_new_tokens) + pages
+                if need > self.config.num_pages:
+                    outputs.append(self._fail_waiting(
+                        req, f"the request needs {need} arena pages at its longest with its "
+                             f"adapter, the arena has {self.config.num_pages}"))
+                else:
+                    seq.adapter_pages, seq.adapter_ready = pages, True
+        return outputs
+
+    def _fail_waiting(self, req: _Request, error: str) -> RequestOutput:
+        self.scheduler.finish(req.seq)
+        del self._requests[req.seq.request_id]
+        out = self._final(req, "error")
+        out.error, out.error_kind = error, ADAPTER_UNLOADABLE
+        return out
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; None if it is unknown or already done."""
@@ -332,9 +396,13 @@ class LLMEngine:
         finished when the ids arrive computed one token too many; it is dropped before
         sampling."""
         inflight, self._inflight = self._inflight, None
+        loaded = self._finish_loads() if self._loading else []
         sched = self.scheduler.schedule()
-        outputs = self._apply_memory_changes(sched)
+        outputs = loaded + self._apply_memory_changes(sched)
         outputs += [self._expire(seq) for seq in sched.expired]
+        if not sched.scheduled and inflight is None and self._loading and not outputs:
+            # Nothing to run until a read lands: wait for one (briefly) instead of spinning.
+            wait(list(self._loading.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         logits, sampling = None, []
         if sched.scheduled:
             self.stats.steps += 1

@@ -135,6 +135,7 @@ class TPEngine(LLMEngine):
         if self._closed:
             return
         self._closed = True
+        super().close()
         procs = self.worker_processes
         if self.group.size > 1 and all(p.is_alive() for p in procs):
             try:

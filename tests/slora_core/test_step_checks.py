@@ -88,6 +88,8 @@ def test_churn_keeps_every_step_index_in_range_and_owned(demo_dir, checks_on):
 
 def test_checks_catch_a_page_owned_twice_and_a_foreign_slot(demo_dir, checks_on):
     engine = _churn_engine(demo_dir, 2, num_pages=64, block_size=64)
+    for name in ("a0", "a1"):  # in the host tier, so the requests are schedulable at once
+        engine.load_adapter(name)
     params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     engine.add_request("x", [5, 6, 7], params, adapter="a0")
     engine.add_request("y", [8, 9], params, adapter="a1")
