@@ -120,13 +120,9 @@ class AdapterStore:
     def get(self, name: str) -> HostAdapter:
         """The adapter in host memory, loading and validating it from disk on a miss.
         Raises UnknownAdapterError or an AdapterError that names the problem."""
-        if name in self._in_memory:
-            return self._in_memory[name]
-        with self._lock:
-            host = self._cache.get(name)
-            if host is not None:
-                self._cache.move_to_end(name)
-                return host
+        host = self.peek(name)
+        if host is not None:
+            return host
         spec = self._specs.get(name)
         if spec is None:
             raise UnknownAdapterError(name)
