@@ -94,9 +94,15 @@ def logits_rows(copy_gbs: float) -> list[dict[str, Any]]:
     rows = []
     for m in (1, 64, 256):
         x = torch.randn(m, hidden, dtype=torch.float16, device=DEVICE)
-        fp16 = graph_time_us([lambda x=x: torch.nn.functional.linear(x, w).float()],
-                             replays=20)
-        fp32 = graph_time_us([lambda x=x: ops.linear_float32(x, w)], replays=20)
+
+        def rounded(x: torch.Tensor = x) -> torch.Tensor:
+            return torch.nn.functional.linear(x, w).float()
+
+        def kept(x: torch.Tensor = x) -> torch.Tensor:
+            return ops.linear_float32(x, w)
+
+        fp16 = graph_time_us([rounded], replays=20)
+        fp32 = graph_time_us([kept], replays=20)
         floor = (w.numel() * 2 + m * vocab * 4) / (copy_gbs * 1e3)
         rows.append({"rows": m, "fp16_out_then_float_us": fp16, "float32_out_us": fp32,
                      "ratio": fp32 / fp16, "floor_us": floor})
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbs = max(copy.values())
     result: dict[str, Any] = {**run_record(["bench.decode_sweep", *(argv or sys.argv[1:])]),
                               "copy_gbs": copy, "method": "CUDA-graph replay, median"}
-    fns = {"logits": logits_rows, "lora": lora_rows, "attention": attention_rows}
+    fns: dict[str, Callable[[float], list[dict[str, Any]]]] = {
+        "logits": logits_rows, "lora": lora_rows, "attention": attention_rows}
     if args.attn_wide is not None:
         dflt = (DEFAULT_TILES.decode_block_n, DEFAULT_TILES.decode_num_warps,
                 DEFAULT_TILES.decode_num_stages)
