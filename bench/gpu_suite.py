@@ -132,7 +132,7 @@ def simulate_churn(cfg: EngineConfig, block: int, num_pages: int,
     engine's counts come out the same (eager and graph modes; asynchronous steps add a step)."""
     pool = PagePool(num_pages, num_slots=num_pages)
     sched = Scheduler(SchedulerLimits(block, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                      cfg.max_adapters_per_batch,
+                                      cfg.adapter_cap,
                                       max_model_len=cfg.max_model_len), pool, (-1,))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     for rid, prompt, adapter in requests:

@@ -134,7 +134,7 @@ class LLMEngine:
         self.eos_token_ids = tok_eos or model_config.eos_token_ids
         self.scheduler = Scheduler(
             SchedulerLimits(block_size, config.max_num_seqs, config.max_num_batched_tokens,
-                            config.max_adapters_per_batch, max_model_len=config.max_model_len),
+                            config.adapter_cap, max_model_len=config.max_model_len),
             self.pool, self.eos_token_ids,
         )
         self.adapters = AdapterStore(

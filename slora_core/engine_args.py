@@ -28,7 +28,7 @@ HELP: dict[str, str] = {
     "max_rank": "largest adapter rank served",
     "max_num_seqs": "sequences one step may run",
     "max_num_batched_tokens": "tokens one step may compute (chunked prefill budget)",
-    "max_adapters_per_batch": "distinct adapters one step may read",
+    "max_adapters_per_batch": "distinct adapters one step may read (default: max_num_seqs)",
     "max_model_len": "longest prompt + output (default: the model's context length)",
     "host_cache_bytes": "host memory for parsed adapters, in bytes",
     "max_queue": "waiting requests past which new ones are refused as busy",

@@ -63,3 +63,17 @@ def test_cli_args_round_trip_through_the_parser():
               "cuda_graphs": False, "device": "cpu"}
     args = parse(engine_cli_args(values))
     assert {k: getattr(args, k) for k in values} == values
+
+
+def test_the_adapter_cap_follows_the_batch_unless_set():
+    """max_adapters_per_batch defaults to no cap below max_num_seqs; a set value is kept; a
+    flag or variable of `none` means the default."""
+    assert EngineConfig().adapter_cap == 64
+    assert EngineConfig(max_num_seqs=256).adapter_cap == 256
+    assert EngineConfig(max_num_seqs=256, max_adapters_per_batch=32).adapter_cap == 32
+    with pytest.raises(ConfigError, match="max_adapters_per_batch"):
+        EngineConfig(max_adapters_per_batch=0)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, env={})
+    args = parser.parse_args(["--max-num-seqs", "128", "--max-adapters-per-batch", "none"])
+    assert engine_config_from_args(args).adapter_cap == 128
