@@ -69,6 +69,10 @@ class AdapterStore:
         self._in_memory: dict[str, HostAdapter] = {}  # no files behind them: never evicted
         self._bytes = 0
         self._lock = threading.Lock()
+        # One lock per adapter being read: a second caller waits for the first's read instead
+        # of parsing the same files again (the worker's load command and a request that came
+        # meanwhile both ask for a new version).
+        self._reading: dict[str, threading.Lock] = {}
         self.loads = 0
 
     def register(self, name: str, path: str | Path, sha256: str | None = None) -> None:
@@ -86,6 +90,7 @@ class AdapterStore:
         self._specs.pop(name, None)
         self._in_memory.pop(name, None)
         with self._lock:
+            self._reading.pop(name, None)
             host = self._cache.pop(name, None)
             if host is not None:
                 self._bytes -= host.nbytes
@@ -123,16 +128,23 @@ class AdapterStore:
         host = self.peek(name)
         if host is not None:
             return host
-        spec = self._specs.get(name)
-        if spec is None:
-            raise UnknownAdapterError(name)
-        host = self._load(spec)
         with self._lock:
-            self._cache[name] = host
-            self._bytes += host.nbytes
-            while self._bytes > self.capacity_bytes and len(self._cache) > 1:
-                _, old = self._cache.popitem(last=False)
-                self._bytes -= old.nbytes
+            reading = self._reading.setdefault(name, threading.Lock())
+        with reading:
+            host = self.peek(name)  # read by the caller this one waited for
+            if host is not None:
+                return host
+            spec = self._specs.get(name)
+            if spec is None:
+                raise UnknownAdapterError(name)
+            host = self._load(spec)
+            with self._lock:
+                self._cache[name] = host
+                self._bytes += host.nbytes
+                while self._bytes > self.capacity_bytes and len(self._cache) > 1:
+                    _, old = self._cache.popitem(last=False)
+                    self._bytes -= old.nbytes
+                self._reading.pop(name, None)
         return host
 
     def _load(self, spec: AdapterSpec) -> HostAdapter:

@@ -141,3 +141,35 @@ def test_a_request_too_big_with_its_adapter_fails_when_the_adapter_is_read(
     assert len(outs) == 1 and outs[0].finish_reason == "error"
     assert outs[0].error_kind == ADAPTER_UNLOADABLE
     assert "arena pages at its longest with its adapter, the arena has 8" in outs[0].error
+
+
+def test_concurrent_reads_of_one_adapter_parse_it_once(demo_dir: Path) -> None:
+    """The worker's load command and a request's background read ask for one new adapter at
+    once: the second waits for the first's read; a different adapter is read beside them."""
+    dirs = sorted((demo_dir / "adapters").iterdir())
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(num_pages=64))
+    store = engine.adapters
+    store.register("a", dirs[0])
+    store.register("b", dirs[1])
+    read, started, release = store._load, threading.Event(), threading.Event()
+
+    def slow_read(spec):  # type: ignore[no-untyped-def]
+        if spec.name == "a":
+            started.set()
+            assert release.wait(30)
+        return read(spec)
+
+    store._load = slow_read  # type: ignore[method-assign]
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(store.get("a"))) for _ in range(3)]
+    threads[0].start()
+    assert started.wait(30)
+    for t in threads[1:]:
+        t.start()
+    assert store.get("b") is not None  # not held up by the read of "a"
+    time.sleep(0.2)  # let the other two reach the read of "a" before it completes
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 3 and got[0] is got[1] is got[2]
+    assert store.loads == 2  # "a" once, "b" once
