@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.run_record import run_record
 from bench.serving import Bench
 from kernels.jit_stats import compiled_kernel_variants
 from slora_core.engine import LLMEngine
@@ -123,9 +125,7 @@ def main() -> None:
                             max_adapters_per_batch=64)
     bench = Bench(ns)
     vocab = bench.cfg.vocab_size
-    result: dict[str, Any] = {"command": "python -m bench.profile_gpu --shape " + args.shape,
-                              "hardware": torch.cuda.get_device_name()
-                              if torch.cuda.is_available() else "cpu"}
+    result: dict[str, Any] = run_record(["bench.profile_gpu", *sys.argv[1:]])
 
     # 32 x 32 prefill: first round loads the adapters, the second finds them resident.
     engine = bench.engine(32, (16,), cuda_graphs=False, max_adapters_per_batch=32)
