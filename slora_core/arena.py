@@ -142,7 +142,7 @@ class PageArena:
         # per-table copies and indexed writes cost ~0.2 ms, 1.8x a plain copy of a rank-8
         # adapter's 16 MB (cold-load-h200.json at 9c43cbb).
         page_base = np.asarray(pages, dtype=np.int64) * self.page_numel
-        L, S, M = self.tables.ranks.shape
+        _, S, M = self.tables.ranks.shape
         packed = np.empty((5, rows.shape[1]), dtype=np.int64)
         packed[0] = rows[0] * (S * M) + slot * M + rows[1]  # flat index into the tables
         packed[1] = page_base[rows[2]] + rows[3]  # A offsets

@@ -46,6 +46,10 @@ DISK_LOAD_THREADS = 2
 IDLE_WAIT_S = 0.01
 
 
+def _unloadable(name: str, error: object) -> str:
+    return f"adapter {name!r} could not be loaded: {error}"
+
+
 class RequestError(ValueError):
     """A request that can never be served as asked (too long, bad ids, duplicate id)."""
 
@@ -342,8 +346,7 @@ class LLMEngine:
             try:
                 host = future.result()
             except Exception as e:  # noqa: BLE001 - any failure ends the requests, with it
-                outputs += [self._fail_waiting(r, f"adapter {name!r} could not be loaded: {e}")
-                            for r in waiting]
+                outputs += [self._fail_waiting(r, _unloadable(name, e)) for r in waiting]
                 continue
             self.stats.adapter_background_reads += 1
             pages = host.layout.num_pages
@@ -518,7 +521,7 @@ class LLMEngine:
             self.scheduler.finish(req.seq)
             del self._requests[req.seq.request_id]
             out = self._final(req, "error")
-            out.error = f"adapter {name!r} could not be loaded: {error}"
+            out.error = _unloadable(name, error)
             out.error_kind = ADAPTER_UNLOADABLE
             outs.append(out)
         if self.pool.is_resident(name):
