@@ -77,9 +77,11 @@ class CoreClient:
     def __init__(self, model_dir: Path, config: EngineConfig,
                  on_death: Callable[[str], None] = lambda _why: None,
                  on_step: Callable[[m.StepOutput], None] = lambda _out: None,
-                 on_started: Callable[[float], None] = lambda _queued_s: None) -> None:
+                 on_started: Callable[[float], None] = lambda _queued_s: None,
+                 step_delay_s: float = 0.0) -> None:
         self.model_dir = model_dir
         self.config = config
+        self.step_delay_s = step_delay_s  # test hook (debug_hooks.STEP_DELAY_ENV)
         self.on_death = on_death
         self.on_step = on_step
         self.on_started = on_started  # a request left the core's queue after so many seconds
@@ -109,7 +111,8 @@ class CoreClient:
         self._outputs.setsockopt(zmq.RCVHWM, 0)
         self._outputs.bind(f"ipc://{base / 'out'}")
         spec = CoreSpec(self.model_dir, self.config, f"ipc://{base / 'in'}",
-                        f"ipc://{base / 'out'}", logging.getLevelName(log.getEffectiveLevel()))
+                        f"ipc://{base / 'out'}", logging.getLevelName(log.getEffectiveLevel()),
+                        self.step_delay_s)
         proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(spec, os.getpid()), name="slora-engine-core")
         proc.start()

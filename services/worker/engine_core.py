@@ -50,6 +50,7 @@ class CoreSpec:
     input_address: str   # the front's PUSH socket (bound by the front)
     output_address: str  # the front's PULL socket
     log_level: str = "INFO"
+    step_delay_s: float = 0.0  # test hook: sleep after every step (debug_hooks.STEP_DELAY_ENV)
 
 
 def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
@@ -71,7 +72,7 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
         max_num_seqs=spec.config.max_num_seqs, max_model_len=engine.max_model_len,
         eos_token_ids=list(engine.eos_token_ids))))
     try:
-        EngineCore(engine, outputs, parent_pid).run(inputs)
+        EngineCore(engine, outputs, parent_pid, spec.step_delay_s).run(inputs)
         engine.close()  # a clean stop: tensor-parallel ranks leave with it
     finally:
         inputs.close(linger=0)
@@ -82,10 +83,12 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
 class EngineCore:
     """The loop: drain inputs, run one step, send its outputs; commands between steps."""
 
-    def __init__(self, engine: LLMEngine, outputs: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine: LLMEngine, outputs: zmq.Socket, parent_pid: int,
+                 step_delay_s: float = 0.0) -> None:
         self.engine = engine
         self.outputs = outputs
         self.parent_pid = parent_pid
+        self.step_delay_s = step_delay_s
         self.commands = Commands(engine)
         self._failed: list[m.Finish] = []     # refused requests, sent with the next output
         self._unstarted: set[int] = set()     # rids not yet scheduled
@@ -162,6 +165,8 @@ class EngineCore:
             self._fail_all(exc)
             return
         self._send(outs)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
 
     def _fail_all(self, exc: Exception) -> None:
         err = to_service_error(exc)

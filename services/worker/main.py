@@ -20,7 +20,7 @@ from services.common.server import (
 from services.worker import core_protocol as m
 from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient
-from services.worker.debug_hooks import slow_versions_from_env
+from services.worker.debug_hooks import slow_versions_from_env, step_delay_from_env
 from services.worker.disk_cache import DiskCache
 from services.worker.metrics import WorkerMetrics
 from services.worker.placement_client import PlacementClient, WorkerIdentity
@@ -83,7 +83,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
 
     core = CoreClient(opts.model_dir, opts.engine, on_death=on_death,
                       on_step=lambda out: publish_state(metrics, out),
-                      on_started=metrics.queue_time.observe)
+                      on_started=metrics.queue_time.observe, step_delay_s=step_delay_from_env())
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, opts.model_dir)
     await core.start()  # loads the model and, on CUDA, compiles kernels and captures graphs
     if opts.metrics_port is not None:

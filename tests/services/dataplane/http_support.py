@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +85,10 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str,
 
 
 @contextmanager
-def http_stack(demo_dir: Path, state: Path, worker_args: tuple[str, ...] = ()
-               ) -> Iterator[HttpStack]:
-    """Control plane, worker w1 (with metrics) and gateway g1 (gRPC and HTTP), demo adapters
-    published; stopped on exit."""
+def http_stack(demo_dir: Path, state: Path, worker_args: tuple[str, ...] = (),
+               worker_env: Mapping[str, str] | None = None) -> Iterator[HttpStack]:
+    """Control plane, worker w1 (with metrics, `worker_env` added to its environment) and
+    gateway g1 (gRPC and HTTP), demo adapters published; stopped on exit."""
     (state / "uploads").mkdir()
     config = StackConfig(demo_dir=demo_dir, state_dir=state, heartbeat_s=0.5,
                          extra_roots=(state / "uploads",))
@@ -98,7 +98,8 @@ def http_stack(demo_dir: Path, state: Path, worker_args: tuple[str, ...] = ()
     metrics = free_port()
     try:
         stack.start_control_plane()
-        stack.start_worker("w1", wait=False, extra=("--metrics-port", str(metrics)))
+        stack.start_worker("w1", wait=False, extra=("--metrics-port", str(metrics)),
+                           env=worker_env)
         stack.start_gateway("g1", wait=False)
         admin = AdminClient.connect(stack.cp_address, stack.admin_token)
         token = publish_demo_adapters(admin, demo_dir, ADAPTERS)

@@ -7,7 +7,7 @@ import pytest
 
 from services.common import errors as e
 from services.gateway.evidence import MAX_LABEL_KINDS, RoutedEvidence, Served, ServedLog
-from services.worker.debug_hooks import parse_slow_versions
+from services.worker.debug_hooks import STEP_DELAY_ENV, parse_slow_versions, step_delay_from_env
 from services.worker.metrics import WorkerMetrics
 
 
@@ -65,3 +65,11 @@ def test_slow_versions_hook_parsing() -> None:
     for bad in ("a=0.1", "a@v1", "@v1=1", "a@v1=-1", "a@v1=x"):
         with pytest.raises(ValueError):
             parse_slow_versions(bad)
+
+
+def test_step_delay_hook_parsing() -> None:
+    assert step_delay_from_env({}) == 0.0
+    assert step_delay_from_env({STEP_DELAY_ENV: " 0.01 "}) == 0.01
+    for bad in ("x", "-0.1", "11", "nan"):
+        with pytest.raises(ValueError, match=STEP_DELAY_ENV):
+            step_delay_from_env({STEP_DELAY_ENV: bad})

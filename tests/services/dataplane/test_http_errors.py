@@ -21,19 +21,25 @@ from openai import OpenAI
 
 from devtools.demo_stack import BASE_MODEL
 from services.common.processes import free_port, slora_argv, start_child
+from services.worker.debug_hooks import STEP_DELAY_ENV
 from tests.services.dataplane.dp_support import PROMPTS, scrape
 from tests.services.dataplane.http_support import HttpStack, http_stack, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 # One running request and one waiting: a third is refused (429).
 WORKER = ("--num-pages", "128", "--max-num-seqs", "1", "--max-queue", "1")
+# The demo model decodes 450 tokens in about 0.8 s here, close to what it takes to watch a
+# heartbeat reach the gateway: a slow engine (10 ms a step, a test hook) holds the worker full
+# for 4.5 s or more, so "one running, one waiting" cannot end while the tests look at it.
+SLOW_ENGINE = {STEP_DELAY_ENV: "0.01"}
 LONG = {"model": "qv-r4", "prompt": PROMPTS[0], "max_tokens": 450, "ignore_eos": True,
         "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def hs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
-    with http_stack(demo_dir, tmp_path_factory.mktemp("http-errors"), WORKER) as running:
+    with http_stack(demo_dir, tmp_path_factory.mktemp("http-errors"), WORKER,
+                    SLOW_ENGINE) as running:
         yield running
 
 
@@ -204,7 +210,7 @@ async def _full_then_disconnect(hs: HttpStack) -> None:
 
 
 def test_a_non_streamed_request_whose_client_times_out_is_cancelled(hs: HttpStack) -> None:
-    # 450 decode steps take well over 0.25 s on this CPU even when it is idle (about 0.8 s).
+    # 450 decode steps take 4.5 s or more (SLOW_ENGINE), far over the client's 0.25 s.
     with pytest.raises(httpx.ReadTimeout):
         post_long = httpx.post(hs.url + "/completions", json=LONG, timeout=0.25,
                                headers={"authorization": f"Bearer {hs.token}"})
