@@ -53,6 +53,8 @@ class HubConfig:
     heartbeat_s: float = 1.0        # asked of workers
     missed_heartbeats: int = 3      # then a worker is down
     startup_grace_s: float = 3.0    # gateways get their first snapshot after this (see run)
+    # ... or, while no worker has connected yet, after this many times as long (_grace_over)
+    no_worker_grace_factor: float = 3.0
     popularity_window_s: float = 10.0
     planner: PlannerConfig = PlannerConfig()
 
@@ -166,8 +168,14 @@ class PlacementHub:
 
     def _grace_over(self) -> bool:
         # After a restart, workers need a moment to reconnect; a gateway that got a snapshot
-        # without them would have nowhere to send requests.
-        return time.monotonic() - self._started >= self.config.startup_grace_s
+        # without them would have nowhere to send requests (it serves from its last table
+        # meanwhile). A slow host can stretch the moment past the grace, so while no worker
+        # is back it lasts longer; a cluster that really has none gets its snapshot then.
+        elapsed = time.monotonic() - self._started
+        if elapsed < self.config.startup_grace_s:
+            return False
+        return (any(w.up for w in self.workers.values())
+                or elapsed >= self.config.startup_grace_s * self.config.no_worker_grace_factor)
 
     def _expire_workers(self) -> None:
         limit = self.config.heartbeat_s * self.config.missed_heartbeats
