@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
+from services.worker.debug_hooks import STEP_DELAY_ENV
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from tests.services.dataplane.dp_support import request, scrape
 
@@ -22,14 +23,16 @@ pytestmark = pytest.mark.timeout(240)
 CORE_PID = re.compile(r"engine core pid (\d+)")
 
 
-def start_worker(demo_dir: Path, tmp_path: Path, *extra: str) -> tuple[Child, str, int, int]:
+def start_worker(demo_dir: Path, tmp_path: Path, *extra: str,
+                 env: dict[str, str] | None = None) -> tuple[Child, str, int, int]:
     """A worker on its own (base-model calls need no control plane): (child, address,
     metrics port, engine-core pid)."""
     address, metrics = f"127.0.0.1:{free_port()}", free_port()
     worker = start_child("worker", slora_argv(
         "worker", "--model", str(demo_dir / "model"), "--control-plane",
         f"127.0.0.1:{free_port()}", "--listen", address, "--worker-id", "faults",
-        "--metrics-port", str(metrics), "--cache-dir", str(tmp_path / "cache"), *extra), tmp_path)
+        "--metrics-port", str(metrics), "--cache-dir", str(tmp_path / "cache"), *extra), tmp_path,
+        env)
     wait_serving(address, worker, timeout_s=120)
     found = CORE_PID.search(worker.log_path.read_text())
     assert found, worker.log_path.read_text()
@@ -48,7 +51,8 @@ def alive(pid: int) -> bool:
 
 def test_engine_core_killed_mid_stream_ends_every_stream_unavailable_and_the_worker_exits(
         demo_dir: Path, tmp_path: Path) -> None:
-    worker, address, _, core_pid = start_worker(demo_dir, tmp_path)
+    # 10 ms steps (a test hook): the streams are surely mid-generation when the core dies.
+    worker, address, _, core_pid = start_worker(demo_dir, tmp_path, env={STEP_DELAY_ENV: "0.01"})
     ended: dict[int, tuple[grpc.StatusCode | None, str, float]] = {}
     started = threading.Barrier(5)
 

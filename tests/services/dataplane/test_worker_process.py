@@ -12,12 +12,13 @@ import grpc
 import pytest
 
 from services.common.processes import free_port, is_serving, slora_argv, start_child, wait_serving
+from services.worker.debug_hooks import STEP_DELAY_ENV
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from tests.services.dataplane.dp_support import generate, request, scrape
 
 pytestmark = pytest.mark.timeout(180)
-# Long enough to still be running when SIGTERM arrives (a few seconds on a CPU); within the
-# demo model's 512-token context.
+# Long enough to still be running when SIGTERM arrives (4.5 s or more with the worker's 10 ms
+# steps); within the demo model's 512-token context.
 LONG = 450
 
 
@@ -27,7 +28,9 @@ def test_queue_limit_drain_and_error_codes(demo_dir: Path, tmp_path: Path) -> No
         "worker", "--model", str(demo_dir / "model"), "--control-plane",
         f"127.0.0.1:{free_port()}", "--listen", address, "--worker-id", "solo",
         "--max-num-seqs", "1", "--max-queue", "1", "--metrics-port", str(metrics),
-        "--cache-dir", str(tmp_path / "cache"), "--drain-grace", "120"), tmp_path)
+        "--cache-dir", str(tmp_path / "cache"), "--drain-grace", "120"), tmp_path,
+        # 10 ms steps (a test hook): the long request runs for seconds while the test looks.
+        {STEP_DELAY_ENV: "0.01"})
     try:
         wait_serving(address, worker, timeout_s=120)
         long_req = request(max_new_tokens=LONG, ignore_eos=True, temperature=0)
