@@ -84,6 +84,8 @@ class WorkerConn:
     requests: dict[VersionKey, int] = field(default_factory=dict)
     heartbeat: ppb.Heartbeat | None = None  # the latest
     bound: bool = False  # authenticated by a worker credential bound to worker_id
+    # Its first placement is a snapshot, sent once the registry has been read (see loaded).
+    has_snapshot: bool = False
 
 
 @dataclass(eq=False)
@@ -117,6 +119,10 @@ class PlacementHub:
         self._window: dict[VersionKey, int] = {}
         self._started = time.monotonic()
         self.ready = asyncio.Event()  # first catalog loaded and start-up grace over
+        # The registry has been read once. Before that the catalog is empty: a worker that
+        # reconnected to a restarted control plane in that moment got an empty snapshot and
+        # forgot every version ("not known here" for requests its gateways still sent it).
+        self.loaded = False
 
     def next_revision(self) -> int:
         self._revision += 1
@@ -144,6 +150,7 @@ class PlacementHub:
                 if fp != last_fp:
                     self.catalog = await asyncio.to_thread(load_catalog, self.sessions)
                     last_fp = fp
+                    self.loaded = True
                     await self._drop_revoked()
                     self.recompute()
             except Exception:
@@ -229,7 +236,11 @@ class PlacementHub:
         return out
 
     def _push_placement(self, conn: WorkerConn, snapshot: bool) -> None:
+        if not self.loaded:
+            return  # a worker hears nothing until the registry has been read
         desired = self._desired(conn.worker_id)
+        snapshot = snapshot or not conn.has_snapshot
+        conn.has_snapshot = True
         if snapshot:
             upserts, removals = list(desired.values()), []
         else:

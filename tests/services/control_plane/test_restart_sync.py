@@ -1,7 +1,9 @@
-"""A restarted control plane holds gateways' first routing snapshot until a worker is back: a
-snapshot without workers would leave a gateway nowhere to send requests, while its last table
-(from before the restart) still works. The wait is bounded, so a cluster that really has no
-worker gets its snapshot too."""
+"""What a restarted control plane tells its subscribers first. Gateways' first routing snapshot
+waits until a worker is back: a snapshot without workers would leave a gateway nowhere to send
+requests, while its last table (from before the restart) still works; the wait is bounded, so a
+cluster that really has no worker gets its snapshot too. A worker that reconnects before the
+registry has been read hears nothing until it has: an empty placement snapshot would make it
+forget every version its gateways still route to it."""
 
 from __future__ import annotations
 
@@ -72,3 +74,28 @@ def test_a_worker_back_within_the_grace_gets_the_snapshot_when_the_grace_ends(
     waited, workers = first_snapshot(tmp_path, worker_after_s=0.0)
     assert workers == ["w1"]
     assert GRACE_S <= waited < GRACE_S + 1.0
+
+
+def test_a_worker_back_before_the_registry_was_read_gets_its_snapshot_after(
+        tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'registry.db'}"
+    upgrade(db_url)
+    engine = make_engine(db_url)
+
+    async def main() -> None:
+        hub = PlacementHub(make_session_factory(engine), HubConfig(poll_s=0.02))
+        worker = hub.connect_worker(ppb.WorkerHello(worker_id="w1", address="127.0.0.1:1",
+                                                    capacity=4))
+        assert worker.queue.empty(), "placement went out before the registry was read"
+        run = asyncio.create_task(hub.run())  # its first poll reads the registry
+        try:
+            first = await asyncio.wait_for(worker.queue.get(), timeout=10)
+            assert first is not None and first.snapshot
+            assert first.heartbeat_interval_ms == 1000
+        finally:
+            run.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.dispose()
