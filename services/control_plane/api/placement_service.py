@@ -159,7 +159,7 @@ class PlacementHub:
             if time.monotonic() - last_pop >= self.config.popularity_window_s:
                 self._refresh_popularity(time.monotonic() - last_pop)
                 last_pop = time.monotonic()
-            if not self.ready.is_set() and last_fp >= 0 and self._grace_over():
+            if not self.ready.is_set() and self.loaded and self._grace_over():
                 self.ready.set()
                 self.recompute()
             await asyncio.sleep(self.config.poll_s)
