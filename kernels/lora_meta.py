@@ -41,13 +41,24 @@ class LoraMeta:
     tile_m0: torch.Tensor  # [>= num_tiles] int32: first row of each tile within its segment
     num_tiles: int  # host-side: kernel grid size along tiles
     block_m: int  # host-side: rows per tile the list was built for
+    # [T] int32: the token rows in adapter order, when the tokens do not come grouped by
+    # adapter (segments then index this list); None: segments index token rows directly.
+    token_rows: torch.Tensor | None = None
+
+    def rows_or_slots(self) -> torch.Tensor:
+        """A pointer argument for the kernels' row list (read only when `token_rows` is set)."""
+        return self.token_rows if self.token_rows is not None else self.token_slots
 
     @staticmethod
     def from_token_slots(token_slots: list[int], device: torch.device | str = "cpu",
                          block_m: int | None = None) -> LoraMeta:
-        """Segments are maximal runs of equal slots >= 0 in `token_slots`."""
+        """One segment per adapter slot >= 0 in `token_slots`. Tokens grouped by adapter (as
+        the scheduler orders them) make maximal runs, read in place; otherwise the tokens are
+        sorted by slot (stably) into `token_rows` and the segments are runs of that order, so
+        an adapter's rows share its reads however the batch interleaves them."""
         slots = np.asarray(token_slots, dtype=np.int64)
-        starts, lens, seg_slots = lora_segments(slots)
+        order = adapter_order(slots)
+        starts, lens, seg_slots = lora_segments(slots if order is None else slots[order])
         max_len = int(lens.max()) if lens.size else 0
         block_m = block_m or tile_rows(max_len)
         tile_segs, tile_m0 = lora_tiles(lens, block_m)
@@ -59,8 +70,17 @@ class LoraMeta:
             seg_starts=t(starts), seg_lens=t(lens), seg_slots=t(seg_slots),
             token_slots=t(slots), max_seg_len=max_len, num_segments=int(starts.size),
             tile_segs=t(tile_segs), tile_m0=t(tile_m0), num_tiles=int(tile_segs.size),
-            block_m=block_m,
+            block_m=block_m, token_rows=None if order is None else t(order),
         )
+
+
+def adapter_order(token_slots: np.ndarray) -> np.ndarray | None:
+    """A stable sort of the tokens by slot when some slot >= 0 appears in more than one run;
+    None when the tokens already come grouped by adapter."""
+    seg_slots = lora_segments(token_slots)[2]
+    if np.unique(seg_slots).size == seg_slots.size:
+        return None
+    return np.argsort(token_slots, kind="stable")
 
 
 def lora_segments(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

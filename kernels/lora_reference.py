@@ -1,6 +1,7 @@
 """Torch reference for the segmented multi-LoRA delta read from the page arena.
 
-Semantics, for every segment s (a run of tokens that share one adapter slot) and every module m
+Semantics, for every segment s (the tokens that share one adapter slot: a run of token rows,
+or of `meta.token_rows` when the tokens are not grouped by adapter) and every module m
 in `module_ids` with rank r = ranks[slot, m] > 0:
 
     A = arena[a_offsets[slot, m] : + r * K].view(r, K)              # PEFT lora_A.weight layout
@@ -47,9 +48,12 @@ def add_lora_reference(
     a_off = a_offsets.tolist()
     b_off = b_offsets.tolist()
     scales_h = scales.tolist()
+    rows = torch.arange(x.shape[0], device=x.device) if meta.token_rows is None else (
+        meta.token_rows.to(device=x.device, dtype=torch.long))
     for start, n, slot in zip(starts, lens, slots, strict=True):
         acc = torch.promote_types(x.dtype, torch.float32)
-        xs = x[start : start + n].to(acc)
+        seg_rows = rows[start : start + n]
+        xs = x[seg_rows].to(acc)
         for m, (o_start, o_size) in zip(module_ids, out_slices, strict=True):
             r = ranks_h[slot][m]
             if r == 0:
@@ -57,5 +61,5 @@ def add_lora_reference(
             a = arena[a_off[slot][m] : a_off[slot][m] + r * k].view(r, k).to(acc)
             b = arena[b_off[slot][m] : b_off[slot][m] + o_size * r].view(o_size, r).to(acc)
             delta = (xs @ a.T) @ b.T * scales_h[slot][m]
-            out = y[start : start + n, o_start : o_start + o_size]
-            out.copy_((out.to(acc) + delta).to(y.dtype))
+            cols = slice(o_start, o_start + o_size)
+            y[seg_rows, cols] = (y[seg_rows, cols].to(acc) + delta).to(y.dtype)

@@ -27,6 +27,7 @@ from kernels.lora_common import (
     check_buf,
     check_tables,
     dot_precision,
+    segment_rows,
     select3,
 )
 from kernels.lora_meta import LoraMeta
@@ -81,11 +82,12 @@ def _shrink_bucketed(
 @triton.jit
 def _shrink_item(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
-    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
+    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
     tile, mod_i, split, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk, table_stride,
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr,
+    GATHER_ROWS: tl.constexpr,
 ):
     """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile`."""
     seg = tl.load(tile_segs_ptr + tile)
@@ -99,7 +101,8 @@ def _shrink_item(
         a_off = tl.load(a_off_ptr + slot * table_stride + mod)
         offs_m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
         mask_m = offs_m < tl.load(seg_lens_ptr + seg)
-        tokens = (tl.load(seg_starts_ptr + seg) + offs_m).to(tl.int64)
+        tokens = segment_rows(rows_ptr, tl.load(seg_starts_ptr + seg) + offs_m, mask_m,
+                              GATHER_ROWS)
         k_lo = split * k_chunk
         k_hi = tl.minimum(k_lo + k_chunk, K)
         buf_rows = buf_ptr + split * stride_bs + tokens * stride_bt + mod_i * stride_bm
@@ -120,12 +123,12 @@ def _shrink_item(
 @triton.jit(do_not_specialize=["num_tiles", "num_mods", "split_k", "stride_bs"])
 def _lora_shrink_kernel(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
-    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
+    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
     mod0, mod1, mod2, num_tiles, num_mods, split_k,
     K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    RANK_BUCKETS: tl.constexpr,
+    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr,
 ):
     # Work items (tile, module, K split), the splits of one tile adjacent so they share its
     # rows of x in the L2.
@@ -133,10 +136,11 @@ def _lora_shrink_kernel(
     for w in range(tl.program_id(0), num_tiles * num_mods * split_k, tl.num_programs(0)):
         _shrink_item(x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
                      seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
-                     w // split_k // num_mods, w // split_k % num_mods, w % split_k,
+                     rows_ptr, w // split_k // num_mods, w // split_k % num_mods, w % split_k,
                      mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk, table_stride,
                      stride_bs, stride_bt, stride_bm,
-                     MAX_RANK, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS)
+                     MAX_RANK, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS,
+                     GATHER_ROWS)
 
 
 def lora_shrink(
@@ -167,12 +171,12 @@ def lora_shrink(
     _lora_shrink_kernel[(meta.num_tiles * num_mods * split_k,)](
         x, arena, buf, a_offsets, ranks,
         meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
-        mods[0], mods[1], mods[2], meta.num_tiles, num_mods, split_k,
+        meta.rows_or_slots(), mods[0], mods[1], mods[2], meta.num_tiles, num_mods, split_k,
         x.shape[1], x.stride(0), x.stride(1), a_offsets.stride(0),
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
-        num_warps=num_warps, num_stages=num_stages,
+        GATHER_ROWS=meta.token_rows is not None, num_warps=num_warps, num_stages=num_stages,
     )
 
 

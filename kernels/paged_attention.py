@@ -22,7 +22,7 @@ from kernels.paged_attention_prefill import paged_attention_prefill
 class AttentionTiles:
     """Block sizes (tokens) and launch shape of the two attention kernels."""
 
-    decode_block_n: int = 128
+    decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 2
     prefill_block_m: int = 64

@@ -132,3 +132,71 @@ def test_split_rank_budget_caps_the_split() -> None:
     assert split_cap(budget, 4096, 64) == 4  # 256 // 64
     assert split_cap(budget, 4096, 16) == 16
     assert split_cap(budget, 512, 16) == 2  # K / 256
+
+
+def _per_token_delta(case: object, x: torch.Tensor, slots: list[int], k: int,
+                     slices: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The delta token by token in float64, from the tables alone (no segments)."""
+    c = case  # a LoraCase
+    arena = c.arena.double()  # type: ignore[attr-defined]
+    out = torch.zeros(len(slots), 112, dtype=torch.float64, device=x.device)
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        for m, (o_start, n) in zip(QKV, slices, strict=True):
+            r = int(c.ranks[s, m])  # type: ignore[attr-defined]
+            a_off, b_off = int(c.a_offsets[s, m]), int(c.b_offsets[s, m])  # type: ignore[attr-defined]
+            a = arena[a_off : a_off + r * k].view(r, k)
+            b = arena[b_off : b_off + n * r].view(n, r)
+            scale = float(c.scales[s, m])  # type: ignore[attr-defined]
+            out[t, o_start : o_start + n] = (x[t].double() @ a.T) @ b.T * scale
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_elems", [0, 512, 4096])
+@pytest.mark.parametrize("split_k", [None, 3, 16])
+def test_interleaved_adapters_are_sorted_into_one_segment_each(
+        dtype: torch.dtype, split_elems: int, split_k: int | None) -> None:
+    """Tokens of 3 adapters in random order (and base tokens among them): one segment per
+    adapter through the sorted row list, each adapter's 7+ rows in one tile, against a
+    per-token float64 delta; the K splits' partial sums read one, several or all per load."""
+    gen = generator(31 + split_elems)
+    slots = [int(v) for v in torch.randint(-1, 3, (24,), generator=gen)]
+    meta = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
+    assert meta.token_rows is not None and meta.num_segments == len({s for s in slots if s >= 0})
+    rows = meta.token_rows.tolist()
+    assert sorted(rows) == list(range(len(slots)))
+    assert [slots[r] for r in rows] == sorted(slots)  # stable sort by slot
+    rank_of = {(s, m): (16, 8, 4)[(s + m) % 3] for s in range(3) for m in QKV}
+    k = 512
+    case = build_lora_case(slots, 3, k, OUT_SIZES, rank_of, dtype, gen, aligned=True,
+                           block_m=DECODE_BLOCK_M)
+    assert case.meta.token_rows is not None
+    slices = ((0, 48), (48, 32), (80, 32))
+    x = randn(len(slots), k, dtype=dtype, gen=gen)
+    y0 = randn(len(slots), 112, dtype=dtype, gen=gen)
+    y = y0.clone()
+    tiles = dataclasses.replace(DECODE_TILES, split_elems=split_elems)
+    add_lora_triton(y, x, case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales,
+                    QKV, slices, case.meta, max_rank=16, tiles=tiles, split_k=split_k)
+    want = _per_token_delta(case, x, slots, k, slices)
+    base = torch.tensor([s < 0 for s in slots], device=DEVICE)
+    assert torch.equal(y[base], y0[base]), "base-model rows were written"
+    err = rel_err(y - y0, want)
+    assert err < TOLERANCE[dtype] * 4, f"delta error {err:.2e}"
+    y_ref = y0.double()
+    add_lora_reference(y_ref, x.double(), case.arena.double(), case.a_offsets, case.b_offsets,
+                       case.ranks, case.scales, QKV, slices, case.meta)
+    assert rel_err(y_ref - y0.double(), want) < 1e-12
+
+
+def test_grouped_tokens_keep_runs_and_no_row_list() -> None:
+    """Tokens already grouped by adapter (the scheduler's order) are read in place."""
+    meta = LoraMeta.from_token_slots([2, 2, -1, 0, 0, 0, 5], block_m=DECODE_BLOCK_M)
+    assert meta.token_rows is None
+    assert meta.seg_starts.tolist() == [0, 3, 6] and meta.seg_slots.tolist() == [2, 0, 5]
+    split = LoraMeta.from_token_slots([2, 0, 2, -1], block_m=DECODE_BLOCK_M)
+    assert split.token_rows is not None and split.token_rows.tolist() == [3, 1, 0, 2]
+    assert split.seg_starts.tolist() == [1, 2] and split.seg_lens.tolist() == [1, 2]
+    assert split.seg_slots.tolist() == [0, 2]

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A device call on one H200, steps one after another (nothing shares the GPU with a timed
+# step), in the order STEPS names them (default: all, in the order below):
+#   ktests  the LoRA and attention kernel tests compiled (TRITON_INTERPRET=0), 3 processes;
+#   grid    the decode LoRA kernel grid (bench.kernels_lora_grid);
+#   engine-async / engine-inline
+#           one adapter vs base and the decode-step floor (bench.serving overhead,floor),
+#           with and without asynchronous steps;
+#   sweep   decode attention tiles at the default and the previous default (block_n 128);
+#   core    the engine core's host time per decode step, asynchronous steps (profile_core);
+#   churn   2,000 adapters under churn at 50 arrivals/s, alpha 1.0 and 0.5;
+#   suites  gpu_suite parts A and B side by side (GPU-only tests and numerics; 7B/8B shapes
+#           against HF under churn).
+# Run from the root of a clean export with the wheels in .whl:
+#   SLORA_COMMIT=<sha> OUT=$OUT BUDGET_S=560 STEPS="ktests grid" bash bench/h200_one.sh
+set -u
+# shellcheck source=bench/round_lib.sh
+source "$(dirname "$0")/round_lib.sh"
+export OMP_NUM_THREADS=8
+ktests() {
+    local f pids=()
+    for f in tests/kernels/test_lora.py tests/kernels/test_lora_variants.py \
+            "tests/kernels/test_paged_attention.py tests/kernels/test_graph_tile_lists.py"; do
+        # shellcheck disable=SC2086  # f may name two files
+        python3 -m pytest -q -x -p no:cacheprovider $f >"$OUT/ktests-$(basename "${f%% *}").log" 2>&1 &
+        pids+=($!)
+    done
+    local rc=0 p
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    tail -n 3 "$OUT"/ktests-*.log
+    return $rc
+}
+suites() {
+    OMP_NUM_THREADS=4 PART_LIMIT_S="${SUITE_PART_S:-290}" OUT="$OUT/A" SHARDS=6 \
+        NUMERICS_ARGS="--modes eager all_graphs all_graphs_async" bash bench/gpu_suite.sh A &
+    OMP_NUM_THREADS=4 PART_LIMIT_S="${SUITE_PART_S:-290}" OUT="$OUT/B" bash bench/gpu_suite.sh B &
+    wait
+}
+for s in ${STEPS:-ktests grid engine-async sweep core engine-inline churn suites}; do
+    case $s in
+        ktests) step ktests "${KTESTS_S:-150}" bash -c "$(declare -f ktests); OUT=$OUT ktests" ;;
+        grid) step grid "${GRID_S:-220}" python3 -m bench.kernels_lora_grid \
+            --out "$OUT/lora-grid-h200.json" ;;
+        engine-async) engine_arm async --async-steps ;;
+        engine-inline) engine_arm inline ;;
+        sweep) step sweep "${SWEEP_S:-90}" python3 -m bench.decode_sweep --parts attention_wide \
+            --attn-wide 128,4,2 --out "$OUT/decode-sweep-wide-h200.json" ;;
+        core) step core "${CORE_S:-90}" python3 -m bench.profile_core --shape llama2-7b \
+            --device cuda --dtype float16 --batch 64 --context 512 --adapters --async-steps \
+            --out "$OUT/profile-core-async-h200.json" ;;
+        churn) step churn "${CHURN_S:-150}" python3 -m bench.serving --shape llama2-7b \
+            --device cuda --dtype float16 --arena-gb 32 --scenarios churn --many-adapters 2000 \
+            --churn-requests 600 --churn-rate 50 --out "$OUT/churn-rate50-h200.json" ;;
+        suites) step suites "${SUITES_S:-330}" bash -c "$(declare -f suites); OUT=$OUT suites" ;;
+        *) echo "$s skipped: no such step" >>"$STEP_LOG" ;;
+    esac
+done
+pack
