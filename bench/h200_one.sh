@@ -8,6 +8,8 @@
 #           with and without asynchronous steps;
 #   sweep   decode attention tiles at the default and the previous default (block_n 128);
 #   core    the engine core's host time per decode step, asynchronous steps (profile_core);
+#   async   the floor scenario's step: graph replay vs engine steps, sync and async, profiled
+#           (bench.profile_async);
 #   churn   2,000 adapters under churn at 50 arrivals/s, alpha 1.0 and 0.5;
 #   suites  gpu_suite parts A and B side by side (GPU-only tests and numerics; 7B/8B shapes
 #           against HF under churn).
@@ -48,6 +50,8 @@ for s in ${STEPS:-ktests grid engine-async sweep core engine-inline churn suites
         core) step core "${CORE_S:-90}" python3 -m bench.profile_core --shape llama2-7b \
             --device cuda --dtype float16 --batch 64 --context 512 --adapters --async-steps \
             --out "$OUT/profile-core-async-h200.json" ;;
+        async) step async "${ASYNC_S:-240}" python3 -m bench.profile_async --shape llama2-7b \
+            --out "$OUT/profile-async-h200.json" ;;
         churn) step churn "${CHURN_S:-150}" python3 -m bench.serving --shape llama2-7b \
             --device cuda --dtype float16 --arena-gb 32 --scenarios churn --many-adapters 2000 \
             --churn-requests 600 --churn-rate 50 --out "$OUT/churn-rate50-h200.json" ;;

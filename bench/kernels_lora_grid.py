@@ -7,8 +7,6 @@ case times, over inputs rotated past the L2:
 - `graph_capture_split`: the tile list padded to the bucket's capacity (B), the K split fixed
   at capture from that capacity (decode graphs' full list); rows in random order are sorted
   by adapter into one segment each (`LoraMeta.token_rows`);
-- `serial_splits`: the same with the expand reading the K splits' partial sums one per load;
-- `expand_n128`, `shrink_k128`, `warps8` (U = 1, B >= 16): other tile shapes, same list;
 - `graph_short_list` (when the real tiles fit cdiv(B, 16)): the short list decode graphs also
   capture for one adapter on every row, split fixed from its capacity;
 - `exact`: the real tile list, split chosen on the host (an eager step);
@@ -47,12 +45,6 @@ VLLM_US = {(16, 64, 1): 7.6, (16, 256, 1): 11.0, (16, 256, 64): 35.5, (16, 256, 
            (64, 256, 256): 209.7, (8, 256, 1): 12.8}
 BUDGET = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
 NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
-# The expand reading the shrink's K splits one per load (the kernels before split_elems).
-SERIAL_SPLITS = dataclasses.replace(DECODE_TILES, split_elems=0)
-# Tile shapes tried beside the default on one adapter over many rows (U = 1).
-U1_TILES = {"expand_n128": dataclasses.replace(DECODE_TILES, expand_block_n=128),
-            "shrink_k128": dataclasses.replace(DECODE_TILES, shrink_block_k=128),
-            "warps8": dataclasses.replace(DECODE_TILES, num_warps=8)}
 
 
 def padded_meta(slots: list[int], capacity: int) -> LoraMeta:
@@ -97,10 +89,7 @@ def variants(slots: list[int], rank: int) -> dict[str, tuple[LoraMeta, int, Lora
     capture = pick_split_k(b, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
     exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
     out = {"graph_capture_split": (grph, rank, DECODE_TILES, capture),
-           "exact": (exact, rank, DECODE_TILES, None),
-           "serial_splits": (grph, rank, SERIAL_SPLITS, capture)}
-    if len(set(slots)) == 1 and b >= 16:
-        out |= {name: (grph, rank, tiles, capture) for name, tiles in U1_TILES.items()}
+           "exact": (exact, rank, DECODE_TILES, None)}
     short = -(-b // DECODE_BLOCK_M)
     if short < b and exact.num_tiles <= short:
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES,

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows
-from kernels.lora_expand import SPLIT_ELEMS, lora_expand
+from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
 from kernels.lora_shrink import lora_shrink
 
@@ -38,8 +38,6 @@ class LoraTiles:
     split_rank_budget: int | None = None
     # Segments of rank <= 16 (<= 32) run 16- (32-) wide rank tiles instead of the launch's.
     rank_buckets: bool = True
-    # float32 partial sums the expand loads at once (0: one K split at a time).
-    split_elems: int = SPLIT_ELEMS
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -141,4 +139,4 @@ def add_lora_triton(
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets, split_elems=tiles.split_elems)
+                    rank_buckets=tiles.rank_buckets)

@@ -28,27 +28,6 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     return positions.to(tl.int64)
 
 
-@triton.jit
-def split_sum(buf_rows, offs_r, h_mask, stride_bs, split_k, BLOCK_M: tl.constexpr,
-              BLOCK_R: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """The sum over the shrink's `split_k` K splits of buf_rows[:, offs_r] (float32), read
-    SPLIT_BLOCK splits per load so their latencies overlap instead of adding up."""
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    if SPLIT_BLOCK <= 1:
-        for j in range(split_k):
-            h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
-                         other=0.0)
-    else:
-        for j0 in range(0, split_k, SPLIT_BLOCK):
-            offs_s = j0 + tl.arange(0, SPLIT_BLOCK)
-            parts = tl.load(buf_rows[None, :, None] + offs_s[:, None, None] * stride_bs
-                            + offs_r[None, None, :],
-                            mask=(offs_s < split_k)[:, None, None] & h_mask[None, :, :],
-                            other=0.0)
-            h += tl.sum(parts, axis=0)
-    return h
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 models get exact float32 dots. With 16-bit models the shrink's operands are exact
     in any mode and the expand's float32 intermediate goes through tf32, whose 10-bit mantissa

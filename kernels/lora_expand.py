@@ -29,34 +29,31 @@ from kernels.lora_common import (
     dot_precision,
     segment_rows,
     select3,
-    split_sum,
 )
 from kernels.lora_meta import LoraMeta
-
-# float32 partial sums one program loads at once: 32 registers a thread at 4 warps, so 16
-# splits of a 16x16 tile (rank <= 16 decode) come in one load instead of 16 in a row.
-SPLIT_ELEMS = 4096
 
 
 @triton.jit
 def _expand_rank_tiles(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """y[rows, cols] += scale * (sum of buf's K splits)[:, :rank] @ B[cols, :rank].T."""
-    # Issued first, so its latency overlaps the partial sums' and B's.
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
+        h_mask = mask_m[:, None] & mask_r[None, :]
+        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for j in range(split_k):
+            h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
+                         other=0.0)
         # B is [N, r] row-major; this tile is B.T[r0:r0+BLOCK_R, n0:n0+BLOCK_N].
         b_tile = tl.load(b_base + offs_n[None, :] * rank + offs_r[:, None],
                          mask=mask_n[None, :] & mask_r[:, None], other=0.0)
-        h = split_sum(buf_rows, offs_r, mask_m[:, None] & mask_r[None, :], stride_bs, split_k,
-                      BLOCK_M, BLOCK_R, SPLIT_BLOCK)
         acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
+    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_ptrs.dtype.element_ty),
              mask=y_mask)
 
@@ -65,22 +62,18 @@ def _expand_rank_tiles(
 def _expand_bucketed(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr, SPLIT_ELEMS: tl.constexpr,
+    BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr,
 ):
-    """`_expand_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`;
-    each reads as many K splits per load as fit SPLIT_ELEMS float32 values."""
+    """`_expand_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`."""
     if RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
-                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16,
-                           SPLIT_ELEMS // (BLOCK_M * 16))
+                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
-                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32,
-                           SPLIT_ELEMS // (BLOCK_M * 32))
+                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32)
     else:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
-                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
-                           SPLIT_ELEMS // (BLOCK_M * BLOCK_R))
+                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R)
 
 
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
@@ -94,7 +87,7 @@ def _lora_expand_kernel(
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, SPLIT_ELEMS: tl.constexpr,
+    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     mod_i = tl.program_id(1) // n_tiles
@@ -130,11 +123,11 @@ def _lora_expand_kernel(
         # every B row segment loads as 16-byte vectors.
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_ELEMS)
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS)
     else:
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_ELEMS)
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS)
 
 
 def lora_expand(
@@ -154,11 +147,8 @@ def lora_expand(
     num_warps: int = 4,
     num_stages: int = 2,
     rank_buckets: bool = True,
-    split_elems: int = SPLIT_ELEMS,
 ) -> None:
-    """Add the expand of `buf` into y's column slices (see module docstring). Each program
-    reads the K splits' partial sums `split_elems // (block_m * rank tile)` splits per load
-    (one at a time below 2)."""
+    """Add the expand of `buf` into y's column slices (see module docstring)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
@@ -175,13 +165,13 @@ def lora_expand(
     _lora_expand_kernel[grid](
         y, buf, arena, b_offsets, ranks, scales,
         meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
-        meta.rows_or_slots(), mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1], sizes[2],
+        meta.rows_or_slots(), mods[0], mods[1], mods[2], starts[0], starts[1], starts[2],
+        sizes[0], sizes[1], sizes[2],
         n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
-        GATHER_ROWS=meta.token_rows is not None, SPLIT_ELEMS=split_elems,
-        num_warps=num_warps, num_stages=num_stages,
+        GATHER_ROWS=meta.token_rows is not None, num_warps=num_warps, num_stages=num_stages,
     )
 
 

@@ -1,0 +1,163 @@
+"""Where a batch-64 decode step's time goes beyond the GPU's own work, with synchronous and
+asynchronous steps: the floor scenario's engine (Llama-2-7B shapes, 64 distinct rank-16
+adapters, context ~512, CUDA graphs) timed three ways, then profiled.
+
+- `graph_replay_ms`: the decode graph alone, back-to-back replays (CUDA events);
+- `step_ms`: engine steps back to back, the device synced only at both ends of the window;
+- `profile`: torch.profiler over a few steps: the fraction of the window the GPU is busy
+  (union of kernels and copies), the host's CUDA runtime calls per step (a synchronize or a
+  blocking copy there stalls the next launch), and the longest GPU idle gaps with the host
+  work running in them (innermost op and its slora frames).
+
+    python -m bench.profile_async --shape llama2-7b --out bench/results/profile-async-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.profile_gpu import graph_replay_ms
+from bench.run_record import run_record
+from bench.serving import Bench
+from slora_core.engine import LLMEngine
+from slora_core.sampling_params import SamplingParams
+
+BATCH, CONTEXT = 64, 512
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_engine(bench: Bench, async_steps: bool) -> LLMEngine:
+    """The floor scenario's engine with every request past its prefill."""
+    engine = bench.engine(BATCH, (16,), max_adapters_per_batch=BATCH, max_num_seqs=BATCH,
+                          async_steps=async_steps)
+    rng = np.random.default_rng(4)
+    for i in range(BATCH):
+        engine.add_request(str(i), rng.integers(3, bench.cfg.vocab_size, CONTEXT).tolist(),
+                           SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True),
+                           adapter=f"a{i}")
+    while any(s.num_computed_tokens < len(s.prompt_token_ids)
+              for s in engine.scheduler.running) or engine.num_waiting:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    return engine
+
+
+def step_ms(engine: LLMEngine, steps: int) -> float:
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy
+
+
+def _frames(ev: Any) -> list[str]:
+    return [f for f in (ev.stack or []) if "slora" in f or "kernels/" in f][:4]
+
+
+def profiled(engine: LLMEngine, steps: int) -> dict[str, Any]:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    events = list(prof.events())
+    gpu = sorted((ev.time_range.start, ev.time_range.end) for ev in events
+                 if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)
+    cpu = [ev for ev in events if ev.device_type.name == "CPU"]
+    runtime: dict[str, list[float]] = defaultdict(list)
+    for ev in cpu:
+        if ev.name.startswith("cuda"):
+            runtime[ev.name].append(ev.time_range.end - ev.time_range.start)
+    out: dict[str, Any] = {"steps": steps, "runtime_calls_per_step": {
+        name: {"calls": len(v) / steps, "us": sum(v) / steps}
+        for name, v in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:12]}}
+    if not gpu:
+        return out
+    window = gpu[-1][1] - gpu[0][0]
+    out["gpu_window_us"] = window
+    out["gpu_busy_fraction"] = _union_us(gpu) / window
+    gaps: list[tuple[float, float]] = []
+    end = gpu[0][1]
+    for s, e in gpu[1:]:
+        if s > end:
+            gaps.append((s - end, end))
+        end = max(end, e)
+    gaps.sort(reverse=True)
+    out["gaps_over_50us_per_step"] = {"count": sum(g > 50 for g, _ in gaps) / steps,
+                                      "us": sum(g for g, _ in gaps if g > 50) / steps}
+    rows = []
+    for length, start in gaps[:8]:
+        mid = start + length / 2
+        live = [ev for ev in cpu if ev.time_range.start <= mid <= ev.time_range.end]
+        inner = min(live, key=lambda ev: ev.time_range.end - ev.time_range.start, default=None)
+        rows.append({"gap_us": length, "host_op": inner.name if inner else None,
+                     "frames": _frames(inner) if inner else [],
+                     "host_ops": sorted({ev.name for ev in live})[:8]})
+    out["longest_gaps"] = rows
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama2-7b")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    ns = argparse.Namespace(shape=args.shape, dtype=args.dtype, device=args.device,
+                            arena_gb=40.0 if cuda else 0.05, max_num_seqs=BATCH,
+                            max_num_batched_tokens=4096, max_adapters_per_batch=BATCH)
+    bench = Bench(ns)
+    result: dict[str, Any] = {**run_record(["bench.profile_async", *(argv or sys.argv[1:])]),
+                              "batch": BATCH, "context": CONTEXT, "modes": {}}
+    for async_steps in (False, True):
+        engine = decode_engine(bench, async_steps)
+        mode = {"step_ms": step_ms(engine, args.steps),
+                "graph_replay_ms": graph_replay_ms(engine),
+                "profile": profiled(engine, args.profile_steps)}
+        mode["step_ms_after_profile"] = step_ms(engine, args.steps)
+        name = "async" if async_steps else "sync"
+        result["modes"][name] = mode
+        prof = mode["profile"]
+        print(f"== {name}: step {mode['step_ms']:.2f} ms, graph {mode['graph_replay_ms']}, "
+              f"GPU busy {prof.get('gpu_busy_fraction', 0):.3f}, gaps>50us/step "
+              f"{prof.get('gaps_over_50us_per_step')}", flush=True)
+        for g in prof.get("longest_gaps", [])[:4]:
+            print(f"   gap {g['gap_us']:.0f} us: {g['host_op']} {g['frames'][:2]}")
+        del engine
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
