@@ -4,7 +4,8 @@ adapters, context ~512, CUDA graphs) timed three ways, then profiled.
 
 - `graph_replay_ms`: the decode graph alone, back-to-back replays (CUDA events);
 - `step_ms`: engine steps back to back, the device synced only at both ends of the window;
-- `profile`: torch.profiler over a few steps: the fraction of the window the GPU is busy
+- `profile`: torch.profiler over a few steps (and `replay_profile`: the graph replayed alone,
+  GPU time per kernel beside the steps'): the fraction of the window the GPU is busy
   (union of kernels and copies), the host's CUDA runtime calls per step (a synchronize or a
   blocking copy there stalls the next launch), and the longest GPU idle gaps with the host
   work running in them (innermost op and its slora frames).
@@ -78,6 +79,29 @@ def _frames(ev: Any) -> list[str]:
     return [f for f in (ev.stack or []) if "slora" in f or "kernels/" in f][:4]
 
 
+def gpu_ops(prof: Any, per: int) -> dict[str, dict[str, float]]:
+    """GPU time and count per kernel (or copy) name, per step, the 15 largest."""
+    rows = [(ev.device_time_total / per, ev.count / per, ev.key[:80])
+            for ev in prof.key_averages() if ev.device_time_total > 0]
+    rows.sort(reverse=True)
+    return {name: {"us": us, "calls": calls} for us, calls, name in rows[:15]}
+
+
+def profiled_replay(engine: LLMEngine, replays: int) -> dict[str, Any]:
+    """The decode graph (with LoRA) replayed alone under the profiler, for the same breakdown."""
+    graphs = engine.runner.graphs
+    keys = [k for k in (graphs.graphs if graphs is not None else {}) if k[0] == BATCH and k[1]]
+    if not keys:
+        return {}
+    graph = graphs.graphs[keys[0]]  # type: ignore[union-attr]
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        sync()
+    return {"top_gpu_ops_per_replay": gpu_ops(prof, replays)}
+
+
 def profiled(engine: LLMEngine, steps: int) -> dict[str, Any]:
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
@@ -95,7 +119,8 @@ def profiled(engine: LLMEngine, steps: int) -> dict[str, Any]:
             runtime[ev.name].append(ev.time_range.end - ev.time_range.start)
     out: dict[str, Any] = {"steps": steps, "runtime_calls_per_step": {
         name: {"calls": len(v) / steps, "us": sum(v) / steps}
-        for name, v in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:12]}}
+        for name, v in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:12]},
+        "top_gpu_ops_per_step": gpu_ops(prof, steps)}
     if not gpu:
         return out
     window = gpu[-1][1] - gpu[0][0]
@@ -142,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = decode_engine(bench, async_steps)
         mode = {"step_ms": step_ms(engine, args.steps),
                 "graph_replay_ms": graph_replay_ms(engine),
-                "profile": profiled(engine, args.profile_steps)}
+                "profile": profiled(engine, args.profile_steps),
+                "replay_profile": profiled_replay(engine, args.profile_steps)}
         mode["step_ms_after_profile"] = step_ms(engine, args.steps)
         name = "async" if async_steps else "sync"
         result["modes"][name] = mode
@@ -152,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{prof.get('gaps_over_50us_per_step')}", flush=True)
         for g in prof.get("longest_gaps", [])[:4]:
             print(f"   gap {g['gap_us']:.0f} us: {g['host_op']} {g['frames'][:2]}")
+        replay = mode["replay_profile"].get("top_gpu_ops_per_replay", {})
+        for op, row in list(prof["top_gpu_ops_per_step"].items())[:12]:
+            alone = replay.get(op, {}).get("us", 0.0)
+            print(f"   {row['us']:8.1f} us/step x{row['calls']:5.1f} (replay {alone:8.1f})  {op}")
         del engine
         if args.out:
             with open(args.out, "w") as f:
