@@ -4,6 +4,8 @@ adapters, context ~512, CUDA graphs) timed three ways, then profiled.
 
 - `graph_replay_ms`: the decode graph alone, back-to-back replays (CUDA events);
 - `step_ms`: engine steps back to back, the device synced only at both ends of the window;
+- `host_ms_per_step`: the same steps' host time by phase, `wait` the time blocked on the
+  previous step's tokens (near 0: the host, not the GPU, sets the pace);
 - `profile`: torch.profiler over a few steps (and `replay_profile`: the graph replayed alone,
   GPU time per kernel beside the steps'): the fraction of the window the GPU is busy
   (union of kernels and copies), the host's CUDA runtime calls per step (a synchronize or a
@@ -26,10 +28,13 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.profile_core import PhaseTimer
 from bench.profile_gpu import graph_replay_ms
 from bench.run_record import run_record
 from bench.serving import Bench
+from slora_core import model_runner
 from slora_core.engine import LLMEngine
+from slora_core.sampler import PendingSample
 from slora_core.sampling_params import SamplingParams
 
 BATCH, CONTEXT = 64, 512
@@ -64,6 +69,38 @@ def step_ms(engine: LLMEngine, steps: int) -> float:
         engine.step()
     sync()
     return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Host milliseconds per step in each phase, steps back to back (no sync between them):
+    `wait` is the time blocked on the previous step's tokens; the rest is host work."""
+    timer = PhaseTimer(sync=False)
+    saved = (engine.scheduler.schedule, engine.runner.run, engine.sampler.sample,
+             engine.sampler.sample_async, model_runner.build_step_inputs, PendingSample.result)
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(model_runner, "build_step_inputs", "inputs")
+    timer.wrap(engine.runner, "run", "launch")
+    timer.wrap(engine.sampler, "sample", "sample_sync_incl_wait")
+    timer.wrap(engine.sampler, "sample_async", "sample_launch")
+    timer.wrap(PendingSample, "result", "wait")
+    totals: dict[str, float] = defaultdict(float)
+    sync()
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            timer.step = defaultdict(float)
+            engine.step()
+            for k, v in timer.step.items():
+                totals[k] += v
+        sync()
+    finally:
+        (engine.scheduler.schedule, engine.runner.run, engine.sampler.sample,
+         engine.sampler.sample_async, model_runner.build_step_inputs) = saved[:5]
+        PendingSample.result = saved[5]  # type: ignore[method-assign]
+    out = {k: v / steps for k, v in totals.items()}
+    out["launch"] = out.get("launch", 0.0) - out.get("inputs", 0.0)  # run() builds the inputs
+    out["step_wall"] = (time.perf_counter() - t0) * 1e3 / steps
+    return out
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -166,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     for async_steps in (False, True):
         engine = decode_engine(bench, async_steps)
         mode = {"step_ms": step_ms(engine, args.steps),
+                "host_ms_per_step": host_phases(engine, args.steps),
                 "graph_replay_ms": graph_replay_ms(engine),
                 "profile": profiled(engine, args.profile_steps),
                 "replay_profile": profiled_replay(engine, args.profile_steps)}
@@ -176,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: step {mode['step_ms']:.2f} ms, graph {mode['graph_replay_ms']}, "
               f"GPU busy {prof.get('gpu_busy_fraction', 0):.3f}, gaps>50us/step "
               f"{prof.get('gaps_over_50us_per_step')}", flush=True)
+        print("   host ms/step: " + "  ".join(
+            f"{k} {v:.2f}" for k, v in mode["host_ms_per_step"].items()))
         for g in prof.get("longest_gaps", [])[:4]:
             print(f"   gap {g['gap_us']:.0f} us: {g['host_op']} {g['frames'][:2]}")
         replay = mode["replay_profile"].get("top_gpu_ops_per_replay", {})
