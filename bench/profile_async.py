@@ -4,6 +4,8 @@ adapters, context ~512, CUDA graphs) timed three ways, then profiled.
 
 - `graph_replay_ms`: the decode graph alone, back-to-back replays (CUDA events);
 - `step_ms`: engine steps back to back, the device synced only at both ends of the window;
+- `graph_in_step`: the graph's GPU time inside engine steps (events around each replay) and
+  the device time between replays;
 - `host_ms_per_step`: the same steps' host time by phase, `wait` the time blocked on the
   previous step's tokens (near 0: the host, not the GPU, sets the pace);
 - `profile`: torch.profiler over a few steps (and `replay_profile`: the graph replayed alone,
@@ -101,6 +103,35 @@ def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     out["launch"] = out.get("launch", 0.0) - out.get("inputs", 0.0)  # run() builds the inputs
     out["step_wall"] = (time.perf_counter() - t0) * 1e3 / steps
     return out
+
+
+def graph_in_step_ms(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """The graph's own GPU time inside engine steps (CUDA events around each replay), and the
+    time from one replay's end to the next one's start (the step's work outside the graph,
+    plus any idle time)."""
+    if not torch.cuda.is_available():
+        return {}
+    original = torch.cuda.CUDAGraph.replay
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def replay(graph: torch.cuda.CUDAGraph) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        original(graph)
+        end.record()
+        marks.append((start, end))
+
+    torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    finally:
+        torch.cuda.CUDAGraph.replay = original  # type: ignore[method-assign]
+    inside = [s.elapsed_time(e) for s, e in marks]
+    between = [marks[i][1].elapsed_time(marks[i + 1][0]) for i in range(len(marks) - 1)]
+    return {"replays": len(marks), "graph_ms": float(np.mean(inside)),
+            "graph_ms_min": float(np.min(inside)), "between_ms": float(np.mean(between))}
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -204,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = decode_engine(bench, async_steps)
         mode = {"step_ms": step_ms(engine, args.steps),
                 "host_ms_per_step": host_phases(engine, args.steps),
+                "graph_in_step": graph_in_step_ms(engine, args.steps),
                 "graph_replay_ms": graph_replay_ms(engine),
                 "profile": profiled(engine, args.profile_steps),
                 "replay_profile": profiled_replay(engine, args.profile_steps)}
@@ -214,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: step {mode['step_ms']:.2f} ms, graph {mode['graph_replay_ms']}, "
               f"GPU busy {prof.get('gpu_busy_fraction', 0):.3f}, gaps>50us/step "
               f"{prof.get('gaps_over_50us_per_step')}", flush=True)
+        print(f"   graph inside steps: {mode['graph_in_step']}")
         print("   host ms/step: " + "  ".join(
             f"{k} {v:.2f}" for k, v in mode["host_ms_per_step"].items()))
         for g in prof.get("longest_gaps", [])[:4]:
