@@ -64,25 +64,37 @@ def attention_rows(copy_gbs: float, shapes: tuple[tuple[str, int, int], ...] = A
     return rows
 
 
-def lora_rows(copy_gbs: float) -> list[dict[str, Any]]:
+# (expand block_n, shrink block_k, warps, fixed K split or None) tried with --lora-cases.
+LORA_WIDE = tuple(itertools.product((128, 256, 512), (256, 512), (4, 8), (None, 2, 4)))
+
+
+def lora_rows(copy_gbs: float, cases: tuple[tuple[int, int, int], ...] | None = None
+              ) -> list[dict[str, Any]]:
+    """The pair's tiles for (rank, rows, adapters) cases: one adapter over LORA_CASES by
+    default; with `cases`, LORA_WIDE's tiles and K splits too (adapters spread evenly)."""
     rows = []
-    for rank, b in LORA_CASES:
-        slots = kl.decode_slots(b, 1)
-        layers = kl.build_layers(slots, 1, rank)
+    grid = LORA_WIDE if cases else tuple(
+        (bn, bk, w, None) for bn, bk, w in itertools.product((64, 128, 256), (128, 256, 512),
+                                                             (2, 4)))
+    for rank, b, u in cases or tuple((r, b, 1) for r, b in LORA_CASES):
+        slots = kl.decode_slots(b, u)
+        layers = kl.build_layers(slots, u, rank)
         meta = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
-        for bn, bk, w in itertools.product((64, 128, 256), (128, 256, 512), (2, 4)):
+        for bn, bk, w, split in grid:
             tiles = dataclasses.replace(DECODE_TILES, expand_block_n=bn, shrink_block_k=bk,
                                         num_warps=w)
 
             def call(lay: kl.LoraLayer, t: Any = tiles, m: LoraMeta = meta,
-                     r: int = rank) -> Callable[[], None]:
+                     r: int = rank, sk: int | None = split) -> Callable[[], None]:
                 return lambda: add_lora_triton(lay.y, lay.x, lay.arena, lay.a_offsets,
                                                lay.b_offsets, lay.ranks, lay.scales, (0,),
-                                               ((0, kl.N),), m, max_rank=r, tiles=t)
+                                               ((0, kl.N),), m, max_rank=r, tiles=t,
+                                               split_k=sk)
 
-            rows.append({"rank": rank, "batch": b, "expand_block_n": bn, "shrink_block_k": bk,
-                         "num_warps": w, "default": tiles == DECODE_TILES,
-                         "floor_us": kl.floor_bytes(b, 1, rank) / (copy_gbs * 1e3),
+            rows.append({"rank": rank, "batch": b, "adapters": u, "expand_block_n": bn,
+                         "shrink_block_k": bk, "num_warps": w, "split_k": split,
+                         "default": tiles == DECODE_TILES and split is None,
+                         "floor_us": kl.floor_bytes(b, u, rank) / (copy_gbs * 1e3),
                          "us": graph_time_us([call(lay) for lay in layers], replays=10)})
         del layers
     return rows
@@ -115,13 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", nargs="+", default=["logits", "lora", "attention"])
     ap.add_argument("--attn-wide", nargs="*", default=None, metavar="N,W,S",
                     help="attention on WIDE_SHAPES too, for these tiles and the default's")
+    ap.add_argument("--lora-cases", nargs="*", default=None, metavar="R,B,U",
+                    help="LoRA part: these (rank, rows, adapters) cases over LORA_WIDE")
     args = ap.parse_args(argv)
+    lora_cases = tuple(tuple(int(v) for v in c.split(",")) for c in args.lora_cases or ())
     copy = copy_bandwidth_gbs(1 << 30 if DEVICE == "cuda" else 1 << 20)
     copy_gbs = max(copy.values())
     result: dict[str, Any] = {**run_record(["bench.decode_sweep", *(argv or sys.argv[1:])]),
                               "copy_gbs": copy, "method": "CUDA-graph replay, median"}
     fns: dict[str, Callable[[float], list[dict[str, Any]]]] = {
-        "logits": logits_rows, "lora": lora_rows, "attention": attention_rows}
+        "logits": logits_rows, "attention": attention_rows,
+        "lora": lambda gbs: lora_rows(gbs, lora_cases or None)}  # type: ignore[arg-type]
     if args.attn_wide is not None:
         dflt = (DEFAULT_TILES.decode_block_n, DEFAULT_TILES.decode_num_warps,
                 DEFAULT_TILES.decode_num_stages)
@@ -136,13 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in result.get("logits", []):
         print(f"logits rows={r['rows']}: fp16-out {r['fp16_out_then_float_us']:.1f} us, "
               f"float32-out {r['float32_out_us']:.1f} us ({r['ratio']:.3f}x)")
-    for rank, b in LORA_CASES:
-        rs = [r for r in result.get("lora", []) if (r["rank"], r["batch"]) == (rank, b)]
+    for rank, b, u in lora_cases or tuple((r, b, 1) for r, b in LORA_CASES):
+        rs = [r for r in result.get("lora", [])
+              if (r["rank"], r["batch"], r["adapters"]) == (rank, b, u)]
         if rs:
             best, dflt = min(rs, key=lambda r: r["us"]), next(r for r in rs if r["default"])
-            print(f"lora r{rank} B{b} U1: default {dflt['us']:.1f} us, best {best['us']:.1f} "
+            print(f"lora r{rank} B{b} U{u}: default {dflt['us']:.1f} us, best {best['us']:.1f} "
                   f"(n{best['expand_block_n']} k{best['shrink_block_k']} "
-                  f"w{best['num_warps']})")
+                  f"w{best['num_warps']} split {best['split_k']}), floor "
+                  f"{best['floor_us']:.1f}")
     for model, batch, ctx in ATTN_SHAPES:
         rs = [r for r in result.get("attention", []) if r["model"] == model and "error" not in r]
         if rs:

@@ -3,13 +3,14 @@
 # step), in the order STEPS names them (default: all, in the order below):
 #   ktests  the LoRA and attention kernel tests compiled (TRITON_INTERPRET=0), 3 processes;
 #   grid    the decode LoRA kernel grid (bench.kernels_lora_grid);
-#   engine-async / engine-inline
+#   engine-async / engine-sync
 #           one adapter vs base and the decode-step floor (bench.serving overhead,floor),
 #           with and without asynchronous steps;
 #   sweep   decode attention tiles at the default and the previous default (block_n 128);
 #   core    the engine core's host time per decode step, asynchronous steps (profile_core);
 #   async   the floor scenario's step: graph replay vs engine steps, sync and async, profiled
 #           (bench.profile_async);
+#   lora-sweep  decode LoRA tiles and K splits at r16 B64 U64, B256 U256, B64 U1;
 #   churn   2,000 adapters under churn at 50 arrivals/s, alpha 1.0 and 0.5;
 #   suites  gpu_suite parts A and B side by side (GPU-only tests and numerics; 7B/8B shapes
 #           against HF under churn).
@@ -38,13 +39,13 @@ suites() {
     OMP_NUM_THREADS=4 PART_LIMIT_S="${SUITE_PART_S:-290}" OUT="$OUT/B" bash bench/gpu_suite.sh B &
     wait
 }
-for s in ${STEPS:-ktests grid engine-async sweep core engine-inline churn suites}; do
+for s in ${STEPS:-ktests grid engine-async sweep core engine-sync churn suites}; do
     case $s in
         ktests) step ktests "${KTESTS_S:-150}" bash -c "$(declare -f ktests); OUT=$OUT ktests" ;;
         grid) step grid "${GRID_S:-220}" python3 -m bench.kernels_lora_grid \
             --out "$OUT/lora-grid-h200.json" ;;
         engine-async) engine_arm async --async-steps ;;
-        engine-inline) engine_arm inline ;;
+        engine-sync) engine_arm sync --no-async-steps ;;
         sweep) step sweep "${SWEEP_S:-90}" python3 -m bench.decode_sweep --parts attention_wide \
             --attn-wide 128,4,2 --out "$OUT/decode-sweep-wide-h200.json" ;;
         core) step core "${CORE_S:-90}" python3 -m bench.profile_core --shape llama2-7b \
@@ -52,6 +53,9 @@ for s in ${STEPS:-ktests grid engine-async sweep core engine-inline churn suites
             --out "$OUT/profile-core-async-h200.json" ;;
         async) step async "${ASYNC_S:-240}" python3 -m bench.profile_async --shape llama2-7b \
             --out "$OUT/profile-async-h200.json" ;;
+        lora-sweep) step lora-sweep "${LORA_SWEEP_S:-200}" python3 -m bench.decode_sweep \
+            --parts lora --lora-cases 16,64,64 16,256,256 16,64,1 \
+            --out "$OUT/decode-sweep-lora-h200.json" ;;
         churn) step churn "${CHURN_S:-150}" python3 -m bench.serving --shape llama2-7b \
             --device cuda --dtype float16 --arena-gb 32 --scenarios churn --many-adapters 2000 \
             --churn-requests 600 --churn-rate 50 --out "$OUT/churn-rate50-h200.json" ;;

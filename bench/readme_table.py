@@ -57,18 +57,23 @@ def hop_rows(result: dict[str, Any], source: str) -> list[str]:
     return rows
 
 
-def profile_row(sync: dict[str, Any], asyn: dict[str, Any], source: str) -> str:
-    def host(r: dict[str, Any]) -> float:
-        m = r["median_ms"]
-        return sum(v for k, v in m.items() if k not in ("sample", "step_total"))
-
-    s, a = sync["median_ms"], asyn["median_ms"]
-    return (f"| engine-core decode step, batch {sync['batch']}, context {sync['context']}: "
-            f"synchronous vs asynchronous steps | {s['step_total']:.2f} vs "
-            f"{a['step_total']:.2f} ms ({a['step_total'] / s['step_total']:.3f}x); host work "
-            f"{host(sync):.2f} ms a step (schedule {s['schedule']:.2f}, inputs {s['inputs']:.2f}, "
-            f"launch {s['forward_launch']:.2f}, book {s['book']:.2f}, output message "
-            f"{s['output_send']:.2f}) | | {source} |")
+def async_rows(result: dict[str, Any], source: str) -> list[str]:
+    """bench.profile_async: the floor scenario's step, synchronous vs asynchronous."""
+    modes = result["modes"]
+    rows = []
+    for name, what in (("sync", "synchronous"), ("async", "asynchronous")):
+        m = modes.get(name)
+        if not m:
+            continue
+        host = m["host_ms_per_step"]
+        work = sum(v for k, v in host.items()
+                   if k not in ("wait", "sample_sync_incl_wait", "step_wall"))
+        rows.append(f"| decode step, batch {result['batch']}, context {result['context']}, "
+                    f"{result['batch']} rank-16 adapters, {what} steps | {m['step_ms']:.2f} ms a "
+                    f"step; the CUDA graph inside it {m['graph_in_step']['graph_ms']:.2f} ms, "
+                    f"device time between graphs {m['graph_in_step']['between_ms']:.2f} ms; host "
+                    f"work {work:.2f} ms a step | | {source} |")
+    return rows
 
 
 def engine_rows(result: dict[str, Any], arm: str, source: str) -> list[str]:
@@ -129,13 +134,14 @@ def grid_rows(result: dict[str, Any], source: str) -> list[str]:
     """The issue's cells: the graph path the engine replays beside vLLM's quoted times."""
     rows = []
     for r in result["rows"]:
-        if r["order"] != "grouped" or "vllm_us_issue" not in r:
+        if "vllm_us_issue" not in r:
             continue
         ours = r["graph_capture_split_us"]
         short = r.get("graph_short_list_us")
         best = min(ours, short) if short else ours
-        rows.append(f"| decode LoRA r{r['rank']} B{r['batch']} U{r['adapters']}, graph replay "
-                    f"| {best:.1f} us (bytes floor {r['floor_us']:.1f}) | vLLM "
+        order = ", rows in random order" if r["order"] == "random" else ""
+        rows.append(f"| decode LoRA r{r['rank']} B{r['batch']} U{r['adapters']}{order}, graph "
+                    f"replay | {best:.1f} us (bytes floor {r['floor_us']:.1f}) | vLLM "
                     f"{r['vllm_us_issue']} us | {source} |")
     return rows
 
@@ -151,17 +157,18 @@ def table() -> str:
             source = f"`{name}` @ {result['commit'][:8]}"
             lines += service_rows(result, source) + hop_rows(result, source)
             break
-    sync, asyn = RESULTS / "profile-core-sync-h200.json", RESULTS / "profile-core-async-h200.json"
-    if sync.exists() and asyn.exists():
-        s = json.loads(sync.read_text())
-        lines.append(profile_row(s, json.loads(asyn.read_text()),
-                                 f"`{sync.name}`, `{asyn.name}` @ {s['commit'][:8]}"))
-    for arm in ("inline", "overlap"):
+    path = RESULTS / "profile-async-h200.json"
+    if path.exists():
+        result = json.loads(path.read_text())
+        lines += async_rows(result, f"`{path.name}` @ {result['commit'][:8]}")
+    for arm in ("async", "inline", "overlap"):
         path = RESULTS / f"engine-speed-{arm}-h200.json"
         if path.exists():
             result = json.loads(path.read_text())
-            arm_name = "in line" if arm == "inline" else "on a second stream"
-            lines += engine_rows(result, arm_name, f"`{path.name}` @ {result['commit'][:8]}")
+            steps = ("asynchronous" if result["args"].get("async_steps") else "synchronous")
+            where = "on a second stream" if result["args"].get("lora_overlap") else "in line"
+            lines += engine_rows(result, f"{where}, {steps} steps",
+                                 f"`{path.name}` @ {result['commit'][:8]}")
     # Saturated (60/s), below saturation (50/s, 40/s), and the older run with the disk tier.
     for name in ("churn-h200.json", "churn-rate50-h200.json", "churn-rate40-h200.json",
                  "churn-disk-h200.json"):

@@ -207,8 +207,11 @@ class EngineConfig:
     mixed_graphs: bool = True
     # Launch step N+1 before the host has step N's sampled ids (they feed N+1 on the device),
     # so scheduling and output handling overlap the GPU. Outputs then come one step() call
-    # later. Off by default: checked on the CPU only so far (same tokens as synchronous steps).
-    async_steps: bool = False
+    # later. None (the default): on for a single CUDA device (`steps_async`), where it keeps
+    # the GPU busy through the host's work (a batch-64 decode step at 7B shapes: 10.7 vs
+    # 11.5 ms, bench/results/engine-speed-async-h200.json); off on the CPU, where nothing
+    # runs beside the host, and with tensor parallelism, which does not support it.
+    async_steps: bool | None = None
     # Decode-sized steps (at most LORA_OVERLAP_MAX_TOKENS tokens) run each layer's LoRA delta
     # on a second CUDA stream beside the base GEMM, then add it (CUDA only; graphs capture
     # the fork and join). Costs one add per LoRA layer; saves the LoRA launches' latency.
@@ -231,6 +234,13 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def steps_async(self) -> bool:
+        """Whether steps run asynchronously: `async_steps`, or by default on one CUDA device."""
+        if self.async_steps is not None:
+            return self.async_steps
+        return self.device.startswith("cuda") and self.tensor_parallel_size == 1
 
     @property
     def adapter_cap(self) -> int:

@@ -421,7 +421,7 @@ class LLMEngine:
         if inflight is not None:
             outputs += self._complete(inflight)
             logits, sampling = self._drop_finished(logits, sampling)
-        if not self.config.async_steps:
+        if not self.config.steps_async:
             return outputs + self._sample(sched, logits, sampling)
         self._inflight = self._sample_async(sched, logits, sampling)
         return outputs

@@ -6,7 +6,8 @@ that `slora worker`, `slora batch` and the benchmarks offer the same names and d
 
 Each field `name` is the flag `--name-with-dashes` and the environment variable
 `SLORA_NAME_IN_CAPITALS` (a flag beats the variable, the variable beats the default). Booleans
-take `--flag` / `--no-flag`; optional integers take `none` (or an empty variable) for None.
+take `--flag` / `--no-flag` (an optional boolean's variable also takes `none`: its automatic
+choice); optional integers take `none` (or an empty variable) for None.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ HELP: dict[str, str] = {
     "cuda_graphs": "replay CUDA graphs for decode steps (CUDA only)",
     "mixed_graphs": "replay CUDA graphs for steps with prefill tokens too (with cuda_graphs)",
     "async_steps": "launch each step before reading the previous one's tokens (overlaps host "
-                   "work with the GPU)",
+                   "work with the GPU; default: on for one CUDA device, off otherwise)",
     "lora_overlap": "run decode steps' LoRA on a second CUDA stream beside the base GEMMs",
     "tensor_parallel_size": "ranks (one GPU each) one engine is sharded over; rank 0 "
                             "schedules (slora_core/tp)",
@@ -52,7 +53,7 @@ def flag_name(field: str) -> str:
 
 
 def _converter(kind: Any) -> Callable[[str], Any]:
-    """str -> value for a field annotated `kind` (bool, int, int | None or str)."""
+    """str -> value for a field annotated `kind` (bool, bool | None, int, int | None or str)."""
     if kind is bool:
         def to_bool(text: str) -> bool:
             value = text.strip().lower()
@@ -60,6 +61,9 @@ def _converter(kind: Any) -> Callable[[str], Any]:
                 raise ValueError(f"expected true or false, got {text!r}")
             return value in ("1", "true", "yes", "on")
         return to_bool
+    if kind == bool | None:
+        as_bool = _converter(bool)
+        return lambda text: None if text.strip().lower() in ("", "none") else as_bool(text)
     if kind is int:
         return int
     if kind == int | None:
@@ -97,7 +101,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *,
         kind = kinds[f.name]
         default = _default(f.name, kind, defaults.get(f.name, f.default), env)
         help_text = f"{HELP[f.name]} [{env_name(f.name)}; default: %(default)s]"
-        if kind is bool:
+        if kind is bool or kind == bool | None:
             group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction,
                                default=default, help=help_text)
         else:
@@ -125,8 +129,10 @@ def engine_cli_args(values: Mapping[str, Any]) -> list[str]:
     for name, value in values.items():
         if name not in kinds:
             raise ValueError(f"not an EngineConfig field: {name!r}")
-        if kinds[name] is bool:
+        if kinds[name] is bool or (kinds[name] == bool | None and value is not None):
             out.append(flag_name(name) if value else "--no-" + name.replace("_", "-"))
+        elif kinds[name] == bool | None:
+            continue  # None: the command's own default (the same automatic choice)
         else:
             out += [flag_name(name), "none" if value is None else str(value)]
     return out

@@ -77,3 +77,22 @@ def test_the_adapter_cap_follows_the_batch_unless_set():
     add_engine_args(parser, env={})
     args = parser.parse_args(["--max-num-seqs", "128", "--max-adapters-per-batch", "none"])
     assert engine_config_from_args(args).adapter_cap == 128
+
+
+def test_async_steps_default_on_for_one_cuda_device_only():
+    """Unset, asynchronous steps are on for a single CUDA device and off on the CPU and with
+    tensor parallelism; a flag or variable decides either way, and `none` means unset."""
+    assert EngineConfig().async_steps is None and not EngineConfig().steps_async
+    assert EngineConfig(device="cuda").steps_async
+    assert EngineConfig(device="cuda:1").steps_async
+    assert not EngineConfig(device="cuda", tensor_parallel_size=2).steps_async
+    assert not EngineConfig(device="cuda", async_steps=False).steps_async
+    assert EngineConfig(device="cpu", async_steps=True).steps_async
+    assert engine_config_from_args(parse(["--no-async-steps"])).async_steps is False
+    assert engine_config_from_args(parse([], {"SLORA_ASYNC_STEPS": "none"})).async_steps is None
+    assert engine_config_from_args(parse([], {"SLORA_ASYNC_STEPS": "off"})).async_steps is False
+    with pytest.raises(SystemExit, match="SLORA_ASYNC_STEPS='sometimes'"):
+        parse([], {"SLORA_ASYNC_STEPS": "sometimes"})
+    for value in (None, True, False):
+        assert parse(engine_cli_args({"async_steps": value})).async_steps is value
+    assert engine_cli_args({"async_steps": None}) == []
