@@ -69,8 +69,11 @@ ADAPTERS = [AdapterSpec("rslora-r32", 32, 64, ALL_LINEAR, rslora=True),
             AdapterSpec("all-r16", 16, 32, ALL_LINEAR)]
 MASSIVE_CHANNELS = ((5, 3), (77, 17), (100, 42))  # (hidden channel, intermediate channel)
 # EngineConfig defaults otherwise (as `slora batch` runs: 512-token chunked prefill, 64 seqs).
-MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False}, "all_graphs": {},
-         "all_graphs_async": {"async_steps": True}, "all_graphs_one_seq": {"max_num_seqs": 1}}
+# Synchronous unless named (asynchronous steps are the default on a GPU).
+MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps": False},
+         "all_graphs": {"async_steps": False},
+         "all_graphs_async": {"async_steps": True},
+         "all_graphs_one_seq": {"max_num_seqs": 1, "async_steps": False}}
 
 
 @torch.no_grad()

@@ -75,11 +75,13 @@ ADAPTERS = [AdapterSpec("qv-r8", 8, 16, ("q_proj", "v_proj")),
             AdapterSpec("ko-r4", 4, 8, ("k_proj", "o_proj")),
             AdapterSpec("rslora-qvdown-r8", 8, 16, ("q_proj", "v_proj", "down_proj"), rslora=True)]
 PROMPT_LENGTHS = [1024, 17, 700, 333, 129, 64, 900, 512, 250, 1000, 40, 600, 128, 777, 300, 999]
-MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False}, "all_graphs": {},
+# Synchronous unless named (asynchronous steps are the default on a GPU).
+MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps": False},
+         "all_graphs": {"async_steps": False},
          "all_graphs_async": {"async_steps": True},
          # LoRA on a side stream for decode-sized steps (EngineConfig.lora_overlap; off by
          # default, so asked for by name).
-         "all_graphs_lora_overlap": {"lora_overlap": True}}
+         "all_graphs_lora_overlap": {"lora_overlap": True, "async_steps": False}}
 DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async")
 # The engine's limits in every mode (the arena is sized by simulating them).
 ENGINE: dict[str, Any] = {"max_num_seqs": 16, "max_num_batched_tokens": 1024,
