@@ -10,6 +10,8 @@ case times, over inputs rotated past the L2:
 - `graph_short_list` (when the real tiles fit cdiv(B, 16)): the short list decode graphs also
   capture for one adapter on every row, split fixed from its capacity;
 - `exact`: the real tile list, split chosen on the host (an eager step);
+- `split_unroll4`: `graph_capture_split` with the expand reading the K splits' partial sums
+  four loads at a time;
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
@@ -45,6 +47,7 @@ VLLM_US = {(16, 64, 1): 7.6, (16, 256, 1): 11.0, (16, 256, 64): 35.5, (16, 256, 
            (64, 256, 256): 209.7, (8, 256, 1): 12.8}
 BUDGET = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
 NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
+UNROLL4 = dataclasses.replace(DECODE_TILES, split_unroll=4)
 
 
 def padded_meta(slots: list[int], capacity: int) -> LoraMeta:
@@ -89,7 +92,8 @@ def variants(slots: list[int], rank: int) -> dict[str, tuple[LoraMeta, int, Lora
     capture = pick_split_k(b, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
     exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
     out = {"graph_capture_split": (grph, rank, DECODE_TILES, capture),
-           "exact": (exact, rank, DECODE_TILES, None)}
+           "exact": (exact, rank, DECODE_TILES, None),
+           "split_unroll4": (grph, rank, UNROLL4, capture)}
     short = -(-b // DECODE_BLOCK_M)
     if short < b and exact.num_tiles <= short:
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES,

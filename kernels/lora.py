@@ -38,6 +38,9 @@ class LoraTiles:
     split_rank_budget: int | None = None
     # Segments of rank <= 16 (<= 32) run 16- (32-) wide rank tiles instead of the launch's.
     rank_buckets: bool = True
+    # The expand's K-split partial sums read 1 or 4 per step of its summing loop (4: not yet
+    # measured on a GPU; the grid times it as `split_unroll4`).
+    split_unroll: int = 1
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -139,4 +142,4 @@ def add_lora_triton(
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets)
+                    rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll)

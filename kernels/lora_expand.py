@@ -37,18 +37,34 @@ from kernels.lora_meta import LoraMeta
 def _expand_rank_tiles(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
 ):
-    """y[rows, cols] += scale * (sum of buf's K splits)[:, :rank] @ B[cols, :rank].T."""
+    """y[rows, cols] += scale * (sum of buf's K splits)[:, :rank] @ B[cols, :rank].T. With
+    SPLIT_UNROLL 4 the partial sums are read four loads at a time (independent loads issued
+    before the adds), else one after another."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         h_mask = mask_m[:, None] & mask_r[None, :]
         h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for j in range(split_k):
-            h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
-                         other=0.0)
+        if SPLIT_UNROLL == 4:
+            parts = buf_rows[:, None] + offs_r[None, :]
+            for j in range(0, split_k, 4):
+                # Split j + i as a tensor, so the masks stay tensors whatever j's type.
+                js = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.int32) + j
+                p0 = tl.load(parts + j * stride_bs, mask=h_mask, other=0.0)
+                p1 = tl.load(parts + (j + 1) * stride_bs, mask=h_mask & (js + 1 < split_k),
+                             other=0.0)
+                p2 = tl.load(parts + (j + 2) * stride_bs, mask=h_mask & (js + 2 < split_k),
+                             other=0.0)
+                p3 = tl.load(parts + (j + 3) * stride_bs, mask=h_mask & (js + 3 < split_k),
+                             other=0.0)
+                h += (p0 + p1) + (p2 + p3)
+        else:
+            for j in range(split_k):
+                h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
+                             other=0.0)
         # B is [N, r] row-major; this tile is B.T[r0:r0+BLOCK_R, n0:n0+BLOCK_N].
         b_tile = tl.load(b_base + offs_n[None, :] * rank + offs_r[:, None],
                          mask=mask_n[None, :] & mask_r[:, None], other=0.0)
@@ -62,18 +78,21 @@ def _expand_rank_tiles(
 def _expand_bucketed(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr,
+    BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
 ):
     """`_expand_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`."""
     if RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
-                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16)
+                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16,
+                           SPLIT_UNROLL)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
-                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32)
+                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32,
+                           SPLIT_UNROLL)
     else:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
-                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R)
+                           mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
+                           SPLIT_UNROLL)
 
 
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
@@ -87,7 +106,7 @@ def _lora_expand_kernel(
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr,
+    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     mod_i = tl.program_id(1) // n_tiles
@@ -123,11 +142,11 @@ def _lora_expand_kernel(
         # every B row segment loads as 16-byte vectors.
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS)
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL)
     else:
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS)
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL)
 
 
 def lora_expand(
@@ -147,9 +166,13 @@ def lora_expand(
     num_warps: int = 4,
     num_stages: int = 2,
     rank_buckets: bool = True,
+    split_unroll: int = 1,
 ) -> None:
-    """Add the expand of `buf` into y's column slices (see module docstring)."""
+    """Add the expand of `buf` into y's column slices (see module docstring). `split_unroll`
+    (1 or 4): K splits' partial sums read per step of the summing loop."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
+    if split_unroll not in (1, 4):
+        raise ValueError(f"split_unroll must be 1 or 4, got {split_unroll}")
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
@@ -171,7 +194,8 @@ def lora_expand(
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
-        GATHER_ROWS=meta.token_rows is not None, num_warps=num_warps, num_stages=num_stages,
+        GATHER_ROWS=meta.token_rows is not None, SPLIT_UNROLL=split_unroll,
+        num_warps=num_warps, num_stages=num_stages,
     )
 
 

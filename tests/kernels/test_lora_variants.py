@@ -28,6 +28,7 @@ OUT_SIZES = {0: 48, 1: 32, 2: 32}
 VARIANTS = {
     "default": DECODE_TILES,
     "no_rank_buckets": dataclasses.replace(DECODE_TILES, rank_buckets=False),
+    "split_unroll4": dataclasses.replace(DECODE_TILES, split_unroll=4),
 }
 
 
@@ -198,3 +199,19 @@ def test_grouped_tokens_keep_runs_and_no_row_list() -> None:
     assert split.token_rows is not None and split.token_rows.tolist() == [3, 1, 0, 2]
     assert split.seg_starts.tolist() == [1, 2] and split.seg_lens.tolist() == [1, 2]
     assert split.seg_slots.tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 3, 4, 5, 16])
+def test_partial_sums_read_four_at_a_time(dtype: torch.dtype, split_k: int) -> None:
+    """The expand summing the K splits four loads at a time, split counts below, at, between
+    and above multiples of four, mixed ranks (16-, 32- and 64-wide rank tiles)."""
+    slots = sorted(i % 5 for i in range(20))
+    _check(slots, 5, [8, 16, 40, 64], dtype, seed=40 + split_k, capacity=24,
+           tiles=VARIANTS["split_unroll4"], in_features=1024, split_k=split_k)
+
+
+def test_split_unroll_other_than_1_or_4_is_refused() -> None:
+    with pytest.raises(ValueError, match="split_unroll must be 1 or 4"):
+        _check([0, 0], 1, [8], torch.float32, seed=1, capacity=2,
+               tiles=dataclasses.replace(DECODE_TILES, split_unroll=2))
