@@ -12,6 +12,7 @@ case times, over inputs rotated past the L2:
 - `exact`: the real tile list, split chosen on the host (an eager step);
 - `split_unroll4`: `graph_capture_split` with the expand reading the K splits' partial sums
   four loads at a time;
+- `wide_split4` (U >= B/4): 512-wide expand and shrink tiles, K split at most 4;
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
@@ -48,6 +49,9 @@ VLLM_US = {(16, 64, 1): 7.6, (16, 256, 1): 11.0, (16, 256, 64): 35.5, (16, 256, 
 BUDGET = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
 NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
 UNROLL4 = dataclasses.replace(DECODE_TILES, split_unroll=4)
+# The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
+# expand and shrink tiles, the K split fixed at 4.
+WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
 
 
 def padded_meta(slots: list[int], capacity: int) -> LoraMeta:
@@ -94,6 +98,8 @@ def variants(slots: list[int], rank: int) -> dict[str, tuple[LoraMeta, int, Lora
     out = {"graph_capture_split": (grph, rank, DECODE_TILES, capture),
            "exact": (exact, rank, DECODE_TILES, None),
            "split_unroll4": (grph, rank, UNROLL4, capture)}
+    if len(set(slots)) >= max(2, b // 4):
+        out["wide_split4"] = (grph, rank, WIDE, min(4, capture))
     short = -(-b // DECODE_BLOCK_M)
     if short < b and exact.num_tiles <= short:
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES,
