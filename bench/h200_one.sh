@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A device call on one H200, steps one after another (nothing shares the GPU with a timed
-# step), in the order STEPS names them (default: all, in the order below):
-#   ktests  the LoRA and attention kernel tests compiled (TRITON_INTERPRET=0), 3 processes;
+# step), in the order STEPS names them (default: grid engine-async engine-sync sweep async churn
+# suites):
 #   grid    the decode LoRA kernel grid (bench.kernels_lora_grid);
 #   engine-async / engine-sync
 #           one adapter vs base and the decode-step floor (bench.serving overhead,floor),
@@ -12,43 +12,29 @@
 #           (bench.profile_async);
 #   lora-sweep  decode LoRA tiles and K splits at r16 B64 U64, B256 U256, B64 U1;
 #   churn   2,000 adapters under churn at 50 arrivals/s, alpha 1.0 and 0.5;
-#   suites  gpu_suite parts A and B side by side (GPU-only tests and numerics; 7B/8B shapes
-#           against HF under churn).
+#   suites  gpu_suite parts A and B side by side (every GPU-only and compiled kernel test, and
+#           numerics; 7B/8B shapes against HF under churn).
 # Run from the root of a clean export with the wheels in .whl:
-#   SLORA_COMMIT=<sha> OUT=$OUT BUDGET_S=560 STEPS="ktests grid" bash bench/h200_one.sh
+#   SLORA_COMMIT=<sha> OUT=$OUT BUDGET_S=560 STEPS="grid suites" bash bench/h200_one.sh
 set -u
 # shellcheck source=bench/round_lib.sh
 source "$(dirname "$0")/round_lib.sh"
 export OMP_NUM_THREADS=8
-ktests() {
-    local f pids=()
-    for f in tests/kernels/test_lora.py tests/kernels/test_lora_variants.py \
-            "tests/kernels/test_paged_attention.py tests/kernels/test_graph_tile_lists.py"; do
-        # shellcheck disable=SC2086  # f may name two files
-        python3 -m pytest -q -x -p no:cacheprovider $f >"$OUT/ktests-$(basename "${f%% *}").log" 2>&1 &
-        pids+=($!)
-    done
-    local rc=0 p
-    for p in "${pids[@]}"; do wait "$p" || rc=1; done
-    tail -n 3 "$OUT"/ktests-*.log
-    return $rc
-}
 suites() {
     OMP_NUM_THREADS=4 PART_LIMIT_S="${SUITE_PART_S:-290}" OUT="$OUT/A" SHARDS=6 \
         NUMERICS_ARGS="--modes eager all_graphs all_graphs_async" bash bench/gpu_suite.sh A &
     OMP_NUM_THREADS=4 PART_LIMIT_S="${SUITE_PART_S:-290}" OUT="$OUT/B" bash bench/gpu_suite.sh B &
     wait
 }
-for s in ${STEPS:-ktests grid engine-async sweep core engine-sync churn suites}; do
+for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
     case $s in
-        ktests) step ktests "${KTESTS_S:-150}" bash -c "$(declare -f ktests); OUT=$OUT ktests" ;;
         grid) step grid "${GRID_S:-220}" python3 -m bench.kernels_lora_grid \
             --out "$OUT/lora-grid-h200.json" ;;
         engine-async) engine_arm async --async-steps ;;
         engine-sync) engine_arm sync --no-async-steps ;;
         sweep) step sweep "${SWEEP_S:-90}" python3 -m bench.decode_sweep --parts attention_wide \
             --attn-wide 128,4,2 --out "$OUT/decode-sweep-wide-h200.json" ;;
-        core) step core "${CORE_S:-90}" python3 -m bench.profile_core --shape llama2-7b \
+        core) step core "${CORE_S:-150}" python3 -m bench.profile_core --shape llama2-7b \
             --device cuda --dtype float16 --batch 64 --context 512 --adapters --async-steps \
             --out "$OUT/profile-core-async-h200.json" ;;
         async) step async "${ASYNC_S:-240}" python3 -m bench.profile_async --shape llama2-7b \

@@ -50,7 +50,7 @@ BUDGET = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
 NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
 UNROLL4 = dataclasses.replace(DECODE_TILES, split_unroll=4)
 # The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
-# expand and shrink tiles, the K split fixed at 4.
+# expand and shrink tiles, the K split at most 4 (`wide_split4`).
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
 
 

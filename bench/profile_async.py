@@ -2,14 +2,15 @@
 asynchronous steps: the floor scenario's engine (Llama-2-7B shapes, 64 distinct rank-16
 adapters, context ~512, CUDA graphs) timed three ways, then profiled.
 
-- `graph_replay_ms`: the decode graph alone, back-to-back replays (CUDA events);
+- `graph_replay_ms`: each batch-64 decode graph alone (by module set and tile-list capacity),
+  back-to-back replays (CUDA events);
 - `step_ms`: engine steps back to back, the device synced only at both ends of the window;
 - `graph_in_step`: the graph's GPU time inside engine steps (events around each replay) and
   the device time between replays;
 - `host_ms_per_step`: the same steps' host time by phase, `wait` the time blocked on the
   previous step's tokens (near 0: the host, not the GPU, sets the pace);
-- `profile`: torch.profiler over a few steps (and `replay_profile`: the graph replayed alone,
-  GPU time per kernel beside the steps'): the fraction of the window the GPU is busy
+- `profile`: torch.profiler over a few steps (and `replay_profile`: the graph those steps
+  replayed, replayed alone, GPU time per kernel beside the steps'): the fraction of the window the GPU is busy
   (union of kernels and copies), the host's CUDA runtime calls per step (a synchronize or a
   blocking copy there stalls the next launch), and the longest GPU idle gaps with the host
   work running in them (innermost op and its slora frames).
@@ -31,37 +32,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.profile_core import PhaseTimer
-from bench.profile_gpu import graph_replay_ms
+from bench.profile_gpu import graph_replay_ms, sync
 from bench.run_record import run_record
-from bench.serving import Bench
+from bench.serving import FLOOR_BATCH, FLOOR_CONTEXT, Bench, floor_engine
 from slora_core import model_runner
 from slora_core.engine import LLMEngine
 from slora_core.sampler import PendingSample
-from slora_core.sampling_params import SamplingParams
-
-BATCH, CONTEXT = 64, 512
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def decode_engine(bench: Bench, async_steps: bool) -> LLMEngine:
-    """The floor scenario's engine with every request past its prefill."""
-    engine = bench.engine(BATCH, (16,), max_adapters_per_batch=BATCH, max_num_seqs=BATCH,
-                          async_steps=async_steps)
-    rng = np.random.default_rng(4)
-    for i in range(BATCH):
-        engine.add_request(str(i), rng.integers(3, bench.cfg.vocab_size, CONTEXT).tolist(),
-                           SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True),
-                           adapter=f"a{i}")
-    while any(s.num_computed_tokens < len(s.prompt_token_ids)
-              for s in engine.scheduler.running) or engine.num_waiting:
-        engine.step()
-    for _ in range(5):
-        engine.step()
-    return engine
 
 
 def step_ms(engine: LLMEngine, steps: int) -> float:
@@ -77,14 +53,14 @@ def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     """Host milliseconds per step in each phase, steps back to back (no sync between them):
     `wait` is the time blocked on the previous step's tokens; the rest is host work."""
     timer = PhaseTimer(sync=False)
-    saved = (engine.scheduler.schedule, engine.runner.run, engine.sampler.sample,
-             engine.sampler.sample_async, model_runner.build_step_inputs, PendingSample.result)
-    timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(model_runner, "build_step_inputs", "inputs")
-    timer.wrap(engine.runner, "run", "launch")
-    timer.wrap(engine.sampler, "sample", "sample_sync_incl_wait")
-    timer.wrap(engine.sampler, "sample_async", "sample_launch")
-    timer.wrap(PendingSample, "result", "wait")
+    phases = ((engine.scheduler, "schedule", "schedule"),
+              (model_runner, "build_step_inputs", "inputs"), (engine.runner, "run", "launch"),
+              (engine.sampler, "sample", "sample_sync_incl_wait"),
+              (engine.sampler, "sample_async", "sample_launch"),
+              (PendingSample, "result", "wait"))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in phases]
+    for owner, name, phase in phases:
+        timer.wrap(owner, name, phase)
     totals: dict[str, float] = defaultdict(float)
     sync()
     t0 = time.perf_counter()
@@ -96,10 +72,7 @@ def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
                 totals[k] += v
         sync()
     finally:
-        owners = ((engine.scheduler, "schedule"), (engine.runner, "run"),
-                  (engine.sampler, "sample"), (engine.sampler, "sample_async"),
-                  (model_runner, "build_step_inputs"), (PendingSample, "result"))
-        for (owner, name), fn in zip(owners, saved, strict=True):
+        for owner, name, fn in saved:
             setattr(owner, name, fn)
     out = {k: v / steps for k, v in totals.items()}
     out["launch"] = out.get("launch", 0.0) - out.get("inputs", 0.0)  # run() builds the inputs
@@ -107,14 +80,16 @@ def host_phases(engine: LLMEngine, steps: int) -> dict[str, float]:
     return out
 
 
-def graph_in_step_ms(engine: LLMEngine, steps: int) -> dict[str, float]:
-    """The graph's own GPU time inside engine steps (CUDA events around each replay), and the
+def graph_in_step_ms(engine: LLMEngine, steps: int
+                     ) -> tuple[dict[str, float], torch.cuda.CUDAGraph | None]:
+    """The graph's own GPU time inside engine steps (CUDA events around each replay), the
     time from one replay's end to the next one's start (the step's work outside the graph,
-    plus any idle time)."""
+    plus any idle time), and the graph the steps replayed last."""
     if not torch.cuda.is_available():
-        return {}
+        return {}, None
     original = torch.cuda.CUDAGraph.replay
     marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    replayed: list[torch.cuda.CUDAGraph] = []
 
     def replay(graph: torch.cuda.CUDAGraph) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -122,6 +97,7 @@ def graph_in_step_ms(engine: LLMEngine, steps: int) -> dict[str, float]:
         original(graph)
         end.record()
         marks.append((start, end))
+        replayed.append(graph)
 
     setattr(torch.cuda.CUDAGraph, "replay", replay)  # noqa: B010 (a method swapped in)
     try:
@@ -132,8 +108,9 @@ def graph_in_step_ms(engine: LLMEngine, steps: int) -> dict[str, float]:
         setattr(torch.cuda.CUDAGraph, "replay", original)  # noqa: B010
     inside = [s.elapsed_time(e) for s, e in marks]
     between = [marks[i][1].elapsed_time(marks[i + 1][0]) for i in range(len(marks) - 1)]
-    return {"replays": len(marks), "graph_ms": float(np.mean(inside)),
-            "graph_ms_min": float(np.min(inside)), "between_ms": float(np.mean(between))}
+    return ({"replays": len(marks), "graph_ms": float(np.mean(inside)),
+             "graph_ms_min": float(np.min(inside)), "between_ms": float(np.mean(between))},
+            replayed[-1] if replayed else None)
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -157,13 +134,10 @@ def gpu_ops(prof: Any, per: int) -> dict[str, dict[str, float]]:
     return {name: {"us": us, "calls": calls} for us, calls, name in rows[:15]}
 
 
-def profiled_replay(engine: LLMEngine, replays: int) -> dict[str, Any]:
-    """The decode graph (with LoRA) replayed alone under the profiler, for the same breakdown."""
-    graphs = engine.runner.graphs
-    keys = [k for k in (graphs.graphs if graphs is not None else {}) if k[0] == BATCH and k[1]]
-    if not keys:
+def profiled_replay(graph: torch.cuda.CUDAGraph | None, replays: int) -> dict[str, Any]:
+    """The graph the steps replayed, replayed alone under the profiler: the same breakdown."""
+    if graph is None:
         return {}
-    graph = graphs.graphs[keys[0]]  # type: ignore[union-attr]
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
@@ -228,19 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     ns = argparse.Namespace(shape=args.shape, dtype=args.dtype, device=args.device,
-                            arena_gb=40.0 if cuda else 0.05, max_num_seqs=BATCH,
-                            max_num_batched_tokens=4096, max_adapters_per_batch=BATCH)
+                            arena_gb=40.0 if cuda else 0.05, max_num_seqs=FLOOR_BATCH,
+                            max_num_batched_tokens=4096, max_adapters_per_batch=FLOOR_BATCH)
     bench = Bench(ns)
     result: dict[str, Any] = {**run_record(["bench.profile_async", *(argv or sys.argv[1:])]),
-                              "batch": BATCH, "context": CONTEXT, "modes": {}}
+                              "batch": FLOOR_BATCH, "context": FLOOR_CONTEXT, "modes": {}}
     for async_steps in (False, True):
-        engine = decode_engine(bench, async_steps)
+        engine = floor_engine(bench, new_tokens=200, warm_steps=5, async_steps=async_steps)
         mode: dict[str, Any] = {"step_ms": step_ms(engine, args.steps),
-                "host_ms_per_step": host_phases(engine, args.steps),
-                "graph_in_step": graph_in_step_ms(engine, args.steps),
-                "graph_replay_ms": graph_replay_ms(engine),
-                "profile": profiled(engine, args.profile_steps),
-                "replay_profile": profiled_replay(engine, args.profile_steps)}
+                                "host_ms_per_step": host_phases(engine, args.steps)}
+        mode["graph_in_step"], graph = graph_in_step_ms(engine, args.steps)
+        mode |= {"graph_replay_ms": graph_replay_ms(engine),
+                 "profile": profiled(engine, args.profile_steps),
+                 "replay_profile": profiled_replay(graph, args.profile_steps)}
         mode["step_ms_after_profile"] = step_ms(engine, args.steps)
         name = "async" if async_steps else "sync"
         result["modes"][name] = mode

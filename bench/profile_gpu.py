@@ -99,7 +99,8 @@ def graph_replay_ms(engine: LLMEngine, replays: int = 20) -> dict[str, float]:
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        out[f"b64-modules{sorted(key[1])}"] = start.elapsed_time(end) / replays
+        # Graphs of one bucket and module set differ in their tile list's capacity (key[2]).
+        out[f"b64-modules{sorted(key[1])}-tiles{key[2]}"] = start.elapsed_time(end) / replays
     return out
 
 

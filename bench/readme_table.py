@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slora_core.config import EngineConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- service-table:begin -->", "<!-- service-table:end -->"
@@ -161,11 +163,15 @@ def table() -> str:
     if path.exists():
         result = json.loads(path.read_text())
         lines += async_rows(result, f"`{path.name}` @ {result['commit'][:8]}")
-    for arm in ("async", "inline", "overlap"):
+    for arm in ("async", "sync", "inline", "overlap"):
         path = RESULTS / f"engine-speed-{arm}-h200.json"
         if path.exists():
             result = json.loads(path.read_text())
-            steps = ("asynchronous" if result["args"].get("async_steps") else "synchronous")
+            a = result["args"]
+            steps = "asynchronous" if EngineConfig(
+                device=a["device"], async_steps=a.get("async_steps"),
+                tensor_parallel_size=a.get("tensor_parallel_size", 1)).steps_async \
+                else "synchronous"
             where = "on a second stream" if result["args"].get("lora_overlap") else "in line"
             lines += engine_rows(result, f"{where}, {steps} steps",
                                  f"`{path.name}` @ {result['commit'][:8]}")

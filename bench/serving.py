@@ -240,21 +240,35 @@ def copy_bandwidth(device: str) -> float:
     return max(copy_bandwidth_gbs(1 << 30).values()) * 1e9
 
 
-def scenario_floor(b: Bench) -> dict[str, Any]:
-    """Decode step time at batch 64 (context ~512, 64 distinct rank-16 adapters) against the
-    bytes floor: weights + KV + the step's distinct adapters read once at copy bandwidth."""
-    batch, ctx = 64, 512
-    engine = b.engine(batch, (16,), max_adapters_per_batch=batch, max_num_seqs=batch)
+FLOOR_BATCH, FLOOR_CONTEXT = 64, 512
+
+
+def floor_engine(b: Bench, new_tokens: int, warm_steps: int,
+                 **overrides: Any) -> LLMEngine:
+    """The floor scenario's engine: FLOOR_BATCH requests of FLOOR_CONTEXT prompt tokens, each
+    on its own rank-16 adapter, every one past its prefill and `warm_steps` decode steps in."""
+    batch = FLOOR_BATCH
+    engine = b.engine(batch, (16,), max_adapters_per_batch=batch, max_num_seqs=batch,
+                      **overrides)
     rng = np.random.default_rng(4)
     for i in range(batch):
-        engine.add_request(str(i), rng.integers(3, b.cfg.vocab_size, ctx).tolist(),
-                           SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True),
+        engine.add_request(str(i), rng.integers(3, b.cfg.vocab_size, FLOOR_CONTEXT).tolist(),
+                           SamplingParams(temperature=0, max_new_tokens=new_tokens,
+                                          ignore_eos=True),
                            adapter=f"a{i}")
     while any(s.num_computed_tokens < len(s.prompt_token_ids) for s in engine.scheduler.running) \
             or engine.num_waiting:
         engine.step()
-    for _ in range(3):
+    for _ in range(warm_steps):
         engine.step()
+    return engine
+
+
+def scenario_floor(b: Bench) -> dict[str, Any]:
+    """Decode step time at batch 64 (context ~512, 64 distinct rank-16 adapters) against the
+    bytes floor: weights + KV + the step's distinct adapters read once at copy bandwidth."""
+    batch, ctx = FLOOR_BATCH, FLOOR_CONTEXT
+    engine = floor_engine(b, new_tokens=64, warm_steps=3)
     sync(engine)
     steps = 20
     t0 = time.perf_counter()

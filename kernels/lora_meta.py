@@ -57,8 +57,11 @@ class LoraMeta:
         sorted by slot (stably) into `token_rows` and the segments are runs of that order, so
         an adapter's rows share its reads however the batch interleaves them."""
         slots = np.asarray(token_slots, dtype=np.int64)
-        order = adapter_order(slots)
-        starts, lens, seg_slots = lora_segments(slots if order is None else slots[order])
+        starts, lens, seg_slots = lora_segments(slots)
+        order = None
+        if np.unique(seg_slots).size < seg_slots.size:  # some adapter in more than one run
+            order = np.argsort(slots, kind="stable")
+            starts, lens, seg_slots = lora_segments(slots[order])
         max_len = int(lens.max()) if lens.size else 0
         block_m = block_m or tile_rows(max_len)
         tile_segs, tile_m0 = lora_tiles(lens, block_m)
@@ -72,15 +75,6 @@ class LoraMeta:
             tile_segs=t(tile_segs), tile_m0=t(tile_m0), num_tiles=int(tile_segs.size),
             block_m=block_m, token_rows=None if order is None else t(order),
         )
-
-
-def adapter_order(token_slots: np.ndarray) -> np.ndarray | None:
-    """A stable sort of the tokens by slot when some slot >= 0 appears in more than one run;
-    None when the tokens already come grouped by adapter."""
-    seg_slots = lora_segments(token_slots)[2]
-    if np.unique(seg_slots).size == seg_slots.size:
-        return None
-    return np.argsort(token_slots, kind="stable")
 
 
 def lora_segments(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

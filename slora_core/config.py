@@ -208,8 +208,8 @@ class EngineConfig:
     # Launch step N+1 before the host has step N's sampled ids (they feed N+1 on the device),
     # so scheduling and output handling overlap the GPU. Outputs then come one step() call
     # later. None (the default): on for a single CUDA device (`steps_async`), where it keeps
-    # the GPU busy through the host's work (a batch-64 decode step at 7B shapes: 10.7 vs
-    # 11.5 ms, bench/results/engine-speed-async-h200.json); off on the CPU, where nothing
+    # the GPU busy through the host's work (a batch-64 decode step at 7B shapes: 10.75 vs
+    # 11.70 ms, bench/results/profile-async-h200.json); off on the CPU, where nothing
     # runs beside the host, and with tensor parallelism, which does not support it.
     async_steps: bool | None = None
     # Decode-sized steps (at most LORA_OVERLAP_MAX_TOKENS tokens) run each layer's LoRA delta

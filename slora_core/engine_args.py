@@ -129,10 +129,11 @@ def engine_cli_args(values: Mapping[str, Any]) -> list[str]:
     for name, value in values.items():
         if name not in kinds:
             raise ValueError(f"not an EngineConfig field: {name!r}")
-        if kinds[name] is bool or (kinds[name] == bool | None and value is not None):
+        kind = kinds[name]
+        if kind == bool | None and value is None:
+            continue  # the command's own default: the same automatic choice
+        if kind is bool or kind == bool | None:
             out.append(flag_name(name) if value else "--no-" + name.replace("_", "-"))
-        elif kinds[name] == bool | None:
-            continue  # None: the command's own default (the same automatic choice)
         else:
             out += [flag_name(name), "none" if value is None else str(value)]
     return out

@@ -17,6 +17,7 @@ from tests.kernels.helpers import (
     DEVICE,
     DTYPES,
     TOLERANCE,
+    LoraCase,
     build_lora_case,
     generator,
     randn,
@@ -135,22 +136,21 @@ def test_split_rank_budget_caps_the_split() -> None:
     assert split_cap(budget, 512, 16) == 2  # K / 256
 
 
-def _per_token_delta(case: object, x: torch.Tensor, slots: list[int], k: int,
+def _per_token_delta(case: LoraCase, x: torch.Tensor, slots: list[int], k: int,
                      slices: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """The delta token by token in float64, from the tables alone (no segments)."""
-    c = case  # a LoraCase
-    arena = c.arena.double()  # type: ignore[attr-defined]
-    out = torch.zeros(len(slots), 112, dtype=torch.float64, device=x.device)
+    arena = case.arena.double()
+    out = torch.zeros(len(slots), sum(n for _, n in slices), dtype=torch.float64,
+                      device=x.device)
     for t, s in enumerate(slots):
         if s < 0:
             continue
         for m, (o_start, n) in zip(QKV, slices, strict=True):
-            r = int(c.ranks[s, m])  # type: ignore[attr-defined]
-            a_off, b_off = int(c.a_offsets[s, m]), int(c.b_offsets[s, m])  # type: ignore[attr-defined]
+            r = int(case.ranks[s, m])
+            a_off, b_off = int(case.a_offsets[s, m]), int(case.b_offsets[s, m])
             a = arena[a_off : a_off + r * k].view(r, k)
             b = arena[b_off : b_off + n * r].view(n, r)
-            scale = float(c.scales[s, m])  # type: ignore[attr-defined]
-            out[t, o_start : o_start + n] = (x[t].double() @ a.T) @ b.T * scale
+            out[t, o_start : o_start + n] = (x[t].double() @ a.T) @ b.T * float(case.scales[s, m])
     return out
 
 
