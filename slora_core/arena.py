@@ -92,6 +92,8 @@ class PageArena:
         self._slot_modules: dict[int, frozenset[int]] = {}
         self._module_users = [0] * len(LORA_MODULES)
         self._active: frozenset[int] = frozenset()
+        # Bumped whenever a slot is cleared or refilled: (slot, generation) names one load.
+        self.slot_generation = [0] * num_slots
 
     @property
     def active_lora_modules(self) -> frozenset[int]:
@@ -175,4 +177,5 @@ class PageArena:
         """Mark a slot empty (rank 0 everywhere) so no kernel reads its stale pages."""
         self.tables.ranks[:, slot].zero_()
         self.tables.scales[:, slot].zero_()
+        self.slot_generation[slot] += 1
         self._set_slot_modules(slot, frozenset())

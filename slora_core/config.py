@@ -216,6 +216,11 @@ class EngineConfig:
     # on a second CUDA stream beside the base GEMM, then add it (CUDA only; graphs capture
     # the fork and join). Costs one add per LoRA layer; saves the LoRA launches' latency.
     lora_overlap: bool = False
+    # When every token of a run of steps reads one adapter, fold it into the base weights and
+    # run those steps as the base model (slora_core/lora_merge.py); any other step restores
+    # the weights first. Costs a device copy of the projection weights (Llama-2-7B: 12.9 GB),
+    # hence off by default. Single-device engines only.
+    merge_sole_adapter: bool = False
     # Ranks of one engine (DESIGN section 5): LLMEngine.from_model_dir starts the other ranks
     # (slora_core/tp); 1 is the single-device engine, untouched.
     tensor_parallel_size: int = 1
@@ -230,6 +235,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if self.merge_sole_adapter and self.tensor_parallel_size > 1:
+            raise ConfigError("merge_sole_adapter needs tensor_parallel_size 1 (each rank "
+                              "holds a shard of the weights a merge would change)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -37,6 +37,8 @@ HELP: dict[str, str] = {
     "mixed_graphs": "replay CUDA graphs for steps with prefill tokens too (with cuda_graphs)",
     "async_steps": "launch each step before reading the previous one's tokens (overlaps host "
                    "work with the GPU; default: on for one CUDA device, off otherwise)",
+    "merge_sole_adapter": "fold a batch's sole adapter into the base weights while it is the "
+                          "only one (costs a device copy of the projection weights)",
     "lora_overlap": "run decode steps' LoRA on a second CUDA stream beside the base GEMMs",
     "tensor_parallel_size": "ranks (one GPU each) one engine is sharded over; rank 0 "
                             "schedules (slora_core/tp)",

@@ -13,6 +13,7 @@ from slora_core.config import EngineConfig, ModelConfig
 from slora_core.context import StepContext, step_context
 from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
 from slora_core.lora import wrap_lora
+from slora_core.lora_merge import SoleAdapterMerge
 from slora_core.model import LlamaForCausalLM
 from slora_core.scheduler import ScheduledSeq
 from slora_core.sequence import Sequence
@@ -38,9 +39,12 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, arena: PageArena, *,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
-                 mixed_graphs: bool = True, lora_overlap: bool = False) -> None:
+                 mixed_graphs: bool = True, lora_overlap: bool = False,
+                 merge_sole_adapter: bool = False) -> None:
         self.model = model
         self.arena = arena
+        # EngineConfig.merge_sole_adapter: steps on one adapter run as the base model.
+        self.merge = SoleAdapterMerge(model, arena) if merge_sole_adapter else None
         # A fixed LoRA K split inside CUDA graphs (fix_graph_lora_split); None: the kernels'.
         self.graph_lora_split_k: int | None = None
         self.device = arena.pages.device
@@ -72,7 +76,8 @@ class ModelRunner:
                    max_model_len=min(max_model_len, config.num_pages * block_size),
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs,
-                   lora_overlap=config.lora_overlap)
+                   lora_overlap=config.lora_overlap,
+                   merge_sole_adapter=config.merge_sole_adapter)
 
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None:
         """The stream a step of `num_tokens` tokens runs its LoRA deltas on beside the base
@@ -134,6 +139,8 @@ class ModelRunner:
         """Forward the step; float32 logits [num_sampling_seqs, vocab] in scheduled order.
         `patch` supplies input ids still on the device (see TokenPatch)."""
         inputs = build_step_inputs(scheduled, self.arena.block_size)
+        if self.merge is not None:
+            inputs = self.merge.route(inputs)
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs, patch)
         if self.mixed is not None and self.mixed.can_run(inputs):

@@ -1,0 +1,133 @@
+"""Sole-adapter merge (EngineConfig.merge_sole_adapter): steps on one adapter run as the base
+model with the adapter folded into the weights, against transformers + peft; every other step
+runs on the base weights restored bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.lora_meta import lora_segments
+from slora_core.config import ConfigError, EngineConfig
+from slora_core.engine import LLMEngine
+from slora_core.lora_merge import MERGE_AFTER_STEPS, sole_slot
+from slora_core.sampling_params import SamplingParams
+from slora_core.step_inputs import StepInputs
+from tests.slora_core.test_engine import hf_greedy
+
+NEW_TOKENS = 24
+PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8, 77, 150, 151], [400, 3]]
+
+
+def _engine(demo_dir: Path, names: list[str]) -> LLMEngine:
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(merge_sole_adapter=True))
+    for name in names:
+        engine.register_adapter(name, demo_dir / "adapters" / name)
+    return engine
+
+
+def _generate(engine: LLMEngine, reqs: list[tuple[list[int], str | None]]
+              ) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, (prompt, name) in enumerate(reqs):
+        engine.add_request(str(i), prompt, params, adapter=name)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return tokens
+
+
+def _weights(engine: LLMEngine) -> list[torch.Tensor]:
+    merge = engine.runner.merge
+    assert merge is not None
+    return [lin.base.weight.detach().clone() for lin in merge.layers]
+
+
+def test_one_adapter_runs_merged_and_matches_peft_then_restores_exactly(demo_dir):
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    adapter = names[0]
+    engine = _engine(demo_dir, names[:2])
+    merge = engine.runner.merge
+    assert merge is not None
+    loaded = _weights(engine)
+
+    got = _generate(engine, [(p, adapter) for p in PROMPTS])
+    # Most steps ran merged: no LoRA launch, the adapter in the weights.
+    assert merge.merges == 1 and merge.merged_steps >= NEW_TOKENS - MERGE_AFTER_STEPS
+    assert merge.merged is not None
+    assert any(not torch.equal(w, w0) for w, w0 in zip(_weights(engine), loaded, strict=True))
+    model_dir, adir = demo_dir / "model", demo_dir / "adapters" / adapter
+    for i, prompt in enumerate(PROMPTS):
+        ref, _ = hf_greedy(model_dir, adir, prompt, NEW_TOKENS)
+        assert got[str(i)] == ref, f"prompt {i}"
+        # The adapter changes the continuation, so a merge that lost it would fail above.
+        assert ref != hf_greedy(model_dir, None, prompt, NEW_TOKENS)[0], f"prompt {i}"
+
+    # A base-model step restores the loaded weights bit for bit, then runs unmerged.
+    base = _generate(engine, [(PROMPTS[0], None)])
+    assert merge.merged is None and merge.restores == 1
+    assert all(torch.equal(w, w0) for w, w0 in zip(_weights(engine), loaded, strict=True))
+    assert base["0"] == hf_greedy(model_dir, None, PROMPTS[0], NEW_TOKENS)[0]
+
+    # Two adapters in every step: never merged, each matches peft.
+    mixed = _generate(engine, [(PROMPTS[0], names[0]), (PROMPTS[1], names[1])])
+    assert merge.merges == 1
+    assert mixed["0"] == hf_greedy(model_dir, adir, PROMPTS[0], NEW_TOKENS)[0]
+    assert mixed["1"] == hf_greedy(model_dir, demo_dir / "adapters" / names[1], PROMPTS[1],
+                                   NEW_TOKENS)[0]
+
+
+def _inputs(token_slots: list[int]) -> StepInputs:
+    slots = np.asarray(token_slots, dtype=np.int64)
+    n = slots.size
+    seg_starts, seg_lens, seg_slots = lora_segments(slots)
+    zeros = np.zeros(n, dtype=np.int64)
+    return StepInputs(
+        input_ids=zeros, positions=zeros, slot_mapping=zeros, token_slots=slots,
+        seq_lens=np.ones(n, dtype=np.int64), query_starts=np.arange(n + 1, dtype=np.int64),
+        block_tables=np.zeros((n, 1), dtype=np.int64), logits_indices=np.arange(n),
+        max_query_len=1, seg_starts=seg_starts, seg_lens=seg_lens, seg_slots=seg_slots)
+
+
+def test_sole_slot_needs_every_token_on_one_adapter():
+    assert sole_slot(_inputs([3, 3, 3])) == 3
+    assert sole_slot(_inputs([3, 4, 3])) is None
+    assert sole_slot(_inputs([3, -1])) is None
+    assert sole_slot(_inputs([-1, -1])) is None
+
+
+def test_routing_merges_after_a_streak_restores_on_anything_else_and_backs_off(demo_dir):
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    merge = _engine(demo_dir, names[:1]).runner.merge
+    assert merge is not None
+    one = _inputs([2, 2, 2, 2])
+    for _ in range(MERGE_AFTER_STEPS - 1):
+        assert merge.route(one) is one  # not yet: LoRA as usual
+    stripped = merge.route(one)
+    assert (merge.merges, merge.restores) == (1, 0) and merge.merged is not None
+    assert stripped.has_lora is False and (stripped.token_slots == -1).all()
+    assert stripped.input_ids is one.input_ids
+    # A step with base rows restores first; the merge held 1 step < 8 waited: the wait doubles.
+    mixed = _inputs([2, -1])
+    assert merge.route(mixed) is mixed
+    assert (merge.merges, merge.restores) == (1, 1) and merge.merged is None
+    assert merge.after == 2 * MERGE_AFTER_STEPS
+    for _ in range(2 * MERGE_AFTER_STEPS):
+        merge.route(one)
+    assert merge.merges == 2
+    # Held long (4x its wait): the wait halves at the next restore.
+    for _ in range(8 * MERGE_AFTER_STEPS):
+        assert merge.route(one).has_lora is False
+    # The slot refilled by another load (its generation bumped) is a different adapter.
+    merge.arena.slot_generation[2] += 1
+    assert merge.route(one) is one
+    assert merge.restores == 2 and merge.merged is None and merge.after == MERGE_AFTER_STEPS
+
+
+def test_merge_is_refused_with_tensor_parallelism():
+    with pytest.raises(ConfigError, match="merge_sole_adapter"):
+        EngineConfig(merge_sole_adapter=True, tensor_parallel_size=2)
