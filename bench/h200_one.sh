@@ -6,6 +6,8 @@
 #   engine-async / engine-sync
 #           one adapter vs base and the decode-step floor (bench.serving overhead,floor),
 #           with and without asynchronous steps;
+#   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
+#           interleaved repeats);
 #   sweep   decode attention tiles at the default and the previous default (block_n 128);
 #   core    the engine core's host time per decode step, asynchronous steps (profile_core);
 #   async   the floor scenario's step: graph replay vs engine steps, sync and async, profiled
@@ -32,6 +34,8 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
             --out "$OUT/lora-grid-h200.json" ;;
         engine-async) engine_arm async --async-steps ;;
         engine-sync) engine_arm sync --no-async-steps ;;
+        engine-merge) OVERHEAD_REPEATS=${OVERHEAD_REPEATS:-5} engine_arm merge --async-steps \
+            --merge-sole-adapter --scenarios overhead ;;
         sweep) step sweep "${SWEEP_S:-90}" python3 -m bench.decode_sweep --parts attention_wide \
             --attn-wide 128,4,2 --out "$OUT/decode-sweep-wide-h200.json" ;;
         core) step core "${CORE_S:-150}" python3 -m bench.profile_core --shape llama2-7b \

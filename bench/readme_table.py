@@ -86,6 +86,13 @@ def engine_rows(result: dict[str, Any], arm: str, source: str) -> list[str]:
         rows.append(f"| one rank-16 adapter on every request vs base, LoRA {arm}, "
                     f"{len(ovh['repeats'])} interleaved pairs | {ovh['throughput_ratio']:.3f} "
                     f"[{ovh['ratio_min']:.3f}, {ovh['ratio_max']:.3f}]x | 0.98x | {source} |")
+    if "unmerged" in ovh:
+        u = ovh["unmerged"]
+        rows[-1] = rows[-1].replace(", LoRA ", ", merged into the weights (merge_sole_adapter)"
+                                    ", LoRA ", 1)
+        rows.append(f"| same, unmerged (merge off for these runs, interleaved in the same "
+                    f"repeats) | {u['throughput_ratio']:.3f} [{u['ratio_min']:.3f}, "
+                    f"{u['ratio_max']:.3f}]x | 0.98x | {source} |")
     if "ratio_to_floor" in floor:
         rows.append(f"| decode step, batch {floor['batch']}, context {floor['context']}, "
                     f"{floor['batch']} rank-16 adapters, LoRA {arm} | {floor['step_s'] * 1e3:.2f}"
@@ -163,7 +170,7 @@ def table() -> str:
     if path.exists():
         result = json.loads(path.read_text())
         lines += async_rows(result, f"`{path.name}` @ {result['commit'][:8]}")
-    for arm in ("async", "sync", "inline", "overlap"):
+    for arm in ("merge", "async", "sync", "inline", "overlap"):
         path = RESULTS / f"engine-speed-{arm}-h200.json"
         if path.exists():
             result = json.loads(path.read_text())

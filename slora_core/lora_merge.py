@@ -65,6 +65,8 @@ class SoleAdapterMerge:
         with torch.no_grad():
             self._backup = [lin.base.weight.detach().clone() for lin in self.layers]
         self.merged: tuple[int, int] | None = None  # (slot, slot generation) folded in now
+        # The weight rows the merge changed: (layer index in self.layers, first row, rows).
+        self._touched: list[tuple[int, int, int]] = []
         self.after = MERGE_AFTER_STEPS
         self._streak: tuple[tuple[int, int] | None, int] = (None, 0)
         self._merged_steps = 0
@@ -106,7 +108,7 @@ class SoleAdapterMerge:
         ranks, a_off, b_off, scales = (x[:, slot].cpu() for x in
                                        (t.ranks, t.a_offsets, t.b_offsets, t.scales))
         flat = t.arena
-        for lin in self.layers:
+        for i, lin in enumerate(self.layers):
             k = lin.base.in_features
             weight = lin.base.weight
             for m, (start, size) in zip(lin.module_ids, lin.out_slices, strict=True):
@@ -118,6 +120,7 @@ class SoleAdapterMerge:
                 b = flat[b0 : b0 + size * r].view(size, r)
                 weight[start : start + size].addmm_(b.to(weight.dtype), a.to(weight.dtype),
                                                     alpha=float(scales[lin.layer, m]))
+                self._touched.append((i, start, size))
         self.merged = key
         self.merges += 1
 
@@ -129,9 +132,12 @@ class SoleAdapterMerge:
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Put the base weights back as they were loaded, and adapt the wait before a merge."""
-        for lin, saved in zip(self.layers, self._backup, strict=True):
-            lin.base.weight.copy_(saved)
+        """Put the base weights back as they were loaded (the rows the merge changed), and
+        adapt the wait before a merge."""
+        for i, start, size in self._touched:
+            rows = slice(start, start + size)
+            self.layers[i].base.weight[rows].copy_(self._backup[i][rows])
+        self._touched.clear()
         if self._merged_steps < self.after:
             self.after = min(2 * self.after, MAX_MERGE_AFTER)
         elif self._merged_steps >= 4 * self.after:
