@@ -68,6 +68,8 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        if getattr(args, "blas_library", None):
+            torch.backends.cuda.preferred_blas_library(args.blas_library)
         self.cfg = model_config(args.shape)
         self.dtype = parse_dtype(args.dtype)
         self.model = build_random_model(self.cfg, self.dtype, args.device, seed=0)
@@ -380,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="LoRA tiles of decode graphs over the full tile list (many adapters)")
     p.add_argument("--graph-lora-short", choices=GRAPH_LORA_TILES, default=None,
                    help="LoRA tiles of decode graphs over the short tile list (one adapter)")
+    p.add_argument("--blas-library", choices=("cublas", "cublaslt"), default=None,
+                   help="torch.backends.cuda.preferred_blas_library for the base GEMMs "
+                        "(default: torch's)")
     p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)
