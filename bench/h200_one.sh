@@ -6,10 +6,7 @@
 #   engine-async / engine-sync
 #           one adapter vs base and the decode-step floor (bench.serving overhead,floor),
 #           with and without asynchronous steps;
-#   engine-wide / engine-fused  the decode-step floor with wide LoRA tiles over decode graphs'
-#           full tile list; one adapter vs base with the fused kernel over the short list;
-#   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode); engine-lt the
-#           decode-step floor with cuBLASLt;
+#   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
 #   sweep   decode attention tiles at the default and the previous default (block_n 128);
@@ -38,10 +35,6 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
             --out "$OUT/lora-grid-h200.json" ;;
         engine-async) engine_arm async --async-steps ;;
         engine-sync) engine_arm sync --no-async-steps ;;
-        engine-wide) engine_arm wide --async-steps --scenarios floor --graph-lora-full wide ;;
-        engine-fused) engine_arm fused --async-steps --scenarios overhead \
-            --graph-lora-short fused ;;
-        engine-lt) engine_arm lt --async-steps --scenarios floor --blas-library cublaslt ;;
         gemm) step gemm "${GEMM_S:-120}" python3 -m bench.gemm_decode \
             --out "$OUT/gemm-decode-h200.json" ;;
         engine-merge) OVERHEAD_REPEATS=${OVERHEAD_REPEATS:-5} engine_arm merge --async-steps \

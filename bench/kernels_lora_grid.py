@@ -16,9 +16,6 @@ case times, over inputs rotated past the L2:
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
-- `fused`: shrink and expand in one launch (`add_lora_fused`, no float32 intermediate) over
-  the `graph_capture_split` tile list; `fused_short_list` the same over `graph_short_list`'s
-  list; `fused_w8` (U = 1): the fused kernel with 8 warps (fewer registers spilled at r 64);
 - `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
 
     python -m bench.kernels_lora_grid --out bench/results/lora-grid-h200.json
@@ -40,7 +37,6 @@ from bench import kernels_timing as timing
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record
 from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split_k, split_cap
-from kernels.lora_fused import FUSED_DECODE_TILES, FusedTiles, add_lora_fused
 from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 
 RANKS: tuple[int, ...] = (8, 16, 64)
@@ -56,7 +52,6 @@ UNROLL4 = dataclasses.replace(DECODE_TILES, split_unroll=4)
 # The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
 # expand and shrink tiles, the K split at most 4 (`wide_split4`).
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
-FUSED_W8 = dataclasses.replace(FUSED_DECODE_TILES, num_warps=8)
 
 
 def padded_meta(slots: list[int], capacity: int) -> LoraMeta:
@@ -69,13 +64,8 @@ def padded_meta(slots: list[int], capacity: int) -> LoraMeta:
 
 
 def call(lay: kl.LoraLayer, meta: LoraMeta, max_rank: int,
-         tiles: LoraTiles | FusedTiles = DECODE_TILES,
+         tiles: LoraTiles = DECODE_TILES,
          split_k: int | None = None) -> Callable[[], None]:
-    if isinstance(tiles, FusedTiles):  # one launch, no K split
-        fused = tiles
-        return lambda: add_lora_fused(lay.y, lay.x, lay.arena, lay.a_offsets, lay.b_offsets,
-                                      lay.ranks, lay.scales, (0,), ((0, kl.N),), meta,
-                                      max_rank=max_rank, tiles=fused)
     return lambda: add_lora_triton(lay.y, lay.x, lay.arena, lay.a_offsets, lay.b_offsets,
                                    lay.ranks, lay.scales, (0,), ((0, kl.N),), meta,
                                    max_rank=max_rank, split_k=split_k, tiles=tiles)
@@ -100,19 +90,16 @@ def rel_err_f64(lay: kl.LoraLayer, slots: list[int], fn: Callable[[], None]) -> 
 
 
 def variants(slots: list[int], rank: int) -> dict[
-        str, tuple[LoraMeta, int, LoraTiles | FusedTiles, int | None]]:
+        str, tuple[LoraMeta, int, LoraTiles, int | None]]:
     """name -> (meta, max_rank, tiles, fixed split) for one case."""
     b = len(slots)
     grph = padded_meta(slots, b)
     capture = pick_split_k(b, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
     exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
-    out: dict[str, tuple[LoraMeta, int, LoraTiles | FusedTiles, int | None]] = {
+    out: dict[str, tuple[LoraMeta, int, LoraTiles, int | None]] = {
         "graph_capture_split": (grph, rank, DECODE_TILES, capture),
         "exact": (exact, rank, DECODE_TILES, None),
-        "split_unroll4": (grph, rank, UNROLL4, capture),
-        "fused": (grph, rank, FUSED_DECODE_TILES, None)}
-    if len(set(slots)) == 1:
-        out["fused_w8"] = (grph, rank, FUSED_W8, None)
+        "split_unroll4": (grph, rank, UNROLL4, capture)}
     if len(set(slots)) >= max(2, b // 4):
         out["wide_split4"] = (grph, rank, WIDE, min(4, capture))
     short = -(-b // DECODE_BLOCK_M)
@@ -120,7 +107,6 @@ def variants(slots: list[int], rank: int) -> dict[
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES,
                                    pick_split_k(short, kl.K, torch.device(DEVICE),
                                                 DECODE_TILES.max_split_k))
-        out["fused_short_list"] = (padded_meta(slots, short), rank, FUSED_DECODE_TILES, None)
     if rank == 64:  # below rank 64 the budget allows every split anyway
         out["budget256"] = (grph, rank, BUDGET, min(capture, split_cap(BUDGET, kl.K, 64)))
     elif slots == sorted(slots):

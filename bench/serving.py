@@ -46,18 +46,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-GRAPH_LORA_TILES = ("default", "wide", "fused")
-
-
-def graph_tiles(name: str | None) -> Any:
-    """The tiles a --graph-lora-full/--graph-lora-short name stands for (None: the default;
-    imported on use: the kernels import Triton)."""
-    from kernels import lora, lora_fused
-
-    return {None: None, "default": None, "wide": lora.WIDE_DECODE_TILES,
-            "fused": lora_fused.FUSED_DECODE_TILES}[name]
-
-
 def model_config(shape: str) -> ModelConfig:
     return ModelConfig.from_dict({"model_type": "llama", "max_position_embeddings": 4096,
                                   "rms_norm_eps": 1e-5, **SHAPES[shape]})
@@ -68,8 +56,6 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        if getattr(args, "blas_library", None):
-            torch.backends.cuda.preferred_blas_library(args.blas_library)
         self.cfg = model_config(args.shape)
         self.dtype = parse_dtype(args.dtype)
         self.model = build_random_model(self.cfg, self.dtype, args.device, seed=0)
@@ -91,9 +77,6 @@ class Bench:
         engine = self._last = LLMEngine(self.model, self.cfg, None, EngineConfig(**kw))
         if getattr(a, "graph_lora_split_k", None) is not None:
             engine.runner.fix_graph_lora_split(a.graph_lora_split_k)
-        full, short = getattr(a, "graph_lora_full", None), getattr(a, "graph_lora_short", None)
-        if full or short:
-            engine.runner.fix_graph_lora_tiles((graph_tiles(full), graph_tiles(short)))
         for i in range(num_adapters):
             rank = ranks[i % len(ranks)]
             if rank not in self._base_adapters:
@@ -378,13 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graph-lora-split-k", type=int, default=None,
                    help="a fixed LoRA K split inside CUDA graphs, for split experiments "
                         "(default: the kernels' choice)")
-    p.add_argument("--graph-lora-full", choices=GRAPH_LORA_TILES, default=None,
-                   help="LoRA tiles of decode graphs over the full tile list (many adapters)")
-    p.add_argument("--graph-lora-short", choices=GRAPH_LORA_TILES, default=None,
-                   help="LoRA tiles of decode graphs over the short tile list (one adapter)")
-    p.add_argument("--blas-library", choices=("cublas", "cublaslt"), default=None,
-                   help="torch.backends.cuda.preferred_blas_library for the base GEMMs "
-                        "(default: torch's)")
     p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)

@@ -47,11 +47,6 @@ class LoraTiles:
 # decode requests on one adapter) use taller tiles so A and B are re-read less often.
 DECODE_TILES = LoraTiles(shrink_block_m=DECODE_BLOCK_M, shrink_block_k=256,
                          expand_block_m=DECODE_BLOCK_M, expand_block_n=256)
-# Wider tiles, the K split at most 4: for decode graphs' full tile list (many adapters, one
-# tile each). decode-sweep-lora-h200.json: r16 B64 U64 16.1 vs 20.7 us (`wide_split4` in the
-# LoRA grid).
-WIDE_DECODE_TILES = LoraTiles(shrink_block_m=DECODE_BLOCK_M, shrink_block_k=512,
-                              expand_block_m=DECODE_BLOCK_M, expand_block_n=512, max_split_k=4)
 PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
                           expand_block_m=PREFILL_BLOCK_M, expand_block_n=128, max_split_k=2)
 # A K split shorter than this reads too little per program to hide memory latency.

@@ -11,15 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.lora_meta import LoraMeta
-
-if TYPE_CHECKING:  # kernels.lora imports triton, which CPU-only runs never need
-    from kernels.lora import LoraTiles
-    from kernels.lora_fused import FusedTiles
 
 
 @dataclass(frozen=True)
@@ -54,9 +49,6 @@ class StepContext:
     # (ModelRunner.fix_graph_lora_split);
     # None = the launcher's choice from the step's tile count.
     lora_split_k: int | None = None
-    # The LoRA launch's tiles (a FusedTiles: the one-launch kernel), fixed for CUDA graphs
-    # (cuda_graphs.DecodeGraphs); None = the launcher's table (kernels.lora.pick_tiles).
-    lora_tiles: LoraTiles | FusedTiles | None = None
     # Set for decode-sized steps when EngineConfig.lora_overlap is on: each LoRA layer runs
     # its delta on this stream beside the base GEMM (see LoraLinear.forward).
     lora_stream: torch.cuda.Stream | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,10 +22,6 @@ from slora_core.graph_buffers import BufferLayout, GraphBuffers
 from slora_core.model import LlamaForCausalLM
 from slora_core.step_inputs import StepInputs, TokenPatch, apply_patch
 
-if TYPE_CHECKING:
-    from kernels.lora import LoraTiles
-    from kernels.lora_fused import FusedTiles
-
 
 class ModelRunner(Protocol):
     """What the graphs use of `slora_core.model_runner.ModelRunner`, which owns them (a Protocol,
@@ -35,14 +31,9 @@ class ModelRunner(Protocol):
     arena: PageArena
     device: torch.device
     graph_lora_split_k: int | None
-    graph_lora_tiles: GraphLoraTiles
 
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None: ...
 
-
-# The LoRA tiles of decode graphs over the full tile list and over the short one (see
-# DecodeGraphs); None = the launcher's table.
-GraphLoraTiles = tuple["LoraTiles | FusedTiles | None", "LoraTiles | FusedTiles | None"]
 
 # (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA)
 GraphKey = tuple[int, frozenset[int], int]
@@ -258,7 +249,6 @@ class DecodeGraphs(_StepGraphs):
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
             lora_split_k=r.graph_lora_split_k,
-            lora_tiles=r.graph_lora_tiles[0 if tiles == b else 1],
             lora_stream=r.lora_stream(b) if modules else None,
         )
 

@@ -11,7 +11,7 @@ from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.context import StepContext, step_context
-from slora_core.cuda_graphs import DecodeGraphs, GraphLoraTiles, MixedGraphs
+from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
 from slora_core.lora import wrap_lora
 from slora_core.lora_merge import SoleAdapterMerge
 from slora_core.model import LlamaForCausalLM
@@ -47,8 +47,6 @@ class ModelRunner:
         self.merge = SoleAdapterMerge(model, arena) if merge_sole_adapter else None
         # A fixed LoRA K split inside CUDA graphs (fix_graph_lora_split); None: the kernels'.
         self.graph_lora_split_k: int | None = None
-        # Decode graphs' LoRA tiles over the full and the short tile list (None: the table's).
-        self.graph_lora_tiles: GraphLoraTiles = (None, None)
         self.device = arena.pages.device
         # The second stream of EngineConfig.lora_overlap (CUDA only).
         self._lora_stream = (torch.cuda.Stream(self.device)
@@ -98,14 +96,6 @@ class ModelRunner:
         if any(g is not None and g.graphs for g in (self.graphs, self.mixed)):
             raise RuntimeError("CUDA graphs are captured already: fix the split before warmup")
         self.graph_lora_split_k = split_k
-
-    def fix_graph_lora_tiles(self, tiles: GraphLoraTiles) -> None:
-        """For benchmarks (bench/serving.py --graph-lora-full / --graph-lora-short): the LoRA
-        tiles decode graphs capture over the full tile list and over the short one. Call it
-        before any capture."""
-        if any(g is not None and g.graphs for g in (self.graphs, self.mixed)):
-            raise RuntimeError("CUDA graphs are captured already: fix the tiles before warmup")
-        self.graph_lora_tiles = tiles
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         """The step's input ids and context on the device (one copy for every array)."""

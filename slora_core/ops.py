@@ -7,18 +7,12 @@ The Triton launchers are imported on first CUDA use only, so CPU processes never
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kernels.attention_reference import paged_attention_reference, write_kv_reference
 from kernels.fused_reference import rms_norm_reference, rotary_reference, silu_mul_reference
 from kernels.lora_meta import LoraMeta
 from kernels.lora_reference import add_lora_reference
-
-if TYPE_CHECKING:
-    from kernels.lora import LoraTiles
-    from kernels.lora_fused import FusedTiles
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -55,20 +49,14 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, arena: torch.Tensor, a_offsets: t
              b_offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
              module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...],
              meta: LoraMeta, *, max_rank: int | None = None,
-             split_k: int | None = None, tiles: LoraTiles | FusedTiles | None = None) -> None:
+             split_k: int | None = None) -> None:
     """y += the multi-LoRA delta (see `add_lora_reference`). On CUDA, `max_rank` (a bound on
-    every rank in the tables) spares the kernels a host sync that CUDA graphs forbid. `tiles`:
-    the shrink+expand pair's (None: their table), or FusedTiles for the one-launch kernel."""
+    every rank in the tables) spares the kernels a host sync that CUDA graphs forbid."""
     if _use_triton(x):
         from kernels.lora import add_lora_triton
-        from kernels.lora_fused import FusedTiles, add_lora_fused
 
-        if isinstance(tiles, FusedTiles):
-            add_lora_fused(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
-                           out_slices, meta, max_rank=max_rank, tiles=tiles)
-        else:
-            add_lora_triton(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
-                            out_slices, meta, max_rank=max_rank, split_k=split_k, tiles=tiles)
+        add_lora_triton(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
+                        out_slices, meta, max_rank=max_rank, split_k=split_k)
     else:
         add_lora_reference(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
                            out_slices, meta)
