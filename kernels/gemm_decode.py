@@ -74,14 +74,21 @@ def pick_config(m: int, n: int, k: int, num_sms: int, *, elem_bytes: int = 2,
                 num_stages: int | None = None) -> GemmDecodeConfig:
     """A config for y[m, n] = x[m, k] @ w[n, k].T on `num_sms` multiprocessors.
 
-    Column tiles of 128 (64 above 128 rows), K steps of 128 (64 from 128 rows or for float32),
+    Column tiles of 64 or 128 (see below), K steps of 128 (64 from 128 rows or for float32),
     as many pipeline stages (2..5) as fit SMEM_BUDGET, and the split_k whose
     `cdiv(n, block_n) * split_k` programs fill whole waves best (occupancy estimated from the
     shared memory), counting K chunks of unequal length as waste; at most about two waves
     unless one split already exceeds that. `block_n`, `block_k` and `num_stages` fix those
     choices (the benchmark's sweep) and leave split_k to the same rule."""
     bm = block_m_for(m)
-    bn = block_n or (128 if bm <= 128 else 64)
+    if block_n is None:
+        # From one H200 sweep at M=64 (bench.gemm_decode): 64-wide column tiles beat 128 when
+        # both fill the waves alike, but not when the 128-wide tiles fit in one wave and the
+        # 64-wide ones spill into a second (qkv); 16 rows stream fine in 128-wide tiles, and
+        # from 128 rows the wider tile reads x from the L2 half as often.
+        fits = triton.cdiv(n, 128) <= num_sms < triton.cdiv(n, 64)
+        block_n = 64 if 16 < bm <= 64 and not fits else 128
+    bn = block_n
     bk = block_k or (64 if elem_bytes > 2 or bm >= 128 else 128)
     stage_bytes = (bn + bm) * bk * elem_bytes
     stages = num_stages or max(2, min(5, SMEM_BUDGET // stage_bytes))

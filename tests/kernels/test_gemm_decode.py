@@ -82,7 +82,8 @@ def test_pick_config_fills_waves() -> None:
         stage_bytes = (c.block_n + block_m_for(64)) * c.block_k * 2
         assert c.num_stages * stage_bytes <= 192 * 1024, c
     assert pick_config(64, 4096, 4096, 132).split_k > 1
-    assert pick_config(256, 4096, 4096, 132).block_n == 64
+    assert pick_config(64, 12288, 4096, 132).block_n == 128  # one wave of 128-wide tiles
+    assert pick_config(64, 22016, 4096, 132).block_n == 64
 
 
 def test_block_m() -> None:
