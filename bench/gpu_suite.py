@@ -6,7 +6,8 @@ Random-weight (HF init) Llama-2-7B and Llama-3-8B shapes (GQA, 128k vocabulary, 
 17..1,024 tokens and 64 new greedy tokens. The arena is small enough that adapters are
 evicted and reloaded from the host tier and sequences are preempted inside the run (counts
 asserted > 0; the size comes from simulating the engine's scheduler: `arena_pages`). Modes:
-eager, every step a CUDA graph, and the same with asynchronous steps.
+eager, every step a CUDA graph, and the same with asynchronous steps; and the sole-adapter
+merge over requests that all share one adapter (merged steps asserted > 0).
 
 Per request, the engine's logits at every generated position are compared with HF + peft fed
 the engine's own tokens (teacher forced): relative error against HF in the same dtype, and
@@ -81,8 +82,13 @@ MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps
          "all_graphs_async": {"async_steps": True},
          # LoRA on a side stream for decode-sized steps (EngineConfig.lora_overlap; off by
          # default, so asked for by name).
-         "all_graphs_lora_overlap": {"lora_overlap": True, "async_steps": False}}
-DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async")
+         "all_graphs_lora_overlap": {"lora_overlap": True, "async_steps": False},
+         # EngineConfig.merge_sole_adapter, over its own requests: MERGE_REQUESTS prompts all
+         # on MERGE_ADAPTER (every module, rsLoRA scale), so most steps run merged.
+         "merge_sole_adapter": {"merge_sole_adapter": True}}
+DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async", "merge_sole_adapter")
+MERGE_ADAPTER = "rslora-all-r32"
+MERGE_REQUESTS = 6
 # The engine's limits in every mode (the arena is sized by simulating them).
 ENGINE: dict[str, Any] = {"max_num_seqs": 16, "max_num_batched_tokens": 1024,
                           "max_model_len": 2048}
@@ -176,6 +182,9 @@ def compare(run: Any, requests: list[tuple[str, list[int], str | None]],
 
 
 def summarize(rows: list[dict[str, Any]], run: Any, new_tokens: int) -> dict[str, Any]:
+    """The mode's verdict. A merge mode's run must have run steps merged (its requests share
+    one adapter: no churn to ask for); every other mode's must have evicted, reloaded and
+    preempted."""
     positions = sum(r["tokens"] for r in rows)
     within = all(r["rel_err_vs_hf_fp32"] <= 1.5 * r["hf_same_dtype_rel_err_vs_fp32"] + 1e-3
                  for r in rows)
@@ -186,7 +195,8 @@ def summarize(rows: list[dict[str, Any]], run: Any, new_tokens: int) -> dict[str
         positions - sum(r["hf_agree_fp32"] for r in rows),
         sum(not d["within_noise"] for r in rows for d in r["disagreements"]))
     s = run.stats
-    churn = (s["adapter_evictions"] > 0 and s["preemptions"] > 0
+    churn = (s["merged_steps"] > 0 if "merged_steps" in s else
+             s["adapter_evictions"] > 0 and s["preemptions"] > 0
              and s["adapter_loads"] > len(ADAPTERS))
     complete = all(r["finish_reason"] == "length" and r["tokens"] == new_tokens for r in rows)
     return {
@@ -240,7 +250,10 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
     t = lap("hf_references", t)
     out.update({"shape": vars(shape), "num_pages": num_pages, "arena": arena,
                 "setup_seconds": round(t - t0, 2), "timings": timings, "modes": {}})
-    modes = {m: MODES[m] for m in args.modes} if args.device == "cuda" else {"eager": {}}
+    # Off CUDA the graph modes do not exist; the merge runs there too (the smoke test's).
+    modes = {m: MODES[m] for m in args.modes if args.device == "cuda" or m == "merge_sole_adapter"}
+    if args.device != "cuda":
+        modes = {"eager": {}, **modes}
     slowest = 0.0
     for mode, kw in modes.items():
         if time.perf_counter() - args.start + slowest > args.budget_s:
@@ -252,11 +265,15 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
         engine = make_engine(model_dir, args.dtype, args.device, adapters, num_pages=num_pages,
                              max_rank=max_rank, **ENGINE, **kw)
         t = lap(f"{mode}.build_engine", m0)
-        run = run_engine(engine, requests, args.new_tokens)
+        todo = requests
+        if kw.get("merge_sole_adapter"):
+            todo = [(f"m{i}", prompt, MERGE_ADAPTER)
+                    for i, (_, prompt, _) in enumerate(requests[:MERGE_REQUESTS])]
+        run = run_engine(engine, todo, args.new_tokens)
         del engine
         gc.collect()  # its arena and graph pool go now, before the next engine's
         t = lap(f"{mode}.run", t)
-        out["modes"][mode] = compare(run, requests, refs, args.dtype, args.new_tokens)
+        out["modes"][mode] = compare(run, todo, refs, args.dtype, args.new_tokens)
         del run
         lap(f"{mode}.compare", t)
         slowest = max(slowest, time.perf_counter() - m0)

@@ -237,6 +237,9 @@ def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], str | Non
     s = engine.stats
     stats = {"steps": s.steps, "preemptions": s.preemptions, "adapter_loads": s.adapter_loads,
              "adapter_evictions": s.adapter_evictions, "adapter_host_hits": s.adapter_host_hits}
+    if engine.runner.merge is not None:  # EngineConfig.merge_sole_adapter
+        stats.update(merges=engine.runner.merge.merges,
+                     merged_steps=engine.runner.merge.merged_steps)
     return EngineRun(tokens, logits, finish, stats, seconds)
 
 

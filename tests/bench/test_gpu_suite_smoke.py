@@ -48,3 +48,6 @@ def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
     # The arena was sized by simulating the scheduler: the engine met the counts planned.
     planned = suite["shapes"][0]["arena"]["planned"]
     assert planned == {k: eager["stats"][k] for k in planned}
+    # The sole-adapter merge mode ran steps merged and agreed with HF + peft.
+    merge = suite["shapes"][0]["modes"]["merge_sole_adapter"]
+    assert merge["ok"] and merge["stats"]["merges"] >= 1 and merge["stats"]["merged_steps"] > 0
