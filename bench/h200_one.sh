@@ -5,7 +5,8 @@
 #   grid    the decode LoRA kernel grid (bench.kernels_lora_grid);
 #   engine-async / engine-sync
 #           one adapter vs base and the decode-step floor (bench.serving overhead,floor),
-#           with and without asynchronous steps;
+#           with and without asynchronous steps; engine-overlap the same with LoRA on a
+#           second stream (asynchronous steps);
 #   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
@@ -35,6 +36,7 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
             --out "$OUT/lora-grid-h200.json" ;;
         engine-async) engine_arm async --async-steps ;;
         engine-sync) engine_arm sync --no-async-steps ;;
+        engine-overlap) engine_arm overlap --async-steps --lora-overlap ;;
         gemm) step gemm "${GEMM_S:-120}" python3 -m bench.gemm_decode \
             --out "$OUT/gemm-decode-h200.json" ;;
         engine-merge) OVERHEAD_REPEATS=${OVERHEAD_REPEATS:-5} engine_arm merge --async-steps \

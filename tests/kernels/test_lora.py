@@ -187,15 +187,17 @@ def test_full_size_on_gpu(dtype: torch.dtype, name: str, k: int, mods: tuple[int
 
 @pytest.mark.skipif(not ON_GPU, reason="counts compiled variants: needs the GPU")
 def test_new_batch_shapes_compile_no_new_variant() -> None:
-    """Decode batches of every size (so every K-split count) reuse one compiled shrink and one
-    expand per row order: split counts and buffer strides are runtime values, not
-    specializations; tokens grouped by adapter or interleaved (read through the sorted row
-    list) are the one choice compiled twice."""
+    """Decode batches of every size (so every K-split count) reuse the compiled shrinks and
+    expands: split counts and buffer strides are runtime values, not specializations. What is
+    compiled per choice: tokens grouped by adapter or interleaved (read through the sorted row
+    list), and 16-row tiles or taller ones for segments past 16 rows (an interleaved batch of
+    100 rows over 8 adapters sorts into such segments; H200, 4a1c7c8 and 8a01c2c)."""
     from kernels.jit_stats import compiled_kernel_variants
 
-    warm = _decode_slots(8, 8, seed=1)
-    for slots in (warm, sorted(warm)):  # interleaved, then grouped
-        _run(slots, 8, 256, QKV, (256, 64, 64), [16], torch.float16, seed=2, aligned=True)
+    for batch in (8, 255):  # short segments (16-row tiles), then long ones (taller tiles)
+        warm = _decode_slots(batch, 8, seed=1)
+        for slots in (warm, sorted(warm)):  # interleaved, then grouped
+            _run(slots, 8, 256, QKV, (256, 64, 64), [16], torch.float16, seed=2, aligned=True)
     before = compiled_kernel_variants()
     for batch in (1, 3, 17, 40, 100, 255):
         _run(_decode_slots(batch, 8, seed=batch), 8, 256, QKV, (256, 64, 64), [16],
