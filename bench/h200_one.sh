@@ -53,7 +53,8 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
             --out "$OUT/decode-sweep-lora-h200.json" ;;
         churn) step churn "${CHURN_S:-150}" python3 -m bench.serving --shape llama2-7b \
             --device cuda --dtype float16 --arena-gb 32 --scenarios churn --many-adapters 2000 \
-            --churn-requests 600 --churn-rate 50 --out "$OUT/churn-rate50-h200.json" ;;
+            --churn-requests 600 --churn-rate 50 --churn-alphas "${CHURN_ALPHAS:-1.0,0.5}" \
+            --out "$OUT/churn-rate50-h200.json" ;;
         suites) step suites "${SUITES_S:-330}" bash -c "$(declare -f suites); OUT=$OUT suites" ;;
         *) echo "$s skipped: no such step" >>"$STEP_LOG" ;;
     esac

@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse-batch", type=int, default=64)
     p.add_argument("--overhead-repeats", type=int, default=5,
                    help="interleaved base / one-adapter pairs of 'overhead'")
+    p.add_argument("--churn-alphas", type=lambda s: tuple(float(x) for x in s.split(",")),
+                   default=(1.0, 0.5), help="popularity skews of 'churn' (1.0 required)")
     p.add_argument("--churn-requests", type=int, default=1000,
                    help="requests of each 'churn' run (alpha 1.0: ~400 distinct of 2,000)")
     p.add_argument("--churn-disk-requests", type=int, default=300,
@@ -371,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.overhead_repeats < 1:
         p.error(f"--overhead-repeats must be 1 or more, got {args.overhead_repeats}")
+    if 1.0 not in args.churn_alphas:
+        p.error(f"--churn-alphas must include 1.0 (the headline), got {args.churn_alphas}")
     bench = Bench(args)
     results: dict[str, Any] = {
         "command": "python -m bench.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
