@@ -183,12 +183,15 @@ def table() -> str:
             lines += engine_rows(result, f"{where}, {steps} steps",
                                  f"`{path.name}` @ {result['commit'][:8]}")
     # Saturated (60/s), below saturation (50/s, 40/s), and the older run with the disk tier.
-    for name in ("churn-h200.json", "churn-rate50-h200.json", "churn-rate40-h200.json",
-                 "churn-disk-h200.json"):
+    # churn-rate50-4a1c7c8-h200.json: the last run with alpha 0.5 (the newer one ran 1.0 only).
+    for name in ("churn-h200.json", "churn-rate50-h200.json", "churn-rate50-4a1c7c8-h200.json",
+                 "churn-rate40-h200.json", "churn-disk-h200.json"):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
             churn = churn_rows(result, f"`{path.name}` @ {result['commit'][:8]}")
+            if name == "churn-rate50-4a1c7c8-h200.json":
+                churn = [row for row in churn if "alpha 0.5" in row]
             lines += churn if name != "churn-disk-h200.json" else churn[-1:]
     for name, rows in (("cold-load-h200.json", cold_rows), ("lora-grid-h200.json", grid_rows)):
         path = RESULTS / name
