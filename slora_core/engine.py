@@ -109,6 +109,9 @@ class EngineSnapshot:
     steps: int
     running_adapters: list[str]
     waiting_adapters: list[str]
+    # EngineConfig.merge_sole_adapter: adapters folded into the base weights, steps run so.
+    adapter_merges: int = 0
+    merged_steps: int = 0
 
 
 class LLMEngine:
@@ -232,7 +235,7 @@ class LLMEngine:
 
     def state_snapshot(self) -> EngineSnapshot:
         """Load and memory figures a server reports (cheap enough to take every step)."""
-        pool, sched = self.pool, self.scheduler
+        pool, sched, merge = self.pool, self.scheduler, self.runner.merge
         return EngineSnapshot(
             running=len(sched.running), waiting=len(sched.waiting),
             kv_pages=pool.num_kv_pages, adapter_pages=pool.num_adapter_pages,
@@ -240,6 +243,8 @@ class LLMEngine:
             adapter_evictions=self.stats.adapter_evictions, steps=self.stats.steps,
             running_adapters=sorted({str(s.adapter) for s in sched.running if s.adapter}),
             waiting_adapters=sorted({str(s.adapter) for s in sched.waiting if s.adapter}),
+            adapter_merges=merge.merges if merge is not None else 0,
+            merged_steps=merge.merged_steps if merge is not None else 0,
         )
 
     def close(self) -> None:

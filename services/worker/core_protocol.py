@@ -78,6 +78,8 @@ class EngineState(msgspec.Struct, array_like=True):
     adapter_loads: int = 0
     adapter_evictions: int = 0
     steps: int = 0
+    adapter_merges: int = 0  # EngineConfig.merge_sole_adapter
+    merged_steps: int = 0
     # Adapters running or waiting in the engine now (the Gateway API Inference Extension's
     # running/waiting LoRA adapters).
     running_adapters: list[str] = []

@@ -66,7 +66,8 @@ def publish_state(metrics: WorkerMetrics, out: m.StepOutput) -> None:
     st = out.state
     metrics.set_engine_state(running=st.running, waiting=st.waiting, kv_pages=st.kv_pages,
                              adapter_pages=st.adapter_pages, free_pages=st.free_pages,
-                             loads=st.adapter_loads, evictions=st.adapter_evictions)
+                             loads=st.adapter_loads, evictions=st.adapter_evictions,
+                             merges=st.adapter_merges, merged_steps=st.merged_steps)
 
 
 async def serve_worker(opts: WorkerOptions) -> int:

@@ -35,6 +35,11 @@ class WorkerMetrics:
                                      registry=r)
         self.adapter_evictions = Counter("slora_adapter_evictions",
                                          "Adapters evicted from arena pages", registry=r)
+        self.adapter_merges = Counter(
+            "slora_adapter_merges", "Sole adapters folded into the base weights "
+            "(merge_sole_adapter)", registry=r)
+        self.merged_steps = Counter("slora_merged_steps",
+                                    "Engine steps run with a sole adapter merged", registry=r)
         self.adapter_downloads = Counter("slora_adapter_downloads",
                                          "Adapter versions fetched into the disk cache",
                                          registry=r)
@@ -49,6 +54,8 @@ class WorkerMetrics:
         self.counters: dict[VersionKey, Evidence] = {}
         self._last_loads = 0
         self._last_evictions = 0
+        self._last_merges = 0
+        self._last_merged_steps = 0
 
     def version(self, key: VersionKey) -> Evidence:
         return self.counters.setdefault(key, Evidence())
@@ -87,7 +94,8 @@ class WorkerMetrics:
             c.tpot.observe(tpot)
 
     def set_engine_state(self, running: int, waiting: int, kv_pages: int, adapter_pages: int,
-                         free_pages: int, loads: int, evictions: int) -> None:
+                         free_pages: int, loads: int, evictions: int, merges: int = 0,
+                         merged_steps: int = 0) -> None:
         """Called from the engine thread after each step (prometheus metrics are thread-safe)."""
         self.running.set(running)
         self.waiting.set(waiting)
@@ -96,4 +104,7 @@ class WorkerMetrics:
         self.pages.labels("free").set(free_pages)
         self.adapter_loads.inc(loads - self._last_loads)
         self.adapter_evictions.inc(evictions - self._last_evictions)
+        self.adapter_merges.inc(merges - self._last_merges)
+        self.merged_steps.inc(merged_steps - self._last_merged_steps)
         self._last_loads, self._last_evictions = loads, evictions
+        self._last_merges, self._last_merged_steps = merges, merged_steps

@@ -59,6 +59,8 @@ def test_one_adapter_runs_merged_and_matches_peft_then_restores_exactly(demo_dir
     # Most steps ran merged: no LoRA launch, the adapter in the weights.
     assert merge.merges == 1 and merge.merged_steps >= NEW_TOKENS - MERGE_AFTER_STEPS
     assert merge.merged is not None
+    snap = engine.state_snapshot()  # what the worker's metrics count
+    assert (snap.adapter_merges, snap.merged_steps) == (1, merge.merged_steps)
     assert any(not torch.equal(w, w0) for w, w0 in zip(_weights(engine), loaded, strict=True))
     model_dir, adir = demo_dir / "model", demo_dir / "adapters" / adapter
     for i, prompt in enumerate(PROMPTS):

@@ -73,3 +73,17 @@ def test_step_delay_hook_parsing() -> None:
     for bad in ("x", "-0.1", "11", "nan"):
         with pytest.raises(ValueError, match=STEP_DELAY_ENV):
             step_delay_from_env({STEP_DELAY_ENV: bad})
+
+
+def test_engine_state_counters_take_the_cumulative_differences() -> None:
+    """Loads, evictions and sole-adapter merges reach the worker as running totals each step;
+    the Prometheus counters add what is new since the last step."""
+    m = WorkerMetrics()
+    for loads, merges, merged_steps in ((2, 0, 0), (3, 1, 5), (3, 1, 9)):
+        m.set_engine_state(running=1, waiting=0, kv_pages=4, adapter_pages=2, free_pages=9,
+                           loads=loads, evictions=1, merges=merges, merged_steps=merged_steps)
+    value = m.registry.get_sample_value
+    assert value("slora_adapter_loads_total") == 3
+    assert value("slora_adapter_evictions_total") == 1
+    assert value("slora_adapter_merges_total") == 1
+    assert value("slora_merged_steps_total") == 9
