@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import sys
 import time
@@ -46,6 +47,37 @@ def unwrap_lora(model: torch.nn.Module) -> None:
                 setattr(parent, name, mod.base)
 
 
+class GcPauses:
+    """Python garbage collections while active: count per generation, total and longest
+    pause (a pause inside the timed window stalls whatever step is running)."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.total_s = 0.0
+        self.longest_s = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        pause = time.perf_counter() - self._start
+        self.counts[info["generation"]] += 1
+        self.total_s += pause
+        self.longest_s = max(self.longest_s, pause)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        return {"collections_by_generation": self.counts, "pause_s": self.total_s,
+                "longest_pause_s": self.longest_s}
+
+
 def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
            slo_ttft: float = 6.0, greedy: bool = True) -> dict[str, Any]:
     """Feed requests at their arrival times, step until done; latency and throughput figures."""
@@ -59,30 +91,33 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
     t0 = time.perf_counter()
     nxt = 0
     bar = tqdm(total=len(requests), desc=label, file=sys.stderr, leave=False)
-    while len(done) < len(requests):
-        now = time.perf_counter() - t0
-        while nxt < len(order) and requests[order[nxt]].arrival <= now:
-            i = order[nxt]
-            r = requests[i]
-            params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=r.output_len,
-                                    ignore_eos=True, seed=None if greedy else i)
-            engine.add_request(str(i), r.prompt, params,
-                               adapter=None if r.adapter is None else f"a{r.adapter}")
-            nxt += 1
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, requests[order[nxt]].arrival - now))
-            continue
-        outs = engine.step()
-        t = time.perf_counter() - t0
-        distinct.append(engine.stats.last_distinct_adapters)
-        for out in outs:
-            i = int(out.request_id)
-            if out.token_ids and i not in first:
-                first[i] = t
-            tokens.setdefault(i, []).extend(out.token_ids)
-            if out.finished:
-                done[i] = t
-                bar.update(1)
+    longest_step = 0.0
+    with GcPauses() as pauses:
+        while len(done) < len(requests):
+            now = time.perf_counter() - t0
+            while nxt < len(order) and requests[order[nxt]].arrival <= now:
+                i = order[nxt]
+                r = requests[i]
+                params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=r.output_len,
+                                        ignore_eos=True, seed=None if greedy else i)
+                engine.add_request(str(i), r.prompt, params,
+                                   adapter=None if r.adapter is None else f"a{r.adapter}")
+                nxt += 1
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, requests[order[nxt]].arrival - now))
+                continue
+            outs = engine.step()
+            t = time.perf_counter() - t0
+            longest_step = max(longest_step, t - now)
+            distinct.append(engine.stats.last_distinct_adapters)
+            for out in outs:
+                i = int(out.request_id)
+                if out.token_ids and i not in first:
+                    first[i] = t
+                tokens.setdefault(i, []).extend(out.token_ids)
+                if out.finished:
+                    done[i] = t
+                    bar.update(1)
     bar.close()
     wall = time.perf_counter() - t0
     arr = np.array([requests[i].arrival for i in range(len(requests))])
@@ -100,6 +135,9 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
         "adapter_loads": engine.stats.adapter_loads,
         # Triton variants compiled inside the timed window (each stalls a step): should be 0.
         "kernel_compiles": compiled_kernel_variants() - compiled,
+        # The slowest engine.step() call (host wall, from before the arrivals it admitted) and
+        # the garbage collector's pauses, for runs whose latency jumps without a cause in sight.
+        "longest_step_s": longest_step, "gc": pauses.summary(),
         # One short digest of each request's tokens: two runs of a greedy workload compare
         # request by request (batches differ with timing, so a rare near-tie may flip).
         "token_digests": [hashlib.sha256(str(tokens.get(i, [])).encode()).hexdigest()[:12]

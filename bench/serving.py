@@ -31,6 +31,7 @@ from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import EngineConfig, ModelConfig, parse_dtype
 from slora_core.engine import LLMEngine
 from slora_core.engine_args import add_engine_args, engine_config_kwargs
+from slora_core.process import freeze_startup_heap
 from slora_core.sampling_params import SamplingParams
 from slora_core.weights import build_random_model
 
@@ -71,6 +72,7 @@ class Bench:
               "num_pages": self.num_pages(), "max_rank": max(ranks), "max_queue": 100_000}
         kw.update(overrides)
         self.bare_model()
+        gc.unfreeze()  # the previous engine's objects become collectable again
         gc.collect()  # free the previous engine's arena and graphs before the next one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -87,6 +89,7 @@ class Bench:
         t0 = time.perf_counter()
         warm(engine, self.cfg.vocab_size, num_adapters)
         self.warmup_s.append(time.perf_counter() - t0)
+        freeze_startup_heap()  # as the worker's engine core does once warm
         return engine
 
     def bare_model(self) -> None:
@@ -145,6 +148,37 @@ def scenario_overhead(b: Bench) -> dict[str, Any]:
                         "merged_steps": merge.merged_steps, "engine_steps": engine.stats.steps,
                         "weight_copy_bytes": merge.nbytes}
     return out
+
+
+def scenario_gcpause(b: Bench) -> dict[str, Any]:
+    """The garbage collector's pauses in the step loop with the start-up heap frozen (what
+    Bench.engine and the worker's engine core do once warm: slora_core.process.
+    freeze_startup_heap) and not: the overhead scenario's one-adapter requests replayed on one
+    engine, interleaved (not frozen, frozen, ...), each replay's collections, pauses, slowest
+    step, throughput and TTFT."""
+    a = b.args
+    spec = WorkloadSpec(num_adapters=1, num_requests=a.requests, vocab_size=b.cfg.vocab_size,
+                        output_range=(8, a.max_output), input_range=(8, a.max_input))
+    reqs = generate(spec)
+    engine = b.engine(1, (16,))
+    keep = ("output_tok_per_s", "ttft_s", "longest_step_s", "gc", "steps")
+    runs: list[dict[str, Any]] = []
+    for i in range(a.overhead_repeats):
+        gc.unfreeze()
+        loose = replay(engine, reqs, f"heap not frozen {i + 1}")
+        freeze_startup_heap()
+        frozen = replay(engine, reqs, f"heap frozen {i + 1}")
+        runs.append({"not_frozen": {k: loose[k] for k in keep},
+                     "frozen": {k: frozen[k] for k in keep}})
+
+    def medians(arm: str) -> dict[str, float]:
+        return {"longest_pause_s": float(np.median([r[arm]["gc"]["longest_pause_s"]
+                                                    for r in runs])),
+                "pause_s": float(np.median([r[arm]["gc"]["pause_s"] for r in runs])),
+                "longest_step_s": float(np.median([r[arm]["longest_step_s"] for r in runs])),
+                "output_tok_per_s": float(np.median([r[arm]["output_tok_per_s"]
+                                                     for r in runs]))}
+    return {"repeats": runs, "not_frozen": medians("not_frozen"), "frozen": medians("frozen")}
 
 
 def scenario_scale(b: Bench) -> dict[str, Any]:
@@ -322,8 +356,8 @@ def random_adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
     return per_layer * cfg.num_hidden_layers * elem
 
 
-SCENARIOS = {"overhead": scenario_overhead, "scale": scenario_scale, "reuse": scenario_reuse,
-             "peft32": scenario_peft32, "floor": scenario_floor, "churn": scenario_churn,
+SCENARIOS = {"overhead": scenario_overhead, "gcpause": scenario_gcpause,
+             "scale": scenario_scale, "reuse": scenario_reuse, "peft32": scenario_peft32, "floor": scenario_floor, "churn": scenario_churn,
              "churndisk": scenario_churndisk, "coldttft": scenario_coldttft}
 
 

@@ -4,6 +4,7 @@ ranks, gateway processes. An orphan would hold its GPU, or its port, until someo
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -54,3 +55,13 @@ def share_cpu_threads(processes: int) -> None:
     import torch
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), usable_cpus() // processes)))
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now out of the garbage collector's reach (`gc.freeze`). Called
+    once a serving process has loaded and warmed up: the model, torch's and the libraries'
+    objects (~400k tracked objects after the imports alone) live as long as the process, and
+    a full collection that scans them all stalls the step loop for 0.1-0.2 s (the
+    `gc_pauses` benchmark); after the freeze a collection scans only what serving created."""
+    gc.collect()
+    gc.freeze()

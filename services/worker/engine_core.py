@@ -26,7 +26,7 @@ from services.worker.errors import to_service_error
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.outputs import ADAPTER_UNLOADABLE, DEADLINE, RequestOutput
-from slora_core.process import die_with_parent, share_cpu_threads
+from slora_core.process import die_with_parent, freeze_startup_heap, share_cpu_threads
 from slora_core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
     engine = LLMEngine.from_model_dir(spec.model_dir, spec.config, detokenize=False)
     # CUDA: compile kernels and capture every graph before the first request (no-op on CPU).
     engine.warmup(True)
+    freeze_startup_heap()
     outputs.send(m.encoder.encode(m.Ready(
         max_num_seqs=spec.config.max_num_seqs, max_model_len=engine.max_model_len,
         eos_token_ids=list(engine.eos_token_ids))))
