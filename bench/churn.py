@@ -73,7 +73,8 @@ def disk_engine(b: Any, n: int, root: Path) -> LLMEngine:
 
 def scenario_churn(b: Any) -> dict[str, Any]:
     """n = 5 beside n = --many-adapters at alpha 1.0 and 0.5 (--churn-alphas; 1.0 is the
-    headline), reloads from the pinned host tier. The n = 5 run is kept on the bench for `churndisk`."""
+    headline), reloads from the pinned host tier. The n = 5 run is kept on the bench for
+    `churndisk`."""
     a = b.args
     kw = dict(max_adapters_per_batch=a.max_num_seqs)
     few = b.churn_n5 = _run(b.engine(5, RANKS, **kw), b, 5, 1.0, "churn n=5")

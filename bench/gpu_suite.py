@@ -251,7 +251,8 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
     out.update({"shape": vars(shape), "num_pages": num_pages, "arena": arena,
                 "setup_seconds": round(t - t0, 2), "timings": timings, "modes": {}})
     # Off CUDA the graph modes do not exist; the merge runs there too (the smoke test's).
-    modes = {m: MODES[m] for m in args.modes if args.device == "cuda" or m == "merge_sole_adapter"}
+    modes = {m: MODES[m] for m in args.modes
+             if args.device == "cuda" or m == "merge_sole_adapter"}
     if args.device != "cuda":
         modes = {"eager": {}, **modes}
     slowest = 0.0

@@ -98,8 +98,9 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
             while nxt < len(order) and requests[order[nxt]].arrival <= now:
                 i = order[nxt]
                 r = requests[i]
-                params = SamplingParams(temperature=0 if greedy else 1.0, max_new_tokens=r.output_len,
-                                        ignore_eos=True, seed=None if greedy else i)
+                params = SamplingParams(temperature=0 if greedy else 1.0,
+                                        max_new_tokens=r.output_len, ignore_eos=True,
+                                        seed=None if greedy else i)
                 engine.add_request(str(i), r.prompt, params,
                                    adapter=None if r.adapter is None else f"a{r.adapter}")
                 nxt += 1

@@ -107,6 +107,14 @@ class Bench:
 
 
 # ---- scenarios -------------------------------------------------------------------------------
+def one_adapter_requests(b: Bench) -> list[BenchRequest]:
+    """--requests requests, all on adapter a0 (the overhead and gcpause workload)."""
+    a = b.args
+    return generate(WorkloadSpec(num_adapters=1, num_requests=a.requests,
+                                 vocab_size=b.cfg.vocab_size, output_range=(8, a.max_output),
+                                 input_range=(8, a.max_input)))
+
+
 def scenario_overhead(b: Bench) -> dict[str, Any]:
     """Base model alone vs one rank-16 adapter on every request, same requests, interleaved
     repeats (base, adapter, base, adapter, ...) on one engine: a step with no adapter in the
@@ -115,9 +123,7 @@ def scenario_overhead(b: Bench) -> dict[str, Any]:
     With --merge-sole-adapter each repeat also runs the adapter unmerged (the engine's merge
     switched off for that run), so both paths are measured side by side."""
     a = b.args
-    spec = WorkloadSpec(num_adapters=1, num_requests=a.requests, vocab_size=b.cfg.vocab_size,
-                        output_range=(8, a.max_output), input_range=(8, a.max_input))
-    reqs = generate(spec)
+    reqs = one_adapter_requests(b)
     base_reqs = [BenchRequest(r.arrival, None, r.prompt, r.output_len) for r in reqs]
     engine = b.engine(1, (16,))
     merge = engine.runner.merge
@@ -157,9 +163,7 @@ def scenario_gcpause(b: Bench) -> dict[str, Any]:
     engine, interleaved (not frozen, frozen, ...), each replay's collections, pauses, slowest
     step, throughput and TTFT."""
     a = b.args
-    spec = WorkloadSpec(num_adapters=1, num_requests=a.requests, vocab_size=b.cfg.vocab_size,
-                        output_range=(8, a.max_output), input_range=(8, a.max_input))
-    reqs = generate(spec)
+    reqs = one_adapter_requests(b)
     engine = b.engine(1, (16,))
     keep = ("output_tok_per_s", "ttft_s", "longest_step_s", "gc", "steps")
     runs: list[dict[str, Any]] = []
@@ -357,8 +361,9 @@ def random_adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
 
 
 SCENARIOS = {"overhead": scenario_overhead, "gcpause": scenario_gcpause,
-             "scale": scenario_scale, "reuse": scenario_reuse, "peft32": scenario_peft32, "floor": scenario_floor, "churn": scenario_churn,
-             "churndisk": scenario_churndisk, "coldttft": scenario_coldttft}
+             "scale": scenario_scale, "reuse": scenario_reuse, "peft32": scenario_peft32,
+             "floor": scenario_floor, "churn": scenario_churn, "churndisk": scenario_churndisk,
+             "coldttft": scenario_coldttft}
 
 
 # The model allows 4096; 1100 fits the longest workload request and keeps graph block tables

@@ -38,8 +38,9 @@ class LoraTiles:
     split_rank_budget: int | None = None
     # Segments of rank <= 16 (<= 32) run 16- (32-) wide rank tiles instead of the launch's.
     rank_buckets: bool = True
-    # The expand's K-split partial sums read 1 or 4 per step of its summing loop (4: not yet
-    # measured on a GPU; the grid times it as `split_unroll4`).
+    # The expand's K-split partial sums read 1 or 4 per step of its summing loop. 4 (the
+    # grid's `split_unroll4`, lora-grid-h200.json) was 1-5% faster at 64+ adapters and no
+    # faster or slower elsewhere, so 1 stays the default.
     split_unroll: int = 1
 
 

@@ -61,7 +61,8 @@ def freeze_startup_heap() -> None:
     """Move every object alive now out of the garbage collector's reach (`gc.freeze`). Called
     once a serving process has loaded and warmed up: the model, torch's and the libraries'
     objects (~400k tracked objects after the imports alone) live as long as the process, and
-    a full collection that scans them all stalls the step loop for 0.1-0.2 s (the
-    `gc_pauses` benchmark); after the freeze a collection scans only what serving created."""
+    a full collection that scans them all stalls the step loop for 0.1-0.2 s (`python -m
+    bench.serving --scenarios gcpause`, bench/results/gc-pauses-cpu.json); after the freeze a
+    collection scans only what serving created."""
     gc.collect()
     gc.freeze()
