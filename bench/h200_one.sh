@@ -7,6 +7,9 @@
 #           one adapter vs base and the decode-step floor (bench.serving overhead,floor),
 #           with and without asynchronous steps; engine-overlap the same with LoRA on a
 #           second stream (asynchronous steps);
+#   rows    row-kernel tiles beside the tile kernels on the decode cases (kernels_lora_rows);
+#   floor-rows / floor-tiles  the decode-step floor alone (asynchronous steps), decode graphs'
+#           full LoRA list on the row kernels / on 16-row tiles;
 #   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
@@ -37,6 +40,10 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
         engine-async) engine_arm async --async-steps ;;
         engine-sync) engine_arm sync --no-async-steps ;;
         engine-overlap) engine_arm overlap --async-steps --lora-overlap ;;
+        rows) step rows "${ROWS_S:-200}" python3 -m bench.kernels_lora_rows \
+            --out "$OUT/lora-rows-h200.json" ;;
+        floor-rows) engine_floor rows --lora-row-kernels ;;
+        floor-tiles) engine_floor tiles --no-lora-row-kernels ;;
         gemm) step gemm "${GEMM_S:-120}" python3 -m bench.gemm_decode \
             --out "$OUT/gemm-decode-h200.json" ;;
         engine-merge) OVERHEAD_REPEATS=${OVERHEAD_REPEATS:-5} engine_arm merge --async-steps \

@@ -16,6 +16,9 @@ case times, over inputs rotated past the L2:
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
+- `rows` / `rows_maxrank64`: the row kernels (`kernels.lora_rows`: each token reads its own
+  adapter through its slot, no tile list; K split fixed from B), at the case's rank and bounded
+  at the engine's max rank 64;
 - `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
 
     python -m bench.kernels_lora_grid --out bench/results/lora-grid-h200.json
@@ -37,7 +40,8 @@ from bench import kernels_timing as timing
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record
 from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split_k, split_cap
-from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
+from kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta
+from kernels.lora_rows import RowTiles
 
 RANKS: tuple[int, ...] = (8, 16, 64)
 BATCHES: tuple[int, ...] = (1, 16, 64, 256)
@@ -64,7 +68,7 @@ def padded_meta(slots: list[int], capacity: int) -> LoraMeta:
 
 
 def call(lay: kl.LoraLayer, meta: LoraMeta, max_rank: int,
-         tiles: LoraTiles = DECODE_TILES,
+         tiles: LoraTiles | RowTiles = DECODE_TILES,
          split_k: int | None = None) -> Callable[[], None]:
     return lambda: add_lora_triton(lay.y, lay.x, lay.arena, lay.a_offsets, lay.b_offsets,
                                    lay.ranks, lay.scales, (0,), ((0, kl.N),), meta,
@@ -89,17 +93,21 @@ def rel_err_f64(lay: kl.LoraLayer, slots: list[int], fn: Callable[[], None]) -> 
     return float((got - ref).norm() / ref.norm())
 
 
-def variants(slots: list[int], rank: int) -> dict[
-        str, tuple[LoraMeta, int, LoraTiles, int | None]]:
+Variant = tuple[LoraMeta, int, LoraTiles | RowTiles, int | None]
+
+
+def variants(slots: list[int], rank: int) -> dict[str, Variant]:
     """name -> (meta, max_rank, tiles, fixed split) for one case."""
     b = len(slots)
     grph = padded_meta(slots, b)
     capture = pick_split_k(b, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
     exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
-    out: dict[str, tuple[LoraMeta, int, LoraTiles, int | None]] = {
+    rows = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=ROW_BLOCK_M)
+    out: dict[str, Variant] = {
         "graph_capture_split": (grph, rank, DECODE_TILES, capture),
         "exact": (exact, rank, DECODE_TILES, None),
-        "split_unroll4": (grph, rank, UNROLL4, capture)}
+        "split_unroll4": (grph, rank, UNROLL4, capture),
+        "rows": (rows, rank, RowTiles(), None)}
     if len(set(slots)) >= max(2, b // 4):
         out["wide_split4"] = (grph, rank, WIDE, min(4, capture))
     short = -(-b // DECODE_BLOCK_M)
@@ -111,6 +119,7 @@ def variants(slots: list[int], rank: int) -> dict[
         out["budget256"] = (grph, rank, BUDGET, min(capture, split_cap(BUDGET, kl.K, 64)))
     elif slots == sorted(slots):
         out["maxrank64"] = (grph, 64, DECODE_TILES, capture)
+        out["rows_maxrank64"] = (rows, 64, RowTiles(), None)
         out["maxrank64_no_buckets"] = (grph, 64, NO_BUCKETS, capture)
     return out
 

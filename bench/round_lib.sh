@@ -31,6 +31,11 @@ engine_arm() {  # engine_arm NAME [bench.serving flags]
         --device cuda --dtype float16 --scenarios overhead,floor --requests 100 \
         --overhead-repeats "${OVERHEAD_REPEATS:-3}" "${@:2}" --out "$OUT/engine-speed-$1-h200.json"
 }
+engine_floor() {  # engine_floor NAME [bench.serving flags]: the decode-step floor alone
+    step "floor-$1" "${FLOOR_S:-90}" python3 -m bench.serving --shape llama2-7b \
+        --device cuda --dtype float16 --scenarios floor --async-steps "${@:2}" \
+        --out "$OUT/engine-floor-$1-h200.json"
+}
 
 pack() {  # the step log and the last lines of each log printed, everything in round.tgz
     cat "$STEP_LOG"

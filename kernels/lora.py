@@ -16,7 +16,8 @@ import triton
 
 from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows
 from kernels.lora_expand import lora_expand
-from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
+from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
+from kernels.lora_rows import RowTiles, rows_expand, rows_shrink
 from kernels.lora_shrink import lora_shrink
 
 
@@ -106,13 +107,14 @@ def add_lora_triton(
     *,
     max_rank: int | None = None,
     split_k: int | None = None,
-    tiles: LoraTiles | None = None,
+    tiles: LoraTiles | RowTiles | None = None,
 ) -> None:
     """y += the multi-LoRA delta of x, as `add_lora_reference` defines it.
 
     `max_rank` must bound every rank in the tables (the engine's `max_rank`); without it the
     launcher reads `ranks.max()`, a host sync that CUDA-graph capture forbids. `split_k` and
-    `tiles` override the tuned choices (tests use them to reach every code path).
+    `tiles` override the tuned choices (tests use them to reach every code path). A meta
+    built for `ROW_BLOCK_M` runs the row kernels (`kernels.lora_rows`) over its token slots.
     """
     if len(module_ids) != len(out_slices):
         raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
@@ -123,6 +125,14 @@ def add_lora_triton(
         max_rank = int(ranks.max())
     if max_rank <= 0:
         return
+    if meta.block_m == ROW_BLOCK_M:
+        if tiles is not None and not isinstance(tiles, RowTiles):
+            raise ValueError("a row-kernel meta (block_m 1) takes RowTiles")
+        _add_lora_rows(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
+                       out_slices, meta, max_rank, split_k, tiles or RowTiles())
+        return
+    if isinstance(tiles, RowTiles):
+        raise ValueError(f"RowTiles need a row-kernel meta, got one of {meta.block_m}-row tiles")
     tiles = tiles or pick_tiles(meta.block_m)
     if tiles.shrink_block_m != meta.block_m or tiles.expand_block_m != meta.block_m:
         raise ValueError(f"tiles of {tiles.shrink_block_m}/{tiles.expand_block_m} rows but the "
@@ -144,3 +154,35 @@ def add_lora_triton(
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll)
+
+
+def _add_lora_rows(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    arena: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    module_ids: tuple[int, ...],
+    out_slices: tuple[tuple[int, int], ...],
+    meta: LoraMeta,
+    max_rank: int,
+    split_k: int | None,
+    tiles: RowTiles,
+) -> None:
+    """`add_lora_triton` through the row kernels, one shrink+expand pair per module group."""
+    block_r = rank_block(max_rank)
+    k = x.shape[1]
+    for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
+        mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
+        slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
+        splits = split_k or max(1, min(
+            pick_split_k(x.shape[0] * len(mods), k, x.device, tiles.max_split_k),
+            tiles.max_split_k, k // MIN_K_PER_SPLIT))
+        buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
+                          device=x.device)
+        rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots, block_r=block_r,
+                    tile=tiles.tile, num_warps=tiles.num_warps)
+        rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta.token_slots,
+                    block_r=block_r, block_n=tiles.block_n, num_warps=tiles.num_warps)

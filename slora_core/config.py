@@ -216,6 +216,10 @@ class EngineConfig:
     # on a second CUDA stream beside the base GEMM, then add it (CUDA only; graphs capture
     # the fork and join). Costs one add per LoRA layer; saves the LoRA launches' latency.
     lora_overlap: bool = False
+    # Decode graphs' full LoRA list (steps whose adapters own few rows each) runs the row
+    # kernels (kernels/lora_rows.py: each token reads its adapter through its slot, no tile
+    # list); off: the 16-row tile kernels. One adapter on many rows keeps the short tile list.
+    lora_row_kernels: bool = True
     # When every token of a run of steps reads one adapter, fold it into the base weights and
     # run those steps as the base model (slora_core/lora_merge.py); any other step restores
     # the weights first. Costs a device copy of the projection weights (Llama-2-7B: 12.9 GB),

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
+from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
@@ -31,6 +31,7 @@ class ModelRunner(Protocol):
     arena: PageArena
     device: torch.device
     graph_lora_split_k: int | None
+    lora_row_kernels: bool
 
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None: ...
 
@@ -195,7 +196,9 @@ class DecodeGraphs(_StepGraphs):
     adapter on every row, whose K split is chosen for that few tiles. A step whose real tile
     list fits the second replays it: one adapter on 256 rows runs 16 tiles split 11 ways
     instead of 256 tile slots split 3 ways (H200 kernel grid, lora-grid-h200.json: r16
-    B256 U1 15.8 -> 10.8 us a launch, `graph_capture_split` vs `exact`)."""
+    B256 U1 15.8 -> 10.8 us a launch, `graph_capture_split` vs `exact`). With
+    `lora_row_kernels` the full list is the row kernels' instead: every row reads its own
+    adapter through its slot (base and padding rows read the spare row's rank 0)."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
         dev = runner.device
@@ -236,11 +239,13 @@ class DecodeGraphs(_StepGraphs):
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, b, buf = self.runner, bucket, self.buf
         # Up to b segments and `tiles` tiles; prepare() fills them and marks unused tiles -1.
+        rows = r.lora_row_kernels and tiles == b  # the full list: row kernels
         lora = LoraMeta(seg_starts=buf.seg_starts[:b], seg_lens=buf.seg_lens[:b],
                         seg_slots=buf.seg_slots[:b], token_slots=buf.token_slots[:b],
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
                         tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=DECODE_BLOCK_M) if modules else None
+                        num_tiles=tiles, block_m=ROW_BLOCK_M if rows else DECODE_BLOCK_M
+                        ) if modules else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
             block_tables=buf.block_tables[:b], seq_lens=buf.seq_lens[:b],

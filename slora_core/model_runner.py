@@ -40,9 +40,11 @@ class ModelRunner:
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
                  mixed_graphs: bool = True, lora_overlap: bool = False,
-                 merge_sole_adapter: bool = False) -> None:
+                 merge_sole_adapter: bool = False, lora_row_kernels: bool = True) -> None:
         self.model = model
         self.arena = arena
+        # EngineConfig.lora_row_kernels: decode graphs' full LoRA list runs the row kernels.
+        self.lora_row_kernels = lora_row_kernels
         # EngineConfig.merge_sole_adapter: steps on one adapter run as the base model.
         self.merge = SoleAdapterMerge(model, arena) if merge_sole_adapter else None
         # A fixed LoRA K split inside CUDA graphs (fix_graph_lora_split); None: the kernels'.
@@ -77,7 +79,8 @@ class ModelRunner:
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs,
                    lora_overlap=config.lora_overlap,
-                   merge_sole_adapter=config.merge_sole_adapter)
+                   merge_sole_adapter=config.merge_sole_adapter,
+                   lora_row_kernels=config.lora_row_kernels)
 
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None:
         """The stream a step of `num_tokens` tokens runs its LoRA deltas on beside the base

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kernels.lora import add_lora_triton
+from kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M
 from kernels.lora_reference import add_lora_reference
 from slora_core.config import EngineConfig
 from slora_core.cuda_graphs import DecodeGraphs
@@ -20,12 +22,16 @@ from tests.kernels.helpers import rel_err
 QKV = (0, 1, 2)
 
 
-def test_decode_graph_tile_lists(demo_dir: Path) -> None:
+@pytest.mark.parametrize("row_kernels", [True, False])
+def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
+    """With `lora_row_kernels` the full list is the row kernels' (block_m 1), else 16-row
+    tiles; the short list is always tiles."""
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())[:3]
     # On a GPU machine the kernels run compiled on CUDA; on the CPU in Triton's interpreter.
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = LLMEngine.from_model_dir(demo_dir / "model",
-                                      EngineConfig(max_num_seqs=40, device=dev))
+    engine = LLMEngine.from_model_dir(
+        demo_dir / "model",
+        EngineConfig(max_num_seqs=40, device=dev, lora_row_kernels=row_kernels))
     for name in names:
         engine.register_adapter(name, demo_dir / "adapters" / name)
     runner = engine.runner
@@ -43,6 +49,8 @@ def test_decode_graph_tile_lists(demo_dir: Path) -> None:
             bucket, _, tiles = key = graphs.prepare(inputs)
             meta = graphs._context(*key).lora
             assert meta is not None and meta.num_tiles == tiles
+            rows = row_kernels and tiles == bucket
+            assert meta.block_m == (ROW_BLOCK_M if rows else DECODE_BLOCK_M)
             real = inputs.lora_tiles(16)[0].size
             assert real <= tiles and int((meta.tile_segs >= 0).sum()) == real
             seen.append((bucket, tiles))

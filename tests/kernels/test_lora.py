@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from kernels.lora import DECODE_TILES, PREFILL_TILES, add_lora_triton
+from kernels.lora_meta import ROW_BLOCK_M
 from kernels.lora_reference import add_lora_reference
+from kernels.lora_rows import RowTiles
 from kernels.lora_shrink import lora_shrink
 from tests.kernels.helpers import (
     DEVICE,
@@ -35,10 +37,12 @@ def _run(
     seed: int,
     aligned: bool = False,
     y_dtype: torch.dtype | None = None,
+    block_m: int | None = None,
     **knobs: object,
 ) -> None:
     """Run add_lora_triton on a random case and compare y (of `y_dtype`, default the arena's)
-    with the float64 reference."""
+    with the float64 reference. `block_m` (else the tiles') picks the meta's tile height;
+    ROW_BLOCK_M runs the row kernels."""
     gen = generator(seed)
     sizes = dict(zip(module_ids, out_sizes, strict=True))
     rank_of = {
@@ -47,7 +51,7 @@ def _run(
     }
     tiles = knobs.get("tiles")
     case = build_lora_case(token_slots, num_slots, in_features, sizes, rank_of, dtype, gen,
-                           aligned, block_m=getattr(tiles, "shrink_block_m", None))
+                           aligned, block_m=block_m or getattr(tiles, "shrink_block_m", None))
     starts = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
     slices = tuple(zip(starts, out_sizes, strict=True))
     t = len(token_slots)
@@ -203,6 +207,50 @@ def test_new_batch_shapes_compile_no_new_variant() -> None:
         _run(_decode_slots(batch, 8, seed=batch), 8, 256, QKV, (256, 64, 64), [16],
              torch.float16, seed=batch, aligned=True)
     assert compiled_kernel_variants() == before
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [None, 1, 3])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_row_kernels_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None,
+                                     aligned: bool) -> None:
+    """The row kernels (one token a program, its slot read directly): ranks below, at and
+    above the rank tile (128 loops two 64-wide tiles), base rows, unaligned matrices."""
+    slots = _decode_slots(12, 6, seed=31)
+    # A 256-element register tile: K tiles of 16 columns, so 3 splits each read two.
+    _run(slots, 6, 96, QKV, (64, 32, 32), [1, 8, 16, 33, 64, 128], dtype, seed=32,
+         aligned=aligned, split_k=split_k, max_rank=128, block_m=ROW_BLOCK_M,
+         tiles=RowTiles(tile=256, block_n=32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_kernels_interleaved_shared_adapters_and_many_modules(dtype: torch.dtype) -> None:
+    """Rows need no grouping: an adapter's rows may be anywhere. Four modules take two
+    launches; rank 0 marks modules an adapter does not target."""
+    slots = [2, 0, 2, -1, 1, 0, 2, 2, -1, 3, 1, 0, 0]
+    _run(slots, 4, 48, (0, 1, 2, 3), (32, 16, 16, 48), [0, 4, 16, 24], dtype, seed=33,
+         block_m=ROW_BLOCK_M, tiles=RowTiles(tile=256, block_n=16))
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+def test_row_kernels_float32_output_over_a_16_bit_arena(dtype: torch.dtype) -> None:
+    _run(_decode_slots(10, 4, seed=34), 4, 64, GATE_UP, (48, 48), [4, 8], dtype, seed=35,
+         y_dtype=torch.float32, block_m=ROW_BLOCK_M)
+
+
+def test_row_and_tile_metas_refuse_the_other_tiles() -> None:
+    gen = generator(36)
+    case = build_lora_case([0, 0], 1, 16, {0: 16}, {(0, 0): 4}, torch.float32, gen,
+                           block_m=ROW_BLOCK_M)
+    x = randn(2, 16, dtype=torch.float32, gen=gen)
+    y = randn(2, 16, dtype=torch.float32, gen=gen)
+    args = (case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales, (0,),
+            ((0, 16),))
+    with pytest.raises(ValueError, match="RowTiles"):
+        add_lora_triton(y, x, *args, case.meta, tiles=DECODE_TILES)
+    tile_meta = build_lora_case([0, 0], 1, 16, {0: 16}, {(0, 0): 4}, torch.float32, gen).meta
+    with pytest.raises(ValueError, match="row-kernel meta"):
+        add_lora_triton(y, x, *args, tile_meta, tiles=RowTiles())
 
 
 def test_segments_and_tile_list() -> None:

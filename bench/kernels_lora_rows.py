@@ -1,0 +1,119 @@
+"""Row-kernel tile sweep beside the tile kernels, on the decode cases that set the step time.
+
+For each case (rank, B rows, U adapters, the launch's rank bound) it times, by CUDA-graph
+replay over inputs rotated past the L2 (one 4096x4096 module, fp16): the tile kernels as
+decode graphs run them (`graph_capture_split`), and the row kernels (`kernels.lora_rows`) for
+every RowTiles choice of register tile x expand columns x warps; each beside the bytes floor
+and with its error against float64 torch. It also times a pair of empty Triton launches: the
+least any two-launch LoRA can take in a graph.
+
+    python -m bench.kernels_lora_rows --out bench/results/lora-rows-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from bench import kernels_lora as kl
+from bench import kernels_timing as timing
+from bench.kernels_lora_grid import call, padded_meta, rel_err_f64
+from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
+from bench.run_record import run_record
+from kernels.lora import DECODE_TILES, pick_split_k
+from kernels.lora_meta import ROW_BLOCK_M, LoraMeta
+from kernels.lora_rows import RowTiles
+
+# (rank, rows, adapters, the launch's rank bound): the engine's decode case (64 requests on 64
+# adapters, bound 64), the issue's floor case (B256 U256 r16) and their neighbours.
+CASES: tuple[tuple[int, int, int, int], ...] = (
+    (16, 64, 64, 16), (16, 64, 64, 64), (16, 256, 256, 16), (16, 256, 64, 16),
+    (16, 64, 16, 16), (64, 256, 256, 64), (64, 64, 64, 64), (8, 256, 256, 64))
+TILES = (2048, 4096)
+BLOCK_N = (64, 128, 256)
+WARPS = (2, 4)
+
+
+@triton.jit
+def _touch(p):
+    tl.store(p, tl.load(p) + 1)
+
+
+def empty_pair_us() -> float:
+    """Two back-to-back one-load launches: the graph's per-pair launch floor."""
+    t = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+
+    def pair() -> None:
+        _touch[(1,)](t)
+        _touch[(1,)](t)
+
+    return graph_time_us([pair], replays=10)
+
+
+def run_case(rank: int, b: int, u: int, bound: int, copy_gbs: float,
+             configs: list[RowTiles]) -> dict[str, object]:
+    slots = kl.decode_slots(b, u)
+    layers = kl.build_layers(slots, u, rank)
+    row: dict[str, object] = {"rank": rank, "batch": b, "adapters": u, "max_rank": bound,
+                              "floor_us": kl.floor_bytes(b, u, rank) / (copy_gbs * 1e3)}
+    split = pick_split_k(b, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
+    grph = padded_meta(slots, b)
+    tile_calls = [call(lay, grph, bound, DECODE_TILES, split) for lay in layers]
+    row["graph_capture_split_us"] = graph_time_us(tile_calls, replays=10)
+    rows = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=ROW_BLOCK_M)
+    sweep = []
+    for tiles in configs:
+        us = graph_time_us([call(lay, rows, bound, tiles) for lay in layers], replays=10)
+        err = rel_err_f64(layers[0], slots, call(layers[0], rows, bound, tiles))
+        sweep.append({"tile": tiles.tile, "block_n": tiles.block_n,
+                      "num_warps": tiles.num_warps, "us": us, "rel_err": err,
+                      "default": tiles == RowTiles()})
+    row["rows"] = sweep
+    best = min(sweep, key=lambda s: float(s["us"]))  # type: ignore[arg-type]
+    row["rows_best"] = best
+    row["rows_default_us"] = next(s["us"] for s in sweep if s["default"])
+    del layers
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--toy", action="store_true", help="CPU smoke sizes (hidden 512)")
+    args = ap.parse_args(argv)
+    cases, configs = CASES, [RowTiles(tile=t, block_n=n, num_warps=w)
+                             for t, n, w in itertools.product(TILES, BLOCK_N, WARPS)]
+    if args.toy:
+        kl.K = kl.N = 512
+        timing.MAX_ROTATION = 1
+        cases, configs = ((16, 16, 16, 16),), [RowTiles(), RowTiles(tile=2048, block_n=64)]
+    copy = copy_bandwidth_gbs(1 << 30 if DEVICE == "cuda" else 1 << 20)
+    rows: list[dict[str, object]] = []
+    result = {**run_record(["bench.kernels_lora_rows", *(argv or sys.argv[1:])]),
+              "dtype": "float16", "hidden": kl.K, "copy_gbs": copy,
+              "method": "median of 10 CUDA-graph replays, >= 24 calls a graph over inputs "
+                        "rotated past the L2", "empty_pair_us": empty_pair_us(), "rows": rows}
+    for case in cases:
+        row = run_case(*case, max(copy.values()), configs)
+        rows.append(row)
+        best = row["rows_best"]
+        print(f"r{case[0]} B{case[1]} U{case[2]} bound{case[3]} floor={row['floor_us']:.2f} "
+              f"tiles={row['graph_capture_split_us']:.2f} rows_default="
+              f"{row['rows_default_us']:.2f} best={best}", flush=True)  # type: ignore[index]
+        if args.out:  # after every case: a run cut short keeps the rows it finished
+            with open(args.out, "w") as f:
+                json.dump({**result, "complete": len(rows) == len(cases)}, f, indent=1)
+    print(f"empty launch pair: {result['empty_pair_us']:.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Multi-LoRA delta one token row at a time: for decode steps whose adapters own a row or few.
+
+The tile kernels (`lora_shrink`, `lora_expand`) read each adapter once per 16-row tile of its
+segment, through a tile list, a segment table and tensor-core dots. When nearly every row has
+its own adapter, those tiles hold one real row each: every program then walks four dependent
+table loads (tile, segment, slot, offsets) before its first byte of adapter, and the dot's
+operands go through shared memory for one row. The row kernels here index the adapter slot
+of each token directly (`LoraMeta.token_slots`), two dependent loads deep, and multiply
+in registers (products of 16-bit values are exact in float32, sums in float32, like the dots'
+accumulators). Rows that share an adapter re-read it, mostly from the L2.
+
+Same semantics as `kernels.lora_reference.add_lora_reference` (the segment tables are not
+read: only `token_slots`, so the row order does not matter):
+
+    shrink: buf[j, t, i, :r] = x[t, K-chunk j] @ A[:r, K-chunk j].T            (float32)
+    expand: y[t, slice_i] += scales[slot_t, m] * (sum_j buf[j, t, i, :r]) @ B.T
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_common import (
+    MAX_MODULES_PER_LAUNCH,
+    check_buf,
+    check_scales,
+    check_slices,
+    check_tables,
+    select3,
+)
+
+# Elements of the register tile ([rank tile, K or N tile]) each program multiplies per step:
+# the K (N) tile is ROW_TILE // rank tile, so every rank bucket moves the same bytes a step.
+ROW_TILE = 4096
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """Tile sizes of the row kernels: the shrink's register tile (elements), the expand's
+    output columns per program, warps per program and the most K splits."""
+
+    tile: int = ROW_TILE
+    block_n: int = 128
+    num_warps: int = 4
+    max_split_k: int = 16
+
+
+@triton.jit
+def _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """buf_row[:rank] = x_row[k_lo:k_hi] @ A[:rank, k_lo:k_hi].T, rank tile by rank tile."""
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_hi
+            xv = tl.load(x_row + offs_k * stride_xk, mask=mask_k, other=0.0)
+            a = tl.load(a_base + offs_r[:, None] * K + offs_k[None, :],
+                        mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+            acc += a.to(tl.float32) * xv.to(tl.float32)[None, :]
+        tl.store(buf_row + offs_r, tl.sum(acc, axis=1), mask=mask_r)
+
+
+@triton.jit
+def _rows_shrink_bucketed(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
+                          BLOCK_R: tl.constexpr, TILE: tl.constexpr):
+    """`_rows_shrink_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`,
+    its K tile TILE // rank tile wide."""
+    if BLOCK_R > 16 and rank <= 16:
+        _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
+                           16, TILE // 16)
+    elif BLOCK_R > 32 and rank <= 32:
+        _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
+                           32, TILE // 32)
+    else:
+        _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
+                           BLOCK_R, TILE // BLOCK_R)
+
+
+# Row count, module count and split change with the step: runtime values, never specialized
+# on, so a new batch shape compiles no new variant.
+@triton.jit(do_not_specialize=["num_rows", "num_mods", "split_k", "k_chunk", "stride_bs"])
+def _rows_shrink_kernel(
+    x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr, slots_ptr,
+    mod0, mod1, mod2, num_rows, num_mods, split_k, k_chunk,
+    K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
+    MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
+):
+    # Work item (row, module, K split); a row's splits are adjacent so they share x in the L2.
+    w = tl.program_id(0)
+    split = w % split_k
+    mod_i = w // split_k % num_mods
+    row = (w // split_k // num_mods).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    mod = select3(mod_i, mod0, mod1, mod2)
+    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=slot >= 0, other=0),
+                      MAX_RANK)
+    if rank > 0:
+        a_off = tl.load(a_off_ptr + slot * table_stride + mod)
+        k_lo = split * k_chunk
+        k_hi = tl.minimum(k_lo + k_chunk, K)
+        buf_row = buf_ptr + split * stride_bs + row * stride_bt + mod_i * stride_bm
+        x_row = x_ptr + row * stride_xm
+        if a_off % 8 == 0:
+            # 16-byte A loads when the packer aligned the matrix (`// 8 * 8` shows it).
+            _rows_shrink_bucketed(x_row, arena_ptr + a_off // 8 * 8, buf_row, rank, k_lo, k_hi,
+                                  K, stride_xk, BLOCK_R, TILE)
+        else:
+            _rows_shrink_bucketed(x_row, arena_ptr + a_off, buf_row, rank, k_lo, k_hi, K,
+                                  stride_xk, BLOCK_R, TILE)
+
+
+@triton.jit
+def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                       stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y_row[n0:n0+BLOCK_N] += scale * (sum of buf's K splits)[:rank] @ B[cols, :rank].T."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < out_size
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for j in range(split_k):
+            h += tl.load(buf_row + j * stride_bs + offs_r, mask=mask_r, other=0.0)
+        # B is [N, r] row-major: this tile is B[n0:n0+BLOCK_N, r0:r0+BLOCK_R].
+        b = tl.load(b_base + offs_n[:, None] * rank + offs_r[None, :],
+                    mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        acc += tl.sum(b.to(tl.float32) * h[None, :], axis=1)
+    y_ptrs = y_row + offs_n * stride_yn
+    y_old = tl.load(y_ptrs, mask=mask_n, other=0.0)
+    tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_ptrs.dtype.element_ty),
+             mask=mask_n)
+
+
+@triton.jit
+def _rows_expand_bucketed(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                          stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """`_rows_expand_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`;
+    the N tile stays BLOCK_N (the grid is fixed at launch)."""
+    if BLOCK_R > 16 and rank <= 16:
+        _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                           stride_bs, split_k, 16, BLOCK_N)
+    elif BLOCK_R > 32 and rank <= 32:
+        _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                           stride_bs, split_k, 32, BLOCK_N)
+    else:
+        _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                           stride_bs, split_k, BLOCK_R, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["split_k", "stride_bs"])
+def _rows_expand_kernel(
+    y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr, slots_ptr,
+    mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
+    n_tiles, stride_ym, stride_yn, table_stride, split_k, stride_bs, stride_bt, stride_bm,
+    MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    mod_i = tl.program_id(1) // n_tiles
+    n0 = (tl.program_id(1) % n_tiles) * BLOCK_N
+    out_size = select3(mod_i, size0, size1, size2)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    if (n0 < out_size) & (slot >= 0):
+        mod = select3(mod_i, mod0, mod1, mod2)
+        rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod), MAX_RANK)
+        if rank > 0:
+            b_off = tl.load(b_off_ptr + slot * table_stride + mod)
+            scale = tl.load(scales_ptr + slot * table_stride + mod)
+            y_row = y_ptr + row * stride_ym + select3(mod_i, start0, start1, start2) * stride_yn
+            buf_row = buf_ptr + row * stride_bt + mod_i * stride_bm
+            if (b_off % 8 == 0) & (rank % 8 == 0):
+                # B rows of a multiple of 8 elements from an aligned base: 16-byte loads.
+                _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off // 8 * 8,
+                                      rank // 8 * 8, scale, n0, out_size, stride_yn,
+                                      stride_bs, split_k, BLOCK_R, BLOCK_N)
+            else:
+                _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off, rank, scale, n0,
+                                      out_size, stride_yn, stride_bs, split_k, BLOCK_R,
+                                      BLOCK_N)
+
+
+def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
+                a_offsets: torch.Tensor, ranks: torch.Tensor, module_ids: tuple[int, ...],
+                token_slots: torch.Tensor, *, block_r: int, tile: int = ROW_TILE,
+                num_warps: int = 4) -> None:
+    """Write the shrink's partial sums for every row whose slot is >= 0 into `buf`
+    [split_k, T, len(module_ids), max_rank] (float32); `block_r` bounds the rank tile."""
+    split_k, num_rows, num_mods, max_rank = buf.shape
+    check_buf(buf, x.shape[0], len(module_ids), f"x {tuple(x.shape)}")
+    if not 1 <= num_mods <= MAX_MODULES_PER_LAUNCH:
+        raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules per launch, got {module_ids}")
+    check_tables(arena, x, a_offsets, ranks)
+    _check_slots(token_slots, num_rows)
+    if num_rows == 0:
+        return
+    k = x.shape[1]
+    # Whole K tiles of the widest rank bucket's (rank tile 16) per split, so only the last
+    # split's last tile is ragged whatever bucket a row runs.
+    block_k = tile // 16
+    k_chunk = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    mods = tuple(module_ids) + (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
+    _rows_shrink_kernel[(num_rows * num_mods * split_k,)](
+        x, arena, buf, a_offsets, ranks, token_slots, mods[0], mods[1], mods[2],
+        num_rows, num_mods, split_k, k_chunk, k, x.stride(0), x.stride(1),
+        a_offsets.stride(0), buf.stride(0), buf.stride(1), buf.stride(2),
+        MAX_RANK=max_rank, BLOCK_R=block_r, TILE=tile, num_warps=num_warps,
+    )
+
+
+def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
+                b_offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+                module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...],
+                token_slots: torch.Tensor, *, block_r: int, block_n: int,
+                num_warps: int = 4) -> None:
+    """Add the expand of `buf` into y's column slices for every row whose slot is >= 0."""
+    split_k, num_rows, num_mods, max_rank = buf.shape
+    check_buf(buf, y.shape[0], len(module_ids), f"y {tuple(y.shape)}")
+    if num_mods > MAX_MODULES_PER_LAUNCH:
+        raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules per launch, got {module_ids}")
+    check_slices(y, module_ids, out_slices)
+    check_tables(arena, y, b_offsets, ranks, float32_x=True)
+    check_scales(scales, ranks)
+    _check_slots(token_slots, num_rows)
+    if num_rows == 0:
+        return
+    n_tiles = triton.cdiv(max(size for _, size in out_slices), block_n)
+    pad = (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
+    mods = tuple(module_ids) + pad
+    starts = tuple(s for s, _ in out_slices) + pad
+    sizes = tuple(n for _, n in out_slices) + pad
+    _rows_expand_kernel[(num_rows, num_mods * n_tiles)](
+        y, buf, arena, b_offsets, ranks, scales, token_slots,
+        mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1],
+        sizes[2], n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
+        buf.stride(0), buf.stride(1), buf.stride(2),
+        MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
+    )
+
+
+def _check_slots(token_slots: torch.Tensor, num_rows: int) -> None:
+    if (token_slots.dtype != torch.int32 or token_slots.dim() != 1
+            or token_slots.shape[0] != num_rows):
+        raise ValueError(f"token_slots must be int32 [{num_rows}], got {token_slots.dtype} "
+                         f"{tuple(token_slots.shape)}")
