@@ -10,6 +10,7 @@
 #   rows    row-kernel tiles beside the tile kernels on the decode cases (kernels_lora_rows);
 #   floor-rows / floor-tiles  the decode-step floor alone (asynchronous steps), decode graphs'
 #           full LoRA list on the row kernels / on 16-row tiles;
+#   gcpause the start-up heap frozen vs not, interleaved (bench.serving gcpause);
 #   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
@@ -44,6 +45,9 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
             --out "$OUT/lora-rows-h200.json" ;;
         floor-rows) engine_floor rows --lora-row-kernels ;;
         floor-tiles) engine_floor tiles --no-lora-row-kernels ;;
+        gcpause) step gcpause "${GCPAUSE_S:-150}" python3 -m bench.serving --shape llama2-7b \
+            --device cuda --dtype float16 --scenarios gcpause --requests 100 \
+            --overhead-repeats 3 --out "$OUT/gc-pauses-h200.json" ;;
         gemm) step gemm "${GEMM_S:-120}" python3 -m bench.gemm_decode \
             --out "$OUT/gemm-decode-h200.json" ;;
         engine-merge) OVERHEAD_REPEATS=${OVERHEAD_REPEATS:-5} engine_arm merge --async-steps \

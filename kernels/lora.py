@@ -75,12 +75,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int) -> int:
+def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int,
+                 programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """How many K splits the shrink needs to give every multiprocessor a few programs. The
     tiles' cap applies only once row tiles alone occupy a quarter of the multiprocessors: a
     single segment of a few dozen tokens still needs many splits to read A at full speed."""
     sms = _num_sms(device)
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, max(programs, 1))
+    want = triton.cdiv(programs_per_sm * sms, max(programs, 1))
     cap = max_split_k if programs * 4 >= sms else MAX_SPLIT_K
     return max(1, min(want, cap, k // MIN_K_PER_SPLIT))
 
@@ -178,7 +179,8 @@ def _add_lora_rows(
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
         splits = split_k or max(1, min(
-            pick_split_k(x.shape[0] * len(mods), k, x.device, tiles.max_split_k),
+            pick_split_k(x.shape[0] * len(mods), k, x.device, tiles.max_split_k,
+                         tiles.programs_per_sm),
             tiles.max_split_k, k // MIN_K_PER_SPLIT))
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)

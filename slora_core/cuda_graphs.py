@@ -36,8 +36,16 @@ class ModelRunner(Protocol):
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None: ...
 
 
-# (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA)
+# (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA and
+# ROW_GRAPH for a decode graph whose LoRA runs the row kernels)
 GraphKey = tuple[int, frozenset[int], int]
+ROW_GRAPH = -1
+# Decode steps whose adapters own at most this many rows each on average run the row kernels
+# (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
+# which read an adapter once for all its rows, win (H200, lora-rows-h200.json and
+# lora-grid-h200.json at 7f5673f: one row an adapter, r16 B64 14.6 vs 20.4 us, B256 33.1 vs
+# 45.0; four rows an adapter, B64 U16 13.0 vs 11.7, B256 U64 28.1 vs 21.4).
+ROW_KERNELS_MAX_ROWS_PER_ADAPTER = 2
 
 
 class _StepGraphs:
@@ -197,8 +205,9 @@ class DecodeGraphs(_StepGraphs):
     list fits the second replays it: one adapter on 256 rows runs 16 tiles split 11 ways
     instead of 256 tile slots split 3 ways (H200 kernel grid, lora-grid-h200.json: r16
     B256 U1 15.8 -> 10.8 us a launch, `graph_capture_split` vs `exact`). With
-    `lora_row_kernels` the full list is the row kernels' instead: every row reads its own
-    adapter through its slot (base and padding rows read the spare row's rank 0)."""
+    `lora_row_kernels` a third graph runs the row kernels, for steps whose adapters own few
+    rows each (ROW_KERNELS_MAX_ROWS_PER_ADAPTER): every row reads its own adapter through its
+    slot, base and padding rows the spare row's rank 0."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
         dev = runner.device
@@ -234,18 +243,34 @@ class DecodeGraphs(_StepGraphs):
 
     def _tile_caps(self, bucket: int) -> list[int]:
         few = -(-bucket // DECODE_BLOCK_M)
-        return [bucket, few] if few < bucket else [bucket]
+        caps = [bucket, few] if few < bucket else [bucket]
+        return caps + [ROW_GRAPH] if self.runner.lora_row_kernels else caps
+
+    def _lora_graph(self, bucket: int, inputs: StepInputs) -> int:
+        """The LoRA graph a step replays: the smallest captured tile list that holds every
+        real tile, or the row kernels' when its adapters own few rows each."""
+        real = inputs.lora_tiles(DECODE_BLOCK_M)[0].size
+        few = -(-bucket // DECODE_BLOCK_M)
+        if real <= few:
+            return few
+        rows = int(inputs.seg_lens.sum())
+        if (self.runner.lora_row_kernels
+                and rows <= ROW_KERNELS_MAX_ROWS_PER_ADAPTER * inputs.seg_lens.size):
+            return ROW_GRAPH
+        return bucket
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, b, buf = self.runner, bucket, self.buf
         # Up to b segments and `tiles` tiles; prepare() fills them and marks unused tiles -1.
-        rows = r.lora_row_kernels and tiles == b  # the full list: row kernels
+        # The row kernels read token_slots only; their meta keeps the full tile list's
+        # buffers (filled, unread).
+        cap = b if tiles == ROW_GRAPH else tiles
         lora = LoraMeta(seg_starts=buf.seg_starts[:b], seg_lens=buf.seg_lens[:b],
                         seg_slots=buf.seg_slots[:b], token_slots=buf.token_slots[:b],
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
-                        tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=ROW_BLOCK_M if rows else DECODE_BLOCK_M
-                        ) if modules else None
+                        tile_segs=buf.tile_segs[:cap], tile_m0=buf.tile_m0[:cap],
+                        num_tiles=cap, block_m=ROW_BLOCK_M if tiles == ROW_GRAPH
+                        else DECODE_BLOCK_M) if modules else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
             block_tables=buf.block_tables[:b], seq_lens=buf.seq_lens[:b],
@@ -265,9 +290,8 @@ class DecodeGraphs(_StepGraphs):
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n, nb = inputs.num_seqs, inputs.block_tables.shape[1]
         bucket = next(s for s in self.buckets if s >= n)
-        real = inputs.lora_tiles(DECODE_BLOCK_M)[0].size if inputs.has_lora else 0
-        # The smallest captured tile list that holds every real tile.
-        key = self._key(bucket, inputs, min(c for c in self._tile_caps(bucket) if c >= real))
+        key = self._key(bucket, inputs,
+                        self._lora_graph(bucket, inputs) if inputs.has_lora else 0)
         host = self.layout.host()
         host.input_ids[:n] = inputs.input_ids
         host.positions[:n] = inputs.positions

@@ -13,7 +13,7 @@ from kernels.lora import add_lora_triton
 from kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M
 from kernels.lora_reference import add_lora_reference
 from slora_core.config import EngineConfig
-from slora_core.cuda_graphs import DecodeGraphs
+from slora_core.cuda_graphs import ROW_GRAPH, DecodeGraphs
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 from slora_core.step_inputs import build_step_inputs
@@ -24,8 +24,8 @@ QKV = (0, 1, 2)
 
 @pytest.mark.parametrize("row_kernels", [True, False])
 def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
-    """With `lora_row_kernels` the full list is the row kernels' (block_m 1), else 16-row
-    tiles; the short list is always tiles."""
+    """With `lora_row_kernels`, steps of at most two rows an adapter replay the row kernels'
+    graph (block_m 1); the short and full tile lists serve the rest."""
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())[:3]
     # On a GPU machine the kernels run compiled on CUDA; on the CPU in Triton's interpreter.
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,11 +48,12 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
         if graphs.can_run(inputs) and inputs.has_lora:
             bucket, _, tiles = key = graphs.prepare(inputs)
             meta = graphs._context(*key).lora
-            assert meta is not None and meta.num_tiles == tiles
-            rows = row_kernels and tiles == bucket
+            rows = tiles == ROW_GRAPH
+            cap = bucket if rows else tiles
+            assert meta is not None and meta.num_tiles == cap
             assert meta.block_m == (ROW_BLOCK_M if rows else DECODE_BLOCK_M)
             real = inputs.lora_tiles(16)[0].size
-            assert real <= tiles and int((meta.tile_segs >= 0).sum()) == real
+            assert real <= cap and int((meta.tile_segs >= 0).sum()) == real
             seen.append((bucket, tiles))
             x = torch.randn(bucket, hidden, device=dev)
             y = torch.zeros(bucket, hidden + 32, device=dev)
@@ -74,9 +75,14 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
         engine.add_request(f"one{i}", [5 + i, 6, 7], params, adapter=names[0])
     while engine.has_unfinished():
         engine.step()
-    for i in range(20):  # three adapters interleaved: the full list
+    for i in range(20):  # three adapters interleaved, ~7 rows each: the full list
         engine.add_request(f"mix{i}", [9, 10 + i], params, adapter=names[i % 3])
     while engine.has_unfinished():
         engine.step()
+    for i in range(3):  # a row each: the row kernels' graph, when on
+        engine.add_request(f"row{i}", [11, 12 + i], params, adapter=names[i])
+    while engine.has_unfinished():
+        engine.step()
     assert (40, 3) in seen and any(tiles == bucket for bucket, tiles in seen)
+    assert any(tiles == ROW_GRAPH for _, tiles in seen) == row_kernels
     assert all(nonzero), "a checked step had no LoRA delta: the comparison proved nothing"

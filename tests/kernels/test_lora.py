@@ -177,16 +177,17 @@ FULL_SHAPES = [
 @pytest.mark.skipif(not ON_GPU, reason="full-size shapes need the GPU (TRITON_INTERPRET=0)")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("name", "k", "mods", "outs"), FULL_SHAPES, ids=[s[0] for s in FULL_SHAPES])
-@pytest.mark.parametrize("batch", ["decode", "prefill"])
+@pytest.mark.parametrize("batch", ["decode", "prefill", "rows"])
 def test_full_size_on_gpu(dtype: torch.dtype, name: str, k: int, mods: tuple[int, ...],
                           outs: tuple[int, ...], batch: str) -> None:
-    if batch == "decode":
-        slots = _decode_slots(256, 64, seed=12)
-    else:
+    if batch == "prefill":
         slots = [0] * 700 + [5] * 1 + [-1] * 30 + [9] * 260 + [63] * 33
+    else:
+        slots = _decode_slots(256, 64, seed=12)
     # Each batch kind meets both the aligned (vector-load) and the unaligned path, one per dtype.
-    aligned = (batch == "decode") != (dtype == torch.bfloat16)
-    _run(slots, 64, k, mods, outs, [0, 8, 16, 64, 128], dtype, seed=13, aligned=aligned)
+    aligned = (batch != "prefill") != (dtype == torch.bfloat16)
+    _run(slots, 64, k, mods, outs, [0, 8, 16, 64, 128], dtype, seed=13, aligned=aligned,
+         block_m=ROW_BLOCK_M if batch == "rows" else None)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="counts compiled variants: needs the GPU")
@@ -202,10 +203,13 @@ def test_new_batch_shapes_compile_no_new_variant() -> None:
         warm = _decode_slots(batch, 8, seed=1)
         for slots in (warm, sorted(warm)):  # interleaved, then grouped
             _run(slots, 8, 256, QKV, (256, 64, 64), [16], torch.float16, seed=2, aligned=True)
+    _run(_decode_slots(8, 8, seed=1), 8, 256, QKV, (256, 64, 64), [16], torch.float16,
+         seed=2, aligned=True, block_m=ROW_BLOCK_M)  # the row kernels
     before = compiled_kernel_variants()
     for batch in (1, 3, 17, 40, 100, 255):
-        _run(_decode_slots(batch, 8, seed=batch), 8, 256, QKV, (256, 64, 64), [16],
-             torch.float16, seed=batch, aligned=True)
+        for block_m in (None, ROW_BLOCK_M):
+            _run(_decode_slots(batch, 8, seed=batch), 8, 256, QKV, (256, 64, 64), [16],
+                 torch.float16, seed=batch, aligned=True, block_m=block_m)
     assert compiled_kernel_variants() == before
 
 
