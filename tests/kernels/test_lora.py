@@ -227,17 +227,6 @@ def test_row_kernels_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None,
          tiles=RowTiles(tile=256, block_n=32))
 
 
-@pytest.mark.parametrize(("reduce_each_step", "early_loads"),
-                         [(True, False), (False, True), (True, True)])
-def test_row_kernel_bodies(reduce_each_step: bool, early_loads: bool) -> None:
-    """The row kernels' body variants (per-step reduction, early y and B loads) compute the
-    same delta."""
-    tiles = RowTiles(tile=256, block_n=32, reduce_each_step=reduce_each_step,
-                     early_loads=early_loads)
-    _run(_decode_slots(12, 6, seed=37), 6, 96, QKV, (64, 32, 32), [1, 8, 16, 33, 64, 128],
-         torch.float16, seed=38, split_k=3, max_rank=128, block_m=ROW_BLOCK_M, tiles=tiles)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_kernels_interleaved_shared_adapters_and_many_modules(dtype: torch.dtype) -> None:
     """Rows need no grouping: an adapter's rows may be anywhere. Four modules take two
