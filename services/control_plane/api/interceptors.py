@@ -1,11 +1,13 @@
 """Server interceptors (grpc.aio): error mapping and bearer-token auth, each in one place.
 
 `ErrorInterceptor` turns the exceptions the registry raises into status codes (errors.status_for)
-so servicers never call `context.abort` themselves. `AuthInterceptor` checks the bearer token of
-every call except health and reflection, enforces the method's scope, and makes the caller's
-`Principal` available to the servicer through `current_principal()`. Gateways present the
-cluster token on PlacementService's routing stream; workers present their own credential on
-the placement stream (`worker_credentials.py`), whose worker id `current_worker_id()` gives.
+so servicers never call `context.abort` themselves; the auth guards below run inside it, so a
+database outage while checking a credential reads UNAVAILABLE, not INTERNAL. `AuthInterceptor`
+checks the bearer token of every call except health and reflection, enforces the method's scope,
+and makes the caller's `Principal` available to the servicer through `current_principal()`.
+Gateways present the cluster token on PlacementService's routing stream; workers present their
+own credential on the placement stream (`worker_credentials.py`), whose worker id
+`current_worker_id()` gives.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import grpc
 
 from services.common.cluster_token import bearer_token, token_matches
 from services.common.errors import PermissionDenied, Unauthenticated
-from services.control_plane.api.errors import status_for
+from services.control_plane.api.errors import database_unavailable, details_for, status_for
 from services.control_plane.domain.principal import ADMIN, Principal
 from services.control_plane.store.keys import KeyStore
 from services.control_plane.store.worker_credentials import WorkerCredentials
@@ -112,7 +114,10 @@ async def _mapped_errors(context: grpc.aio.ServicerContext, method: str) -> Asyn
         if code is None:
             log.exception("unexpected error in %s", method)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-        await context.abort(code, str(exc))
+        if database_unavailable(exc):
+            # The client hears only the class (details_for); the driver's text goes here.
+            log.warning("%s: registry database unavailable: %s", method, exc)
+        await context.abort(code, details_for(exc))
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -154,3 +154,17 @@ def start_plane(db_url: str, base_model_dir: Path, roots: tuple[Path, ...],
         max_rank=MAX_RANK, bootstrap_admin_key=ADMIN_TOKEN,
     )
     return RunningPlane(config)
+
+
+# ---- gRPC clients ---------------------------------------------------------------------------
+
+# What grpc.aio's client puts in place of the server's status when a write it had in flight
+# fails because the server had just ended the call (grpc/grpc#36066, still in grpcio 1.85): a
+# worker that keeps sending while it is refused may read INTERNAL instead of PERMISSION_DENIED.
+# No server of ours sends these details (the control plane's INTERNAL says "internal error: ...").
+LOST_STATUS_DETAILS = "Internal error from Core"
+
+
+def status_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """True when the client lost the server's status to one of its own writes (above)."""
+    return exc.code() == grpc.StatusCode.INTERNAL and exc.details() == LOST_STATUS_DETAILS

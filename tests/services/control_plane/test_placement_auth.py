@@ -2,7 +2,8 @@
 with a cluster token refuses routing watches that do not present it and placement watches that
 do not present a worker credential (UNAUTHENTICATED; the cluster token alone is not one unless
 worker_auth="cluster-token"), and keeps health and reflection open. The admin API does not take
-the cluster token as a key."""
+the cluster token as a key. A database failure while checking a credential reads UNAVAILABLE
+(retry), never INTERNAL or a refusal."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -28,6 +30,7 @@ from slora.v1 import admin_pb2 as apb
 from slora.v1 import admin_pb2_grpc as apb_grpc
 from slora.v1 import placement_pb2 as ppb
 from slora.v1 import placement_pb2_grpc as ppb_grpc
+from tests.services.control_plane.cp_support import status_lost
 
 TOKEN = new_cluster_token()
 pytestmark = pytest.mark.timeout(60)
@@ -43,10 +46,13 @@ def test_cluster_token_helpers() -> None:
 
 
 def with_plane(tmp_path: Path, cluster_token: str | None,
-               body: Callable[[str], Awaitable[None]], worker_auth: str = "credential") -> None:
-    """Run `body(address)` against a migrated SQLite control plane with PlacementService."""
+               body: Callable[[str], Awaitable[None]], worker_auth: str = "credential",
+               on_engine: Callable[[sa.Engine], None] = lambda _engine: None) -> None:
+    """Run `body(address)` against a migrated SQLite control plane with PlacementService;
+    `on_engine` may add event hooks to its engine first."""
     db_url = db_of(tmp_path)
     engine = make_engine(db_url)
+    on_engine(engine)
 
     async def main() -> None:
         sessions = make_session_factory(engine)
@@ -135,6 +141,79 @@ def test_placement_watch_needs_a_worker_credential(tmp_path: Path) -> None:
         assert await routing_code(address, cluster_metadata("slc_wrong")) == \
             grpc.StatusCode.UNAUTHENTICATED
         assert await routing_code(address, cluster_metadata(TOKEN)) == grpc.StatusCode.OK
+
+    with_plane(tmp_path, TOKEN, body)
+
+
+# What the driver and the pool raise when the database is away, busy or out of connections.
+DATABASE_FAILURES = {
+    "operational": sa.exc.OperationalError(
+        "SELECT ... FROM worker_credentials", {"token_sha256_1": "0123abcd"},
+        Exception("server closed the connection unexpectedly")),
+    "pool-timeout": sa.exc.TimeoutError(
+        "QueuePool limit of size 5 overflow 10 reached, connection timed out, timeout 30.00"),
+    "dropped-connection": sa.exc.InterfaceError(
+        "SELECT ... FROM worker_credentials", {}, Exception("the connection is closed"),
+        connection_invalidated=True),
+}
+
+
+@pytest.mark.parametrize("failure", DATABASE_FAILURES.values(), ids=DATABASE_FAILURES.keys())
+def test_a_database_failure_while_checking_a_worker_reads_unavailable(
+        tmp_path: Path, failure: Exception) -> None:
+    """The credential lookup fails in the database: the worker hears UNAVAILABLE (retry), not
+    INTERNAL (a bug) nor UNAUTHENTICATED (a refusal), and not the SQL or its parameters."""
+    credential = mint_with_database(db_of(tmp_path), "w-test")
+
+    def fail_credential_reads(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "FROM worker_credentials" in statement:
+            raise failure
+
+    def hook(engine: sa.Engine) -> None:
+        sa.event.listen(engine, "before_cursor_execute", fail_credential_reads)
+
+    async def body(address: str) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await first_placement(address, cluster_metadata(credential))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        details = refused.value.details() or ""
+        assert details.startswith("the registry database is unavailable"), details
+        assert "SELECT" not in details and "0123abcd" not in details
+
+    with_plane(tmp_path, TOKEN, body, on_engine=hook)
+
+
+async def refused_while_writing(address: str, metadata: Any) -> grpc.aio.AioRpcError:
+    """How a worker's watch ends when, after its hello, it writes heartbeats back to back
+    until the control plane ends the call."""
+    async def messages() -> AsyncIterator[ppb.WorkerMessage]:
+        yield ppb.WorkerMessage(hello=ppb.WorkerHello(worker_id="w-test", address="x:1",
+                                                      capacity=4, base_model="demo"))
+        while True:
+            await asyncio.sleep(0)
+            yield ppb.WorkerMessage(heartbeat=ppb.Heartbeat(load=0.0))
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = ppb_grpc.PlacementServiceStub(channel).WatchPlacement(
+            messages(), metadata=metadata, timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async for _update in call:
+                pass
+        return ended.value
+
+
+def test_a_refusal_reads_internal_only_when_grpc_lost_it(tmp_path: Path) -> None:
+    """The race behind test_worker_identity's rare INTERNAL: a credential bound to another id
+    is refused PERMISSION_DENIED after the hello, but a client that keeps writing reads grpc's
+    own INTERNAL instead most of the time (cp_support.status_lost); the server's answer was
+    right. Any other INTERNAL would be ours (a bug); status_lost must keep recognising grpc's."""
+    credential = mint_with_database(db_of(tmp_path), "w-other")
+
+    async def body(address: str) -> None:
+        for _ in range(20):
+            ended = await refused_while_writing(address, cluster_metadata(credential))
+            assert ended.code() == grpc.StatusCode.PERMISSION_DENIED or status_lost(ended), \
+                (ended.code(), ended.details())
 
     with_plane(tmp_path, TOKEN, body)
 
