@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from slora_core.config import EngineConfig
+from slora_core.cuda_graphs import ROW_KERNELS_MAX_ROWS_PER_ADAPTER
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -139,18 +140,27 @@ def cold_rows(result: dict[str, Any], source: str) -> list[str]:
     return rows
 
 
+def engine_graph_us(r: dict[str, Any]) -> tuple[float, str]:
+    """The LoRA graph decode steps replay for a grid cell, as `DecodeGraphs` picks it: the
+    short tile list when one adapter's tiles fit it, the row kernels when adapters own at most
+    ROW_KERNELS_MAX_ROWS_PER_ADAPTER rows each (runs that measured them), else the full list."""
+    if "graph_short_list_us" in r:
+        return r["graph_short_list_us"], "short tile list"
+    if "rows_us" in r and r["batch"] <= ROW_KERNELS_MAX_ROWS_PER_ADAPTER * r["adapters"]:
+        return r["rows_us"], "row kernels"
+    return r["graph_capture_split_us"], "full tile list"
+
+
 def grid_rows(result: dict[str, Any], source: str) -> list[str]:
     """The issue's cells: the graph path the engine replays beside vLLM's quoted times."""
     rows = []
     for r in result["rows"]:
         if "vllm_us_issue" not in r:
             continue
-        ours = r["graph_capture_split_us"]
-        short = r.get("graph_short_list_us")
-        best = min(ours, short) if short else ours
+        us, path = engine_graph_us(r)
         order = ", rows in random order" if r["order"] == "random" else ""
         rows.append(f"| decode LoRA r{r['rank']} B{r['batch']} U{r['adapters']}{order}, graph "
-                    f"replay | {best:.1f} us (bytes floor {r['floor_us']:.1f}) | vLLM "
+                    f"replay ({path}) | {us:.1f} us (bytes floor {r['floor_us']:.1f}) | vLLM "
                     f"{r['vllm_us_issue']} us | {source} |")
     return rows
 
@@ -181,6 +191,14 @@ def table() -> str:
                 else "synchronous"
             where = "on a second stream" if result["args"].get("lora_overlap") else "in line"
             lines += engine_rows(result, f"{where}, {steps} steps",
+                                 f"`{path.name}` @ {result['commit'][:8]}")
+    # The decode step's floor alone, decode graphs with and without the row kernels (one run).
+    for arm, label in (("rows", "row kernels for many-adapter steps"),
+                       ("tiles", "16-row tiles only (lora_row_kernels off)")):
+        path = RESULTS / f"engine-floor-{arm}-h200.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            lines += engine_rows(result, f"in line, {label}",
                                  f"`{path.name}` @ {result['commit'][:8]}")
     # Saturated (60/s), below saturation (50/s, 40/s), and the older run with the disk tier.
     # churn-rate50-4a1c7c8-h200.json: the last run with alpha 0.5 (the newer one ran 1.0 only).
