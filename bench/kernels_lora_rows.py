@@ -4,7 +4,7 @@ For each case (rank, B rows, U adapters, the launch's rank bound) it times, by C
 replay over inputs rotated past the L2 (one 4096x4096 module, fp16): the tile kernels as
 decode graphs run them (`graph_capture_split`), and the row kernels (`kernels.lora_rows`) for
 every RowTiles choice of register tile x expand columns x warps x shrink programs per
-multiprocessor x kernel body (the shrink's K loop unrolled, the split sum as one tile); each beside the bytes floor
+multiprocessor; each beside the bytes floor
 and with its error against float64 torch. It also times a pair of empty Triton launches: the
 least any two-launch LoRA can take in a graph.
 
@@ -36,11 +36,10 @@ from kernels.lora_rows import RowTiles
 CASES: tuple[tuple[int, int, int, int], ...] = (
     (16, 64, 64, 16), (16, 64, 64, 64), (16, 256, 256, 16), (16, 256, 64, 16),
     (16, 64, 16, 16), (64, 256, 256, 64), (64, 64, 64, 64), (8, 256, 256, 64))
-TILES = (2048,)
-BLOCK_N = (256,)
-WARPS = (2,)
+TILES = (1024, 2048)
+BLOCK_N = (256, 512)
+WARPS = (1, 2)
 PROGRAMS_PER_SM = (4, 8, 16)
-BODIES = ((1, False), (2, False), (1, True), (2, True))  # (shrink unroll, split sum as a tile)
 
 
 @triton.jit
@@ -76,7 +75,6 @@ def run_case(rank: int, b: int, u: int, bound: int, copy_gbs: float,
         err = rel_err_f64(layers[0], slots, call(layers[0], rows, bound, tiles))
         sweep.append({"tile": tiles.tile, "block_n": tiles.block_n,
                       "num_warps": tiles.num_warps, "programs_per_sm": tiles.programs_per_sm,
-                      "unroll": tiles.unroll, "split_tile": tiles.split_tile,
                       "us": us, "rel_err": err,
                       "default": tiles == RowTiles()})
     row["rows"] = sweep
@@ -94,15 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="CPU smoke sizes (hidden 512)")
     args = ap.parse_args(argv)
-    cases, configs = CASES, [RowTiles(tile=t, block_n=n, num_warps=w, programs_per_sm=p,
-                                      unroll=u, split_tile=st)
-                             for t, n, w, p, (u, st) in itertools.product(
-                                 TILES, BLOCK_N, WARPS, PROGRAMS_PER_SM, BODIES)]
+    cases, configs = CASES, [RowTiles(tile=t, block_n=n, num_warps=w, programs_per_sm=p)
+                             for t, n, w, p in itertools.product(TILES, BLOCK_N, WARPS,
+                                                                 PROGRAMS_PER_SM)]
     if args.toy:
         kl.K = kl.N = 512
         timing.MAX_ROTATION = 1
-        cases, configs = ((16, 16, 16, 16),), [
-            RowTiles(), RowTiles(tile=1024, block_n=64, unroll=2, split_tile=True)]
+        cases, configs = ((16, 16, 16, 16),), [RowTiles(), RowTiles(tile=1024, block_n=64)]
     copy = copy_bandwidth_gbs(1 << 30 if DEVICE == "cuda" else 1 << 20)
     rows: list[dict[str, object]] = []
     result = {**run_record(["bench.kernels_lora_rows", *(argv or sys.argv[1:])]),

@@ -185,8 +185,6 @@ def _add_lora_rows(
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)
         rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots, block_r=block_r,
-                    tile=tiles.tile, num_warps=tiles.num_warps, unroll=tiles.unroll)
+                    tile=tiles.tile, num_warps=tiles.num_warps)
         rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta.token_slots,
-                    block_r=block_r, block_n=tiles.block_n, num_warps=tiles.num_warps,
-                    split_tile=triton.next_power_of_2(tiles.max_split_k)
-                    if tiles.split_tile else 0)
+                    block_r=block_r, block_n=tiles.block_n, num_warps=tiles.num_warps)

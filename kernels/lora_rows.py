@@ -50,22 +50,17 @@ class RowTiles:
     num_warps: int = 2
     max_split_k: int = 16
     programs_per_sm: int = 4
-    # Under measurement (kernels_lora_rows): the shrink's K loop unrolled this many times,
-    # the expand reading the K splits' partial sums as one tile.
-    unroll: int = 1
-    split_tile: bool = False
 
 
 @triton.jit
 def _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
-    """buf_row[:rank] = x_row[k_lo:k_hi] @ A[:rank, k_lo:k_hi].T, rank tile by rank tile;
-    the K loop unrolled UNROLL times (its loads then issue together)."""
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """buf_row[:rank] = x_row[k_lo:k_hi] @ A[:rank, k_lo:k_hi].T, rank tile by rank tile."""
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, loop_unroll_factor=UNROLL):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k_hi
             xv = tl.load(x_row + offs_k * stride_xk, mask=mask_k, other=0.0)
@@ -77,18 +72,18 @@ def _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
 
 @triton.jit
 def _rows_shrink_bucketed(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
-                          BLOCK_R: tl.constexpr, TILE: tl.constexpr, UNROLL: tl.constexpr):
+                          BLOCK_R: tl.constexpr, TILE: tl.constexpr):
     """`_rows_shrink_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`,
     its K tile TILE // rank tile wide."""
     if BLOCK_R > 16 and rank <= 16:
         _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
-                           16, TILE // 16, UNROLL)
+                           16, TILE // 16)
     elif BLOCK_R > 32 and rank <= 32:
         _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
-                           32, TILE // 32, UNROLL)
+                           32, TILE // 32)
     else:
         _rows_shrink_tiles(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk,
-                           BLOCK_R, TILE // BLOCK_R, UNROLL)
+                           BLOCK_R, TILE // BLOCK_R)
 
 
 # Row count, module count and split change with the step: runtime values, never specialized
@@ -98,7 +93,7 @@ def _rows_shrink_kernel(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr, slots_ptr,
     mod0, mod1, mod2, num_rows, num_mods, split_k, k_chunk,
     K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
-    MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr, UNROLL: tl.constexpr,
+    MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
 ):
     # Work item (row, module, K split); a row's splits are adjacent so they share x in the L2.
     w = tl.program_id(0)
@@ -118,16 +113,15 @@ def _rows_shrink_kernel(
         if a_off % 8 == 0:
             # 16-byte A loads when the packer aligned the matrix (`// 8 * 8` shows it).
             _rows_shrink_bucketed(x_row, arena_ptr + a_off // 8 * 8, buf_row, rank, k_lo, k_hi,
-                                  K, stride_xk, BLOCK_R, TILE, UNROLL)
+                                  K, stride_xk, BLOCK_R, TILE)
         else:
             _rows_shrink_bucketed(x_row, arena_ptr + a_off, buf_row, rank, k_lo, k_hi, K,
-                                  stride_xk, BLOCK_R, TILE, UNROLL)
+                                  stride_xk, BLOCK_R, TILE)
 
 
 @triton.jit
 def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                       stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLITS: tl.constexpr):
+                       stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """y_row[n0:n0+BLOCK_N] += scale * (sum of buf's K splits)[:rank] @ B[cols, :rank].T.
     The loads of y and of the B tile are issued before the K splits are summed, so their
     latency overlaps the sum's: 0.7-2.5 us faster a launch over the sweep's cases (r16 B256
@@ -143,17 +137,9 @@ def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride
         # B is [N, r] row-major: this tile is B[n0:n0+BLOCK_N, r0:r0+BLOCK_R].
         b = tl.load(b_base + offs_n[:, None] * rank + offs_r[None, :],
                     mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-        if SPLITS > 0:
-            # Every K split's partial sums in one load of a [SPLITS, BLOCK_R] tile (SPLITS
-            # bounds split_k), not one dependent load after another.
-            offs_j = tl.arange(0, SPLITS)
-            parts = tl.load(buf_row + offs_j[:, None] * stride_bs + offs_r[None, :],
-                            mask=(offs_j < split_k)[:, None] & mask_r[None, :], other=0.0)
-            h = tl.sum(parts, axis=0)
-        else:
-            h = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            for j in range(split_k):
-                h += tl.load(buf_row + j * stride_bs + offs_r, mask=mask_r, other=0.0)
+        h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for j in range(split_k):
+            h += tl.load(buf_row + j * stride_bs + offs_r, mask=mask_r, other=0.0)
         acc += tl.sum(b.to(tl.float32) * h[None, :], axis=1)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_ptrs.dtype.element_ty),
              mask=mask_n)
@@ -161,19 +147,18 @@ def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride
 
 @triton.jit
 def _rows_expand_bucketed(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                          stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPLITS: tl.constexpr):
+                          stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """`_rows_expand_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`;
     the N tile stays BLOCK_N (the grid is fixed at launch)."""
     if BLOCK_R > 16 and rank <= 16:
         _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                           stride_bs, split_k, 16, BLOCK_N, SPLITS)
+                           stride_bs, split_k, 16, BLOCK_N)
     elif BLOCK_R > 32 and rank <= 32:
         _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                           stride_bs, split_k, 32, BLOCK_N, SPLITS)
+                           stride_bs, split_k, 32, BLOCK_N)
     else:
         _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                           stride_bs, split_k, BLOCK_R, BLOCK_N, SPLITS)
+                           stride_bs, split_k, BLOCK_R, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_bs"])
@@ -182,7 +167,6 @@ def _rows_expand_kernel(
     mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
     n_tiles, stride_ym, stride_yn, table_stride, split_k, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     mod_i = tl.program_id(1) // n_tiles
@@ -201,17 +185,17 @@ def _rows_expand_kernel(
                 # B rows of a multiple of 8 elements from an aligned base: 16-byte loads.
                 _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off // 8 * 8,
                                       rank // 8 * 8, scale, n0, out_size, stride_yn,
-                                      stride_bs, split_k, BLOCK_R, BLOCK_N, SPLITS)
+                                      stride_bs, split_k, BLOCK_R, BLOCK_N)
             else:
                 _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off, rank, scale, n0,
                                       out_size, stride_yn, stride_bs, split_k, BLOCK_R,
-                                      BLOCK_N, SPLITS)
+                                      BLOCK_N)
 
 
 def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
                 a_offsets: torch.Tensor, ranks: torch.Tensor, module_ids: tuple[int, ...],
                 token_slots: torch.Tensor, *, block_r: int, tile: int = 2048,
-                num_warps: int = 4, unroll: int = 1) -> None:
+                num_warps: int = 4) -> None:
     """Write the shrink's partial sums for every row whose slot is >= 0 into `buf`
     [split_k, T, len(module_ids), max_rank] (float32); `block_r` bounds the rank tile."""
     split_k, num_rows, num_mods, max_rank = buf.shape
@@ -232,7 +216,7 @@ def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
         x, arena, buf, a_offsets, ranks, token_slots, mods[0], mods[1], mods[2],
         num_rows, num_mods, split_k, k_chunk, k, x.stride(0), x.stride(1),
         a_offsets.stride(0), buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, BLOCK_R=block_r, TILE=tile, UNROLL=unroll, num_warps=num_warps,
+        MAX_RANK=max_rank, BLOCK_R=block_r, TILE=tile, num_warps=num_warps,
     )
 
 
@@ -240,10 +224,8 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
                 b_offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                 module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...],
                 token_slots: torch.Tensor, *, block_r: int, block_n: int,
-                num_warps: int = 4, split_tile: int = 0) -> None:
-    """Add the expand of `buf` into y's column slices for every row whose slot is >= 0.
-    `split_tile` > 0 (a power of two bounding the split count, fixed per engine so batch
-    sizes compile no new variant) reads the K splits' partial sums as one tile."""
+                num_warps: int = 4) -> None:
+    """Add the expand of `buf` into y's column slices for every row whose slot is >= 0."""
     split_k, num_rows, num_mods, max_rank = buf.shape
     check_buf(buf, y.shape[0], len(module_ids), f"y {tuple(y.shape)}")
     if num_mods > MAX_MODULES_PER_LAUNCH:
@@ -264,9 +246,7 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
         mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1],
         sizes[2], n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n,
-        SPLITS=max(split_tile, triton.next_power_of_2(split_k)) if split_tile else 0,
-        num_warps=num_warps,
+        MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
     )
 
 

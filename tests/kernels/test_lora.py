@@ -227,15 +227,6 @@ def test_row_kernels_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None,
          tiles=RowTiles(tile=256, block_n=32))
 
 
-@pytest.mark.parametrize(("unroll", "split_tile"), [(2, False), (1, True), (4, True)])
-def test_row_kernel_variants(unroll: int, split_tile: bool) -> None:
-    """The shrink's unrolled K loop and the expand's one-tile split sum compute the same
-    delta (3 splits of a 4-split bound; K tiles that do not divide by the unroll)."""
-    tiles = RowTiles(tile=256, block_n=32, max_split_k=4, unroll=unroll, split_tile=split_tile)
-    _run(_decode_slots(12, 6, seed=37), 6, 112, QKV, (64, 32, 32), [1, 8, 16, 33, 64, 128],
-         torch.float16, seed=38, split_k=3, max_rank=128, block_m=ROW_BLOCK_M, tiles=tiles)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_row_kernels_interleaved_shared_adapters_and_many_modules(dtype: torch.dtype) -> None:
     """Rows need no grouping: an adapter's rows may be anywhere. Four modules take two
