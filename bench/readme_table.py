@@ -190,6 +190,8 @@ def table() -> str:
                 tensor_parallel_size=a.get("tensor_parallel_size", 1)).steps_async \
                 else "synchronous"
             where = "on a second stream" if result["args"].get("lora_overlap") else "in line"
+            if result["args"].get("lora_row_kernels"):
+                where += ", row kernels for many-adapter steps"
             lines += engine_rows(result, f"{where}, {steps} steps",
                                  f"`{path.name}` @ {result['commit'][:8]}")
     # The decode step's floor alone, decode graphs with and without the row kernels (one run).

@@ -216,10 +216,13 @@ class EngineConfig:
     # on a second CUDA stream beside the base GEMM, then add it (CUDA only; graphs capture
     # the fork and join). Costs one add per LoRA layer; saves the LoRA launches' latency.
     lora_overlap: bool = False
-    # Decode graphs' full LoRA list (steps whose adapters own few rows each) runs the row
-    # kernels (kernels/lora_rows.py: each token reads its adapter through its slot, no tile
-    # list); off: the 16-row tile kernels. One adapter on many rows keeps the short tile list.
-    lora_row_kernels: bool = True
+    # Decode steps whose adapters own few rows each replay a third LoRA graph, the row
+    # kernels' (kernels/lora_rows.py: each token reads its adapter through its slot, no tile
+    # list); off: the 16-row tile kernels only. Off by default: the batch-64 decode step
+    # gains 0.5 ms with it (1.31x vs 1.39x its floor on the H200), but the 2,000-adapter churn
+    # run with it stalled after 251 of 600 requests there, cause not yet found
+    # (bench/results/churn-rows-stall-h200.log).
+    lora_row_kernels: bool = False
     # When every token of a run of steps reads one adapter, fold it into the base weights and
     # run those steps as the base model (slora_core/lora_merge.py); any other step restores
     # the weights first. Costs a device copy of the projection weights (Llama-2-7B: 12.9 GB),

@@ -40,8 +40,8 @@ HELP: dict[str, str] = {
     "merge_sole_adapter": "fold a batch's sole adapter into the base weights while it is the "
                           "only one (costs a device copy of the projection weights)",
     "lora_overlap": "run decode steps' LoRA on a second CUDA stream beside the base GEMMs",
-    "lora_row_kernels": "decode graphs run many-adapter LoRA one token row a program (off: "
-                        "16-row tiles)",
+    "lora_row_kernels": "decode graphs run many-adapter LoRA one token row a program (faster "
+                        "decode steps; off by default: a churn stall not yet explained)",
     "tensor_parallel_size": "ranks (one GPU each) one engine is sharded over; rank 0 "
                             "schedules (slora_core/tp)",
 }

@@ -40,7 +40,7 @@ class ModelRunner:
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
                  mixed_graphs: bool = True, lora_overlap: bool = False,
-                 merge_sole_adapter: bool = False, lora_row_kernels: bool = True) -> None:
+                 merge_sole_adapter: bool = False, lora_row_kernels: bool = False) -> None:
         self.model = model
         self.arena = arena
         # EngineConfig.lora_row_kernels: decode graphs' full LoRA list runs the row kernels.
