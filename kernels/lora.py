@@ -126,28 +126,29 @@ def add_lora_triton(
         max_rank = int(ranks.max())
     if max_rank <= 0:
         return
-    if meta.block_m == ROW_BLOCK_M:
-        if tiles is not None and not isinstance(tiles, RowTiles):
-            raise ValueError("a row-kernel meta (block_m 1) takes RowTiles")
-        _add_lora_rows(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
-                       out_slices, meta, max_rank, split_k, tiles or RowTiles())
-        return
-    if isinstance(tiles, RowTiles):
-        raise ValueError(f"RowTiles need a row-kernel meta, got one of {meta.block_m}-row tiles")
-    tiles = tiles or pick_tiles(meta.block_m)
-    if tiles.shrink_block_m != meta.block_m or tiles.expand_block_m != meta.block_m:
-        raise ValueError(f"tiles of {tiles.shrink_block_m}/{tiles.expand_block_m} rows but the "
-                         f"step's tile list has {meta.block_m}")
+    tiles = _pick_tiles(meta, tiles)
     block_r = rank_block(max_rank)
     k = x.shape[1]
-    cap = split_cap(tiles, k, block_r)
     for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
-        splits = split_k or min(
-            cap, pick_split_k(meta.num_tiles * len(mods), k, x.device, tiles.max_split_k))
+        if isinstance(tiles, RowTiles):
+            splits = split_k or max(1, min(
+                pick_split_k(x.shape[0] * len(mods), k, x.device, tiles.max_split_k,
+                             tiles.programs_per_sm),
+                tiles.max_split_k, k // MIN_K_PER_SPLIT))
+        else:
+            splits = split_k or min(split_cap(tiles, k, block_r), pick_split_k(
+                meta.num_tiles * len(mods), k, x.device, tiles.max_split_k))
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)
+        if isinstance(tiles, RowTiles):
+            rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots,
+                        block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps)
+            rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices,
+                        meta.token_slots, block_r=block_r, block_n=tiles.block_n,
+                        num_warps=tiles.num_warps)
+            continue
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets)
@@ -157,34 +158,17 @@ def add_lora_triton(
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll)
 
 
-def _add_lora_rows(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    arena: torch.Tensor,
-    a_offsets: torch.Tensor,
-    b_offsets: torch.Tensor,
-    ranks: torch.Tensor,
-    scales: torch.Tensor,
-    module_ids: tuple[int, ...],
-    out_slices: tuple[tuple[int, int], ...],
-    meta: LoraMeta,
-    max_rank: int,
-    split_k: int | None,
-    tiles: RowTiles,
-) -> None:
-    """`add_lora_triton` through the row kernels, one shrink+expand pair per module group."""
-    block_r = rank_block(max_rank)
-    k = x.shape[1]
-    for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
-        mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
-        slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
-        splits = split_k or max(1, min(
-            pick_split_k(x.shape[0] * len(mods), k, x.device, tiles.max_split_k,
-                         tiles.programs_per_sm),
-            tiles.max_split_k, k // MIN_K_PER_SPLIT))
-        buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
-                          device=x.device)
-        rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots, block_r=block_r,
-                    tile=tiles.tile, num_warps=tiles.num_warps)
-        rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta.token_slots,
-                    block_r=block_r, block_n=tiles.block_n, num_warps=tiles.num_warps)
+def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:
+    """The tiles a step runs: the caller's, checked against the meta's tile height, or the
+    table's. A meta built for ROW_BLOCK_M runs the row kernels (RowTiles)."""
+    if meta.block_m == ROW_BLOCK_M:
+        if tiles is not None and not isinstance(tiles, RowTiles):
+            raise ValueError("a row-kernel meta (block_m 1) takes RowTiles")
+        return tiles or RowTiles()
+    if isinstance(tiles, RowTiles):
+        raise ValueError(f"RowTiles need a row-kernel meta, got one of {meta.block_m}-row tiles")
+    tiles = tiles or pick_tiles(meta.block_m)
+    if tiles.shrink_block_m != meta.block_m or tiles.expand_block_m != meta.block_m:
+        raise ValueError(f"tiles of {tiles.shrink_block_m}/{tiles.expand_block_m} rows but the "
+                         f"step's tile list has {meta.block_m}")
+    return tiles
