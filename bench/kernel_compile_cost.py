@@ -1,0 +1,95 @@
+"""What compiling each decode LoRA kernel costs, ahead of time for an H100/H200 (sm_90), no GPU
+needed: seconds, PTX size and registers a thread, at the engine's rank bounds.
+
+A kernel variant met for the first time mid-serving compiles on the step's thread, and every
+request waits for it; this shows which variants are expensive. Triton's bundled ptxas does
+the work, so the figures hold for this machine's CPU (the device's differs).
+
+    python -m bench.kernel_compile_cost --out bench/results/kernel-compile-cost-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from bench.run_record import run_record  # noqa: E402
+from kernels import lora_expand, lora_rows, lora_shrink  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+F16, F32, I64, I32 = "*fp16", "*fp32", "*i64", "*i32"
+# Pointer arguments' element types; every other non-constexpr argument is an int32 scalar.
+POINTERS = {
+    "x_ptr": F16, "y_ptr": F16, "arena_ptr": F16, "buf_ptr": F32, "a_off_ptr": I64,
+    "b_off_ptr": I64, "ranks_ptr": I32, "scales_ptr": F32, "slots_ptr": I32,
+    "seg_starts_ptr": I32, "seg_lens_ptr": I32, "seg_slots_ptr": I32, "tile_segs_ptr": I32,
+    "tile_m0_ptr": I32, "rows_ptr": I32,
+}
+
+
+def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int) -> dict[str, Any]:
+    """Compile one variant of `fn` for sm_90: seconds, PTX characters, registers a thread."""
+    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    t0 = time.perf_counter()
+    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    seconds = time.perf_counter() - t0
+    ptx = kernel.asm.get("ptx", "")
+    regs = re.search(r"\.reg \.b32\s+%r<(\d+)>", ptx)
+    return {"seconds": seconds, "ptx_chars": len(ptx),
+            "ptx_b32_registers_declared": int(regs.group(1)) if regs else None}
+
+
+def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
+    """(name, kernel, constexprs, warps): the row and the tile kernels at rank bounds 16 and 64,
+    with their default tiles (RowTiles(), DECODE_TILES)."""
+    rows = lora_rows.RowTiles()
+    out = []
+    for bound in (16, 64):
+        out += [
+            (f"rows_shrink_r{bound}", lora_rows._rows_shrink_kernel,
+             {"MAX_RANK": bound, "BLOCK_R": bound, "TILE": rows.tile}, rows.num_warps),
+            (f"rows_expand_r{bound}", lora_rows._rows_expand_kernel,
+             {"MAX_RANK": bound, "BLOCK_R": bound, "BLOCK_N": rows.block_n}, rows.num_warps),
+            (f"tile_shrink_r{bound}", lora_shrink._lora_shrink_kernel,
+             {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": bound,
+              "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False}, 4),
+            (f"tile_expand_r{bound}", lora_expand._lora_expand_kernel,
+             {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 256,
+              "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False,
+              "SPLIT_UNROLL": 1}, 4),
+        ]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows: dict[str, Any] = {}
+    for name, fn, consts, warps in variants():
+        rows[name] = {"num_warps": warps, **compile_cost(fn, consts, warps)}
+        print(f"{name}: {rows[name]}", flush=True)
+    result = {**run_record(["bench.kernel_compile_cost", *(argv or sys.argv[1:])]),
+              "target": "cuda sm_90 (ahead of time, this machine's CPU)",
+              "triton": triton.__version__, "variants": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
