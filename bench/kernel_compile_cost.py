@@ -15,10 +15,13 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from typing import Any
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
+# A fresh cache: a variant found in Triton's on-disk cache would time the cache, not ptxas.
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-compile-cost-")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
