@@ -59,7 +59,7 @@ def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
     """(name, kernel, constexprs, warps): the row and the tile kernels at rank bounds 16 and 64,
     with their default tiles (RowTiles(), DECODE_TILES)."""
     rows = lora_rows.RowTiles()
-    out = []
+    out: list[tuple[str, Any, dict[str, Any], int]] = []
     for bound in (16, 64):
         out += [
             (f"rows_shrink_r{bound}", lora_rows._rows_shrink_kernel,
