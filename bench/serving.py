@@ -10,9 +10,11 @@ Each scenario prints one table row set; the JSON holds every figure, the command
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import platform
+import signal
 import sys
 import time
 import traceback
@@ -372,6 +374,9 @@ MAX_MODEL_LEN = 1100
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A run cut by its time limit (SIGTERM from `timeout`) prints every thread's stack first:
+    # a stalled run then shows where it waited (a compile, a device sync, a lock).
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--scenarios", default="overhead,scale,reuse,peft32,floor")
