@@ -147,7 +147,7 @@ def add_lora_triton(
                         block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps)
             rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices,
                         meta.token_slots, block_r=block_r, block_n=tiles.block_n,
-                        num_warps=tiles.num_warps)
+                        num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile)
             continue
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,

@@ -50,6 +50,10 @@ class RowTiles:
     num_warps: int = 2
     max_split_k: int = 16
     programs_per_sm: int = 4
+    # The expand's register tile capped at this many elements (0: none). Not yet timed on a
+    # GPU: at rank bound 64 the uncapped [256 x 64] tile compiles to 2 MB of PTX in 15 s
+    # (kernel-compile-cost-cpu.json), a suspect in the churn stall the option is meant to cure.
+    expand_sub_tile: int = 0
 
 
 @triton.jit
@@ -146,19 +150,36 @@ def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride
 
 
 @triton.jit
-def _rows_expand_bucketed(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                          stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`_rows_expand_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`;
-    the N tile stays BLOCK_N (the grid is fixed at launch)."""
-    if BLOCK_R > 16 and rank <= 16:
-        _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                           stride_bs, split_k, 16, BLOCK_N)
-    elif BLOCK_R > 32 and rank <= 32:
-        _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                           stride_bs, split_k, 32, BLOCK_N)
-    else:
+def _rows_expand_cols(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                      stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SUB_N: tl.constexpr):
+    """The program's BLOCK_N columns as one tile, or looped SUB_N at a time (a smaller
+    register tile: less code, fewer registers)."""
+    if SUB_N == BLOCK_N:
         _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
                            stride_bs, split_k, BLOCK_R, BLOCK_N)
+    else:
+        for s0 in range(0, BLOCK_N, SUB_N):
+            _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0 + s0, out_size,
+                               stride_yn, stride_bs, split_k, BLOCK_R, SUB_N)
+
+
+@triton.jit
+def _rows_expand_bucketed(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                          stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SUB16: tl.constexpr, SUB32: tl.constexpr, SUBR: tl.constexpr):
+    """`_rows_expand_cols` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`;
+    the N tile stays BLOCK_N (the grid is fixed at launch), looped in the bucket's SUB*
+    columns."""
+    if BLOCK_R > 16 and rank <= 16:
+        _rows_expand_cols(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                          stride_bs, split_k, 16, BLOCK_N, SUB16)
+    elif BLOCK_R > 32 and rank <= 32:
+        _rows_expand_cols(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                          stride_bs, split_k, 32, BLOCK_N, SUB32)
+    else:
+        _rows_expand_cols(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
+                          stride_bs, split_k, BLOCK_R, BLOCK_N, SUBR)
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_bs"])
@@ -167,6 +188,7 @@ def _rows_expand_kernel(
     mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
     n_tiles, stride_ym, stride_yn, table_stride, split_k, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    SUB16: tl.constexpr, SUB32: tl.constexpr, SUBR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     mod_i = tl.program_id(1) // n_tiles
@@ -185,11 +207,12 @@ def _rows_expand_kernel(
                 # B rows of a multiple of 8 elements from an aligned base: 16-byte loads.
                 _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off // 8 * 8,
                                       rank // 8 * 8, scale, n0, out_size, stride_yn,
-                                      stride_bs, split_k, BLOCK_R, BLOCK_N)
+                                      stride_bs, split_k, BLOCK_R, BLOCK_N, SUB16, SUB32,
+                                      SUBR)
             else:
                 _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off, rank, scale, n0,
                                       out_size, stride_yn, stride_bs, split_k, BLOCK_R,
-                                      BLOCK_N)
+                                      BLOCK_N, SUB16, SUB32, SUBR)
 
 
 def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
@@ -224,8 +247,10 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
                 b_offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                 module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...],
                 token_slots: torch.Tensor, *, block_r: int, block_n: int,
-                num_warps: int = 4) -> None:
-    """Add the expand of `buf` into y's column slices for every row whose slot is >= 0."""
+                num_warps: int = 4, sub_tile: int = 0) -> None:
+    """Add the expand of `buf` into y's column slices for every row whose slot is >= 0.
+    `sub_tile` > 0 caps a rank bucket's register tile at that many elements: its `block_n`
+    columns are then looped sub_tile // rank tile at a time (0: one tile of block_n)."""
     split_k, num_rows, num_mods, max_rank = buf.shape
     check_buf(buf, y.shape[0], len(module_ids), f"y {tuple(y.shape)}")
     if num_mods > MAX_MODULES_PER_LAUNCH:
@@ -241,12 +266,16 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
     mods = tuple(module_ids) + pad
     starts = tuple(s for s, _ in out_slices) + pad
     sizes = tuple(n for _, n in out_slices) + pad
+    def sub(rank_tile: int) -> int:
+        return block_n if sub_tile <= 0 else max(16, min(block_n, sub_tile // rank_tile))
+
     _rows_expand_kernel[(num_rows, num_mods * n_tiles)](
         y, buf, arena, b_offsets, ranks, scales, token_slots,
         mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1],
         sizes[2], n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
+        MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n, SUB16=sub(16), SUB32=sub(32),
+        SUBR=sub(block_r), num_warps=num_warps,
     )
 
 

@@ -228,6 +228,15 @@ def test_row_kernels_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_row_expand_sub_tiles(dtype: torch.dtype) -> None:
+    """The expand's capped register tile: 64 columns a program looped 16 (rank tile 32 and
+    64) or 32 (16) at a time, over slices whose widths are not multiples of either."""
+    tiles = RowTiles(tile=256, block_n=64, expand_sub_tile=512)
+    _run(_decode_slots(12, 6, seed=39), 6, 64, QKV, (72, 40, 24), [1, 8, 16, 33, 64, 128],
+         dtype, seed=40, split_k=2, max_rank=128, block_m=ROW_BLOCK_M, tiles=tiles)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_row_kernels_interleaved_shared_adapters_and_many_modules(dtype: torch.dtype) -> None:
     """Rows need no grouping: an adapter's rows may be anywhere. Four modules take two
     launches; rank 0 marks modules an adapter does not target."""
