@@ -3,9 +3,8 @@
 For each case (rank, B rows, U adapters, the launch's rank bound) it times, by CUDA-graph
 replay over inputs rotated past the L2 (one 4096x4096 module, fp16): the tile kernels as
 decode graphs run them (`graph_capture_split`), and the row kernels (`kernels.lora_rows`) for
-every RowTiles choice of register tile x expand columns x warps x shrink programs per
-multiprocessor; each beside the bytes floor
-and with its error against float64 torch. It also times a pair of empty Triton launches: the
+a list of RowTiles choices (CONFIGS: register tiles, expand columns and sub-tiles, warps);
+each beside the bytes floor and with its error against float64 torch. It also times a pair of empty Triton launches: the
 least any two-launch LoRA can take in a graph.
 
     python -m bench.kernels_lora_rows --out bench/results/lora-rows-h200.json
@@ -14,7 +13,6 @@ least any two-launch LoRA can take in a graph.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -36,10 +34,12 @@ from kernels.lora_rows import RowTiles
 CASES: tuple[tuple[int, int, int, int], ...] = (
     (16, 64, 64, 16), (16, 64, 64, 64), (16, 256, 256, 16), (16, 256, 64, 16),
     (16, 64, 16, 16), (64, 256, 256, 64), (64, 64, 64, 64), (8, 256, 256, 64))
-TILES = (1024, 2048)
-BLOCK_N = (256, 512)
-WARPS = (1, 2)
-PROGRAMS_PER_SM = (4, 8, 16)
+# The defaults, the expand's capped register tile (the churn stall's suspect), one warp (best
+# for rank-16 adapters in rank-64 launches, lora-rows-sweep-964ec9e-h200.json) and wider
+# expand tiles, alone and together.
+CONFIGS = (RowTiles(), RowTiles(expand_sub_tile=4096), RowTiles(expand_sub_tile=2048),
+           RowTiles(num_warps=1), RowTiles(num_warps=1, expand_sub_tile=4096),
+           RowTiles(block_n=512, expand_sub_tile=4096), RowTiles(tile=1024))
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def run_case(rank: int, b: int, u: int, bound: int, copy_gbs: float,
         err = rel_err_f64(layers[0], slots, call(layers[0], rows, bound, tiles))
         sweep.append({"tile": tiles.tile, "block_n": tiles.block_n,
                       "num_warps": tiles.num_warps, "programs_per_sm": tiles.programs_per_sm,
-                      "us": us, "rel_err": err,
+                      "expand_sub_tile": tiles.expand_sub_tile, "us": us, "rel_err": err,
                       "default": tiles == RowTiles()})
     row["rows"] = sweep
     best = min(sweep, key=lambda s: float(s["us"]))  # type: ignore[arg-type]
@@ -92,13 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="CPU smoke sizes (hidden 512)")
     args = ap.parse_args(argv)
-    cases, configs = CASES, [RowTiles(tile=t, block_n=n, num_warps=w, programs_per_sm=p)
-                             for t, n, w, p in itertools.product(TILES, BLOCK_N, WARPS,
-                                                                 PROGRAMS_PER_SM)]
+    cases, configs = CASES, list(CONFIGS)
     if args.toy:
         kl.K = kl.N = 512
         timing.MAX_ROTATION = 1
-        cases, configs = ((16, 16, 16, 16),), [RowTiles(), RowTiles(tile=1024, block_n=64)]
+        cases, configs = ((16, 16, 16, 16),), [RowTiles(),
+                                               RowTiles(block_n=64, expand_sub_tile=512)]
     copy = copy_bandwidth_gbs(1 << 30 if DEVICE == "cuda" else 1 << 20)
     rows: list[dict[str, object]] = []
     result = {**run_record(["bench.kernels_lora_rows", *(argv or sys.argv[1:])]),
