@@ -42,9 +42,9 @@ GraphKey = tuple[int, frozenset[int], int]
 ROW_GRAPH = -1
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
 # (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
-# which read an adapter once for all its rows, win (H200, lora-rows-h200.json and
-# lora-grid-h200.json at 7f5673f: one row an adapter, r16 B64 14.6 vs 20.4 us, B256 33.1 vs
-# 45.0; four rows an adapter, B64 U16 13.0 vs 11.7, B256 U64 28.1 vs 21.4).
+# which read an adapter once for all its rows, hold their own (H200, lora-grid-h200.json at
+# c5e33ed, rows vs tiles: one row an adapter, r16 B64 12.6 vs 20.4 us, B256 28.4 vs 44.8;
+# four rows an adapter, B64 U16 10.5 vs 11.6, B256 U64 22.6 vs 21.3).
 ROW_KERNELS_MAX_ROWS_PER_ADAPTER = 2
 
 
