@@ -55,13 +55,6 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int) -> dict[str, A
             "ptx_b32_registers_declared": int(regs.group(1)) if regs else None}
 
 
-def sub_tiles(block_n: int, block_r: int, sub_tile: int) -> dict[str, int]:
-    """The row expand's SUB16 / SUB32 / SUBR constexprs, as `rows_expand` derives them."""
-    def sub(rank_tile: int) -> int:
-        return block_n if sub_tile <= 0 else max(16, min(block_n, sub_tile // rank_tile))
-    return {"SUB16": sub(16), "SUB32": sub(32), "SUBR": sub(block_r)}
-
-
 def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
     """(name, kernel, constexprs, warps): the row and the tile kernels at rank bounds 16 and 64,
     with their default tiles (RowTiles(), DECODE_TILES), and the row expand with its register
@@ -74,10 +67,10 @@ def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
              {"MAX_RANK": bound, "BLOCK_R": bound, "TILE": rows.tile}, rows.num_warps),
             (f"rows_expand_r{bound}", lora_rows._rows_expand_kernel,
              {"MAX_RANK": bound, "BLOCK_R": bound, "BLOCK_N": rows.block_n,
-              **sub_tiles(rows.block_n, bound, 0)}, rows.num_warps),
+              **lora_rows.expand_sub_tiles(rows.block_n, bound, 0)}, rows.num_warps),
             (f"rows_expand_r{bound}_sub4096", lora_rows._rows_expand_kernel,
              {"MAX_RANK": bound, "BLOCK_R": bound, "BLOCK_N": rows.block_n,
-              **sub_tiles(rows.block_n, bound, 4096)}, rows.num_warps),
+              **lora_rows.expand_sub_tiles(rows.block_n, bound, 4096)}, rows.num_warps),
             (f"tile_shrink_r{bound}", lora_shrink._lora_shrink_kernel,
              {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": bound,
               "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False}, 4),

@@ -133,10 +133,8 @@ def add_lora_triton(
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
         if isinstance(tiles, RowTiles):
-            splits = split_k or max(1, min(
-                pick_split_k(x.shape[0] * len(mods), k, x.device, tiles.max_split_k,
-                             tiles.programs_per_sm),
-                tiles.max_split_k, k // MIN_K_PER_SPLIT))
+            splits = split_k or min(tiles.max_split_k, pick_split_k(
+                x.shape[0] * len(mods), k, x.device, tiles.max_split_k, tiles.programs_per_sm))
         else:
             splits = split_k or min(split_cap(tiles, k, block_r), pick_split_k(
                 meta.num_tiles * len(mods), k, x.device, tiles.max_split_k))

@@ -33,18 +33,19 @@ from kernels.lora_common import (
     select3,
 )
 
-# Elements of the shrink's register tile ([rank tile, K tile]) each program multiplies per
-# step: the K tile is the tile // rank tile, so every rank bucket moves the same bytes a step.
-
 
 @dataclass(frozen=True)
 class RowTiles:
     """Tile sizes of the row kernels: the shrink's register tile (elements), the expand's
     output columns per program, warps per program, the most K splits and the shrink programs
-    per multiprocessor the K split aims for. Defaults: the best of the H200 sweep at the
+    per multiprocessor the K split aims for. Defaults: the best of the first H200 sweep at the
     engine's decode case, r16 adapters in launches bounded at rank 64, B64 U64 (15.1 vs 19.5
-    us for 4096-element tiles, 128 columns, 4 warps; lora-rows-h200.json at 7f5673f)."""
+    us for 4096-element tiles, 128 columns, 4 warps; that round, 7f5673f, was superseded and
+    not kept); within 1-2 us of the best in every case of lora-rows-sweep-964ec9e-h200.json
+    but one (one warp, 2.4 us faster at r16 in rank-64 launches, 1.5x slower at r64)."""
 
+    # Elements of the shrink's register tile ([rank tile, K tile]) a program multiplies per
+    # step: the K tile is tile // rank tile, so every rank bucket moves the same bytes a step.
     tile: int = 2048
     block_n: int = 256
     num_warps: int = 2
@@ -90,12 +91,12 @@ def _rows_shrink_bucketed(x_row, a_base, buf_row, rank, k_lo, k_hi, K, stride_xk
                            BLOCK_R, TILE // BLOCK_R)
 
 
-# Row count, module count and split change with the step: runtime values, never specialized
-# on, so a new batch shape compiles no new variant.
-@triton.jit(do_not_specialize=["num_rows", "num_mods", "split_k", "k_chunk", "stride_bs"])
+# Module count and split change with the step: runtime values, never specialized on, so a new
+# batch shape compiles no new variant (the row count is the grid's).
+@triton.jit(do_not_specialize=["num_mods", "split_k", "k_chunk", "stride_bs"])
 def _rows_shrink_kernel(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr, slots_ptr,
-    mod0, mod1, mod2, num_rows, num_mods, split_k, k_chunk,
+    mod0, mod1, mod2, num_mods, split_k, k_chunk,
     K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -237,7 +238,7 @@ def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
     mods = tuple(module_ids) + (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
     _rows_shrink_kernel[(num_rows * num_mods * split_k,)](
         x, arena, buf, a_offsets, ranks, token_slots, mods[0], mods[1], mods[2],
-        num_rows, num_mods, split_k, k_chunk, k, x.stride(0), x.stride(1),
+        num_mods, split_k, k_chunk, k, x.stride(0), x.stride(1),
         a_offsets.stride(0), buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, BLOCK_R=block_r, TILE=tile, num_warps=num_warps,
     )
@@ -266,17 +267,23 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
     mods = tuple(module_ids) + pad
     starts = tuple(s for s, _ in out_slices) + pad
     sizes = tuple(n for _, n in out_slices) + pad
-    def sub(rank_tile: int) -> int:
-        return block_n if sub_tile <= 0 else max(16, min(block_n, sub_tile // rank_tile))
-
     _rows_expand_kernel[(num_rows, num_mods * n_tiles)](
         y, buf, arena, b_offsets, ranks, scales, token_slots,
         mods[0], mods[1], mods[2], starts[0], starts[1], starts[2], sizes[0], sizes[1],
         sizes[2], n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n, SUB16=sub(16), SUB32=sub(32),
-        SUBR=sub(block_r), num_warps=num_warps,
+        MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n,
+        **expand_sub_tiles(block_n, block_r, sub_tile), num_warps=num_warps,
     )
+
+
+def expand_sub_tiles(block_n: int, block_r: int, sub_tile: int) -> dict[str, int]:
+    """The expand's columns per sub-tile for the rank buckets 16, 32 and `block_r` (its
+    SUB16 / SUB32 / SUBR): `block_n` uncapped (sub_tile 0), else sub_tile // rank tile, at
+    least 16."""
+    def sub(rank_tile: int) -> int:
+        return block_n if sub_tile <= 0 else max(16, min(block_n, sub_tile // rank_tile))
+    return {"SUB16": sub(16), "SUB32": sub(32), "SUBR": sub(block_r)}
 
 
 def _check_slots(token_slots: torch.Tensor, num_rows: int) -> None:
