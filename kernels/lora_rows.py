@@ -52,7 +52,7 @@ class RowTiles:
     max_split_k: int = 16
     programs_per_sm: int = 4
     # The expand's register tile capped at this many elements (0: none). Not yet timed on a
-    # GPU: at rank bound 64 the uncapped [256 x 64] tile compiles to 2 MB of PTX in 15 s
+    # GPU: at rank bound 64 the uncapped [256 x 64] tile compiles to 2 MB of PTX in 13 s
     # (kernel-compile-cost-cpu.json), a suspect in the churn stall the option is meant to cure.
     expand_sub_tile: int = 0
 
