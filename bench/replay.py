@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import hashlib
 import sys
@@ -16,6 +17,11 @@ from bench.workload import BenchRequest
 from kernels.jit_stats import compiled_kernel_variants
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
+
+# A replay that makes no progress (no token out) for this long prints every thread's stack, and
+# again each period after: where a stalled run waits (a Triton compile, a CUDA sync, a lock).
+# When steps still return, the engine's state is printed too (a livelock, not a hang).
+STALL_DUMP_S = 20.0
 
 
 def warm(engine: LLMEngine, vocab: int, num_adapters: int) -> None:
@@ -92,33 +98,49 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
     nxt = 0
     bar = tqdm(total=len(requests), desc=label, file=sys.stderr, leave=False)
     longest_step = 0.0
-    with GcPauses() as pauses:
-        while len(done) < len(requests):
-            now = time.perf_counter() - t0
-            while nxt < len(order) and requests[order[nxt]].arrival <= now:
-                i = order[nxt]
-                r = requests[i]
-                params = SamplingParams(temperature=0 if greedy else 1.0,
-                                        max_new_tokens=r.output_len, ignore_eos=True,
-                                        seed=None if greedy else i)
-                engine.add_request(str(i), r.prompt, params,
-                                   adapter=None if r.adapter is None else f"a{r.adapter}")
-                nxt += 1
-            if not engine.has_unfinished():
-                time.sleep(max(0.0, requests[order[nxt]].arrival - now))
-                continue
-            outs = engine.step()
-            t = time.perf_counter() - t0
-            longest_step = max(longest_step, t - now)
-            distinct.append(engine.stats.last_distinct_adapters)
-            for out in outs:
-                i = int(out.request_id)
-                if out.token_ids and i not in first:
-                    first[i] = t
-                tokens.setdefault(i, []).extend(out.token_ids)
-                if out.finished:
-                    done[i] = t
-                    bar.update(1)
+    armed = progress = 0.0
+    faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
+    try:
+        with GcPauses() as pauses:
+            while len(done) < len(requests):
+                now = time.perf_counter() - t0
+                while nxt < len(order) and requests[order[nxt]].arrival <= now:
+                    i = order[nxt]
+                    r = requests[i]
+                    params = SamplingParams(temperature=0 if greedy else 1.0,
+                                            max_new_tokens=r.output_len, ignore_eos=True,
+                                            seed=None if greedy else i)
+                    engine.add_request(str(i), r.prompt, params,
+                                       adapter=None if r.adapter is None else f"a{r.adapter}")
+                    nxt += 1
+                if not engine.has_unfinished():  # idle until the next arrival: no stall
+                    time.sleep(max(0.0, requests[order[nxt]].arrival - now))
+                    progress = armed = time.perf_counter() - t0
+                    faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
+                    continue
+                outs = engine.step()
+                t = time.perf_counter() - t0
+                longest_step = max(longest_step, t - now)
+                distinct.append(engine.stats.last_distinct_adapters)
+                if any(out.token_ids for out in outs):
+                    progress = t
+                    if t - armed > 1.0:  # re-armed about once a second
+                        armed = t
+                        faulthandler.dump_traceback_later(STALL_DUMP_S, repeat=True)
+                elif t - progress > STALL_DUMP_S and t - armed > STALL_DUMP_S:
+                    armed = t  # steps return but nothing comes out: say what the engine holds
+                    print(f"{label}: no token for {t - progress:.0f} s, {engine.state_snapshot()}",
+                          file=sys.stderr, flush=True)
+                for out in outs:
+                    i = int(out.request_id)
+                    if out.token_ids and i not in first:
+                        first[i] = t
+                    tokens.setdefault(i, []).extend(out.token_ids)
+                    if out.finished:
+                        done[i] = t
+                        bar.update(1)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     bar.close()
     wall = time.perf_counter() - t0
     arr = np.array([requests[i].arrival for i in range(len(requests))])
