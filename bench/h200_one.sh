@@ -10,7 +10,8 @@
 #   rows    row-kernel tiles beside the tile kernels on the decode cases (kernels_lora_rows);
 #   floor-rows / floor-tiles  the decode-step floor alone (asynchronous steps), decode graphs
 #           with the row kernels' graph / on 16-row tiles only;
-#   churn-rows  the churn step (alpha 1.0) with the row kernels on (it stalled at 34c58cb);
+#   churn-rows  the churn step (alpha 1.0) with the row kernels on (it stalled at 34c58cb and
+#           fd01907), under bench.stall_probe (SLORA_CHECK_INDICES=1 checks every step);
 #   gcpause the start-up heap frozen vs not, interleaved (bench.serving gcpause);
 #   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
@@ -45,7 +46,9 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
         rows) step rows "${ROWS_S:-200}" python3 -m bench.kernels_lora_rows \
             --out "$OUT/lora-rows-h200.json" ;;
         floor-rows) engine_floor rows --lora-row-kernels ;;
-        churn-rows) step churn-rows "${CHURN_S:-150}" python3 -m bench.serving \
+        churn-rows) step churn-rows "${CHURN_S:-150}" python3 -m bench.stall_probe \
+            --log "$OUT/churn-rows-run.log" --probe "$OUT/churn-rows-probe.log" \
+            --limit $((${CHURN_S:-150} - 15)) -- python3 -m bench.serving \
             --shape llama2-7b --device cuda --dtype float16 --arena-gb 32 --scenarios churn \
             --many-adapters 2000 --churn-requests 600 --churn-rate 50 --churn-alphas 1.0 \
             --lora-row-kernels --out "$OUT/churn-rows-h200.json" ;;

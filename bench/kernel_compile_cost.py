@@ -57,8 +57,8 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int) -> dict[str, A
 
 def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
     """(name, kernel, constexprs, warps): the row and the tile kernels at rank bounds 16 and 64,
-    with their default tiles (RowTiles(), DECODE_TILES), and the row expand with its register
-    tile capped at 4096 elements (RowTiles.expand_sub_tile)."""
+    with their default tiles (RowTiles(), DECODE_TILES); the row expand uncapped and with its
+    register tile capped at 4096 elements (RowTiles.expand_sub_tile, the default)."""
     rows = lora_rows.RowTiles()
     out: list[tuple[str, Any, dict[str, Any], int]] = []
     for bound in (16, 64):

@@ -34,12 +34,12 @@ from kernels.lora_rows import RowTiles
 CASES: tuple[tuple[int, int, int, int], ...] = (
     (16, 64, 64, 16), (16, 64, 64, 64), (16, 256, 256, 16), (16, 256, 64, 16),
     (16, 64, 16, 16), (64, 256, 256, 64), (64, 64, 64, 64), (8, 256, 256, 64))
-# The defaults, the expand's capped register tile (the churn stall's suspect), one warp (best
-# for rank-16 adapters in rank-64 launches, lora-rows-sweep-964ec9e-h200.json) and wider
-# expand tiles, alone and together.
-CONFIGS = (RowTiles(), RowTiles(expand_sub_tile=4096), RowTiles(expand_sub_tile=2048),
-           RowTiles(num_warps=1), RowTiles(num_warps=1, expand_sub_tile=4096),
-           RowTiles(block_n=512, expand_sub_tile=4096), RowTiles(tile=1024))
+# The defaults (the expand's register tile capped at 4096 elements), uncapped (the default
+# before lora-rows-sweep-fd01907-h200.json) and capped at 2048, one warp (best for rank-16
+# adapters in rank-64 launches in lora-rows-sweep-964ec9e-h200.json, uncapped), wider expand
+# tiles and a smaller shrink tile.
+CONFIGS = (RowTiles(), RowTiles(expand_sub_tile=0), RowTiles(expand_sub_tile=2048),
+           RowTiles(num_warps=1), RowTiles(block_n=512), RowTiles(tile=1024))
 
 
 @triton.jit

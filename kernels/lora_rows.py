@@ -51,10 +51,13 @@ class RowTiles:
     num_warps: int = 2
     max_split_k: int = 16
     programs_per_sm: int = 4
-    # The expand's register tile capped at this many elements (0: none). Not yet timed on a
-    # GPU: at rank bound 64 the uncapped [256 x 64] tile compiles to 2 MB of PTX in 13 s
-    # (kernel-compile-cost-cpu.json), a suspect in the churn stall the option is meant to cure.
-    expand_sub_tile: int = 0
+    # The expand's register tile capped at this many elements (0: none): a rank bucket's
+    # block_n columns are looped sub_tile // rank tile at a time. In launches bounded at rank
+    # 64 (the engine's) 4096 is as fast or faster than no cap (r16 B64 U64 13.0 vs 14.7 us,
+    # r8 B256 U256 25.7 vs 32.9, r64 B64 U64 32.4 vs 34.8; rank-16 bounds within 0.1 us:
+    # lora-rows-sweep-fd01907-h200.json), and the rank-64 expand compiles to 0.83 MB of PTX in
+    # 6.6 s instead of 2.0 MB in 13.2 s (kernel-compile-cost-cpu.json).
+    expand_sub_tile: int = 4096
 
 
 @triton.jit

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from kernels.lora_meta import ROW_BLOCK_M
 from slora_core.arena import PageArena
 from slora_core.config import LORA_MODULES
 from slora_core.context import StepContext
@@ -181,6 +182,11 @@ def _check_lora(ctx: StepContext, num_tokens: int, arena: PageArena, where: str)
     assert meta is not None
     if meta.token_slots.shape[0] != num_tokens:
         _fail(where, f"{meta.token_slots.shape[0]} token slots for {num_tokens} tokens")
+    token_slots = _np(meta.token_slots)
+    _in_range(where, "token_slots", token_slots, -1, arena.num_slots)
+    if meta.block_m == ROW_BLOCK_M:  # the row kernels read each token's slot, no tile list
+        check_slot_rows(arena, np.unique(token_slots[token_slots >= 0]).tolist(), where=where)
+        return
     if meta.num_tiles > meta.tile_segs.shape[0]:
         _fail(where, f"{meta.num_tiles} tiles launched over a list of {meta.tile_segs.shape[0]}")
     segs = _np(meta.tile_segs[: meta.num_tiles])

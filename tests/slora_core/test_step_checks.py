@@ -12,7 +12,7 @@ import torch
 
 from slora_core import step_checks
 from slora_core.config import EngineConfig
-from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
+from slora_core.cuda_graphs import ROW_GRAPH, DecodeGraphs, MixedGraphs
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 from slora_core.step_checks import StepIndexError, check_context, check_scheduled
@@ -180,3 +180,32 @@ def _decode_step(engine: LLMEngine, rows: int):
     inputs = build_step_inputs(sched.scheduled, engine.arena.block_size)
     assert inputs.max_query_len == 1 and inputs.num_seqs == rows and inputs.has_lora
     return inputs
+
+
+def test_row_kernel_steps_check_each_token_slot(demo_dir):
+    """The row kernels read every token's adapter slot (no tile list): a decode graph's
+    row-kernel context is checked through its token slots, which must name a slot whose table
+    rows point inside the arena."""
+    engine = _churn_engine(demo_dir, 3, num_pages=256, block_size=64, max_num_seqs=8,
+                           max_num_batched_tokens=160, lora_row_kernels=True)
+    for name in ("a0", "a1", "a2"):  # in the host tier, so the prefill runs in one step
+        engine.load_adapter(name)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner, 8, engine.config.max_model_len)
+    key = graphs.prepare(_decode_step(engine, 6))
+    assert key[2] == ROW_GRAPH  # three adapters on six rows: two rows each
+    ctx = graphs._context(*key)
+    check_context(ctx, key[0], runner.arena)
+    slots = graphs.buf.token_slots
+    saved = slots.clone()
+    slots[3] = runner.arena.num_slots
+    with pytest.raises(StepIndexError, match="token_slots"):
+        check_context(ctx, key[0], runner.arena)
+    slots.copy_(saved)
+    # A token's slot whose A matrix lies past the arena (what a stale table row would read).
+    slot = int(saved[0])
+    tables = runner.arena.tables
+    live = tables.ranks[:, slot] > 0
+    tables.a_offsets[:, slot][live] = runner.arena.num_pages * runner.arena.page_numel
+    with pytest.raises(StepIndexError, match="offsets"):
+        check_context(ctx, key[0], runner.arena)
