@@ -107,6 +107,9 @@ def churn_rows(result: dict[str, Any], source: str) -> list[str]:
     churn = result.get("churn", {})
     rate = result.get("args", {}).get("churn_rate")
     at = f", {rate:g} arrivals/s" if rate else ""
+    # Decode LoRA path (runs from before the option existed ran the tiles).
+    at += (", row kernels for many-adapter steps" if result.get("args", {}).get(
+        "lora_row_kernels") else ", 16-row tiles only")
     for key, what in (("alpha1.0_host", "alpha 1.0"), ("alpha0.5_host", "alpha 0.5")):
         run = churn.get(key)
         if run:
@@ -204,8 +207,9 @@ def table() -> str:
                                  f"`{path.name}` @ {result['commit'][:8]}")
     # Saturated (60/s), below saturation (50/s, 40/s), and the older run with the disk tier.
     # churn-rate50-4a1c7c8-h200.json: the last run with alpha 0.5 (the newer one ran 1.0 only).
-    for name in ("churn-h200.json", "churn-rate50-h200.json", "churn-rate50-4a1c7c8-h200.json",
-                 "churn-rate40-h200.json", "churn-disk-h200.json"):
+    for name in ("churn-h200.json", "churn-rate50-h200.json", "churn-rows-h200.json",
+                 "churn-rate50-4a1c7c8-h200.json", "churn-rate40-h200.json",
+                 "churn-disk-h200.json"):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())

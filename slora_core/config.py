@@ -218,11 +218,11 @@ class EngineConfig:
     lora_overlap: bool = False
     # Decode steps whose adapters own few rows each replay a third LoRA graph, the row
     # kernels' (kernels/lora_rows.py: each token reads its adapter through its slot, no tile
-    # list); off: the 16-row tile kernels only. Off by default: the batch-64 decode step
-    # gains 0.5 ms with it (1.31x vs 1.39x its floor on the H200), but the 2,000-adapter churn
-    # run with it stalled after 251 of 600 requests there, cause not yet found
-    # (bench/results/churn-rows-stall-h200.log).
-    lora_row_kernels: bool = False
+    # list); off: the 16-row tile kernels only. The batch-64 decode step with 64 adapters
+    # gains 0.5-0.8 ms with it (1.27-1.33x its floor vs 1.39x on the H200,
+    # bench/results/engine-floor-*-h200.json). Like every Triton kernel they compile at the
+    # first start (the warm-up captures them) and are read from Triton's cache after.
+    lora_row_kernels: bool = True
     # When every token of a run of steps reads one adapter, fold it into the base weights and
     # run those steps as the base model (slora_core/lora_merge.py); any other step restores
     # the weights first. Costs a device copy of the projection weights (Llama-2-7B: 12.9 GB),

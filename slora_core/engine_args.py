@@ -41,7 +41,7 @@ HELP: dict[str, str] = {
                           "only one (costs a device copy of the projection weights)",
     "lora_overlap": "run decode steps' LoRA on a second CUDA stream beside the base GEMMs",
     "lora_row_kernels": "decode graphs run many-adapter LoRA one token row a program (faster "
-                        "decode steps; off by default: a churn stall not yet explained)",
+                        "decode steps; off: 16-row tiles only)",
     "tensor_parallel_size": "ranks (one GPU each) one engine is sharded over; rank 0 "
                             "schedules (slora_core/tp)",
 }
