@@ -46,9 +46,9 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
         rows) step rows "${ROWS_S:-200}" python3 -m bench.kernels_lora_rows \
             --out "$OUT/lora-rows-h200.json" ;;
         floor-rows) engine_floor rows --lora-row-kernels ;;
-        churn-rows) step churn-rows "${CHURN_S:-150}" python3 -m bench.stall_probe \
+        churn-rows) step churn-rows "${CHURN_S:-200}" python3 -m bench.stall_probe \
             --log "$OUT/churn-rows-run.log" --probe "$OUT/churn-rows-probe.log" \
-            --limit $((${CHURN_S:-150} - 15)) -- python3 -m bench.serving \
+            --limit $((${CHURN_S:-200} - 15)) -- python3 -m bench.serving \
             --shape llama2-7b --device cuda --dtype float16 --arena-gb 32 --scenarios churn \
             --many-adapters 2000 --churn-requests 600 --churn-rate 50 --churn-alphas 1.0 \
             --lora-row-kernels --out "$OUT/churn-rows-h200.json" ;;
@@ -70,7 +70,7 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
         lora-sweep) step lora-sweep "${LORA_SWEEP_S:-200}" python3 -m bench.decode_sweep \
             --parts lora --lora-cases 16,64,64 16,256,256 16,64,1 \
             --out "$OUT/decode-sweep-lora-h200.json" ;;
-        churn) step churn "${CHURN_S:-150}" python3 -m bench.serving --shape llama2-7b \
+        churn) step churn "${CHURN_S:-200}" python3 -m bench.serving --shape llama2-7b \
             --device cuda --dtype float16 --arena-gb 32 --scenarios churn --many-adapters 2000 \
             --churn-requests 600 --churn-rate 50 --churn-alphas "${CHURN_ALPHAS:-1.0,0.5}" \
             --out "$OUT/churn-rate50-h200.json" ;;
