@@ -12,6 +12,8 @@ case times, over inputs rotated past the L2:
 - `exact`: the real tile list, split chosen on the host (an eager step);
 - `split_unroll4`: `graph_capture_split` with the expand reading the K splits' partial sums
   four loads at a time;
+- `early_loads` / `short_list_early_loads`: `graph_capture_split` / `graph_short_list` with the
+  expand loading its y and B tiles before it sums the K splits (`LoraTiles.early_loads`);
 - `wide_split4` (U >= B/4): 512-wide expand and shrink tiles, K split at most 4;
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
@@ -53,6 +55,7 @@ VLLM_US = {(16, 64, 1): 7.6, (16, 256, 1): 11.0, (16, 256, 64): 35.5, (16, 256, 
 BUDGET = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
 NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
 UNROLL4 = dataclasses.replace(DECODE_TILES, split_unroll=4)
+EARLY = dataclasses.replace(DECODE_TILES, early_loads=True)
 # The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
 # expand and shrink tiles, the K split at most 4 (`wide_split4`).
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
@@ -107,14 +110,15 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
         "graph_capture_split": (grph, rank, DECODE_TILES, capture),
         "exact": (exact, rank, DECODE_TILES, None),
         "split_unroll4": (grph, rank, UNROLL4, capture),
+        "early_loads": (grph, rank, EARLY, capture),
         "rows": (rows, rank, RowTiles(), None)}
     if len(set(slots)) >= max(2, b // 4):
         out["wide_split4"] = (grph, rank, WIDE, min(4, capture))
     short = -(-b // DECODE_BLOCK_M)
     if short < b and exact.num_tiles <= short:
-        out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES,
-                                   pick_split_k(short, kl.K, torch.device(DEVICE),
-                                                DECODE_TILES.max_split_k))
+        short_split = pick_split_k(short, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
+        out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES, short_split)
+        out["short_list_early_loads"] = (padded_meta(slots, short), rank, EARLY, short_split)
     if rank == 64:  # below rank 64 the budget allows every split anyway
         out["budget256"] = (grph, rank, BUDGET, min(capture, split_cap(BUDGET, kl.K, 64)))
     elif slots == sorted(slots):

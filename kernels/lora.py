@@ -43,6 +43,9 @@ class LoraTiles:
     # grid's `split_unroll4`, lora-grid-h200.json) was 1-5% faster at 64+ adapters and no
     # faster or slower elsewhere, so 1 stays the default.
     split_unroll: int = 1
+    # The expand loads its y and B tiles before summing the K splits (their latency overlaps
+    # the sum's), as the row kernels do.
+    early_loads: bool = False
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -153,7 +156,8 @@ def add_lora_triton(
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll)
+                    rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
+                    early_loads=tiles.early_loads)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:

@@ -38,15 +38,25 @@ def _expand_rank_tiles(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
 ):
     """y[rows, cols] += scale * (sum of buf's K splits)[:, :rank] @ B[cols, :rank].T. With
     SPLIT_UNROLL 4 the partial sums are read four loads at a time (independent loads issued
-    before the adds), else one after another."""
+    before the adds), else one after another. With EARLY_LOADS the y tile and each B tile are
+    loaded before the K splits are summed, so their latency overlaps the sum's (as the row
+    kernels do, lora_rows._rows_expand_tiles)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EARLY_LOADS:
+        y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         h_mask = mask_m[:, None] & mask_r[None, :]
+        # B is [N, r] row-major; this tile is B.T[r0:r0+BLOCK_R, n0:n0+BLOCK_N].
+        b_ptrs = b_base + offs_n[None, :] * rank + offs_r[:, None]
+        b_mask = mask_n[None, :] & mask_r[:, None]
+        if EARLY_LOADS:
+            b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
         h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         if SPLIT_UNROLL == 4:
             parts = buf_rows[:, None] + offs_r[None, :]
@@ -65,11 +75,11 @@ def _expand_rank_tiles(
             for j in range(split_k):
                 h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
                              other=0.0)
-        # B is [N, r] row-major; this tile is B.T[r0:r0+BLOCK_R, n0:n0+BLOCK_N].
-        b_tile = tl.load(b_base + offs_n[None, :] * rank + offs_r[:, None],
-                         mask=mask_n[None, :] & mask_r[:, None], other=0.0)
+        if not EARLY_LOADS:
+            b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
         acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
-    y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    if not EARLY_LOADS:
+        y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_ptrs.dtype.element_ty),
              mask=y_mask)
 
@@ -79,20 +89,21 @@ def _expand_bucketed(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
 ):
     """`_expand_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`."""
     if RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16,
-                           SPLIT_UNROLL)
+                           SPLIT_UNROLL, EARLY_LOADS)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32,
-                           SPLIT_UNROLL)
+                           SPLIT_UNROLL, EARLY_LOADS)
     else:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
-                           SPLIT_UNROLL)
+                           SPLIT_UNROLL, EARLY_LOADS)
 
 
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
@@ -107,6 +118,7 @@ def _lora_expand_kernel(
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     mod_i = tl.program_id(1) // n_tiles
@@ -142,11 +154,13 @@ def _lora_expand_kernel(
         # every B row segment loads as 16-byte vectors.
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL)
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
+                         EARLY_LOADS)
     else:
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL)
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
+                         EARLY_LOADS)
 
 
 def lora_expand(
@@ -167,9 +181,11 @@ def lora_expand(
     num_stages: int = 2,
     rank_buckets: bool = True,
     split_unroll: int = 1,
+    early_loads: bool = False,
 ) -> None:
     """Add the expand of `buf` into y's column slices (see module docstring). `split_unroll`
-    (1 or 4): K splits' partial sums read per step of the summing loop."""
+    (1 or 4): K splits' partial sums read per step of the summing loop; `early_loads`: the y
+    and B tiles loaded before the K splits are summed."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if split_unroll not in (1, 4):
         raise ValueError(f"split_unroll must be 1 or 4, got {split_unroll}")
@@ -195,7 +211,7 @@ def lora_expand(
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, SPLIT_UNROLL=split_unroll,
-        num_warps=num_warps, num_stages=num_stages,
+        EARLY_LOADS=early_loads, num_warps=num_warps, num_stages=num_stages,
     )
 
 

@@ -30,6 +30,8 @@ VARIANTS = {
     "default": DECODE_TILES,
     "no_rank_buckets": dataclasses.replace(DECODE_TILES, rank_buckets=False),
     "split_unroll4": dataclasses.replace(DECODE_TILES, split_unroll=4),
+    "early_loads": dataclasses.replace(DECODE_TILES, early_loads=True),
+    "early_loads_unroll4": dataclasses.replace(DECODE_TILES, early_loads=True, split_unroll=4),
 }
 
 
