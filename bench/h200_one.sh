@@ -12,6 +12,8 @@
 #           with the row kernels' graph / on 16-row tiles only;
 #   churn-rows  the churn step (alpha 1.0) with the row kernels on (it stalled at 34c58cb and
 #           fd01907), under bench.stall_probe (SLORA_CHECK_INDICES=1 checks every step);
+#   one-adapter  decode LoRA with one adapter on every row: shrink and expand times apart,
+#           K splits and tiles on the short list (bench.lora_one_adapter);
 #   gcpause the start-up heap frozen vs not, interleaved (bench.serving gcpause);
 #   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
@@ -46,6 +48,8 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
         rows) step rows "${ROWS_S:-200}" python3 -m bench.kernels_lora_rows \
             --out "$OUT/lora-rows-h200.json" ;;
         floor-rows) engine_floor rows --lora-row-kernels ;;
+        one-adapter) step one-adapter "${ONE_S:-150}" python3 -m bench.lora_one_adapter \
+            --out "$OUT/lora-one-adapter-h200.json" ;;
         churn-rows) step churn-rows "${CHURN_S:-200}" python3 -m bench.stall_probe \
             --log "$OUT/churn-rows-run.log" --probe "$OUT/churn-rows-probe.log" \
             --limit $((${CHURN_S:-200} - 15)) -- python3 -m bench.serving \

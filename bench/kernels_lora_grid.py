@@ -12,8 +12,9 @@ case times, over inputs rotated past the L2:
 - `exact`: the real tile list, split chosen on the host (an eager step);
 - `split_unroll4`: `graph_capture_split` with the expand reading the K splits' partial sums
   four loads at a time;
-- `early_loads` / `short_list_early_loads`: `graph_capture_split` / `graph_short_list` with the
-  expand loading its y and B tiles before it sums the K splits (`LoraTiles.early_loads`);
+- `early_loads`: `graph_capture_split` with the expand loading its y and B tiles before it sums
+  the K splits (`LoraTiles.early_loads`; launches of at most 16 tiles, the short lists among
+  them, always do);
 - `wide_split4` (U >= B/4): 512-wide expand and shrink tiles, K split at most 4;
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
@@ -118,7 +119,6 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
     if short < b and exact.num_tiles <= short:
         short_split = pick_split_k(short, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES, short_split)
-        out["short_list_early_loads"] = (padded_meta(slots, short), rank, EARLY, short_split)
     if rank == 64:  # below rank 64 the budget allows every split anyway
         out["budget256"] = (grph, rank, BUDGET, min(capture, split_cap(BUDGET, kl.K, 64)))
     elif slots == sorted(slots):

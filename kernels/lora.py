@@ -44,7 +44,8 @@ class LoraTiles:
     # faster or slower elsewhere, so 1 stays the default.
     split_unroll: int = 1
     # The expand loads its y and B tiles before summing the K splits (their latency overlaps
-    # the sum's), as the row kernels do.
+    # the sum's), as the row kernels do. Decode launches of at most EARLY_LOADS_MAX_TILES
+    # tiles always do (see there).
     early_loads: bool = False
 
 
@@ -59,6 +60,12 @@ MIN_K_PER_SPLIT = 256
 MAX_SPLIT_K = 16
 # Programs per multiprocessor the shrink aims for before it starts splitting K.
 PROGRAMS_PER_SM = 4
+# Decode (16-row) launches of at most this many tiles load the expand's y and B tiles before
+# the K-split sum: every such case of the H200 grid was as fast or faster (one adapter, the
+# short lists: r16 B64 8.8 -> 8.3 us, r64 B16 11.3 -> 10.8, r64 B64 12.2 -> 11.8), while full
+# lists of 64+ tiles at rank 64 were slower (r64 B256 U256 106.9 -> 121.3: the B tile held
+# across the sum costs registers) (lora-grid-early-loads-4ffc093-h200.json).
+EARLY_LOADS_MAX_TILES = 16
 
 
 def pick_tiles(block_m: int) -> LoraTiles:
@@ -157,7 +164,8 @@ def add_lora_triton(
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
-                    early_loads=tiles.early_loads)
+                    early_loads=tiles.early_loads or (meta.block_m == DECODE_BLOCK_M
+                                                      and meta.num_tiles <= EARLY_LOADS_MAX_TILES))
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:
