@@ -27,7 +27,8 @@ from bench.run_record import run_record
 from kernels.lora import DECODE_TILES, LoraTiles, pick_split_k
 from kernels.lora_meta import DECODE_BLOCK_M
 
-CELLS = ((16, 64), (16, 256), (8, 256), (64, 16), (64, 64), (64, 256))
+CELLS: tuple[tuple[int, int], ...] = ((16, 64), (16, 256), (8, 256), (64, 16), (64, 64),
+                                      (64, 256))
 # (name, tiles, split or None for the graphs' choice)
 CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("default", DECODE_TILES, None),
