@@ -206,10 +206,11 @@ def table() -> str:
             lines += engine_rows(result, f"in line, {label}",
                                  f"`{path.name}` @ {result['commit'][:8]}")
     # Saturated (60/s), below saturation (50/s, 40/s), and the older run with the disk tier.
-    # churn-rate50-4a1c7c8-h200.json: the last run with alpha 0.5 (the newer one ran 1.0 only).
+    # churn-rate50-4a1c7c8-h200.json: the last run on tiles with alpha 0.5 (3d9d85a ran 1.0
+    # only).
     for name in ("churn-h200.json", "churn-rate50-h200.json", "churn-rows-h200.json",
-                 "churn-rate50-4a1c7c8-h200.json", "churn-rate40-h200.json",
-                 "churn-disk-h200.json"):
+                 "churn-rate50-tiles-3d9d85a-h200.json", "churn-rate50-4a1c7c8-h200.json",
+                 "churn-rate40-h200.json", "churn-disk-h200.json"):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
