@@ -15,6 +15,8 @@ case times, over inputs rotated past the L2:
 - `early_loads`: `graph_capture_split` with the expand loading its y and B tiles before it sums
   the K splits (`LoraTiles.early_loads`; launches of at most 16 tiles, the short lists among
   them, always do);
+- `short_list_rank_parts4`: `graph_short_list` with the shrink's rank tile shared by four
+  programs (`LoraTiles.shrink_rank_parts`; parts at least 16 wide, so fewer below rank 64);
 - `wide_split4` (U >= B/4): 512-wide expand and shrink tiles, K split at most 4;
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
@@ -57,6 +59,7 @@ BUDGET = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
 NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
 UNROLL4 = dataclasses.replace(DECODE_TILES, split_unroll=4)
 EARLY = dataclasses.replace(DECODE_TILES, early_loads=True)
+RANK_PARTS4 = dataclasses.replace(DECODE_TILES, shrink_rank_parts=4)
 # The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
 # expand and shrink tiles, the K split at most 4 (`wide_split4`).
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
@@ -119,6 +122,8 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
     if short < b and exact.num_tiles <= short:
         short_split = pick_split_k(short, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES, short_split)
+        out["short_list_rank_parts4"] = (padded_meta(slots, short), rank, RANK_PARTS4,
+                                         short_split)
     if rank == 64:  # below rank 64 the budget allows every split anyway
         out["budget256"] = (grph, rank, BUDGET, min(capture, split_cap(BUDGET, kl.K, 64)))
     elif slots == sorted(slots):

@@ -4,7 +4,7 @@ which K split and tiles serve it best, on the short tile list decode graphs repl
 For each cell (rank, rows): the shrink's and the expand's device time apart (torch.profiler
 over eager launches: kernel durations, not launch gaps), then CUDA-graph replay times of the
 short list under K splits 8..64 (finer K tiles past 16 splits), with the expand summing the
-splits one or four at a time. One 4096x4096 module, fp16, inputs rotated past the L2.
+splits one or four at a time, and with the shrink's rank tile shared by four programs. One 4096x4096 module, fp16, inputs rotated past the L2.
 
     python -m bench.lora_one_adapter --out bench/results/lora-one-adapter-h200.json
 """
@@ -40,6 +40,12 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
                                                 split_unroll=4), 64),
     ("default_warps8", dataclasses.replace(DECODE_TILES, num_warps=8), None),
     ("default_bn128", dataclasses.replace(DECODE_TILES, expand_block_n=128), None),
+    # The shrink's rank tile shared by four programs (LoraTiles.shrink_rank_parts), alone and
+    # with the expand's wider grid.
+    ("rank_parts4", dataclasses.replace(DECODE_TILES, shrink_rank_parts=4), None),
+    ("rank_parts4_bn128", dataclasses.replace(DECODE_TILES, shrink_rank_parts=4,
+                                              expand_block_n=128), None),
+    ("rank_parts4_split8", dataclasses.replace(DECODE_TILES, shrink_rank_parts=4), 8),
 )
 
 

@@ -47,6 +47,11 @@ class LoraTiles:
     # the sum's), as the row kernels do. Decode launches of at most EARLY_LOADS_MAX_TILES
     # tiles always do (see there).
     early_loads: bool = False
+    # The shrink's rank tile shared by this many programs (each taking a 16-wide or wider part):
+    # more, smaller programs where few tiles leave most multiprocessors idle (one adapter on a
+    # decode batch at rank 64: 16 programs of 32 KB of A each). Not yet timed on the GPU
+    # (bench.lora_one_adapter's rank_parts4 variants), so 1 (off) everywhere.
+    shrink_rank_parts: int = 1
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -159,7 +164,8 @@ def add_lora_triton(
             continue
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
-                    num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets)
+                    num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
+                    rank_parts=min(tiles.shrink_rank_parts, block_r // 16))
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,

@@ -32,6 +32,7 @@ VARIANTS = {
     "split_unroll4": dataclasses.replace(DECODE_TILES, split_unroll=4),
     "early_loads": dataclasses.replace(DECODE_TILES, early_loads=True),
     "early_loads_unroll4": dataclasses.replace(DECODE_TILES, early_loads=True, split_unroll=4),
+    "rank_parts4": dataclasses.replace(DECODE_TILES, shrink_rank_parts=4),
 }
 
 
@@ -217,3 +218,28 @@ def test_split_unroll_other_than_1_or_4_is_refused() -> None:
     with pytest.raises(ValueError, match="split_unroll must be 1 or 4"):
         _check([0, 0], 1, [8], torch.float32, seed=1, capacity=2,
                tiles=dataclasses.replace(DECODE_TILES, split_unroll=2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", [2, 4])
+def test_shrink_rank_parts_above_the_rank_tile(dtype: torch.dtype, parts: int) -> None:
+    """The shrink's rank tile shared by 2 or 4 programs, with ranks below a part, between
+    parts and above the launch's 64-wide rank tile (rank 100 of a bound of 128: each part
+    loops to a second tile), K split three ways."""
+    slots = sorted(i % 4 for i in range(14))
+    _check(slots, 4, [8, 40, 64, 100], dtype, seed=70 + parts, capacity=16,
+           tiles=dataclasses.replace(DECODE_TILES, shrink_rank_parts=parts), max_rank=128,
+           in_features=768, split_k=3)
+
+
+def test_rank_parts_that_do_not_split_the_rank_tile_are_refused() -> None:
+    buf = torch.zeros(1, 4, 1, 64, device=DEVICE)
+    meta = LoraMeta.from_token_slots([0, 0, 0, 0], device=DEVICE, block_m=DECODE_BLOCK_M)
+    x = torch.zeros(4, 64, device=DEVICE)
+    arena = torch.zeros(64 * 64, device=DEVICE)
+    tables = torch.zeros(1, 1, dtype=torch.int64, device=DEVICE)
+    ranks = torch.ones(1, 1, dtype=torch.int32, device=DEVICE)
+    for parts in (3, 8):
+        with pytest.raises(ValueError, match="rank_parts"):
+            lora_shrink(buf, x, arena, tables, ranks, (0,), meta, block_m=DECODE_BLOCK_M,
+                        block_r=64, block_k=64, rank_parts=parts)
