@@ -10,8 +10,8 @@
 #   rows    row-kernel tiles beside the tile kernels on the decode cases (kernels_lora_rows);
 #   floor-rows / floor-tiles  the decode-step floor alone (asynchronous steps), decode graphs
 #           with the row kernels' graph / on 16-row tiles only;
-#   churn-rows  the churn step (alpha 1.0) with the row kernels on (it stalled at 34c58cb and
-#           fd01907), under bench.stall_probe (SLORA_CHECK_INDICES=1 checks every step);
+#   churn-rows  the churn step (alpha 1.0) with the row kernels on, under bench.stall_probe
+#           (the runs cut at 34c58cb and fd01907 looked stalled: a cold-cache warm-up);
 #   one-adapter  decode LoRA with one adapter on every row: shrink and expand times apart,
 #           K splits and tiles on the short list (bench.lora_one_adapter);
 #   gcpause the start-up heap frozen vs not, interleaved (bench.serving gcpause);

@@ -1,12 +1,15 @@
 """Run a command and, whenever its output stops growing, record what its processes are doing.
 
-For runs that stop making progress without an error (the row-kernel churn run at 34c58cb and
-fd01907: no traceback, and neither faulthandler's timed dump nor its SIGTERM dump appeared, as
-if no thread of the process could run). Each probe writes, for every process of the command's
-tree: its state and each thread's state and kernel wait channel (and kernel stack where
-readable), then `nvidia-smi` (is the GPU busy: a kernel that never ends, or idle: the host is
-stuck) and the kernel log's tail (Xid errors, hung tasks). The command's own exit status is
-returned; at --limit it is sent SIGTERM, then SIGKILL.
+For runs that stop making progress without an error. Under it the row-kernel churn run
+(c021796) showed its silent minutes to be the first engine warm-up, the main thread running
+and waiting on the compiler, the GPU idle (bench/results/churn-rows-probe-c021796-h200.log):
+the runs cut at 34c58cb and fd01907 had not stalled.
+
+Each probe writes, for every process of the command's tree: its state and each thread's state
+and kernel wait channel (and kernel stack where readable), then `nvidia-smi` (is the GPU busy:
+a kernel that never ends, or idle: the host is stuck) and the kernel log's tail (Xid errors,
+hung tasks). The command's own exit status is returned; at --limit it is sent SIGTERM, then
+SIGKILL.
 
     python -m bench.stall_probe --log run.log --probe probe.log --quiet-s 25 --limit 140 -- CMD...
 """

@@ -143,6 +143,8 @@ def add_lora_triton(
         return
     tiles = _pick_tiles(meta, tiles)
     block_r = rank_block(max_rank)
+    early_loads = isinstance(tiles, LoraTiles) and (tiles.early_loads or (
+        meta.block_m == DECODE_BLOCK_M and meta.num_tiles <= EARLY_LOADS_MAX_TILES))
     k = x.shape[1]
     for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
@@ -170,8 +172,7 @@ def add_lora_triton(
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
-                    early_loads=tiles.early_loads or (meta.block_m == DECODE_BLOCK_M
-                                                      and meta.num_tiles <= EARLY_LOADS_MAX_TILES))
+                    early_loads=early_loads)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:
