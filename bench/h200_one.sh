@@ -16,6 +16,9 @@
 #           K splits and tiles on the short list (bench.lora_one_adapter);
 #   gcpause the start-up heap frozen vs not, interleaved (bench.serving gcpause);
 #   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
+#   engine-pdl / engine-nopdl  engine-async with the LoRA expands launched as programmatic
+#           dependents of their shrinks (EngineConfig.lora_pdl) and without;
+#   tests   pytest on the GPU (TESTS, default tests/kernels/test_lora_pdl.py);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
 #   sweep   decode attention tiles at the default and the previous default (block_n 128);
@@ -45,6 +48,10 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
         engine-async) engine_arm async --async-steps ;;
         engine-sync) engine_arm sync --no-async-steps ;;
         engine-overlap) engine_arm overlap --async-steps --lora-overlap ;;
+        engine-pdl) engine_arm pdl --async-steps --lora-pdl ;;
+        engine-nopdl) engine_arm nopdl --async-steps --no-lora-pdl ;;
+        tests) step tests "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider \
+            ${TESTS:-tests/kernels/test_lora_pdl.py} ;;
         rows) step rows "${ROWS_S:-200}" python3 -m bench.kernels_lora_rows \
             --out "$OUT/lora-rows-h200.json" ;;
         floor-rows) engine_floor rows --lora-row-kernels ;;

@@ -17,6 +17,9 @@ case times, over inputs rotated past the L2:
   them, always do);
 - `short_list_rank_parts4`: `graph_short_list` with the shrink's rank tile shared by four
   programs (`LoraTiles.shrink_rank_parts`; parts at least 16 wide, so fewer below rank 64);
+- `pdl` / `no_pdl` suffixes: the variant with the expand launched as a programmatic
+  dependent of its shrink (`LoraTiles.pdl`, `RowTiles.pdl`) and without, whatever the
+  default (`graph_pdl`, `short_list_pdl`, `short_list_rank_parts4_pdl`, `rows_pdl`, ...);
 - `wide_split4` (U >= B/4): 512-wide expand and shrink tiles, K split at most 4;
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
@@ -60,6 +63,9 @@ NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
 UNROLL4 = dataclasses.replace(DECODE_TILES, split_unroll=4)
 EARLY = dataclasses.replace(DECODE_TILES, early_loads=True)
 RANK_PARTS4 = dataclasses.replace(DECODE_TILES, shrink_rank_parts=4)
+# Programmatic dependent launch on (`LoraTiles.pdl`) and off, whatever the default.
+PDL, NO_PDL = (dataclasses.replace(DECODE_TILES, pdl=on) for on in (True, False))
+ROWS_PDL, ROWS_NO_PDL = RowTiles(pdl=True), RowTiles(pdl=False)
 # The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
 # expand and shrink tiles, the K split at most 4 (`wide_split4`).
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
@@ -115,7 +121,11 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
         "exact": (exact, rank, DECODE_TILES, None),
         "split_unroll4": (grph, rank, UNROLL4, capture),
         "early_loads": (grph, rank, EARLY, capture),
-        "rows": (rows, rank, RowTiles(), None)}
+        "rows": (rows, rank, RowTiles(), None),
+        "graph_pdl": (grph, rank, PDL, capture),
+        "graph_no_pdl": (grph, rank, NO_PDL, capture),
+        "rows_pdl": (rows, rank, ROWS_PDL, None),
+        "rows_no_pdl": (rows, rank, ROWS_NO_PDL, None)}
     if len(set(slots)) >= max(2, b // 4):
         out["wide_split4"] = (grph, rank, WIDE, min(4, capture))
     short = -(-b // DECODE_BLOCK_M)
@@ -124,11 +134,17 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES, short_split)
         out["short_list_rank_parts4"] = (padded_meta(slots, short), rank, RANK_PARTS4,
                                          short_split)
+        out["short_list_pdl"] = (padded_meta(slots, short), rank, PDL, short_split)
+        out["short_list_no_pdl"] = (padded_meta(slots, short), rank, NO_PDL, short_split)
+        out["short_list_rank_parts4_pdl"] = (
+            padded_meta(slots, short), rank, dataclasses.replace(RANK_PARTS4, pdl=True),
+            short_split)
     if rank == 64:  # below rank 64 the budget allows every split anyway
         out["budget256"] = (grph, rank, BUDGET, min(capture, split_cap(BUDGET, kl.K, 64)))
     elif slots == sorted(slots):
         out["maxrank64"] = (grph, 64, DECODE_TILES, capture)
         out["rows_maxrank64"] = (rows, 64, RowTiles(), None)
+        out["rows_maxrank64_pdl"] = (rows, 64, ROWS_PDL, None)
         out["maxrank64_no_buckets"] = (grph, 64, NO_BUCKETS, capture)
     return out
 

@@ -46,6 +46,14 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("rank_parts4_bn128", dataclasses.replace(DECODE_TILES, shrink_rank_parts=4,
                                               expand_block_n=128), None),
     ("rank_parts4_split8", dataclasses.replace(DECODE_TILES, shrink_rank_parts=4), 8),
+    # The expand launched as a programmatic dependent of the shrink (LoraTiles.pdl), on and
+    # off whatever the default, alone and with the variants above that gained at rank 64.
+    ("pdl", dataclasses.replace(DECODE_TILES, pdl=True), None),
+    ("no_pdl", dataclasses.replace(DECODE_TILES, pdl=False), None),
+    ("pdl_warps8", dataclasses.replace(DECODE_TILES, pdl=True, num_warps=8), None),
+    ("pdl_rank_parts4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_rank_parts=4), None),
+    ("pdl_rank_parts4_bn128", dataclasses.replace(DECODE_TILES, pdl=True, shrink_rank_parts=4,
+                                                  expand_block_n=128), None),
 )
 
 

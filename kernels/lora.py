@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 import triton
 
-from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows
+from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows, pdl_supported
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from kernels.lora_rows import RowTiles, rows_expand, rows_shrink
@@ -52,6 +52,12 @@ class LoraTiles:
     # decode batch at rank 64: 16 programs of 32 KB of A each). Not yet timed on the GPU
     # (bench.lora_one_adapter's rank_parts4 variants), so 1 (off) everywhere.
     shrink_rank_parts: int = 1
+    # Programmatic dependent launch (Hopper+, compiled kernels only): the expand is launched
+    # as a dependent of its shrink, which lets it start at once, so the expand's launch and
+    # its table, y and B loads overlap the shrink; only its sum of the partial sums waits
+    # (`griddepcontrol.wait`). Safe because the shrink writes only the partial sums and
+    # itself launches plainly, after whatever wrote y. Not yet timed on the GPU, so off.
+    pdl: bool = False
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -124,6 +130,7 @@ def add_lora_triton(
     max_rank: int | None = None,
     split_k: int | None = None,
     tiles: LoraTiles | RowTiles | None = None,
+    pdl: bool | None = None,
 ) -> None:
     """y += the multi-LoRA delta of x, as `add_lora_reference` defines it.
 
@@ -131,6 +138,7 @@ def add_lora_triton(
     launcher reads `ranks.max()`, a host sync that CUDA-graph capture forbids. `split_k` and
     `tiles` override the tuned choices (tests use them to reach every code path). A meta
     built for `ROW_BLOCK_M` runs the row kernels (`kernels.lora_rows`) over its token slots.
+    `pdl` overrides the tiles' programmatic dependent launch (used only where supported).
     """
     if len(module_ids) != len(out_slices):
         raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
@@ -143,6 +151,7 @@ def add_lora_triton(
         return
     tiles = _pick_tiles(meta, tiles)
     block_r = rank_block(max_rank)
+    pdl = (tiles.pdl if pdl is None else pdl) and pdl_supported(x.device)
     early_loads = isinstance(tiles, LoraTiles) and (tiles.early_loads or (
         meta.block_m == DECODE_BLOCK_M and meta.num_tiles <= EARLY_LOADS_MAX_TILES))
     k = x.shape[1]
@@ -159,20 +168,22 @@ def add_lora_triton(
                           device=x.device)
         if isinstance(tiles, RowTiles):
             rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots,
-                        block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps)
+                        block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps,
+                        launch_dependents=pdl)
             rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices,
                         meta.token_slots, block_r=block_r, block_n=tiles.block_n,
-                        num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile)
+                        num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl)
             continue
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    rank_parts=min(tiles.shrink_rank_parts, block_r // 16))
+                    rank_parts=min(tiles.shrink_rank_parts, block_r // 16),
+                    launch_dependents=pdl)
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
-                    early_loads=early_loads)
+                    early_loads=early_loads, pdl=pdl)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:

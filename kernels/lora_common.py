@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -11,6 +14,24 @@ from kernels.lora_meta import LoraMeta
 # The kernels take module ids and output slices as scalar arguments (no per-call host-to-device
 # copy, so launches can be captured in CUDA graphs); three covers q,k,v and gate,up.
 MAX_MODULES_PER_LAUNCH = 3
+
+
+@triton.jit
+def release_dependents(LAUNCH_DEPENDENTS: tl.constexpr):
+    """Programmatic dependent launch, producer side: the next kernel of the stream, launched
+    with `launch_pdl`, may be scheduled now (it waits in `wait_for_producer` before it reads
+    what this one writes)."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_producer(USE_PDL: tl.constexpr):
+    """Programmatic dependent launch, consumer side: block until the previous kernel of the
+    stream has finished and its writes are visible. Loads of what it does not write (tables,
+    adapter weights, the base GEMM's output it launched after) may come before."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -26,6 +47,28 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     if GATHER_ROWS:
         return tl.load(rows_ptr + positions, mask=mask, other=0).to(tl.int64)
     return positions.to(tl.int64)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether launches on `device` can overlap their predecessor (programmatic dependent
+    launch, `griddepcontrol`): compiled kernels (not Triton's interpreter) on a GPU of compute
+    capability 9.0 (Hopper) or newer."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return _capability_major(device.index if device.index is not None
+                             else torch.cuda.current_device()) >= 9
+
+
+@lru_cache(maxsize=16)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_options(pdl: bool) -> dict[str, bool]:
+    """Launch options of a kernel that waits for its producer (`wait_for_producer`): launched
+    as a programmatic dependent when `pdl`, plainly otherwise (the interpreter takes no
+    `launch_pdl`)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def dot_precision(dtype: torch.dtype) -> str:

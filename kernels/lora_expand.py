@@ -27,8 +27,10 @@ from kernels.lora_common import (
     check_slices,
     check_tables,
     dot_precision,
+    pdl_options,
     segment_rows,
     select3,
+    wait_for_producer,
 )
 from kernels.lora_meta import LoraMeta
 
@@ -38,13 +40,14 @@ def _expand_rank_tiles(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """y[rows, cols] += scale * (sum of buf's K splits)[:, :rank] @ B[cols, :rank].T. With
     SPLIT_UNROLL 4 the partial sums are read four loads at a time (independent loads issued
     before the adds), else one after another. With EARLY_LOADS the y tile and each B tile are
     loaded before the K splits are summed, so their latency overlaps the sum's (as the row
-    kernels do, lora_rows._rows_expand_tiles)."""
+    kernels do, lora_rows._rows_expand_tiles). With USE_PDL only the sum waits for the
+    shrink (launched as its programmatic dependent, this may start while the shrink runs)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EARLY_LOADS:
         y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -58,6 +61,7 @@ def _expand_rank_tiles(
         if EARLY_LOADS:
             b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
         h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        wait_for_producer(USE_PDL)
         if SPLIT_UNROLL == 4:
             parts = buf_rows[:, None] + offs_r[None, :]
             for j in range(0, split_k, 4):
@@ -89,21 +93,21 @@ def _expand_bucketed(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """`_expand_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`."""
     if RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16,
-                           SPLIT_UNROLL, EARLY_LOADS)
+                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32,
-                           SPLIT_UNROLL, EARLY_LOADS)
+                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL)
     else:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
-                           SPLIT_UNROLL, EARLY_LOADS)
+                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL)
 
 
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
@@ -118,7 +122,7 @@ def _lora_expand_kernel(
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     mod_i = tl.program_id(1) // n_tiles
@@ -155,12 +159,12 @@ def _lora_expand_kernel(
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
-                         EARLY_LOADS)
+                         EARLY_LOADS, USE_PDL)
     else:
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
-                         EARLY_LOADS)
+                         EARLY_LOADS, USE_PDL)
 
 
 def lora_expand(
@@ -182,10 +186,13 @@ def lora_expand(
     rank_buckets: bool = True,
     split_unroll: int = 1,
     early_loads: bool = False,
+    pdl: bool = False,
 ) -> None:
     """Add the expand of `buf` into y's column slices (see module docstring). `split_unroll`
     (1 or 4): K splits' partial sums read per step of the summing loop; `early_loads`: the y
-    and B tiles loaded before the K splits are summed."""
+    and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`): launched
+    as a programmatic dependent of the shrink before it, which must write nothing else this
+    reads (kernels.lora.LoraTiles.pdl)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if split_unroll not in (1, 4):
         raise ValueError(f"split_unroll must be 1 or 4, got {split_unroll}")
@@ -211,7 +218,8 @@ def lora_expand(
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, SPLIT_UNROLL=split_unroll,
-        EARLY_LOADS=early_loads, num_warps=num_warps, num_stages=num_stages,
+        EARLY_LOADS=early_loads, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(pdl),
     )
 
 

@@ -30,7 +30,10 @@ from kernels.lora_common import (
     check_scales,
     check_slices,
     check_tables,
+    pdl_options,
+    release_dependents,
     select3,
+    wait_for_producer,
 )
 
 
@@ -58,6 +61,8 @@ class RowTiles:
     # lora-rows-sweep-fd01907-h200.json), and the rank-64 expand compiles to 0.83 MB of PTX in
     # 6.6 s instead of 2.0 MB in 13.2 s (kernel-compile-cost-cpu.json).
     expand_sub_tile: int = 4096
+    # Programmatic dependent launch (Hopper+; see `kernels.lora.LoraTiles.pdl`).
+    pdl: bool = False
 
 
 @triton.jit
@@ -102,7 +107,9 @@ def _rows_shrink_kernel(
     mod0, mod1, mod2, num_mods, split_k, k_chunk,
     K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    release_dependents(LAUNCH_DEPENDENTS)
     # Work item (row, module, K split); a row's splits are adjacent so they share x in the L2.
     w = tl.program_id(0)
     split = w % split_k
@@ -129,11 +136,13 @@ def _rows_shrink_kernel(
 
 @triton.jit
 def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                       stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                       stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """y_row[n0:n0+BLOCK_N] += scale * (sum of buf's K splits)[:rank] @ B[cols, :rank].T.
     The loads of y and of the B tile are issued before the K splits are summed, so their
     latency overlaps the sum's: 0.7-2.5 us faster a launch over the sweep's cases (r16 B256
-    U256 28.8 vs 31.3 us, lora-rows-bodies-h200.json at 8142e3a)."""
+    U256 28.8 vs 31.3 us, lora-rows-bodies-h200.json at 8142e3a). With USE_PDL they may also
+    run while the shrink does: only the sum waits for it."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < out_size
     y_ptrs = y_row + offs_n * stride_yn
@@ -146,6 +155,7 @@ def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride
         b = tl.load(b_base + offs_n[:, None] * rank + offs_r[None, :],
                     mask=mask_n[:, None] & mask_r[None, :], other=0.0)
         h = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        wait_for_producer(USE_PDL)
         for j in range(split_k):
             h += tl.load(buf_row + j * stride_bs + offs_r, mask=mask_r, other=0.0)
         acc += tl.sum(b.to(tl.float32) * h[None, :], axis=1)
@@ -156,34 +166,35 @@ def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride
 @triton.jit
 def _rows_expand_cols(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
                       stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                      SUB_N: tl.constexpr):
+                      SUB_N: tl.constexpr, USE_PDL: tl.constexpr):
     """The program's BLOCK_N columns as one tile, or looped SUB_N at a time (a smaller
     register tile: less code, fewer registers)."""
     if SUB_N == BLOCK_N:
         _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                           stride_bs, split_k, BLOCK_R, BLOCK_N)
+                           stride_bs, split_k, BLOCK_R, BLOCK_N, USE_PDL)
     else:
         for s0 in range(0, BLOCK_N, SUB_N):
             _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0 + s0, out_size,
-                               stride_yn, stride_bs, split_k, BLOCK_R, SUB_N)
+                               stride_yn, stride_bs, split_k, BLOCK_R, SUB_N, USE_PDL)
 
 
 @triton.jit
 def _rows_expand_bucketed(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
                           stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SUB16: tl.constexpr, SUB32: tl.constexpr, SUBR: tl.constexpr):
+                          SUB16: tl.constexpr, SUB32: tl.constexpr, SUBR: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """`_rows_expand_cols` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`;
     the N tile stays BLOCK_N (the grid is fixed at launch), looped in the bucket's SUB*
     columns."""
     if BLOCK_R > 16 and rank <= 16:
         _rows_expand_cols(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                          stride_bs, split_k, 16, BLOCK_N, SUB16)
+                          stride_bs, split_k, 16, BLOCK_N, SUB16, USE_PDL)
     elif BLOCK_R > 32 and rank <= 32:
         _rows_expand_cols(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                          stride_bs, split_k, 32, BLOCK_N, SUB32)
+                          stride_bs, split_k, 32, BLOCK_N, SUB32, USE_PDL)
     else:
         _rows_expand_cols(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
-                          stride_bs, split_k, BLOCK_R, BLOCK_N, SUBR)
+                          stride_bs, split_k, BLOCK_R, BLOCK_N, SUBR, USE_PDL)
 
 
 @triton.jit(do_not_specialize=["split_k", "stride_bs"])
@@ -192,7 +203,7 @@ def _rows_expand_kernel(
     mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
     n_tiles, stride_ym, stride_yn, table_stride, split_k, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SUB16: tl.constexpr, SUB32: tl.constexpr, SUBR: tl.constexpr,
+    SUB16: tl.constexpr, SUB32: tl.constexpr, SUBR: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     mod_i = tl.program_id(1) // n_tiles
@@ -212,19 +223,20 @@ def _rows_expand_kernel(
                 _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off // 8 * 8,
                                       rank // 8 * 8, scale, n0, out_size, stride_yn,
                                       stride_bs, split_k, BLOCK_R, BLOCK_N, SUB16, SUB32,
-                                      SUBR)
+                                      SUBR, USE_PDL)
             else:
                 _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off, rank, scale, n0,
                                       out_size, stride_yn, stride_bs, split_k, BLOCK_R,
-                                      BLOCK_N, SUB16, SUB32, SUBR)
+                                      BLOCK_N, SUB16, SUB32, SUBR, USE_PDL)
 
 
 def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
                 a_offsets: torch.Tensor, ranks: torch.Tensor, module_ids: tuple[int, ...],
                 token_slots: torch.Tensor, *, block_r: int, tile: int = 2048,
-                num_warps: int = 4) -> None:
+                num_warps: int = 4, launch_dependents: bool = False) -> None:
     """Write the shrink's partial sums for every row whose slot is >= 0 into `buf`
-    [split_k, T, len(module_ids), max_rank] (float32); `block_r` bounds the rank tile."""
+    [split_k, T, len(module_ids), max_rank] (float32); `block_r` bounds the rank tile.
+    `launch_dependents`: let an expand launched with `pdl` start while this runs."""
     split_k, num_rows, num_mods, max_rank = buf.shape
     check_buf(buf, x.shape[0], len(module_ids), f"x {tuple(x.shape)}")
     if not 1 <= num_mods <= MAX_MODULES_PER_LAUNCH:
@@ -243,7 +255,8 @@ def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
         x, arena, buf, a_offsets, ranks, token_slots, mods[0], mods[1], mods[2],
         num_mods, split_k, k_chunk, k, x.stride(0), x.stride(1),
         a_offsets.stride(0), buf.stride(0), buf.stride(1), buf.stride(2),
-        MAX_RANK=max_rank, BLOCK_R=block_r, TILE=tile, num_warps=num_warps,
+        MAX_RANK=max_rank, BLOCK_R=block_r, TILE=tile, LAUNCH_DEPENDENTS=launch_dependents,
+        num_warps=num_warps,
     )
 
 
@@ -251,10 +264,12 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
                 b_offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                 module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...],
                 token_slots: torch.Tensor, *, block_r: int, block_n: int,
-                num_warps: int = 4, sub_tile: int = 0) -> None:
+                num_warps: int = 4, sub_tile: int = 0, pdl: bool = False) -> None:
     """Add the expand of `buf` into y's column slices for every row whose slot is >= 0.
     `sub_tile` > 0 caps a rank bucket's register tile at that many elements: its `block_n`
-    columns are then looped sub_tile // rank tile at a time (0: one tile of block_n)."""
+    columns are then looped sub_tile // rank tile at a time (0: one tile of block_n). `pdl`
+    (where `pdl_supported`): launched as a programmatic dependent of the shrink before it,
+    which must write nothing else this reads (kernels.lora.LoraTiles.pdl)."""
     split_k, num_rows, num_mods, max_rank = buf.shape
     check_buf(buf, y.shape[0], len(module_ids), f"y {tuple(y.shape)}")
     if num_mods > MAX_MODULES_PER_LAUNCH:
@@ -276,7 +291,8 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
         sizes[2], n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n,
-        **expand_sub_tiles(block_n, block_r, sub_tile), num_warps=num_warps,
+        **expand_sub_tiles(block_n, block_r, sub_tile), USE_PDL=pdl, num_warps=num_warps,
+        **pdl_options(pdl),
     )
 
 

@@ -27,6 +27,7 @@ from kernels.lora_common import (
     check_buf,
     check_tables,
     dot_precision,
+    release_dependents,
     segment_rows,
     select3,
 )
@@ -143,7 +144,9 @@ def _lora_shrink_kernel(
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    release_dependents(LAUNCH_DEPENDENTS)
     # Work items (tile, module, K split, rank part), the parts and splits of one tile adjacent
     # so they share its rows of x in the L2.
     k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k) * BLOCK_K
@@ -175,11 +178,13 @@ def lora_shrink(
     num_stages: int = 2,
     rank_buckets: bool = True,
     rank_parts: int = 1,
+    launch_dependents: bool = False,
 ) -> None:
     """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it.
     `rank_parts` > 1 shares each `block_r`-wide rank tile among that many programs (a power
-    of two, parts at least 16 wide): more, smaller programs for launches of few tiles."""
+    of two, parts at least 16 wide): more, smaller programs for launches of few tiles.
+    `launch_dependents`: let an expand launched with `pdl` start while this runs."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if (rank_parts < 1 or rank_parts & (rank_parts - 1) or block_r % rank_parts
             or block_r // rank_parts < 16):
@@ -199,8 +204,8 @@ def lora_shrink(
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
-        GATHER_ROWS=meta.token_rows is not None, RANK_PARTS=rank_parts, num_warps=num_warps,
-        num_stages=num_stages,
+        GATHER_ROWS=meta.token_rows is not None, RANK_PARTS=rank_parts,
+        LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps, num_stages=num_stages,
     )
 
 

@@ -223,6 +223,10 @@ class EngineConfig:
     # bench/results/engine-floor-*-h200.json). Like every Triton kernel they compile at the
     # first start (the warm-up captures them) and are read from Triton's cache after.
     lora_row_kernels: bool = True
+    # Each LoRA expand is launched as a programmatic dependent of its shrink (Hopper and
+    # newer; elsewhere ignored): it starts while the shrink runs and waits only to read the
+    # shrink's sums (kernels.lora.LoraTiles.pdl). None: the kernels' default.
+    lora_pdl: bool | None = None
     # When every token of a run of steps reads one adapter, fold it into the base weights and
     # run those steps as the base model (slora_core/lora_merge.py); any other step restores
     # the weights first. Costs a device copy of the projection weights (Llama-2-7B: 12.9 GB),

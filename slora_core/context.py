@@ -49,6 +49,9 @@ class StepContext:
     # (ModelRunner.fix_graph_lora_split);
     # None = the launcher's choice from the step's tile count.
     lora_split_k: int | None = None
+    # EngineConfig.lora_pdl: each LoRA expand launched as a programmatic dependent of its
+    # shrink (Hopper+); None = the kernels' default (kernels.lora.LoraTiles.pdl).
+    lora_pdl: bool | None = None
     # Set for decode-sized steps when EngineConfig.lora_overlap is on: each LoRA layer runs
     # its delta on this stream beside the base GEMM (see LoraLinear.forward).
     lora_stream: torch.cuda.Stream | None = None

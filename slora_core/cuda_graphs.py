@@ -32,6 +32,7 @@ class ModelRunner(Protocol):
     device: torch.device
     graph_lora_split_k: int | None
     lora_row_kernels: bool
+    lora_pdl: bool | None
 
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None: ...
 
@@ -278,7 +279,7 @@ class DecodeGraphs(_StepGraphs):
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
-            lora_split_k=r.graph_lora_split_k,
+            lora_split_k=r.graph_lora_split_k, lora_pdl=r.lora_pdl,
             lora_stream=r.lora_stream(b) if modules else None,
         )
 
@@ -371,7 +372,7 @@ class MixedGraphs(_StepGraphs):
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=buf.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
-            lora_split_k=r.graph_lora_split_k,
+            lora_split_k=r.graph_lora_split_k, lora_pdl=r.lora_pdl,
             lora_stream=r.lora_stream(t) if modules else None,
         )
 

@@ -42,6 +42,8 @@ HELP: dict[str, str] = {
     "lora_overlap": "run decode steps' LoRA on a second CUDA stream beside the base GEMMs",
     "lora_row_kernels": "decode graphs run many-adapter LoRA one token row a program (faster "
                         "decode steps; off: 16-row tiles only)",
+    "lora_pdl": "launch each LoRA expand as a programmatic dependent of its shrink, so it "
+                "overlaps it (Hopper+; default: the kernels')",
     "tensor_parallel_size": "ranks (one GPU each) one engine is sharded over; rank 0 "
                             "schedules (slora_core/tp)",
 }

@@ -33,6 +33,7 @@ VARIANTS = {
     "early_loads": dataclasses.replace(DECODE_TILES, early_loads=True),
     "early_loads_unroll4": dataclasses.replace(DECODE_TILES, early_loads=True, split_unroll=4),
     "rank_parts4": dataclasses.replace(DECODE_TILES, shrink_rank_parts=4),
+    "pdl": dataclasses.replace(DECODE_TILES, pdl=True, early_loads=True),
 }
 
 
