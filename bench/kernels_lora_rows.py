@@ -13,6 +13,7 @@ least any two-launch LoRA can take in a graph.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -38,8 +39,12 @@ CASES: tuple[tuple[int, int, int, int], ...] = (
 # before lora-rows-sweep-fd01907-h200.json) and capped at 2048, one warp (best for rank-16
 # adapters in rank-64 launches in lora-rows-sweep-964ec9e-h200.json, uncapped), wider expand
 # tiles and a smaller shrink tile.
-CONFIGS = (RowTiles(), RowTiles(expand_sub_tile=0), RowTiles(expand_sub_tile=2048),
-           RowTiles(num_warps=1), RowTiles(block_n=512), RowTiles(tile=1024))
+# Since the expand became the shrink's programmatic dependent (RowTiles.pdl, on by default),
+# the same knobs again with it, beside the default without it.
+CONFIGS = (RowTiles(), RowTiles(pdl=False), RowTiles(num_warps=1), RowTiles(num_warps=4),
+           RowTiles(block_n=128), RowTiles(block_n=512), RowTiles(tile=1024),
+           RowTiles(tile=4096), RowTiles(programs_per_sm=2), RowTiles(programs_per_sm=8),
+           RowTiles(max_split_k=4), RowTiles(expand_sub_tile=2048))
 
 
 @triton.jit
@@ -73,9 +78,7 @@ def run_case(rank: int, b: int, u: int, bound: int, copy_gbs: float,
     for tiles in configs:
         us = graph_time_us([call(lay, rows, bound, tiles) for lay in layers], replays=10)
         err = rel_err_f64(layers[0], slots, call(layers[0], rows, bound, tiles))
-        sweep.append({"tile": tiles.tile, "block_n": tiles.block_n,
-                      "num_warps": tiles.num_warps, "programs_per_sm": tiles.programs_per_sm,
-                      "expand_sub_tile": tiles.expand_sub_tile, "us": us, "rel_err": err,
+        sweep.append({**dataclasses.asdict(tiles), "us": us, "rel_err": err,
                       "default": tiles == RowTiles()})
     row["rows"] = sweep
     best = min(sweep, key=lambda s: float(s["us"]))  # type: ignore[arg-type]
@@ -110,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         best = row["rows_best"]
         print(f"r{case[0]} B{case[1]} U{case[2]} bound{case[3]} floor={row['floor_us']:.2f} "
               f"tiles={row['graph_capture_split_us']:.2f} rows_default="
-              f"{row['rows_default_us']:.2f} best={best}", flush=True)  # type: ignore[index]
+              f"{row['rows_default_us']:.2f} best={best} all_us="
+              f"{[round(float(s['us']), 2) for s in row['rows']]}",  # type: ignore[union-attr]
+              flush=True)
         if args.out:  # after every case: a run cut short keeps the rows it finished
             with open(args.out, "w") as f:
                 json.dump({**result, "complete": len(rows) == len(cases)}, f, indent=1)

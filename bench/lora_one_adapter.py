@@ -54,6 +54,16 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("pdl_rank_parts4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_rank_parts=4), None),
     ("pdl_rank_parts4_bn128", dataclasses.replace(DECODE_TILES, pdl=True, shrink_rank_parts=4,
                                                   expand_block_n=128), None),
+    # Fewer partial sums for the expand to re-read (r64 B256: 16 splits of 256 rows x 64
+    # ranks, re-read by each of the 16 column tiles), or wider column tiles that re-read
+    # them less often.
+    ("pdl_split4", dataclasses.replace(DECODE_TILES, pdl=True), 4),
+    ("pdl_split8", dataclasses.replace(DECODE_TILES, pdl=True), 8),
+    ("pdl_bn512", dataclasses.replace(DECODE_TILES, pdl=True, expand_block_n=512), None),
+    ("pdl_bn512_split8", dataclasses.replace(DECODE_TILES, pdl=True, expand_block_n=512), 8),
+    ("pdl_k512_bn512_split4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_block_k=512,
+                                                  expand_block_n=512), 4),
+    ("pdl_warps8_split8", dataclasses.replace(DECODE_TILES, pdl=True, num_warps=8), 8),
 )
 
 

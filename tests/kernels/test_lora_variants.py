@@ -33,7 +33,8 @@ VARIANTS = {
     "early_loads": dataclasses.replace(DECODE_TILES, early_loads=True),
     "early_loads_unroll4": dataclasses.replace(DECODE_TILES, early_loads=True, split_unroll=4),
     "rank_parts4": dataclasses.replace(DECODE_TILES, shrink_rank_parts=4),
-    "pdl": dataclasses.replace(DECODE_TILES, pdl=True, early_loads=True),
+    "no_pdl": dataclasses.replace(DECODE_TILES, pdl=False),
+    "no_pdl_early_loads": dataclasses.replace(DECODE_TILES, pdl=False, early_loads=True),
 }
 
 
