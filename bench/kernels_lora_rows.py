@@ -40,9 +40,12 @@ CASES: tuple[tuple[int, int, int, int], ...] = (
 # adapters in rank-64 launches in lora-rows-sweep-964ec9e-h200.json, uncapped), wider expand
 # tiles and a smaller shrink tile.
 # Since the expand became the shrink's programmatic dependent (RowTiles.pdl, on by default),
-# the same knobs again with it, beside the default without it.
+# the same knobs again with it, beside the default without it; expand columns fixed at every
+# row count (block_n and wide_block_n alike), and 256 at 256 rows (the default before
+# wide_block_n).
 CONFIGS = (RowTiles(), RowTiles(pdl=False), RowTiles(num_warps=1), RowTiles(num_warps=4),
-           RowTiles(block_n=128), RowTiles(block_n=512), RowTiles(tile=1024),
+           RowTiles(block_n=128, wide_block_n=128), RowTiles(block_n=512, wide_block_n=512),
+           RowTiles(wide_block_n=256), RowTiles(tile=1024),
            RowTiles(tile=4096), RowTiles(programs_per_sm=2), RowTiles(programs_per_sm=8),
            RowTiles(max_split_k=4), RowTiles(expand_sub_tile=2048))
 

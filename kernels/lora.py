@@ -174,8 +174,10 @@ def add_lora_triton(
             rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots,
                         block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps,
                         launch_dependents=pdl)
+            wide = x.shape[0] >= tiles.wide_min_rows
             rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices,
-                        meta.token_slots, block_r=block_r, block_n=tiles.block_n,
+                        meta.token_slots, block_r=block_r,
+                        block_n=tiles.wide_block_n if wide else tiles.block_n,
                         num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl)
             continue
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,

@@ -61,6 +61,13 @@ class RowTiles:
     # lora-rows-sweep-fd01907-h200.json), and the rank-64 expand compiles to 0.83 MB of PTX in
     # 6.6 s instead of 2.0 MB in 13.2 s (kernel-compile-cost-cpu.json).
     expand_sub_tile: int = 4096
+    # Launches of at least wide_min_rows rows run wide_block_n expand columns a program
+    # (half the programs, each re-reading its row's partial sums half as often): at 256 rows
+    # 512 beat 256 (r16 U256 25.3 vs 26.3 us, r16 U64 19.8 vs 21.0, r8 U256 in rank-64
+    # launches 21.4 vs 22.9), at 64 rows it lost (r16 U64 11.9 vs 10.5, r64 U64 32.2 vs
+    # 29.4) (lora-rows-sweep-pdl-59cd9b2-h200.json). 128 rows were not measured.
+    wide_block_n: int = 512
+    wide_min_rows: int = 256
     # Programmatic dependent launch (Hopper+; see `kernels.lora.LoraTiles.pdl`): 1-2.5 us a
     # launch on the H200 (r16 B64 U64 12.7 -> 10.5 us, lora-grid-pdl-dccb3ce-h200.json).
     pdl: bool = True

@@ -237,6 +237,28 @@ def test_row_expand_sub_tiles(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [11, 12])
+def test_row_expand_wide_columns_from_a_row_count(dtype: torch.dtype, rows: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launches of `wide_min_rows` rows or more run `wide_block_n` columns a program, fewer
+    rows `block_n`; both cover slices whose widths are not multiples of either."""
+    import kernels.lora as lora
+
+    widths: list[int] = []
+    real = lora.rows_expand
+
+    def spy(*args: object, **kwargs: object) -> None:
+        widths.append(int(kwargs["block_n"]))  # type: ignore[call-overload]
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lora, "rows_expand", spy)
+    tiles = RowTiles(tile=256, block_n=16, wide_block_n=64, wide_min_rows=12)
+    _run(_decode_slots(rows, 6, seed=41), 6, 64, QKV, (72, 40, 24), [1, 8, 16, 33, 64],
+         dtype, seed=42, split_k=2, max_rank=64, block_m=ROW_BLOCK_M, tiles=tiles)
+    assert widths == [64 if rows >= 12 else 16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_row_kernels_interleaved_shared_adapters_and_many_modules(dtype: torch.dtype) -> None:
     """Rows need no grouping: an adapter's rows may be anywhere. Four modules take two
     launches; rank 0 marks modules an adapter does not target."""
