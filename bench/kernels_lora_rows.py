@@ -114,11 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         row = run_case(*case, max(copy.values()), configs)
         rows.append(row)
         best = row["rows_best"]
+        sweep_us = [round(float(s["us"]), 2) for s in row["rows"]]  # type: ignore[attr-defined]
         print(f"r{case[0]} B{case[1]} U{case[2]} bound{case[3]} floor={row['floor_us']:.2f} "
               f"tiles={row['graph_capture_split_us']:.2f} rows_default="
-              f"{row['rows_default_us']:.2f} best={best} all_us="
-              f"{[round(float(s['us']), 2) for s in row['rows']]}",  # type: ignore[union-attr]
-              flush=True)
+              f"{row['rows_default_us']:.2f} best={best} all_us={sweep_us}", flush=True)
         if args.out:  # after every case: a run cut short keeps the rows it finished
             with open(args.out, "w") as f:
                 json.dump({**result, "complete": len(rows) == len(cases)}, f, indent=1)
