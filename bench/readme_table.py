@@ -197,6 +197,14 @@ def table() -> str:
                 where += ", row kernels for many-adapter steps"
             lines += engine_rows(result, f"{where}, {steps} steps",
                                  f"`{path.name}` @ {result['commit'][:8]}")
+    # Programmatic dependent launch of the LoRA expands on and off, one run (dccb3ce).
+    for arm, label in (("pdl", "expands as programmatic dependents (lora_pdl on)"),
+                       ("nopdl", "expands launched plainly (lora_pdl off)")):
+        path = RESULTS / f"engine-speed-{arm}-dccb3ce-h200.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            lines += engine_rows(result, f"in line, row kernels for many-adapter steps, {label}",
+                                 f"`{path.name}` @ {result['commit'][:8]}")
     # The decode step's floor alone, decode graphs with and without the row kernels (one run).
     for arm, label in (("rows", "row kernels for many-adapter steps"),
                        ("tiles", "16-row tiles only (lora_row_kernels off)")):
@@ -207,8 +215,10 @@ def table() -> str:
                                  f"`{path.name}` @ {result['commit'][:8]}")
     # Saturated (60/s), below saturation (50/s, 40/s), and the older run with the disk tier.
     # churn-rate50-4a1c7c8-h200.json: the last run on tiles with alpha 0.5 (3d9d85a ran 1.0
-    # only).
-    for name in ("churn-h200.json", "churn-rate50-h200.json", "churn-rows-h200.json",
+    # only). The alpha 1.0 repeat at bb1ca0b: same commit and arrivals as churn-rate50-h200.json
+    # (p99 TTFT 2.06x there, 1.47x here: the tail rises with the evictions, 78 vs 23).
+    for name in ("churn-h200.json", "churn-rate50-h200.json",
+                 "churn-rate50-alpha1-repeat-bb1ca0b-h200.json", "churn-rows-h200.json",
                  "churn-rate50-tiles-3d9d85a-h200.json", "churn-rate50-4a1c7c8-h200.json",
                  "churn-rate40-h200.json", "churn-disk-h200.json"):
         path = RESULTS / name

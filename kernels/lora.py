@@ -49,8 +49,9 @@ class LoraTiles:
     early_loads: bool = False
     # The shrink's rank tile shared by this many programs (each taking a 16-wide or wider part):
     # more, smaller programs where few tiles leave most multiprocessors idle (one adapter on a
-    # decode batch at rank 64: 16 programs of 32 KB of A each). Not yet timed on the GPU
-    # (bench.lora_one_adapter's rank_parts4 variants), so 1 (off) everywhere.
+    # decode batch at rank 64: 16 programs of 32 KB of A each). Timed on the H200 with PDL on
+    # (short lists, 4 parts): r64 B16 U1 7.8 -> 7.1 us, but r64 B64 U1 8.9 -> 10.9 and B256
+    # 14.1 -> 17.7, r16/r8 unchanged (lora-grid-pdl-dccb3ce-h200.json), so 1 (off).
     shrink_rank_parts: int = 1
     # Programmatic dependent launch (Hopper+, compiled kernels only): the expand is launched
     # as a dependent of its shrink, which lets it start at once, so the expand's launch and
