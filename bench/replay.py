@@ -93,6 +93,7 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
     first: dict[int, float] = {}
     done: dict[int, float] = {}
     distinct: list[int] = []
+    steps: list[tuple[float, int, int]] = []  # (step wall s, tokens, prompt-chunk tokens)
     tokens: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     nxt = 0
@@ -122,6 +123,8 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
                 t = time.perf_counter() - t0
                 longest_step = max(longest_step, t - now)
                 distinct.append(engine.stats.last_distinct_adapters)
+                steps.append((t - now, engine.stats.last_tokens,
+                              engine.stats.last_prefill_tokens))
                 if any(out.token_ids for out in outs):
                     progress = t
                     if t - armed > 1.0:  # re-armed about once a second
@@ -161,11 +164,34 @@ def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
         # The slowest engine.step() call (host wall, from before the arrivals it admitted) and
         # the garbage collector's pauses, for runs whose latency jumps without a cause in sight.
         "longest_step_s": longest_step, "gc": pauses.summary(),
+        "step_kinds": step_kinds(steps, distinct),
         # One short digest of each request's tokens: two runs of a greedy workload compare
         # request by request (batches differ with timing, so a rare near-tie may flip).
         "token_digests": [hashlib.sha256(str(tokens.get(i, [])).encode()).hexdigest()[:12]
                           for i in range(len(requests))],
     }
+
+
+def step_kinds(steps: list[tuple[float, int, int]], distinct: list[int]) -> dict[str, Any]:
+    """engine.step() wall time (with asynchronous steps, about the GPU time of the step
+    before) for decode-only steps and steps with prompt chunks, each also split at the median
+    count of distinct adapters: where a many-adapter run's slower steps come from."""
+    if not steps:
+        return {}
+    wall = np.array([s[0] for s in steps])
+    tokens = np.array([s[1] for s in steps])
+    mixed = np.array([s[2] > 0 for s in steps])
+    adapters = np.array(distinct)
+    cut = float(np.median(adapters))
+    out: dict[str, Any] = {"adapters_median": cut}
+    for kind, sel in (("decode", ~mixed), ("mixed", mixed)):
+        for part, sub in (("", sel), ("_few_adapters", sel & (adapters <= cut)),
+                          ("_many_adapters", sel & (adapters > cut))):
+            if sub.any():
+                out[kind + part] = {"steps": int(sub.sum()), "step_s": pct(wall[sub]),
+                                    "tokens_mean": float(tokens[sub].mean()),
+                                    "adapters_mean": float(adapters[sub].mean())}
+    return out
 
 
 def pct(x: np.ndarray) -> dict[str, float]:

@@ -95,6 +95,10 @@ class EngineStats:
     # arena loads then count as host hits).
     adapter_background_reads: int = 0
     last_distinct_adapters: int = 0
+    # The last step's tokens, and those of its chunks longer than one token (prompt chunks):
+    # 0 for a decode-only step.
+    last_tokens: int = 0
+    last_prefill_tokens: int = 0
 
 
 @dataclass
@@ -416,6 +420,9 @@ class LLMEngine:
             self.stats.steps += 1
             self.stats.tokens += sched.num_tokens
             self.stats.last_distinct_adapters = sched.distinct_adapters()
+            self.stats.last_tokens = sched.num_tokens
+            self.stats.last_prefill_tokens = sum(
+                s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
             self._wait_for_copies(sched)
             if step_checks.ENABLED:  # after the waits: it reads the slots' table rows
                 step_checks.check_scheduled(sched.scheduled, self.pool, self.arena)

@@ -181,6 +181,22 @@ def test_abort_frees_pages(demo_dir, adapter_names):
     assert engine.pool.resident(adapter_names[0]).refcount == 0
 
 
+def test_stats_count_the_last_steps_tokens_and_prompt_chunk_tokens(demo_dir, adapter_names):
+    engine = make_engine(demo_dir, adapter_names[:1])
+    params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    engine.add_request("a", PROMPTS[3], params, adapter=adapter_names[0])
+    engine.step()  # the whole prompt: one chunk
+    first = (engine.stats.last_tokens, engine.stats.last_prefill_tokens)
+    engine.add_request("b", PROMPTS[1], params)
+    engine.step()  # b's prompt beside a's decode token
+    second = (engine.stats.last_tokens, engine.stats.last_prefill_tokens)
+    engine.step()  # both decoding
+    third = (engine.stats.last_tokens, engine.stats.last_prefill_tokens)
+    assert first[0] == first[1] > 1
+    assert second[0] == second[1] + 1 and second[1] > 1
+    assert third == (2, 0)
+
+
 def test_deadline_drops_a_request_that_never_started(demo_dir, adapter_names):
     engine = make_engine(demo_dir, adapter_names[:1], max_num_seqs=1)
     params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
