@@ -238,8 +238,10 @@ def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], str | Non
     stats = {"steps": s.steps, "preemptions": s.preemptions, "adapter_loads": s.adapter_loads,
              "adapter_evictions": s.adapter_evictions, "adapter_host_hits": s.adapter_host_hits}
     if engine.runner.merge is not None:  # EngineConfig.merge_sole_adapter
-        stats.update(merges=engine.runner.merge.merges,
-                     merged_steps=engine.runner.merge.merged_steps)
+        merge = engine.runner.merge
+        stats.update(merges=merge.merges, merged_steps=merge.merged_steps,
+                     merge_refusals=merge.refusals, merge_peak_exceptions=merge.peak_exceptions,
+                     merge_peak_restore_bytes=merge.peak_nbytes)
     return EngineRun(tokens, logits, finish, stats, seconds)
 
 

@@ -154,7 +154,9 @@ def scenario_overhead(b: Bench) -> dict[str, Any]:
                            "ratio_min": min(plain_ratios), "ratio_max": max(plain_ratios)}
         out["merge"] = {"merges": merge.merges, "restores": merge.restores,
                         "merged_steps": merge.merged_steps, "engine_steps": engine.stats.steps,
-                        "weight_copy_bytes": merge.nbytes}
+                        "refusals": merge.refusals, "merge_seconds": merge.merge_seconds,
+                        "peak_restore_bytes": merge.peak_nbytes,
+                        "peak_exceptions": merge.peak_exceptions}
     return out
 
 

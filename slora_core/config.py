@@ -231,8 +231,9 @@ class EngineConfig:
     lora_pdl: bool | None = None
     # When every token of a run of steps reads one adapter, fold it into the base weights and
     # run those steps as the base model (slora_core/lora_merge.py); any other step restores
-    # the weights first. Costs a device copy of the projection weights (Llama-2-7B: 12.9 GB),
-    # hence off by default. Single-device engines only.
+    # the weights first, bit for bit, from the adapter's factors and the few elements whose
+    # round trip is inexact (no copy of the weights). Off by default until the merge and
+    # restore times are measured on the GPU. Single-device engines only.
     merge_sole_adapter: bool = False
     # Ranks of one engine (DESIGN section 5): LLMEngine.from_model_dir starts the other ranks
     # (slora_core/tp); 1 is the single-device engine, untouched.

@@ -2,19 +2,30 @@
 reads one adapter, that adapter is folded into the base weights and those steps run as the
 base model, with no LoRA launch at all.
 
-    W[rows of module m] += scale_m * B_m @ A_m      (peft's merge; one rounding, in the GEMM)
+    W[rows of module m] = round(W + scale_m * B_m @ A_m)    (peft's merge; float32 sum, one
+                                                             rounding to the weights' dtype)
 
 for every module slice of every wrapped projection. Any step that reads anything else (another
-adapter, several, or base-model rows) first restores the base weights from a device copy taken
-at start-up, bit for bit, so merging never drifts them, and then runs as usual. Merge and
-restore are stream-ordered device work: an asynchronous step still in flight finishes with the
-weights it was launched with.
+adapter, several, or base-model rows) first restores the base weights bit for bit, so merging
+never drifts them, and then runs as usual. Merge and restore are stream-ordered device work: an
+asynchronous step still in flight finishes with the weights it was launched with.
 
-The trade: one copy of the wrapped projections' weights on the device (Llama-2-7B: 12.9 GB),
-a merge (~the time to read and write those weights once) when a sole adapter has held
-`after` steps in a row, and a restore (one device copy) when it stops. Traffic that switches
-often would pay those again and again, so a merge that held fewer steps than it waited for
-doubles the wait (up to MAX_MERGE_AFTER); one that held long halves it again.
+The restore keeps no copy of the weights. It recomputes each delta from a copy of the
+adapter's A and B taken at the merge (the adapter's own bytes: its arena slot may be refilled
+before the restore) and rounds W' - delta back; the merge checked, element by element, where
+that does not give W back bit for bit (the merged value rounded into a wider binade, or a
+rounding tie) and kept those elements' original values (`_Patch`). Everywhere else the round
+trip is exact: |round(W + d) - (W + d)| is at most half a unit in W's last place while W' and
+W share a binade, so round(W' - d) is W again. A merge whose exceptions would pass
+MAX_EXCEPTION_FRACTION of the merged elements (deltas as large as the weights) is abandoned,
+the weights as they were, and not retried soon.
+
+The trade: the adapter's bytes and the exceptions held while merged (the device copy of every
+projection this replaced cost 12.9 GB at Llama-2-7B), a merge and a restore each about one
+read and write of the weights plus the deltas' small GEMMs, and a device sync per weight chunk
+at the merge (it counts the exceptions). Traffic that switches often would pay those again and
+again, so a merge that held fewer steps than it waited for doubles the wait (up to
+MAX_MERGE_AFTER); one that held long halves it again.
 
 Merged steps compute (W + s B A) x rather than W x + s B (A x): the same function, rounded
 differently (what peft's merge_and_unload serves), so near-ties can pick a different greedy
@@ -23,7 +34,8 @@ token than the unmerged path would.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,6 +47,14 @@ from slora_core.step_inputs import StepInputs
 # Steps in a row on one sole adapter before it is merged (the first wait; see the docstring).
 MERGE_AFTER_STEPS = 8
 MAX_MERGE_AFTER = 1024
+# Weight rows merged (and restored) at a time: bounds the float32 temporaries (2,048 rows of
+# an 11,008-wide down_proj: 90 MB each).
+CHUNK_ROWS = 2048
+# A merge needing exact values for more than this fraction of the elements it changes is
+# abandoned (6 bytes an exception: at 1/8 they cost 3/8 of what a copy of the weights would).
+MAX_EXCEPTION_FRACTION = 1 / 8
+# Refused adapters remembered (by slot and slot generation); past this the memory starts over.
+MAX_REFUSED = 4096
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -54,6 +74,43 @@ def sole_slot(inputs: StepInputs) -> int | None:
     return first if bool((slots == first).all()) else None
 
 
+@dataclass
+class _Patch:
+    """How to restore one merged chunk of weight rows: its delta's factors (copies) and scale,
+    and the elements whose round trip is not exact, by flat position in the chunk, with their
+    original values."""
+
+    layer: int  # index in SoleAdapterMerge.layers
+    start: int  # first weight row
+    a: torch.Tensor  # [r, in_features], the arena's dtype
+    b: torch.Tensor  # [rows, r]
+    scale: float
+    positions: torch.Tensor  # int32
+    values: torch.Tensor  # the weights' dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.b, self.positions, self.values))
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The type merge and restore do their arithmetic in: float32 for 16-bit weights (the
+    sum then rounds once more, at 2^-24, before the weights' own rounding), float64 for
+    float32 ones."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def delta(a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """scale * B @ A in `dtype`. Merge and restore call this on the same tensors, so the
+    restore subtracts exactly the delta the merge added."""
+    return torch.mm(b.to(dtype), a.to(dtype)).mul_(scale)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The 16- or 32-bit patterns of t, so comparisons see -0.0 and NaN payloads."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 class SoleAdapterMerge:
     """Owns the merged state of one model's wrapped projections over one page arena."""
 
@@ -62,22 +119,34 @@ class SoleAdapterMerge:
         self.layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
         if not self.layers:
             raise ValueError("no LoRA-wrapped projections to merge into (wrap_lora first)")
-        with torch.no_grad():
-            self._backup = [lin.base.weight.detach().clone() for lin in self.layers]
         self.merged: tuple[int, int] | None = None  # (slot, slot generation) folded in now
-        # The weight rows the merge changed: (layer index in self.layers, first row, rows).
-        self._touched: list[tuple[int, int, int]] = []
+        self._patches: list[_Patch] = []  # what the restore needs, while merged
+        # Adapters whose merge was abandoned (too many inexact elements), by (slot, generation).
+        self._refused: set[tuple[int, int]] = set()
         self.after = MERGE_AFTER_STEPS
         self._streak: tuple[tuple[int, int] | None, int] = (None, 0)
         self._merged_steps = 0
         self.merges = 0
         self.restores = 0
+        self.refusals = 0  # merges abandoned (too many inexact elements)
+        # The most bytes and exceptions one merge held, and the host seconds merges took (they
+        # wait for the device: each chunk's exceptions are counted there).
+        self.peak_nbytes = 0
+        self.peak_exceptions = 0
+        self.merge_seconds = 0.0
         self.merged_steps = 0  # steps run merged, over the engine's life
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the base-weight copy."""
-        return sum(t.numel() * t.element_size() for t in self._backup)
+        """Device bytes held to restore the base weights (0 unless merged): the adapter's
+        factors and the exceptions."""
+        return sum(p.nbytes for p in self._patches) + sum(
+            {id(p.a): p.a.numel() * p.a.element_size() for p in self._patches}.values())
+
+    @property
+    def exceptions(self) -> int:
+        """Elements the current merge keeps exact values of."""
+        return sum(int(p.positions.numel()) for p in self._patches)
 
     def route(self, inputs: StepInputs) -> StepInputs:
         """The step to run: as given (the base weights restored first when merged), or without
@@ -92,22 +161,32 @@ class SoleAdapterMerge:
         self._streak = (key, n + 1 if key == last else 1)
         if self.merged is not None:
             self.restore()
-        if key is None or self._streak[1] < self.after:
+        if key is None or self._streak[1] < self.after or key in self._refused:
             return inputs
-        self.merge(key)
+        if not self.merge(key):
+            return inputs
         self._merged_steps = 1
         self.merged_steps += 1
         return without_lora(inputs)
 
     @torch.no_grad()
-    def merge(self, key: tuple[int, int]) -> None:
-        """Fold the adapter in `key`'s slot into the (restored) base weights."""
+    def merge(self, key: tuple[int, int]) -> bool:
+        """Fold the adapter in `key`'s slot into the (restored) base weights; False (weights
+        untouched) when too many elements would need their exact values kept."""
+        t0 = time.perf_counter()
+        try:
+            return self._merge(key)
+        finally:
+            self.merge_seconds += time.perf_counter() - t0
+
+    def _merge(self, key: tuple[int, int]) -> bool:
         slot, _ = key
         t = self.arena.tables
         # One read of the slot's table rows (a device sync, once per merge).
         ranks, a_off, b_off, scales = (x[:, slot].cpu() for x in
                                        (t.ranks, t.a_offsets, t.b_offsets, t.scales))
         flat = t.arena
+        changed = 0
         for i, lin in enumerate(self.layers):
             k = lin.base.in_features
             weight = lin.base.weight
@@ -116,13 +195,49 @@ class SoleAdapterMerge:
                 if r == 0:
                     continue
                 a0, b0 = int(a_off[lin.layer, m]), int(b_off[lin.layer, m])
-                a = flat[a0 : a0 + r * k].view(r, k)
+                a = flat[a0 : a0 + r * k].view(r, k).clone()
                 b = flat[b0 : b0 + size * r].view(size, r)
-                weight[start : start + size].addmm_(b.to(weight.dtype), a.to(weight.dtype),
-                                                    alpha=float(scales[lin.layer, m]))
-                self._touched.append((i, start, size))
+                scale = float(scales[lin.layer, m])
+                for c0 in range(0, size, CHUNK_ROWS):
+                    rows = min(CHUNK_ROWS, size - c0)
+                    self._patches.append(self._merge_chunk(
+                        i, weight, start + c0, a, b[c0 : c0 + rows].clone(), scale))
+                    changed += rows * k
+                    if self.exceptions > MAX_EXCEPTION_FRACTION * changed:
+                        self._undo()
+                        if len(self._refused) >= MAX_REFUSED:
+                            self._refused.clear()
+                        self._refused.add(key)
+                        self.refusals += 1
+                        return False
         self.merged = key
         self.merges += 1
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
+        self.peak_exceptions = max(self.peak_exceptions, self.exceptions)
+        return True
+
+    def _merge_chunk(self, layer: int, weight: torch.Tensor, start: int, a: torch.Tensor,
+                     b: torch.Tensor, scale: float) -> _Patch:
+        w = weight[start : start + b.shape[0]]
+        acc = wide(w.dtype)
+        d = delta(a, b, scale, acc)
+        merged = (w.to(acc) + d).to(w.dtype)
+        inexact = _bits((merged.to(acc) - d).to(w.dtype)) != _bits(w)
+        positions = inexact.view(-1).nonzero().view(-1).to(torch.int32)
+        values = w.reshape(-1)[positions.long()]
+        w.copy_(merged)
+        return _Patch(layer, start, a, b, scale, positions, values)
+
+    @torch.no_grad()
+    def _undo(self) -> None:
+        """Put back every chunk merged so far, exactly."""
+        for p in self._patches:
+            w = self.layers[p.layer].base.weight[p.start : p.start + p.b.shape[0]]
+            acc = wide(w.dtype)
+            back = (w.to(acc) - delta(p.a, p.b, p.scale, acc)).to(w.dtype)
+            back.view(-1)[p.positions.long()] = p.values
+            w.copy_(back)
+        self._patches.clear()
 
     def unmerge(self) -> None:
         """Restore the base weights if an adapter is merged (before the model serves anything
@@ -130,14 +245,9 @@ class SoleAdapterMerge:
         if self.merged is not None:
             self.restore()
 
-    @torch.no_grad()
     def restore(self) -> None:
-        """Put the base weights back as they were loaded (the rows the merge changed), and
-        adapt the wait before a merge."""
-        for i, start, size in self._touched:
-            rows = slice(start, start + size)
-            self.layers[i].base.weight[rows].copy_(self._backup[i][rows])
-        self._touched.clear()
+        """Put the base weights back as they were loaded, and adapt the wait before a merge."""
+        self._undo()
         if self._merged_steps < self.after:
             self.after = min(2 * self.after, MAX_MERGE_AFTER)
         elif self._merged_steps >= 4 * self.after:
