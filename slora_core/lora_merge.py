@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.lora import LoraLinear
 from slora_core.step_inputs import StepInputs
@@ -111,6 +112,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+@torch.no_grad()
+def _checksum(weight: torch.Tensor) -> torch.Tensor:
+    """Sum and sum of squares of the weight's bit patterns (int64, wrapping)."""
+    bits = _bits(weight).to(torch.int64)
+    return torch.stack([bits.sum(), (bits * bits).sum()])
+
+
 class SoleAdapterMerge:
     """Owns the merged state of one model's wrapped projections over one page arena."""
 
@@ -134,6 +142,11 @@ class SoleAdapterMerge:
         self.peak_nbytes = 0
         self.peak_exceptions = 0
         self.merge_seconds = 0.0
+        # With SLORA_CHECK_INDICES, each restore compares every weight's checksum with the
+        # loaded one (a device sync): the restore's exactness rests on the delta's GEMM giving
+        # the same bits twice.
+        self._checksums = ([_checksum(lin.base.weight) for lin in self.layers]
+                           if step_checks.ENABLED else None)
         self.merged_steps = 0  # steps run merged, over the engine's life
 
     @property
@@ -248,6 +261,11 @@ class SoleAdapterMerge:
     def restore(self) -> None:
         """Put the base weights back as they were loaded, and adapt the wait before a merge."""
         self._undo()
+        if self._checksums is not None:
+            for lin, want in zip(self.layers, self._checksums, strict=True):
+                if not torch.equal(_checksum(lin.base.weight), want):
+                    raise RuntimeError(f"layer {lin.layer}: the sole-adapter merge's restore "
+                                       "did not give the loaded weights back bit for bit")
         if self._merged_steps < self.after:
             self.after = min(2 * self.after, MAX_MERGE_AFTER)
         elif self._merged_steps >= 4 * self.after:

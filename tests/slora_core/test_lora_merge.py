@@ -140,6 +140,26 @@ def test_16_bit_weights_come_back_bit_for_bit_after_merge_cycles(demo_dir, tmp_p
                    for w, w0 in zip(_weights(engine), loaded, strict=True)), f"cycle {cycle}"
 
 
+def test_index_checks_catch_a_restore_that_is_not_exact(demo_dir, tmp_path, monkeypatch):
+    """With SLORA_CHECK_INDICES the restore compares checksums with the loaded weights: exact
+    restores pass, one with its kept values dropped raises."""
+    monkeypatch.setattr(lora_merge.step_checks, "ENABLED", True)
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(merge_sole_adapter=True, dtype="float16"))
+    engine.register_adapter("weak", _weakened(demo_dir, names[0], 16, tmp_path / "weak"))
+    merge = engine.runner.merge
+    assert merge is not None
+    _generate(engine, [(PROMPTS[0], "weak")])
+    merge.restore()  # exact: passes
+    _generate(engine, [(PROMPTS[1], "weak")])
+    assert merge.merged is not None
+    for p in merge._patches:
+        p.positions, p.values = p.positions[:0], p.values[:0]
+    with pytest.raises(RuntimeError, match="bit for bit"):
+        merge.restore()
+
+
 def test_restore_without_the_kept_values_would_not_be_exact(demo_dir, tmp_path):
     """The exceptions are needed: dropping them from a merge's patches leaves some weights
     off by a unit in the last place (so the exact-restore tests above can fail)."""
