@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for dtype in (torch.float16, torch.bfloat16):
         for ratio in RATIOS:
-            row = {"dtype": str(dtype).removeprefix("torch."), "ratio": ratio,
-                   **share(dtype, ratio, gen)}
-            row["merged"] = row["exception_share"] <= MAX_EXCEPTION_FRACTION
+            got = share(dtype, ratio, gen)
+            row = {"dtype": str(dtype).removeprefix("torch."), "ratio": ratio, **got,
+                   "merged": got["exception_share"] <= MAX_EXCEPTION_FRACTION}
             rows.append(row)
             print(f"{row['dtype']} delta/W {row['delta_to_weight_std']:.3f}: "
                   f"{row['exception_share']:.4f} of the elements kept "
