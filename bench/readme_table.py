@@ -197,18 +197,17 @@ def table() -> str:
                 where += ", row kernels for many-adapter steps"
             lines += engine_rows(result, f"{where}, {steps} steps",
                                  f"`{path.name}` @ {result['commit'][:8]}")
-    # Programmatic dependent launch of the LoRA expands on and off, one run (dccb3ce).
-    for arm, label in (("pdl", "expands as programmatic dependents (lora_pdl on)"),
-                       ("nopdl", "expands launched plainly (lora_pdl off)")):
-        path = RESULTS / f"engine-speed-{arm}-dccb3ce-h200.json"
-        if path.exists():
-            result = json.loads(path.read_text())
-            lines += engine_rows(result, f"in line, row kernels for many-adapter steps, {label}",
-                                 f"`{path.name}` @ {result['commit'][:8]}")
-    # The decode step's floor alone, decode graphs with and without the row kernels (one run).
-    for arm, label in (("rows", "row kernels for many-adapter steps"),
-                       ("tiles", "16-row tiles only (lora_row_kernels off)")):
-        path = RESULTS / f"engine-floor-{arm}-h200.json"
+    # One-run pairs: the LoRA expands as programmatic dependents or not (dccb3ce), and the
+    # decode step's floor alone with and without the row kernels' graph.
+    row_kernels = "row kernels for many-adapter steps"
+    for name, label in (
+            ("engine-speed-pdl-dccb3ce-h200.json",
+             f"{row_kernels}, expands as programmatic dependents (lora_pdl on)"),
+            ("engine-speed-nopdl-dccb3ce-h200.json",
+             f"{row_kernels}, expands launched plainly (lora_pdl off)"),
+            ("engine-floor-rows-h200.json", row_kernels),
+            ("engine-floor-tiles-h200.json", "16-row tiles only (lora_row_kernels off)")):
+        path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
             lines += engine_rows(result, f"in line, {label}",

@@ -116,16 +116,23 @@ def test_a_merge_needing_too_many_exact_values_is_refused_and_serves_unmerged(de
         assert got[str(i)] == hf_greedy(demo_dir / "model", adir, prompt, NEW_TOKENS)[0]
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_16_bit_weights_come_back_bit_for_bit_after_merge_cycles(demo_dir, tmp_path, dtype):
-    """Adapters with deltas ~1/16 of the demo's (nearer trained ones): merged within the
-    budget, the weights exact after each of three merge/restore cycles."""
+def _weak_engine(demo_dir: Path, tmp_path: Path, dtype: str
+                 ) -> tuple[LLMEngine, lora_merge.SoleAdapterMerge]:
+    """An engine of `dtype` with the merge on and one adapter, "weak": the first demo adapter
+    at 1/16 of its scale."""
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
     engine = LLMEngine.from_model_dir(demo_dir / "model",
                                       EngineConfig(merge_sole_adapter=True, dtype=dtype))
     engine.register_adapter("weak", _weakened(demo_dir, names[0], 16, tmp_path / "weak"))
-    merge = engine.runner.merge
-    assert merge is not None
+    assert engine.runner.merge is not None
+    return engine, engine.runner.merge
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_weights_come_back_bit_for_bit_after_merge_cycles(demo_dir, tmp_path, dtype):
+    """Adapters with deltas ~1/16 of the demo's (nearer trained ones): merged within the
+    budget, the weights exact after each of three merge/restore cycles."""
+    engine, merge = _weak_engine(demo_dir, tmp_path, dtype)
     loaded = _weights(engine)
     for cycle in range(3):
         _generate(engine, [(PROMPTS[cycle], "weak")])
@@ -144,12 +151,7 @@ def test_index_checks_catch_a_restore_that_is_not_exact(demo_dir, tmp_path, monk
     """With SLORA_CHECK_INDICES the restore compares checksums with the loaded weights: exact
     restores pass, one with its kept values dropped raises."""
     monkeypatch.setattr(lora_merge.step_checks, "ENABLED", True)
-    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
-    engine = LLMEngine.from_model_dir(demo_dir / "model",
-                                      EngineConfig(merge_sole_adapter=True, dtype="float16"))
-    engine.register_adapter("weak", _weakened(demo_dir, names[0], 16, tmp_path / "weak"))
-    merge = engine.runner.merge
-    assert merge is not None
+    engine, merge = _weak_engine(demo_dir, tmp_path, "float16")
     _generate(engine, [(PROMPTS[0], "weak")])
     merge.restore()  # exact: passes
     _generate(engine, [(PROMPTS[1], "weak")])
@@ -163,12 +165,7 @@ def test_index_checks_catch_a_restore_that_is_not_exact(demo_dir, tmp_path, monk
 def test_restore_without_the_kept_values_would_not_be_exact(demo_dir, tmp_path):
     """The exceptions are needed: dropping them from a merge's patches leaves some weights
     off by a unit in the last place (so the exact-restore tests above can fail)."""
-    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
-    engine = LLMEngine.from_model_dir(demo_dir / "model",
-                                      EngineConfig(merge_sole_adapter=True, dtype="float16"))
-    engine.register_adapter("weak", _weakened(demo_dir, names[0], 16, tmp_path / "weak"))
-    merge = engine.runner.merge
-    assert merge is not None
+    engine, merge = _weak_engine(demo_dir, tmp_path, "float16")
     loaded = _weights(engine)
     _generate(engine, [(PROMPTS[0], "weak")])
     assert merge.merged is not None
