@@ -36,7 +36,7 @@ BUDGET=$((LIMIT - 45))  # the scripts start no mode that would end past this
 SHARDS=${SHARDS:-8}
 PYTEST_PATHS=${PYTEST_PATHS:-tests/kernels tests/slora_core/test_ops.py \
 tests/slora_core/test_model.py tests/slora_core/test_nonfinite_guard.py \
-tests/slora_core/test_graph_capture.py}
+tests/slora_core/test_graph_capture.py tests/slora_core/test_lora_merge.py}
 SHAPES=${SHAPES:-llama2-7b llama3-8b}
 DEVICE_ARGS=${DEVICE_ARGS:-}
 
