@@ -59,8 +59,9 @@ class LoraTiles:
     # (`griddepcontrol.wait`). Safe because the shrink writes only the partial sums and
     # itself launches plainly, after whatever wrote y. On the H200 every case of the grid
     # gained, 1.5-3 us in launches under 20 us (one adapter: r16 B64 8.1 -> 6.1 us, r64 B16
-    # 10.9 -> 7.8, r64 B64 11.9 -> 8.9; rows r16 B256 U256 28.8 -> 26.3), and the batch-64
-    # decode step with one adapter 0.933x -> 0.951x base
+    # 10.9 -> 7.8, r64 B64 11.9 -> 8.9; rows r16 B256 U256 28.8 -> 26.3), and serving one
+    # adapter on every request went 0.933x -> 0.951x base throughput (prefill launches,
+    # not in the grid, take it too; the engine runs include them)
     # (lora-grid-pdl-dccb3ce-h200.json, engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
     pdl: bool = True
 
