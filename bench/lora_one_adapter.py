@@ -4,7 +4,9 @@ which K split and tiles serve it best, on the short tile list decode graphs repl
 For each cell (rank, rows): the shrink's and the expand's device time apart (torch.profiler
 over eager launches: kernel durations, not launch gaps), then CUDA-graph replay times of the
 short list under K splits 8..64 (finer K tiles past 16 splits), with the expand summing the
-splits one or four at a time, and with the shrink's rank tile shared by four programs. One 4096x4096 module, fp16, inputs rotated past the L2.
+splits one or four at a time, with the shrink's rank tile shared by four programs, and with
+the expand launched as the shrink's programmatic dependent or not (`LoraTiles.pdl`) beside
+split and column-tile variants. One 4096x4096 module, fp16, inputs rotated past the L2.
 
     python -m bench.lora_one_adapter --out bench/results/lora-one-adapter-h200.json
 """

@@ -418,9 +418,9 @@ class LLMEngine:
         logits, sampling = None, []
         if sched.scheduled:
             self.stats.steps += 1
-            self.stats.tokens += sched.num_tokens
-            self.stats.last_distinct_adapters = sched.distinct_adapters()
             self.stats.last_tokens = sched.num_tokens
+            self.stats.tokens += self.stats.last_tokens
+            self.stats.last_distinct_adapters = sched.distinct_adapters()
             self.stats.last_prefill_tokens = sum(
                 s.num_new_tokens for s in sched.scheduled if s.num_new_tokens > 1)
             self._wait_for_copies(sched)

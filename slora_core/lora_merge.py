@@ -136,6 +136,7 @@ class SoleAdapterMerge:
         self._merged_steps = 0
         self.merges = 0
         self.restores = 0
+        self.merged_steps = 0  # steps run merged, over the engine's life
         self.refusals = 0  # merges abandoned (too many inexact elements)
         # The most bytes and exceptions one merge held, and the host seconds merges took (they
         # wait for the device: each chunk's exceptions are counted there).
@@ -147,7 +148,6 @@ class SoleAdapterMerge:
         # the same bits twice.
         self._checksums = ([_checksum(lin.base.weight) for lin in self.layers]
                            if step_checks.ENABLED else None)
-        self.merged_steps = 0  # steps run merged, over the engine's life
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +199,7 @@ class SoleAdapterMerge:
         ranks, a_off, b_off, scales = (x[:, slot].cpu() for x in
                                        (t.ranks, t.a_offsets, t.b_offsets, t.scales))
         flat = t.arena
-        changed = 0
+        changed = kept = 0  # elements merged, and those of them whose exact values are kept
         for i, lin in enumerate(self.layers):
             k = lin.base.in_features
             weight = lin.base.weight
@@ -213,10 +213,12 @@ class SoleAdapterMerge:
                 scale = float(scales[lin.layer, m])
                 for c0 in range(0, size, CHUNK_ROWS):
                     rows = min(CHUNK_ROWS, size - c0)
-                    self._patches.append(self._merge_chunk(
-                        i, weight, start + c0, a, b[c0 : c0 + rows].clone(), scale))
+                    patch = self._merge_chunk(i, weight, start + c0, a,
+                                              b[c0 : c0 + rows].clone(), scale)
+                    self._patches.append(patch)
                     changed += rows * k
-                    if self.exceptions > MAX_EXCEPTION_FRACTION * changed:
+                    kept += patch.positions.numel()
+                    if kept > MAX_EXCEPTION_FRACTION * changed:
                         self._undo()
                         if len(self._refused) >= MAX_REFUSED:
                             self._refused.clear()
@@ -226,7 +228,7 @@ class SoleAdapterMerge:
         self.merged = key
         self.merges += 1
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
-        self.peak_exceptions = max(self.peak_exceptions, self.exceptions)
+        self.peak_exceptions = max(self.peak_exceptions, kept)
         return True
 
     def _merge_chunk(self, layer: int, weight: torch.Tensor, start: int, a: torch.Tensor,
