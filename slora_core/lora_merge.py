@@ -20,12 +20,18 @@ W share a binade, so round(W' - d) is W again. A merge whose exceptions would pa
 MAX_EXCEPTION_FRACTION of the merged elements (deltas as large as the weights) is abandoned,
 the weights as they were, and not retried soon.
 
+On a GPU with 16-bit weights one Triton launch a module slice checks the round trip, one adds
+the delta and one takes it out (kernels.weight_merge: each reads the weights once and computes
+the delta's tile in registers); elsewhere torch's float32 (float64 for float32 weights)
+passes over chunks of CHUNK_ROWS rows do the same arithmetic.
+
 The trade: the adapter's bytes and the exceptions held while merged (the device copy of every
-projection this replaced cost 12.9 GB at Llama-2-7B), a merge and a restore each about one
-read and write of the weights plus the deltas' small GEMMs, and a device sync per weight chunk
-at the merge (it counts the exceptions). Traffic that switches often would pay those again and
+projection this replaced cost 12.9 GB at Llama-2-7B), a merge about two reads and a write of
+the weights and a restore one of each, and a device sync per module slice (or chunk) at the
+merge (it counts the exceptions). Traffic that switches often would pay those again and
 again, so a merge that held fewer steps than it waited for doubles the wait (up to
-MAX_MERGE_AFTER); one that held long halves it again.
+MAX_MERGE_AFTER); one that held long halves it again. A merge whose exceptions or temporaries
+do not fit in device memory is undone and refused like one with too many exceptions.
 
 Merged steps compute (W + s B A) x rather than W x + s B (A x): the same function, rounded
 differently (what peft's merge_and_unload serves), so near-ties can pick a different greedy
@@ -40,13 +46,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from kernels import weight_merge
 from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.lora import LoraLinear
 from slora_core.step_inputs import StepInputs
 
 # Steps in a row on one sole adapter before it is merged (the first wait; see the docstring).
-MERGE_AFTER_STEPS = 8
+# With the fused kernel a merge costs about as much as a few unmerged 7B decode steps lose
+# (tens of ms against ~0.5 ms a step), and a burst's first steps are its prefills, the
+# costliest ones unmerged; traffic that flaps doubles the wait.
+MERGE_AFTER_STEPS = 2
 MAX_MERGE_AFTER = 1024
 # Weight rows merged (and restored) at a time: bounds the float32 temporaries (2,048 rows of
 # an 11,008-wide down_proj: 90 MB each).
@@ -122,11 +132,22 @@ def _checksum(weight: torch.Tensor) -> torch.Tensor:
 class SoleAdapterMerge:
     """Owns the merged state of one model's wrapped projections over one page arena."""
 
-    def __init__(self, model: torch.nn.Module, arena: PageArena) -> None:
+    def __init__(self, model: torch.nn.Module, arena: PageArena,
+                 fused: bool | None = None) -> None:
         self.arena = arena
         self.layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
         if not self.layers:
             raise ValueError("no LoRA-wrapped projections to merge into (wrap_lora first)")
+        # Merge, check and restore with one Triton launch a module slice (kernels.weight_merge)
+        # instead of torch's float32 passes over chunks of rows: the default for 16-bit
+        # weights on a GPU; float32 weights need float64 sums, which tl.dot does not do.
+        weight = self.layers[0].base.weight
+        if fused is None:
+            fused = (weight.device.type == "cuda"
+                     and weight.dtype in (torch.float16, torch.bfloat16))
+        elif fused and weight.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the fused merge needs 16-bit weights, not {weight.dtype}")
+        self.fused = fused
         self.merged: tuple[int, int] | None = None  # (slot, slot generation) folded in now
         self._patches: list[_Patch] = []  # what the restore needs, while merged
         # Adapters whose merge was abandoned (too many inexact elements), by (slot, generation).
@@ -185,12 +206,23 @@ class SoleAdapterMerge:
     @torch.no_grad()
     def merge(self, key: tuple[int, int]) -> bool:
         """Fold the adapter in `key`'s slot into the (restored) base weights; False (weights
-        untouched) when too many elements would need their exact values kept."""
+        put back, the adapter not tried again while its slot holds it) when too many elements
+        would need their exact values kept or what the restore needs does not fit."""
         t0 = time.perf_counter()
         try:
-            return self._merge(key)
+            if self._merge(key):
+                return True
+        except torch.OutOfMemoryError:
+            # The exceptions or a temporary did not fit beside the arena: serve unmerged.
+            torch.cuda.empty_cache()
         finally:
             self.merge_seconds += time.perf_counter() - t0
+        self._undo()
+        if len(self._refused) >= MAX_REFUSED:
+            self._refused.clear()
+        self._refused.add(key)
+        self.refusals += 1
+        return False
 
     def _merge(self, key: tuple[int, int]) -> bool:
         slot, _ = key
@@ -211,19 +243,15 @@ class SoleAdapterMerge:
                 a = flat[a0 : a0 + r * k].view(r, k).clone()
                 b = flat[b0 : b0 + size * r].view(size, r)
                 scale = float(scales[lin.layer, m])
-                for c0 in range(0, size, CHUNK_ROWS):
-                    rows = min(CHUNK_ROWS, size - c0)
+                step = size if self.fused else CHUNK_ROWS
+                for c0 in range(0, size, step):
+                    rows = min(step, size - c0)
                     patch = self._merge_chunk(i, weight, start + c0, a,
                                               b[c0 : c0 + rows].clone(), scale)
                     self._patches.append(patch)
                     changed += rows * k
                     kept += patch.positions.numel()
                     if kept > MAX_EXCEPTION_FRACTION * changed:
-                        self._undo()
-                        if len(self._refused) >= MAX_REFUSED:
-                            self._refused.clear()
-                        self._refused.add(key)
-                        self.refusals += 1
                         return False
         self.merged = key
         self.merges += 1
@@ -234,11 +262,18 @@ class SoleAdapterMerge:
     def _merge_chunk(self, layer: int, weight: torch.Tensor, start: int, a: torch.Tensor,
                      b: torch.Tensor, scale: float) -> _Patch:
         w = weight[start : start + b.shape[0]]
+        if self.fused:
+            inexact = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+            weight_merge.merge_delta(w, a, b, scale, weight_merge.CHECK, inexact)
+            positions = inexact.view(-1).nonzero().view(-1).to(torch.int32)
+            values = w.reshape(-1)[positions.long()]
+            weight_merge.merge_delta(w, a, b, scale, weight_merge.ADD)
+            return _Patch(layer, start, a, b, scale, positions, values)
         acc = wide(w.dtype)
         d = delta(a, b, scale, acc)
         merged = (w.to(acc) + d).to(w.dtype)
-        inexact = _bits((merged.to(acc) - d).to(w.dtype)) != _bits(w)
-        positions = inexact.view(-1).nonzero().view(-1).to(torch.int32)
+        inexact_bool = _bits((merged.to(acc) - d).to(w.dtype)) != _bits(w)
+        positions = inexact_bool.view(-1).nonzero().view(-1).to(torch.int32)
         values = w.reshape(-1)[positions.long()]
         w.copy_(merged)
         return _Patch(layer, start, a, b, scale, positions, values)
@@ -248,6 +283,10 @@ class SoleAdapterMerge:
         """Put back every chunk merged so far, exactly."""
         for p in self._patches:
             w = self.layers[p.layer].base.weight[p.start : p.start + p.b.shape[0]]
+            if self.fused:
+                weight_merge.merge_delta(w, p.a, p.b, p.scale, weight_merge.SUBTRACT)
+                w.view(-1)[p.positions.long()] = p.values
+                continue
             acc = wide(w.dtype)
             back = (w.to(acc) - delta(p.a, p.b, p.scale, acc)).to(w.dtype)
             back.view(-1)[p.positions.long()] = p.values

@@ -1,0 +1,79 @@
+"""The sole-adapter merge's kernel (`kernels.weight_merge`): ADD rounds w + scale * B @ A once
+(checked against float64), CHECK marks exactly the elements a SUBTRACT after the ADD does not
+give back, and the SUBTRACT plus those elements' kept values restores w bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.weight_merge import ADD, CHECK, SUBTRACT, merge_delta
+from tests.kernels.helpers import DEVICE, ON_GPU, generator, randn
+
+# 16-bit weights only; the interpreter computes bf16 wrongly, so bf16 runs on the GPU only.
+DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
+
+
+def _case(rows: int, k: int, rank: int, dtype: torch.dtype, std: float, seed: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = generator(seed)
+    w = randn(rows, k, dtype=dtype, gen=gen, std=0.05).contiguous()
+    a = randn(rank, k, dtype=dtype, gen=gen, std=std).contiguous()
+    b = randn(rows, rank, dtype=dtype, gen=gen, std=std).contiguous()
+    return w, a, b
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "k", "rank"), [(70, 200, 8), (130, 96, 20), (64, 128, 64)])
+def test_merge_check_and_restore_round_trip_exactly(dtype, rows, k, rank):
+    # Deltas about a tenth of the weights: a few percent of the round trips are inexact.
+    w, a, b = _case(rows, k, rank, dtype, std=(0.005 / rank**0.5) ** 0.5)
+    scale = 1.5
+    w0 = w.clone()
+    mask = torch.empty(w.shape, dtype=torch.int8, device=DEVICE)
+    merge_delta(w, a, b, scale, CHECK, mask)
+    assert torch.equal(_bits(w), _bits(w0))  # CHECK writes only the mask
+    positions = mask.view(-1).nonzero().view(-1)
+    values = w.view(-1)[positions]
+    merge_delta(w, a, b, scale, ADD)
+    # One rounding of the float32 sum: the float64 sum correctly rounded, except where the
+    # float32 sum's own error (~2^-24 relative) crosses a rounding boundary: rare, and then
+    # the neighbouring value.
+    ref = (w0.double() + scale * (b.double() @ a.double())).to(dtype)
+    off = (_bits(w).int() - _bits(ref).int()).abs()
+    assert int((off != 0).sum()) <= max(1, w.numel() // 1000)
+    assert int(off.max()) <= 1
+    merge_delta(w, a, b, scale, SUBTRACT)
+    wrong = (_bits(w) != _bits(w0)).view(-1)
+    # The CHECK predicted exactly which elements come back wrong, and there are some.
+    assert torch.equal(wrong, mask.view(-1).bool())
+    assert 0 < positions.numel() < w.numel() // 4
+    w.view(-1)[positions] = values
+    assert torch.equal(_bits(w), _bits(w0))
+
+
+def test_small_deltas_round_trip_with_few_exceptions():
+    w, a, b = _case(96, 160, 16, torch.float16, std=(1e-5 / 16**0.5) ** 0.5, seed=3)
+    mask = torch.empty(w.shape, dtype=torch.int8, device=DEVICE)
+    merge_delta(w, a, b, 1.0, CHECK, mask)
+    assert int(mask.sum()) < w.numel() // 50
+
+
+def test_bad_inputs_are_refused():
+    w, a, b = _case(32, 64, 8, torch.float16, std=0.1)
+    with pytest.raises(ValueError, match="16-bit"):
+        merge_delta(w.float(), a.float(), b.float(), 1.0, ADD)
+    with pytest.raises(ValueError, match="do not factor"):
+        merge_delta(w, a[:, :32].contiguous(), b, 1.0, ADD)
+    with pytest.raises(ValueError, match="do not factor"):
+        merge_delta(w, a, b.float(), 1.0, ADD)
+    with pytest.raises(ValueError, match="mode"):
+        merge_delta(w, a, b, 1.0, 7)
+    with pytest.raises(ValueError, match="int8 mask"):
+        merge_delta(w, a, b, 1.0, CHECK)
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        merge_delta(w.t(), a, b, 1.0, ADD)
