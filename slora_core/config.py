@@ -232,9 +232,11 @@ class EngineConfig:
     # When every token of a run of steps reads one adapter, fold it into the base weights and
     # run those steps as the base model (slora_core/lora_merge.py); any other step restores
     # the weights first, bit for bit, from the adapter's factors and the few elements whose
-    # round trip is inexact (no copy of the weights). Off by default until the merge and
-    # restore times are measured on the GPU. Single-device engines only.
-    merge_sole_adapter: bool = False
+    # round trip is inexact (no copy of the weights). None: on for one CUDA device with 16-bit
+    # weights, where a merge is a few fused launches (H200, Llama-2-7B, one r16 adapter on
+    # every request: 0.994x base merged vs 0.946x unmerged in one run,
+    # engine-speed-merge-e3ac2cc-h200.json); off elsewhere. Single-device engines only.
+    merge_sole_adapter: bool | None = None
     # Ranks of one engine (DESIGN section 5): LLMEngine.from_model_dir starts the other ranks
     # (slora_core/tp); 1 is the single-device engine, untouched.
     tensor_parallel_size: int = 1
@@ -263,6 +265,15 @@ class EngineConfig:
         if self.async_steps is not None:
             return self.async_steps
         return self.device.startswith("cuda") and self.tensor_parallel_size == 1
+
+    @property
+    def merges_sole_adapter(self) -> bool:
+        """Whether sole adapters are merged: `merge_sole_adapter`, or by default on one CUDA
+        device with 16-bit weights."""
+        if self.merge_sole_adapter is not None:
+            return self.merge_sole_adapter
+        return (self.device.startswith("cuda") and self.tensor_parallel_size == 1
+                and self.torch_dtype in (torch.float16, torch.bfloat16))
 
     @property
     def adapter_cap(self) -> int:

@@ -38,7 +38,8 @@ HELP: dict[str, str] = {
     "async_steps": "launch each step before reading the previous one's tokens (overlaps host "
                    "work with the GPU; default: on for one CUDA device, off otherwise)",
     "merge_sole_adapter": "fold a batch's sole adapter into the base weights while it is the "
-                          "only one (restored exactly when it stops being so)",
+                          "only one (restored exactly when it stops being so; default: on for "
+                          "one CUDA device with 16-bit weights)",
     "lora_overlap": "run decode steps' LoRA on a second CUDA stream beside the base GEMMs",
     "lora_row_kernels": "decode graphs run many-adapter LoRA one token row a program (faster "
                         "decode steps; off: 16-row tiles only)",

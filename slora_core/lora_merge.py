@@ -246,13 +246,14 @@ class SoleAdapterMerge:
                 step = size if self.fused else CHUNK_ROWS
                 for c0 in range(0, size, step):
                     rows = min(step, size - c0)
-                    patch = self._merge_chunk(i, weight, start + c0, a,
-                                              b[c0 : c0 + rows].clone(), scale)
-                    self._patches.append(patch)
                     changed += rows * k
-                    kept += patch.positions.numel()
-                    if kept > MAX_EXCEPTION_FRACTION * changed:
+                    patch = self._merge_chunk(
+                        i, weight, start + c0, a, b[c0 : c0 + rows].clone(), scale,
+                        budget=int(MAX_EXCEPTION_FRACTION * changed) - kept)
+                    if patch is None:
                         return False
+                    self._patches.append(patch)
+                    kept += patch.positions.numel()
         self.merged = key
         self.merges += 1
         self.peak_nbytes = max(self.peak_nbytes, self.nbytes)
@@ -260,20 +261,25 @@ class SoleAdapterMerge:
         return True
 
     def _merge_chunk(self, layer: int, weight: torch.Tensor, start: int, a: torch.Tensor,
-                     b: torch.Tensor, scale: float) -> _Patch:
+                     b: torch.Tensor, scale: float, budget: int) -> _Patch | None:
+        """Merge one chunk of rows and return how to restore it, or None (the rows untouched)
+        when it needs more than `budget` exact values kept."""
         w = weight[start : start + b.shape[0]]
         if self.fused:
-            inexact = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-            weight_merge.merge_delta(w, a, b, scale, weight_merge.CHECK, inexact)
-            positions = inexact.view(-1).nonzero().view(-1).to(torch.int32)
-            values = w.reshape(-1)[positions.long()]
+            cap = max(0, min(budget, w.numel()))
+            positions, values, count = weight_merge.check_round_trip(w, a, b, scale, cap)
+            n = int(count)  # a device sync
+            if n > cap:
+                return None
             weight_merge.merge_delta(w, a, b, scale, weight_merge.ADD)
-            return _Patch(layer, start, a, b, scale, positions, values)
+            return _Patch(layer, start, a, b, scale, positions[:n].clone(), values[:n].clone())
         acc = wide(w.dtype)
         d = delta(a, b, scale, acc)
         merged = (w.to(acc) + d).to(w.dtype)
-        inexact_bool = _bits((merged.to(acc) - d).to(w.dtype)) != _bits(w)
-        positions = inexact_bool.view(-1).nonzero().view(-1).to(torch.int32)
+        inexact = _bits((merged.to(acc) - d).to(w.dtype)) != _bits(w)
+        positions = inexact.view(-1).nonzero().view(-1).to(torch.int32)
+        if positions.numel() > budget:
+            return None
         values = w.reshape(-1)[positions.long()]
         w.copy_(merged)
         return _Patch(layer, start, a, b, scale, positions, values)

@@ -82,7 +82,7 @@ class ModelRunner:
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs,
                    lora_overlap=config.lora_overlap,
-                   merge_sole_adapter=config.merge_sole_adapter,
+                   merge_sole_adapter=config.merges_sole_adapter,
                    lora_row_kernels=config.lora_row_kernels, lora_pdl=config.lora_pdl)
 
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None:

@@ -1,14 +1,15 @@
 """The sole-adapter merge's kernel (`kernels.weight_merge`): ADD rounds w + scale * B @ A once
-(checked against float64), CHECK marks exactly the elements a SUBTRACT after the ADD does not
-give back, and the SUBTRACT plus those elements' kept values restores w bit for bit."""
+(checked against float64), the CHECK collects exactly the elements a SUBTRACT after the ADD
+does not give back (positions and original values, counted past a full buffer), and the
+SUBTRACT plus those kept values restores w bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.weight_merge import ADD, CHECK, SUBTRACT, merge_delta
-from tests.kernels.helpers import DEVICE, ON_GPU, generator, randn
+from kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta
+from tests.kernels.helpers import ON_GPU, generator, randn
 
 # 16-bit weights only; the interpreter computes bf16 wrongly, so bf16 runs on the GPU only.
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
@@ -34,11 +35,11 @@ def test_merge_check_and_restore_round_trip_exactly(dtype, rows, k, rank):
     w, a, b = _case(rows, k, rank, dtype, std=(0.005 / rank**0.5) ** 0.5)
     scale = 1.5
     w0 = w.clone()
-    mask = torch.empty(w.shape, dtype=torch.int8, device=DEVICE)
-    merge_delta(w, a, b, scale, CHECK, mask)
-    assert torch.equal(_bits(w), _bits(w0))  # CHECK writes only the mask
-    positions = mask.view(-1).nonzero().view(-1)
-    values = w.view(-1)[positions]
+    positions, values, count = check_round_trip(w, a, b, scale, capacity=w.numel())
+    assert torch.equal(_bits(w), _bits(w0))  # the CHECK writes only its buffers
+    n = int(count)
+    positions, values = positions[:n].long(), values[:n]
+    assert torch.equal(_bits(values), _bits(w0.view(-1)[positions]))
     merge_delta(w, a, b, scale, ADD)
     # One rounding of the float32 sum: the float64 sum correctly rounded, except where the
     # float32 sum's own error (~2^-24 relative) crosses a rounding boundary: rare, and then
@@ -48,19 +49,31 @@ def test_merge_check_and_restore_round_trip_exactly(dtype, rows, k, rank):
     assert int((off != 0).sum()) <= max(1, w.numel() // 1000)
     assert int(off.max()) <= 1
     merge_delta(w, a, b, scale, SUBTRACT)
-    wrong = (_bits(w) != _bits(w0)).view(-1)
-    # The CHECK predicted exactly which elements come back wrong, and there are some.
-    assert torch.equal(wrong, mask.view(-1).bool())
-    assert 0 < positions.numel() < w.numel() // 4
+    wrong = (_bits(w) != _bits(w0)).view(-1).nonzero().view(-1)
+    # The CHECK found exactly the elements that come back wrong, each once, and there are some.
+    assert torch.equal(positions.sort().values, wrong)
+    assert 0 < n < w.numel() // 4
     w.view(-1)[positions] = values
     assert torch.equal(_bits(w), _bits(w0))
 
 
+def test_a_full_buffer_counts_on_and_writes_nothing_past_it():
+    w, a, b = _case(70, 200, 8, torch.float16, std=(0.005 / 8**0.5) ** 0.5)
+    _, _, count = check_round_trip(w, a, b, 1.5, capacity=w.numel())
+    full = int(count)
+    cap = full // 3
+    positions, values, count = check_round_trip(w, a, b, 1.5, capacity=cap)
+    assert int(count) == full > cap and positions.numel() == cap
+    # What was stored is a part of the full set, each a real exception with its value.
+    assert bool((positions >= 0).all()) and bool((positions < w.numel()).all())
+    assert positions.unique().numel() == cap
+    assert torch.equal(_bits(values), _bits(w.view(-1)[positions.long()]))
+
+
 def test_small_deltas_round_trip_with_few_exceptions():
     w, a, b = _case(96, 160, 16, torch.float16, std=(1e-5 / 16**0.5) ** 0.5, seed=3)
-    mask = torch.empty(w.shape, dtype=torch.int8, device=DEVICE)
-    merge_delta(w, a, b, 1.0, CHECK, mask)
-    assert int(mask.sum()) < w.numel() // 50
+    _, _, count = check_round_trip(w, a, b, 1.0, capacity=w.numel())
+    assert int(count) < w.numel() // 50
 
 
 def test_bad_inputs_are_refused():
@@ -73,7 +86,7 @@ def test_bad_inputs_are_refused():
         merge_delta(w, a, b.float(), 1.0, ADD)
     with pytest.raises(ValueError, match="mode"):
         merge_delta(w, a, b, 1.0, 7)
-    with pytest.raises(ValueError, match="int8 mask"):
-        merge_delta(w, a, b, 1.0, CHECK)
     with pytest.raises(ValueError, match="contiguous 2-D"):
         merge_delta(w.t(), a, b, 1.0, ADD)
+    with pytest.raises(ValueError, match="16-bit"):
+        check_round_trip(w.float(), a.float(), b.float(), 1.0, capacity=8)

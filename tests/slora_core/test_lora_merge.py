@@ -117,6 +117,24 @@ def test_a_merge_needing_too_many_exact_values_is_refused_and_serves_unmerged(de
         assert got[str(i)] == hf_greedy(demo_dir / "model", adir, prompt, NEW_TOKENS)[0]
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused merge runs on the CPU only under the interpreter")
+def test_the_fused_merge_refuses_past_the_budget_and_leaves_the_weights(demo_dir):
+    """The kernel's exception buffers hold only the budget: a strong adapter overflows them,
+    nothing is merged and the weights stay as loaded."""
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = _engine(demo_dir, names[:1], dtype="float16")
+    merge = engine.runner.merge
+    assert merge is not None
+    merge.fused = True
+    loaded = _weights(engine)
+    got = _generate(engine, [(p, names[0]) for p in PROMPTS])
+    assert (merge.merges, merge.refusals, merge.merged_steps) == (0, 1, 0)
+    assert all(len(t) == NEW_TOKENS for t in got.values())
+    assert all(torch.equal(w.view(torch.int16), w0.view(torch.int16))
+               for w, w0 in zip(_weights(engine), loaded, strict=True))
+
+
 def _weak_engine(demo_dir: Path, tmp_path: Path, dtype: str, device: str = "cpu"
                  ) -> tuple[LLMEngine, lora_merge.SoleAdapterMerge]:
     """An engine of `dtype` with the merge on and one adapter, "weak": the first demo adapter
@@ -183,11 +201,11 @@ def test_a_merge_that_runs_out_of_memory_is_undone_and_refused(demo_dir, tmp_pat
     loaded = _weights(engine)
     real, calls = merge._merge_chunk, []
 
-    def chunk(*args: object) -> lora_merge._Patch:
+    def chunk(*args: object, budget: int) -> lora_merge._Patch | None:
         calls.append(1)
         if len(calls) == 5:
             raise torch.OutOfMemoryError("no room for the exceptions")
-        return real(*args)  # type: ignore[arg-type]
+        return real(*args, budget=budget)  # type: ignore[arg-type]
 
     monkeypatch.setattr(merge, "_merge_chunk", chunk)
     got = _generate(engine, [(PROMPTS[0], "weak")])
@@ -261,3 +279,14 @@ def test_routing_merges_after_a_streak_restores_on_anything_else_and_backs_off(d
 def test_merge_is_refused_with_tensor_parallelism():
     with pytest.raises(ConfigError, match="merge_sole_adapter"):
         EngineConfig(merge_sole_adapter=True, tensor_parallel_size=2)
+
+
+def test_merge_defaults_to_one_cuda_device_with_16_bit_weights():
+    assert EngineConfig(device="cuda", dtype="float16").merges_sole_adapter
+    assert EngineConfig(device="cuda:1", dtype="bfloat16").merges_sole_adapter
+    assert not EngineConfig(device="cuda", dtype="float32").merges_sole_adapter
+    assert not EngineConfig(device="cpu", dtype="float16").merges_sole_adapter
+    assert not EngineConfig(device="cuda", dtype="float16",
+                            tensor_parallel_size=2).merges_sole_adapter
+    assert not EngineConfig(device="cuda", merge_sole_adapter=False).merges_sole_adapter
+    assert EngineConfig(device="cpu", merge_sole_adapter=True).merges_sole_adapter
