@@ -30,7 +30,9 @@ BLOCK_M = 64
 BLOCK_N = 128
 
 
-@triton.jit(do_not_specialize=["mode", "capacity"])
+# Only the dtype and the rank tile pick a compiled variant (sizes are never specialized on), so
+# `warm_up` can compile every variant a model will need before it serves.
+@triton.jit(do_not_specialize=["mode", "capacity", "rows", "k", "rank"])
 def _merge_kernel(w_ptr, a_ptr, b_ptr, pos_ptr, val_ptr, count_ptr, capacity, rows, k, rank,
                   scale, mode, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_R: tl.constexpr):
@@ -66,6 +68,26 @@ def _merge_kernel(w_ptr, a_ptr, b_ptr, pos_ptr, val_ptr, count_ptr, capacity, ro
         tl.store(w_ptr + at, (w.to(tl.float32) + d).to(w.dtype), mask=inside)
     else:
         tl.store(w_ptr + at, (w.to(tl.float32) - d).to(w.dtype), mask=inside)
+
+
+def rank_tile(rank: int) -> int:
+    """The rank tile (a compiled variant) a delta of this rank runs."""
+    return max(16, triton.next_power_of_2(rank))
+
+
+def warm_up(dtype: torch.dtype, max_rank: int, device: torch.device) -> None:
+    """Compile the variants deltas of rank <= max_rank run (one a rank tile), on tiny inputs:
+    a first compile mid-serving stalls a step for a second or more."""
+    tile = 16
+    while True:
+        w = torch.zeros(16, 16, dtype=dtype, device=device)
+        a = torch.zeros(tile, 16, dtype=dtype, device=device)
+        b = torch.zeros(16, tile, dtype=dtype, device=device)
+        check_round_trip(w, a, b, 1.0, capacity=16)
+        merge_delta(w, a, b, 1.0, ADD)
+        if tile >= rank_tile(max_rank):
+            return
+        tile *= 2
 
 
 def merge_delta(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
@@ -115,4 +137,4 @@ def _launch(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, mod
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(k, BLOCK_N))
     _merge_kernel[grid](w, a, b, positions, values, count, positions.numel(), rows, k, rank,
                         float(scale), mode, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                        BLOCK_R=max(16, triton.next_power_of_2(rank)))
+                        BLOCK_R=rank_tile(rank))

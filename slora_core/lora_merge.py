@@ -148,6 +148,8 @@ class SoleAdapterMerge:
         elif fused and weight.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"the fused merge needs 16-bit weights, not {weight.dtype}")
         self.fused = fused
+        if fused and weight.device.type == "cuda":
+            weight_merge.warm_up(weight.dtype, arena.tables.max_rank or 64, weight.device)
         self.merged: tuple[int, int] | None = None  # (slot, slot generation) folded in now
         self._patches: list[_Patch] = []  # what the restore needs, while merged
         # Adapters whose merge was abandoned (too many inexact elements), by (slot, generation).

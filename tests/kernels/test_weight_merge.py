@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta
+from kernels.jit_stats import compiled_kernel_variants
+from kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta, warm_up
 from tests.kernels.helpers import ON_GPU, generator, randn
 
 # 16-bit weights only; the interpreter computes bf16 wrongly, so bf16 runs on the GPU only.
@@ -74,6 +75,22 @@ def test_small_deltas_round_trip_with_few_exceptions():
     w, a, b = _case(96, 160, 16, torch.float16, std=(1e-5 / 16**0.5) ** 0.5, seed=3)
     _, _, count = check_round_trip(w, a, b, 1.0, capacity=w.numel())
     assert int(count) < w.numel() // 50
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter compiles nothing")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_after_warm_up_no_merge_compiles(dtype):
+    """Sizes are not specialized on: warm-up on 16x16 inputs compiles what any rank up to
+    the bound runs, so a first merge mid-serving compiles nothing."""
+    warm_up(dtype, 64, torch.device("cuda"))
+    before = compiled_kernel_variants()
+    for rows, k, rank in [(4096, 4096, 16), (11008, 4096, 8), (1000, 4104, 40), (512, 11008, 64)]:
+        w, a, b = _case(rows, k, rank, dtype, std=0.01)
+        check_round_trip(w, a, b, 2.0, capacity=1000)
+        merge_delta(w, a, b, 2.0, ADD)
+        merge_delta(w, a, b, 2.0, SUBTRACT)
+    torch.cuda.synchronize()
+    assert compiled_kernel_variants() == before
 
 
 def test_bad_inputs_are_refused():
