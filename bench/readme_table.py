@@ -214,9 +214,11 @@ def table() -> str:
                                  f"`{path.name}` @ {result['commit'][:8]}")
     # Saturated (60/s), below saturation (50/s, 40/s), and the older run with the disk tier.
     # churn-rate50-4a1c7c8-h200.json: the last run on tiles with alpha 0.5 (3d9d85a ran 1.0
-    # only). The alpha 1.0 repeat at bb1ca0b: same commit and arrivals as churn-rate50-h200.json
-    # (p99 TTFT 2.06x there, 1.47x here: the tail rises with the evictions, 78 vs 23).
+    # only). churn-rate50-alpha1-bdfe3de-h200.json: alpha 1.0 alone at the commit and arrivals
+    # of churn-rate50-h200.json (p99 TTFT 1.87x with 126 evictions there, 1.55x with 58 here:
+    # the tail rises with the evictions); the bb1ca0b repeat likewise (2.06x / 78, 1.47x / 23).
     for name in ("churn-h200.json", "churn-rate50-h200.json",
+                 "churn-rate50-alpha1-bdfe3de-h200.json",
                  "churn-rate50-alpha1-repeat-bb1ca0b-h200.json", "churn-rows-h200.json",
                  "churn-rate50-tiles-3d9d85a-h200.json", "churn-rate50-4a1c7c8-h200.json",
                  "churn-rate40-h200.json", "churn-disk-h200.json"):
