@@ -6,7 +6,8 @@
 #   engine-async / engine-sync
 #           one adapter vs base and the decode-step floor (bench.serving overhead,floor),
 #           with and without asynchronous steps; engine-overlap the same with LoRA on a
-#           second stream (asynchronous steps);
+#           second stream (asynchronous steps); since bdfe3de the sole-adapter merge is on by
+#           default, so their one-adapter runs merge, with the unmerged arm beside them;
 #   rows    row-kernel tiles beside the tile kernels on the decode cases (kernels_lora_rows);
 #   floor-rows / floor-tiles  the decode-step floor alone (asynchronous steps), decode graphs
 #           with the row kernels' graph / on 16-row tiles only;

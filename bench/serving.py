@@ -122,8 +122,9 @@ def scenario_overhead(b: Bench) -> dict[str, Any]:
     repeats (base, adapter, base, adapter, ...) on one engine: a step with no adapter in the
     batch runs the base model's own graphs (LoRA launches nothing), so the base runs are what a
     base-only engine does, and the pairs see the same GPU clocks and the same warmed state.
-    With --merge-sole-adapter each repeat also runs the adapter unmerged (the engine's merge
-    switched off for that run), so both paths are measured side by side."""
+    With the sole-adapter merge on (the default on one CUDA device, --merge-sole-adapter) each
+    repeat also runs the adapter unmerged (the engine's merge switched off for that run), so
+    both paths are measured side by side."""
     a = b.args
     reqs = one_adapter_requests(b)
     base_reqs = [BenchRequest(r.arrival, None, r.prompt, r.output_len) for r in reqs]
