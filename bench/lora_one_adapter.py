@@ -6,7 +6,8 @@ over eager launches: kernel durations, not launch gaps), then CUDA-graph replay 
 short list under K splits 8..64 (finer K tiles past 16 splits), with the expand summing the
 splits one or four at a time, with the shrink's rank tile shared by four programs, and with
 the expand launched as the shrink's programmatic dependent or not (`LoraTiles.pdl`) beside
-split and column-tile variants. One 4096x4096 module, fp16, inputs rotated past the L2.
+split and column-tile variants, and with the shrink summing its own K splits
+(`LoraTiles.reduce_splits`). One 4096x4096 module, fp16, inputs rotated past the L2.
 
     python -m bench.lora_one_adapter --out bench/results/lora-one-adapter-h200.json
 """
@@ -66,6 +67,15 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("pdl_k512_bn512_split4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_block_k=512,
                                                   expand_block_n=512), 4),
     ("pdl_warps8_split8", dataclasses.replace(DECODE_TILES, pdl=True, num_warps=8), 8),
+    # The shrink sums its own K splits (LoraTiles.reduce_splits: the last split of a tile adds
+    # them into split 0), so the expand reads one sum: at the graphs' split, and with more,
+    # shorter splits (the expand no longer pays for them).
+    ("reduce", dataclasses.replace(DECODE_TILES, reduce_splits=True), None),
+    ("reduce_split8", dataclasses.replace(DECODE_TILES, reduce_splits=True), 8),
+    ("reduce_split32_k128", dataclasses.replace(DECODE_TILES, reduce_splits=True,
+                                                shrink_block_k=128), 32),
+    ("reduce_bn128", dataclasses.replace(DECODE_TILES, reduce_splits=True,
+                                         expand_block_n=128), None),
 )
 
 

@@ -14,7 +14,13 @@ from functools import lru_cache
 import torch
 import triton
 
-from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows, pdl_supported
+from kernels.lora_common import (
+    MAX_MODULES_PER_LAUNCH,
+    SPLIT_COUNTERS,
+    check_rows,
+    pdl_supported,
+    split_counters,
+)
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from kernels.lora_rows import RowTiles, rows_expand, rows_shrink
@@ -64,6 +70,12 @@ class LoraTiles:
     # not in the grid, take it too; the engine runs include them)
     # (lora-grid-pdl-dccb3ce-h200.json, engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
     pdl: bool = True
+    # The shrink adds its K splits itself: the last split of each tile and module to finish
+    # sums them into split 0 (an atomic counter a tile and module), so the expand reads one
+    # sum instead of re-reading every split once per column tile (r64 B256 U1: 16 splits of
+    # 16 x 64 float32 a tile, read by each of the 16 column tiles). Not yet timed on a GPU,
+    # so off.
+    reduce_splits: bool = False
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -182,12 +194,16 @@ def add_lora_triton(
                         block_n=tiles.wide_block_n if wide else tiles.block_n,
                         num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl)
             continue
+        rank_parts = min(tiles.shrink_rank_parts, block_r // 16)
+        reduce = (tiles.reduce_splits and splits > 1 and rank_parts == 1
+                  and meta.num_tiles * len(mods) <= SPLIT_COUNTERS)
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    rank_parts=min(tiles.shrink_rank_parts, block_r // 16),
-                    launch_dependents=pdl)
-        lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
+                    rank_parts=rank_parts, launch_dependents=pdl,
+                    counters=split_counters(x.device) if reduce else None)
+        lora_expand(y, buf[:1] if reduce else buf, arena, b_offsets, ranks, scales, mods,
+                    slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,

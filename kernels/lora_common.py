@@ -49,6 +49,27 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     return positions.to(tl.int64)
 
 
+# Counters of the shrink's split reduction (LoraTiles.reduce_splits), one per tile and module
+# of a launch, zero between launches (the last split of each resets its own).
+SPLIT_COUNTERS = 1 << 14
+_split_counters: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed int32 counters for `lora_shrink(counters=...)`, allocated at first
+    use, which must come before any CUDA graph capture that reads them."""
+    key = (device.type, device.index if device.type != "cuda" or device.index is not None
+           else torch.cuda.current_device())
+    counters = _split_counters.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split counters are allocated at first use, which must "
+                               "come before CUDA graph capture (run one step eagerly)")
+        counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        _split_counters[key] = counters
+    return counters
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether launches on `device` can overlap their predecessor (programmatic dependent
     launch, `griddepcontrol`): compiled kernels (not Triton's interpreter) on a GPU of compute

@@ -92,14 +92,37 @@ def _shrink_bucketed(
 
 
 @triton.jit
+def _reduce_splits(buf_rows, tokens_mask, rank, stride_bs, split_k, counter_ptr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Split-K in the shrink: after this program's partial sums are stored, the last of the
+    work item's split_k programs to arrive (an atomic counter) adds them all into split 0
+    and resets the counter, so the expand reads one sum instead of split_k. Stores of the
+    other programs are seen through the counter's acquire-release order; their rows are read
+    past L1 (.cg), which is not coherent across multiprocessors."""
+    tl.debug_barrier()  # every thread's partial sums stored before the counter moves
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == split_k - 1:
+        tl.debug_barrier()
+        for r0 in range(0, rank, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            mask = tokens_mask[:, None] & (offs_r < rank)[None, :]
+            h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for j in range(split_k):
+                h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=mask,
+                             other=0.0, cache_modifier=".cg")
+            tl.store(buf_rows[:, None] + offs_r[None, :], h, mask=mask)
+        tl.store(counter_ptr, 0)
+
+
+@triton.jit
 def _shrink_item(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
     tile, mod_i, split, part, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk, table_stride,
-    stride_bs, stride_bt, stride_bm,
+    stride_bs, stride_bt, stride_bm, split_k, counter_ptr,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr,
-    GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr,
+    GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr, REDUCE_SPLITS: tl.constexpr,
 ):
     """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile` (rank
     part `part` of RANK_PARTS)."""
@@ -131,6 +154,9 @@ def _shrink_item(
                              k_lo, k_hi, K, stride_xm, stride_xk,
                              DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS, part,
                              RANK_PARTS)
+        if REDUCE_SPLITS:
+            _reduce_splits(buf_ptr + tokens * stride_bt + mod_i * stride_bm, mask_m, rank,
+                           stride_bs, split_k, counter_ptr, BLOCK_M, BLOCK_R)
 
 
 # Values that change from step to step are runtime arguments that Triton must not specialize
@@ -140,11 +166,11 @@ def _lora_shrink_kernel(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
     mod0, mod1, mod2, num_tiles, num_mods, split_k,
-    K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
+    K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm, counters_ptr,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr, REDUCE_SPLITS: tl.constexpr,
 ):
     release_dependents(LAUNCH_DEPENDENTS)
     # Work items (tile, module, K split, rank part), the parts and splits of one tile adjacent
@@ -157,9 +183,10 @@ def _lora_shrink_kernel(
                      seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
                      rows_ptr, v // split_k // num_mods, v // split_k % num_mods, v % split_k,
                      w % RANK_PARTS, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk,
-                     table_stride, stride_bs, stride_bt, stride_bm,
+                     table_stride, stride_bs, stride_bt, stride_bm, split_k,
+                     counters_ptr + v // split_k,
                      MAX_RANK, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS,
-                     GATHER_ROWS, RANK_PARTS)
+                     GATHER_ROWS, RANK_PARTS, REDUCE_SPLITS)
 
 
 def lora_shrink(
@@ -179,17 +206,27 @@ def lora_shrink(
     rank_buckets: bool = True,
     rank_parts: int = 1,
     launch_dependents: bool = False,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it.
     `rank_parts` > 1 shares each `block_r`-wide rank tile among that many programs (a power
     of two, parts at least 16 wide): more, smaller programs for launches of few tiles.
-    `launch_dependents`: let an expand launched with `pdl` start while this runs."""
+    `launch_dependents`: let an expand launched with `pdl` start while this runs.
+    `counters` (zeroed int32, at least tiles x modules; `lora_common.split_counters`): the
+    last split of each tile and module to finish adds all splits into split 0 (buf[0] then
+    holds x @ A.T whole, the other splits their partial sums) and zeroes its counter again."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if (rank_parts < 1 or rank_parts & (rank_parts - 1) or block_r % rank_parts
             or block_r // rank_parts < 16):
         raise ValueError(f"rank_parts must be a power of two splitting the rank tile "
                          f"{block_r} into parts of at least 16, got {rank_parts}")
+    reduce = counters is not None and split_k > 1
+    if reduce and (rank_parts != 1 or counters is None or counters.dtype != torch.int32
+                   or counters.numel() < meta.num_tiles * num_mods
+                   or counters.device != buf.device):
+        raise ValueError("reducing the splits takes one rank part and int32 counters on "
+                         f"buf's device for {meta.num_tiles} tiles x {num_mods} modules")
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
@@ -202,10 +239,12 @@ def lora_shrink(
         meta.rows_or_slots(), mods[0], mods[1], mods[2], meta.num_tiles, num_mods, split_k,
         x.shape[1], x.stride(0), x.stride(1), a_offsets.stride(0),
         buf.stride(0), buf.stride(1), buf.stride(2),
+        counters if reduce else ranks,  # an int32 pointer either way; unread unless reducing
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, RANK_PARTS=rank_parts,
-        LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps, num_stages=num_stages,
+        LAUNCH_DEPENDENTS=launch_dependents, REDUCE_SPLITS=reduce, num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 

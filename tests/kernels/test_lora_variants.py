@@ -35,6 +35,9 @@ VARIANTS = {
     "rank_parts4": dataclasses.replace(DECODE_TILES, shrink_rank_parts=4),
     "no_pdl": dataclasses.replace(DECODE_TILES, pdl=False),
     "no_pdl_early_loads": dataclasses.replace(DECODE_TILES, pdl=False, early_loads=True),
+    "reduce_splits": dataclasses.replace(DECODE_TILES, reduce_splits=True),
+    "reduce_splits_early_loads": dataclasses.replace(DECODE_TILES, reduce_splits=True,
+                                                     early_loads=True),
 }
 
 
@@ -118,6 +121,51 @@ def test_shrink_work_items_cover_every_split() -> None:
             off = int(case.a_offsets[slot, i])
             a = case.arena[off : off + 16 * k].view(16, k).double()
             assert rel_err(buf[:, t, i].sum(0), x[t].double() @ a.T) < 1e-5
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_shrink_split_reduction_sums_every_split_into_the_first(gather: bool) -> None:
+    """With counters the last split of each (tile, module) adds all of them into split 0 and
+    zeroes its counter again (a second launch over the same counters sums as well); rows in
+    random order go through the sorted row list."""
+    gen = generator(7 + gather)
+    k, split, rank = 1024, 4, 24
+    slots = [0] * 20 + [1] * 3 + [-1]
+    if gather:
+        slots = [slots[i] for i in torch.randperm(len(slots), generator=gen).tolist()]
+    rank_of = {(s, m): rank for s in range(2) for m in (0, 1)}
+    case = build_lora_case(slots, 2, k, {0: 16, 1: 16}, rank_of, torch.float32, gen,
+                           block_m=DECODE_BLOCK_M)
+    meta = padded(case.meta, case.meta.num_tiles + 2)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    for launch in range(2):
+        x = randn(len(slots), k, dtype=torch.float32, gen=gen)
+        buf = torch.full((split, len(slots), 2, 32), float("nan"), device=DEVICE)
+        lora_shrink(buf, x, case.arena, case.a_offsets, case.ranks, (0, 1), meta, block_m=16,
+                    block_r=32, block_k=128, counters=counters)
+        assert int(counters.abs().sum()) == 0, f"launch {launch} left counters set"
+        for t, slot in enumerate(slots):
+            if slot < 0:
+                continue
+            for i in (0, 1):
+                off = int(case.a_offsets[slot, i])
+                a = case.arena[off : off + rank * k].view(rank, k).double()
+                assert rel_err(buf[0, t, i, :rank], x[t].double() @ a.T) < 1e-5
+
+
+def test_shrink_split_reduction_refuses_rank_parts_and_short_counters() -> None:
+    gen = generator(9)
+    case = build_lora_case([0] * 16, 1, 512, {0: 16}, {(0, 0): 32}, torch.float32, gen,
+                           block_m=DECODE_BLOCK_M)
+    x = randn(16, 512, dtype=torch.float32, gen=gen)
+    buf = torch.zeros(2, 16, 1, 32, device=DEVICE)
+    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="one rank part"):
+        lora_shrink(buf, x, case.arena, case.a_offsets, case.ranks, (0,), case.meta,
+                    block_m=16, block_r=32, block_k=256, rank_parts=2, counters=counters)
+    with pytest.raises(ValueError, match="int32 counters"):
+        lora_shrink(buf, x, case.arena, case.a_offsets, case.ranks, (0,), case.meta,
+                    block_m=16, block_r=32, block_k=256, counters=counters[:0])
 
 
 def test_all_padding_writes_nothing() -> None:
