@@ -31,8 +31,11 @@ from tests.kernels.helpers import (
 )
 
 QKV = (0, 1, 2)
+# reduce_splits: the shrink sums its own splits through atomic counters; a reduction that
+# read another program's partial sums before they landed would show here, on the GPU.
 TILES = {"tiles": DECODE_TILES, "tiles_early_loads": dataclasses.replace(
-    DECODE_TILES, early_loads=True), "rows": RowTiles()}
+    DECODE_TILES, early_loads=True), "tiles_reduce_splits": dataclasses.replace(
+    DECODE_TILES, reduce_splits=True), "rows": RowTiles()}
 GPU_PDL = ON_GPU and pdl_supported(DEVICE)
 
 
