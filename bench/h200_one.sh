@@ -22,6 +22,7 @@
 #   tests   pytest on the GPU (TESTS, default tests/kernels/test_lora_pdl.py);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
+#   merge-time  the merge's and the restore's device time at 7B shapes (bench.merge_time);
 #   sweep   decode attention tiles at the default and the previous default (block_n 128);
 #   core    the engine core's host time per decode step, asynchronous steps (profile_core);
 #   async   the floor scenario's step: graph replay vs engine steps, sync and async, profiled
@@ -72,6 +73,8 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
             --out "$OUT/gemm-decode-h200.json" ;;
         engine-merge) OVERHEAD_REPEATS=${OVERHEAD_REPEATS:-5} engine_arm merge --async-steps \
             --merge-sole-adapter --scenarios overhead ;;
+        merge-time) step merge-time "${MERGE_TIME_S:-120}" python3 -m bench.merge_time \
+            --out "$OUT/merge-time-h200.json" ;;
         sweep) step sweep "${SWEEP_S:-90}" python3 -m bench.decode_sweep --parts attention_wide \
             --attn-wide 128,4,2 --out "$OUT/decode-sweep-wide-h200.json" ;;
         core) step core "${CORE_S:-150}" python3 -m bench.profile_core --shape llama2-7b \
