@@ -64,8 +64,19 @@ CHUNK_ROWS = 2048
 # A merge needing exact values for more than this fraction of the elements it changes is
 # abandoned (6 bytes an exception: at 1/8 they cost 3/8 of what a copy of the weights would).
 MAX_EXCEPTION_FRACTION = 1 / 8
+# The kept values of one merge may take at most this share of the device memory free when it
+# starts (the arena is sized by the operator, so the merge must not eat the headroom the
+# steps' activations need); past it the merge is refused like one with too many exceptions.
+MAX_FREE_MEMORY_SHARE = 1 / 2
 # Refused adapters remembered (by slot and slot generation); past this the memory starts over.
 MAX_REFUSED = 4096
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Device memory free now (the driver's count), or None off CUDA (no limit there)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -234,6 +245,11 @@ class SoleAdapterMerge:
                                        (t.ranks, t.a_offsets, t.b_offsets, t.scales))
         flat = t.arena
         changed = kept = 0  # elements merged, and those of them whose exact values are kept
+        first = self.layers[0].base.weight
+        free = free_device_bytes(first.device)
+        # Each kept value costs its int32 position and its value.
+        max_kept = (None if free is None else
+                    int(free * MAX_FREE_MEMORY_SHARE) // (4 + first.element_size()))
         for i, lin in enumerate(self.layers):
             k = lin.base.in_features
             weight = lin.base.weight
@@ -249,9 +265,12 @@ class SoleAdapterMerge:
                 for c0 in range(0, size, step):
                     rows = min(step, size - c0)
                     changed += rows * k
+                    budget = int(MAX_EXCEPTION_FRACTION * changed) - kept
+                    if max_kept is not None:
+                        budget = min(budget, max_kept - kept)
                     patch = self._merge_chunk(
                         i, weight, start + c0, a, b[c0 : c0 + rows].clone(), scale,
-                        budget=int(MAX_EXCEPTION_FRACTION * changed) - kept)
+                        budget=budget)
                     if patch is None:
                         return False
                     self._patches.append(patch)

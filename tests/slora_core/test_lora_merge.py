@@ -215,6 +215,24 @@ def test_a_merge_that_runs_out_of_memory_is_undone_and_refused(demo_dir, tmp_pat
                for w, w0 in zip(_weights(engine), loaded, strict=True))
 
 
+def test_a_merge_whose_kept_values_would_crowd_free_memory_is_refused(demo_dir, tmp_path,
+                                                                      monkeypatch):
+    """The kept values may take at most MAX_FREE_MEMORY_SHARE of the device memory free at
+    the merge: with little free, the same merge that fits the exceptions budget is refused;
+    with plenty, it is taken."""
+    engine, merge = _weak_engine(demo_dir, tmp_path, "float16")
+    loaded = _weights(engine)
+    monkeypatch.setattr(lora_merge, "free_device_bytes", lambda device: 600)
+    _generate(engine, [(PROMPTS[0], "weak")])
+    assert (merge.merges, merge.refusals) == (0, 1)
+    assert all(torch.equal(w.view(torch.int16), w0.view(torch.int16))
+               for w, w0 in zip(_weights(engine), loaded, strict=True))
+    engine, merge = _weak_engine(demo_dir, tmp_path / "again", "float16")
+    monkeypatch.setattr(lora_merge, "free_device_bytes", lambda device: 1 << 40)
+    _generate(engine, [(PROMPTS[0], "weak")])
+    assert (merge.merges, merge.refusals) == (1, 0)
+
+
 def test_restore_without_the_kept_values_would_not_be_exact(demo_dir, tmp_path):
     """The exceptions are needed: dropping them from a merge's patches leaves some weights
     off by a unit in the last place (so the exact-restore tests above can fail)."""
