@@ -234,8 +234,8 @@ class EngineConfig:
     # the weights first, bit for bit, from the adapter's factors and the few elements whose
     # round trip is inexact (no copy of the weights). None: on for one CUDA device with 16-bit
     # weights, where a merge is a few fused launches (H200, Llama-2-7B, one r16 adapter on
-    # every request: 0.994x base merged vs 0.946x unmerged in one run,
-    # engine-speed-merge-e3ac2cc-h200.json); off elsewhere. Single-device engines only.
+    # every request: 0.991x base merged vs 0.953x unmerged in one run,
+    # engine-speed-merge-h200.json); off elsewhere. Single-device engines only.
     merge_sole_adapter: bool | None = None
     # Ranks of one engine (DESIGN section 5): LLMEngine.from_model_dir starts the other ranks
     # (slora_core/tp); 1 is the single-device engine, untouched.
