@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.lora import DECODE_TILES, add_lora_triton, split_cap
-from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
+from kernels.lora import DECODE_TILES, PREFILL_TILES, add_lora_triton, split_cap
+from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
 from kernels.lora_reference import add_lora_reference
 from kernels.lora_shrink import lora_shrink
 from tests.kernels.helpers import (
@@ -151,6 +151,28 @@ def test_shrink_split_reduction_sums_every_split_into_the_first(gather: bool) ->
                 off = int(case.a_offsets[slot, i])
                 a = case.arena[off : off + rank * k].view(rank, k).double()
                 assert rel_err(buf[0, t, i, :rank], x[t].double() @ a.T) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_reduction_on_64_row_tiles(dtype: torch.dtype) -> None:
+    """The split reduction on prefill-height (64-row) tiles: two adapters, one over two
+    tiles, K in 3 splits, against float64."""
+    gen = generator(12)
+    slots = [0] * 70 + [1] * 9 + [-1]
+    rank_of = {(s, m): (16, 40)[s] for s in range(2) for m in QKV}
+    case = build_lora_case(slots, 2, 768, OUT_SIZES, rank_of, dtype, gen, aligned=True,
+                           block_m=PREFILL_BLOCK_M)
+    slices = ((0, 48), (48, 32), (80, 32))
+    x = randn(len(slots), 768, dtype=dtype, gen=gen)
+    y0 = randn(len(slots), 112, dtype=dtype, gen=gen)
+    y = y0.clone()
+    args = (case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales, QKV, slices)
+    add_lora_triton(y, x, *args, case.meta, max_rank=64, split_k=3,
+                    tiles=dataclasses.replace(PREFILL_TILES, reduce_splits=True))
+    y_ref = y0.double()
+    add_lora_reference(y_ref, x.double(), case.arena.double(), *args[1:], case.meta)
+    err = rel_err(y - y0, y_ref - y0.double())
+    assert err < TOLERANCE[dtype] * 4, f"delta error {err:.2e}"
 
 
 def test_shrink_split_reduction_refuses_rank_parts_and_short_counters() -> None:
