@@ -30,8 +30,9 @@ projection this replaced cost 12.9 GB at Llama-2-7B), a merge about two reads an
 the weights and a restore one of each, and a device sync per module slice (or chunk) at the
 merge (it counts the exceptions). Traffic that switches often would pay those again and
 again, so a merge that held fewer steps than it waited for doubles the wait (up to
-MAX_MERGE_AFTER); one that held long halves it again. A merge whose exceptions or temporaries
-do not fit in device memory is undone and refused like one with too many exceptions.
+MAX_MERGE_AFTER); one that held long halves it again. A merge whose kept values would take
+over MAX_FREE_MEMORY_SHARE of the free device memory, or whose temporaries do not fit, is
+undone and refused like one with too many exceptions.
 
 Merged steps compute (W + s B A) x rather than W x + s B (A x): the same function, rounded
 differently (what peft's merge_and_unload serves), so near-ties can pick a different greedy
@@ -53,9 +54,9 @@ from slora_core.lora import LoraLinear
 from slora_core.step_inputs import StepInputs
 
 # Steps in a row on one sole adapter before it is merged (the first wait; see the docstring).
-# With the fused kernel a merge costs about as much as a few unmerged 7B decode steps lose
-# (tens of ms against ~0.5 ms a step), and a burst's first steps are its prefills, the
-# costliest ones unmerged; traffic that flaps doubles the wait.
+# Short: a burst's first steps are its prefills, the costliest ones unmerged (~6 ms each at
+# Llama-2-7B against ~0.5 ms a decode step), while a merge costs tens of ms (0.14 s of host
+# time at 7B on the H200, counting the step in flight); traffic that flaps doubles the wait.
 MERGE_AFTER_STEPS = 2
 MAX_MERGE_AFTER = 1024
 # Weight rows merged (and restored) at a time: bounds the float32 temporaries (2,048 rows of
@@ -77,6 +78,7 @@ def free_device_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return int(torch.cuda.mem_get_info(device)[0])
+
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
