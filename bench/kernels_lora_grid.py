@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import sys
 from collections.abc import Callable
@@ -48,7 +47,7 @@ import torch
 from bench import kernels_lora as kl
 from bench import kernels_timing as timing
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
-from bench.run_record import run_record
+from bench.run_record import run_record, save_rows
 from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split_k, split_cap
 from kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from kernels.lora_rows import RowTiles
@@ -210,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items() if not k.endswith("rel_err")), flush=True)
-        if args.out:  # after every case: a run cut short keeps the rows it finished
-            with open(args.out, "w") as f:
-                json.dump({**result, "complete": len(rows) == len(cases())}, f, indent=1)
+        save_rows(args.out, result, rows, len(cases()))
     return 0
 
 

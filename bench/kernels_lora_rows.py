@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 
 import torch
@@ -25,7 +24,7 @@ from bench import kernels_lora as kl
 from bench import kernels_timing as timing
 from bench.kernels_lora_grid import call, padded_meta, rel_err_f64
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
-from bench.run_record import run_record
+from bench.run_record import run_record, save_rows
 from kernels.lora import DECODE_TILES, pick_split_k
 from kernels.lora_meta import ROW_BLOCK_M, LoraMeta
 from kernels.lora_rows import RowTiles
@@ -118,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"r{case[0]} B{case[1]} U{case[2]} bound{case[3]} floor={row['floor_us']:.2f} "
               f"tiles={row['graph_capture_split_us']:.2f} rows_default="
               f"{row['rows_default_us']:.2f} best={best} all_us={sweep_us}", flush=True)
-        if args.out:  # after every case: a run cut short keeps the rows it finished
-            with open(args.out, "w") as f:
-                json.dump({**result, "complete": len(rows) == len(cases)}, f, indent=1)
+        save_rows(args.out, result, rows, len(cases))
     print(f"empty launch pair: {result['empty_pair_us']:.2f} us")
     return 0
 

@@ -26,7 +26,7 @@ from bench import kernels_lora as kl
 from bench import kernels_timing as timing
 from bench.kernels_lora_grid import VLLM_US, call, padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
-from bench.run_record import run_record
+from bench.run_record import run_record, save_rows
 from kernels.lora import DECODE_TILES, PREFILL_TILES, LoraTiles, pick_split_k
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
 
@@ -157,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
                           for k, v in row.items()}), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({**result, "complete": len(rows) == len(cells)}, f, indent=1)
+        save_rows(args.out, result, rows, len(cells))
     return 0
 
 

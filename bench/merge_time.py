@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs
-from bench.run_record import run_record
+from bench.run_record import run_record, save_rows
 from kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta, warm_up
 
 HIDDEN, INTER, LAYERS = 4096, 11008, 32
@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
                           for k, v in row.items()}), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({**result, "complete": len(rows) == len(CASES)}, f, indent=1)
+        save_rows(args.out, result, rows, len(CASES))
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return 0

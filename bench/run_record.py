@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import torch
 
@@ -26,3 +28,11 @@ def run_record(argv: list[str]) -> dict[str, object]:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"command": " ".join(["python", "-m", *argv]), "commit": commit_id(),
             "hardware": gpu, "torch": torch.__version__, "python": sys.version.split()[0]}
+
+
+def save_rows(out: str | None, result: dict[str, Any], rows: list[Any], total: int) -> None:
+    """Write `result` (holding `rows`) to `out`, marked complete once all `total` rows are in:
+    called after every row, so a run cut short keeps the rows it finished."""
+    if out:
+        with open(out, "w") as f:
+            json.dump({**result, "complete": len(rows) == total}, f, indent=1)

@@ -222,7 +222,7 @@ def lora_shrink(
         raise ValueError(f"rank_parts must be a power of two splitting the rank tile "
                          f"{block_r} into parts of at least 16, got {rank_parts}")
     reduce = counters is not None and split_k > 1
-    if reduce and (rank_parts != 1 or counters is None or counters.dtype != torch.int32
+    if counters is not None and reduce and (rank_parts != 1 or counters.dtype != torch.int32
                    or counters.numel() < meta.num_tiles * num_mods
                    or counters.device != buf.device):
         raise ValueError("reducing the splits takes one rank part and int32 counters on "

@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 
 CHECK, ADD, SUBTRACT = 0, 1, 2
+# The weight dtypes the kernel merges (float32 weights need float64 sums, which tl.dot lacks).
+DTYPES = (torch.float16, torch.bfloat16)
 BLOCK_M = 64
 BLOCK_N = 128
 
@@ -105,6 +107,8 @@ def check_round_trip(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: f
     (positions int32 [capacity], values [capacity], count int32 [1]), all on w's device and
     filled asynchronously; the first min(count, capacity) entries hold flat positions in w
     and w's values there. A count above `capacity` means some were not stored."""
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
     positions = torch.empty(capacity, dtype=torch.int32, device=w.device)
     values = torch.empty(capacity, dtype=w.dtype, device=w.device)
     count = torch.zeros(1, dtype=torch.int32, device=w.device)
@@ -114,7 +118,7 @@ def check_round_trip(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: f
 
 def _launch(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, mode: int,
             out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
-    if w.dtype not in (torch.float16, torch.bfloat16):
+    if w.dtype not in DTYPES:
         raise ValueError(f"16-bit weights only (float16, bfloat16), got {w.dtype}")
     if w.dim() != 2 or not w.is_contiguous():
         raise ValueError(f"w must be contiguous 2-D rows, got {tuple(w.shape)}")

@@ -153,19 +153,18 @@ class SoleAdapterMerge:
             raise ValueError("no LoRA-wrapped projections to merge into (wrap_lora first)")
         # Merge, check and restore with one Triton launch a module slice (kernels.weight_merge)
         # instead of torch's float32 passes over chunks of rows: the default for 16-bit
-        # weights on a GPU; float32 weights need float64 sums, which tl.dot does not do.
+        # weights on a GPU.
         weight = self.layers[0].base.weight
         if fused is None:
-            fused = (weight.device.type == "cuda"
-                     and weight.dtype in (torch.float16, torch.bfloat16))
-        elif fused and weight.dtype not in (torch.float16, torch.bfloat16):
+            fused = weight.device.type == "cuda" and weight.dtype in weight_merge.DTYPES
+        elif fused and weight.dtype not in weight_merge.DTYPES:
             raise ValueError(f"the fused merge needs 16-bit weights, not {weight.dtype}")
         self.fused = fused
         if fused and weight.device.type == "cuda":
             weight_merge.warm_up(weight.dtype, arena.tables.max_rank or 64, weight.device)
         self.merged: tuple[int, int] | None = None  # (slot, slot generation) folded in now
         self._patches: list[_Patch] = []  # what the restore needs, while merged
-        # Adapters whose merge was abandoned (too many inexact elements), by (slot, generation).
+        # Adapters whose merge was abandoned (see `merge`), by (slot, generation).
         self._refused: set[tuple[int, int]] = set()
         self.after = MERGE_AFTER_STEPS
         self._streak: tuple[tuple[int, int] | None, int] = (None, 0)
@@ -173,7 +172,7 @@ class SoleAdapterMerge:
         self.merges = 0
         self.restores = 0
         self.merged_steps = 0  # steps run merged, over the engine's life
-        self.refusals = 0  # merges abandoned (too many inexact elements)
+        self.refusals = 0  # merges abandoned (too many kept values, or no room for them)
         # The most bytes and exceptions one merge held, and the host seconds merges took (they
         # wait for the device: each chunk's exceptions are counted there).
         self.peak_nbytes = 0

@@ -107,3 +107,5 @@ def test_bad_inputs_are_refused():
         merge_delta(w.t(), a, b, 1.0, ADD)
     with pytest.raises(ValueError, match="16-bit"):
         check_round_trip(w.float(), a.float(), b.float(), 1.0, capacity=8)
+    with pytest.raises(ValueError, match="capacity"):
+        check_round_trip(w, a, b, 1.0, capacity=-1)
