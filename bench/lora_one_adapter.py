@@ -6,8 +6,8 @@ over eager launches: kernel durations, not launch gaps), then CUDA-graph replay 
 short list under K splits 8..64 (finer K tiles past 16 splits), with the expand summing the
 splits one or four at a time, with the shrink's rank tile shared by four programs, and with
 the expand launched as the shrink's programmatic dependent or not (`LoraTiles.pdl`) beside
-split and column-tile variants, and with the shrink summing its own K splits
-(`LoraTiles.reduce_splits`), also on 64-row tiles. One 4096x4096 module, fp16, inputs rotated past the L2.
+split and column-tile variants, and with the shrink's K splits added atomically into one sum
+(`LoraTiles.atomic_splits`). One 4096x4096 module, fp16, inputs rotated past the L2.
 
     python -m bench.lora_one_adapter --out bench/results/lora-one-adapter-h200.json
 """
@@ -27,15 +27,12 @@ from bench import kernels_timing as timing
 from bench.kernels_lora_grid import VLLM_US, call, padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record, save_rows
-from kernels.lora import DECODE_TILES, PREFILL_TILES, LoraTiles, pick_split_k
-from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
+from kernels.lora import DECODE_TILES, LoraTiles, pick_split_k
+from kernels.lora_meta import DECODE_BLOCK_M
 
 CELLS: tuple[tuple[int, int], ...] = ((16, 64), (16, 256), (8, 256), (64, 16), (64, 64),
                                       (64, 256))
-TILES64 = dataclasses.replace(PREFILL_TILES, shrink_block_k=256, expand_block_n=128,
-                              max_split_k=16, reduce_splits=True, pdl=True)
-# (name, tiles, split or None for the graphs' choice); tiles of 64 rows run over a list of
-# 64-row tiles of the same rows.
+# (name, tiles, split or None for the graphs' choice).
 CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("default", DECODE_TILES, None),
     ("split8", DECODE_TILES, 8),
@@ -70,21 +67,24 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("pdl_k512_bn512_split4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_block_k=512,
                                                   expand_block_n=512), 4),
     ("pdl_warps8_split8", dataclasses.replace(DECODE_TILES, pdl=True, num_warps=8), 8),
-    # The shrink sums its own K splits (LoraTiles.reduce_splits: the last split of a tile adds
-    # them into split 0), so the expand reads one sum: at the graphs' split, and with more,
-    # shorter splits (the expand no longer pays for them).
-    ("reduce", dataclasses.replace(DECODE_TILES, reduce_splits=True), None),
-    ("reduce_split8", dataclasses.replace(DECODE_TILES, reduce_splits=True), 8),
-    ("reduce_split32_k128", dataclasses.replace(DECODE_TILES, reduce_splits=True,
+    # The shrink's K splits added atomically into one zeroed sum (LoraTiles.atomic_splits),
+    # so the expand reads one sum whatever the split: at the graphs' split, with fewer and
+    # with more, shorter splits (the expand no longer pays for them), with narrower expand
+    # columns (more programs, now that each reads 16 x 64 sums, not 16 splits of them), with
+    # 8 warps and with the shrink's rank tile shared by 4 programs.
+    ("atomic", dataclasses.replace(DECODE_TILES, atomic_splits=True), None),
+    ("atomic_split8", dataclasses.replace(DECODE_TILES, atomic_splits=True), 8),
+    ("atomic_split32_k128", dataclasses.replace(DECODE_TILES, atomic_splits=True,
                                                 shrink_block_k=128), 32),
-    ("reduce_bn128", dataclasses.replace(DECODE_TILES, reduce_splits=True,
+    ("atomic_bn128", dataclasses.replace(DECODE_TILES, atomic_splits=True,
                                          expand_block_n=128), None),
-    # 64-row tiles (a quarter of the A and B re-reads of 16-row ones, and tl.dot's M at
-    # Hopper's 64) over the same rows, the splits summed by the shrink so the taller expand
-    # tiles do not re-read them; narrower expand columns keep 64+ programs at B256.
-    ("tiles64_reduce_bn128", TILES64, 16),
-    ("tiles64_reduce_split32_k128_bn128", dataclasses.replace(TILES64, shrink_block_k=128),
-     32),
+    ("atomic_warps8", dataclasses.replace(DECODE_TILES, atomic_splits=True, num_warps=8),
+     None),
+    ("atomic_rank_parts4", dataclasses.replace(DECODE_TILES, atomic_splits=True,
+                                               shrink_rank_parts=4), None),
+    ("atomic_rank_parts4_bn128", dataclasses.replace(DECODE_TILES, atomic_splits=True,
+                                                     shrink_rank_parts=4, expand_block_n=128),
+     None),
 )
 
 
@@ -107,11 +107,6 @@ def kernel_us(fn: Any, calls: int = 40) -> dict[str, float]:
     return out
 
 
-def _padded64(slots: list[int]) -> LoraMeta:
-    """The rows' tile list in 64-row tiles (no padding needed: one adapter fills them)."""
-    return LoraMeta.from_token_slots(slots, device=DEVICE, block_m=PREFILL_BLOCK_M)
-
-
 def run_cell(rank: int, b: int, copy_gbs: float) -> dict[str, Any]:
     slots = [0] * b
     layers = kl.build_layers(slots, 1, rank)
@@ -123,11 +118,9 @@ def run_cell(rank: int, b: int, copy_gbs: float) -> dict[str, Any]:
                            "vllm_us_issue": VLLM_US.get((rank, b, 1))}
     if DEVICE == "cuda":
         row["kernels_us"] = kernel_us(call(layers[0], meta, rank, DECODE_TILES, graph_split))
-    tall = _padded64(slots)
     for name, tiles, split in CONFIGS:
         s = split or graph_split
-        m = tall if tiles.shrink_block_m == PREFILL_BLOCK_M else meta
-        row[f"{name}_us"] = graph_time_us([call(lay, m, rank, tiles, s) for lay in layers],
+        row[f"{name}_us"] = graph_time_us([call(lay, meta, rank, tiles, s) for lay in layers],
                                           replays=10)
     del layers
     if DEVICE == "cuda":

@@ -19,7 +19,7 @@ from kernels.lora_common import (
     SPLIT_COUNTERS,
     check_rows,
     pdl_supported,
-    split_counters,
+    split_workspace,
 )
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
@@ -70,12 +70,14 @@ class LoraTiles:
     # not in the grid, take it too; the engine runs include them)
     # (lora-grid-pdl-dccb3ce-h200.json, engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
     pdl: bool = True
-    # The shrink adds its K splits itself: the last split of each tile and module to finish
-    # sums them into split 0 (an atomic counter a tile and module), so the expand reads one
-    # sum instead of re-reading every split once per column tile (r64 B256 U1: 16 splits of
-    # 16 x 64 float32 a tile, read by each of the 16 column tiles). Not yet timed on a GPU,
-    # so off.
-    reduce_splits: bool = False
+    # The shrink's K splits add atomically into one zeroed sum (the device's persistent
+    # `split_workspace`; the expand's last reader of each tile's sums zeroes them again), so
+    # the expand reads one sum instead of re-reading every split once per column tile (r64
+    # B256 U1: 16 splits of 16 x 64 float32 a tile, read by each of the 16 column tiles).
+    # Its predecessor, the last split summing the others into the first (an atomic counter),
+    # was slower everywhere on the H200 (r64 B256 U1 14.3 -> 15.9 us, r64 B16 8.5 -> 10.1;
+    # lora-one-adapter-reduce-rejected-h200.json) and is gone.
+    atomic_splits: bool = False
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -182,9 +184,8 @@ def add_lora_triton(
         else:
             splits = split_k or min(split_cap(tiles, k, block_r), pick_split_k(
                 meta.num_tiles * len(mods), k, x.device, tiles.max_split_k))
-        buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
-                          device=x.device)
         if isinstance(tiles, RowTiles):
+            buf = _partial_sums(splits, x, len(mods), max_rank)
             rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots,
                         block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps,
                         launch_dependents=pdl)
@@ -195,19 +196,32 @@ def add_lora_triton(
                         num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl)
             continue
         rank_parts = min(tiles.shrink_rank_parts, block_r // 16)
-        reduce = (tiles.reduce_splits and splits > 1 and rank_parts == 1
-                  and meta.num_tiles * len(mods) <= SPLIT_COUNTERS)
-        lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
-                    block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
+        sums, counters = None, None
+        if (tiles.atomic_splits and splits > 1
+                and meta.num_tiles * MAX_MODULES_PER_LAUNCH <= SPLIT_COUNTERS):
+            ws = split_workspace(x.device)
+            sums = ws.sums_for(x.shape[0], len(mods), max_rank)
+            counters = ws.counters if sums is not None else None
+        if sums is None:
+            sums = _partial_sums(splits, x, len(mods), max_rank)
+        lora_shrink(sums, x, arena, a_offsets, ranks, mods, meta,
+                    block_m=tiles.shrink_block_m, block_r=block_r,
+                    block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
                     rank_parts=rank_parts, launch_dependents=pdl,
-                    counters=split_counters(x.device) if reduce else None)
-        lora_expand(y, buf[:1] if reduce else buf, arena, b_offsets, ranks, scales, mods,
-                    slices, meta,
+                    atomic_splits=splits if counters is not None else 1)
+        lora_expand(y, sums, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
-                    early_loads=early_loads, pdl=pdl)
+                    early_loads=early_loads, pdl=pdl, clear_counters=counters)
+
+
+def _partial_sums(splits: int, x: torch.Tensor, num_mods: int, max_rank: int) -> torch.Tensor:
+    """The shrink's float32 partial sums, one per K split (every entry the expand reads is
+    written by the shrink, so no zero-fill)."""
+    return torch.empty((splits, x.shape[0], num_mods, max_rank), dtype=torch.float32,
+                       device=x.device)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:

@@ -9,7 +9,9 @@ and r = min(ranks[slot_s, m], max_rank) > 0, and every split j < split_k:
 so that sum_j buf[j, t, i, :r] = x[t] @ A.T. Entries with ranks >= r, tokens of no segment and
 modules of rank 0 are not written. Splitting K across programs keeps the chip busy when a
 decode step has few segments; the partial sums are added by the expand kernel, so no atomics
-and no zero-fill are needed. Each segment runs the narrowest rank tile (16, 32, BLOCK_R)
+and no zero-fill are needed. With `atomic_splits` > 1 instead, buf has one split, holds zeros,
+and the K splits are added into it atomically (float32 atomics: the order of the additions,
+and so the last bits of the sum, vary from launch to launch), so the expand reads one sum. Each segment runs the narrowest rank tile (16, 32, BLOCK_R)
 that covers its rank, so rank-8 adapters do not pay for a launch bounded at rank 64.
 
 Shapes: x [T, K] (any strides); arena 1-D; a_offsets [num_slots, num_modules] int64, ranks the
@@ -38,7 +40,7 @@ from kernels.lora_meta import LoraMeta
 def _shrink_rank_tiles(
     x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K, stride_xm, stride_xk, r_start,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, R_STEP: tl.constexpr,
+    BLOCK_K: tl.constexpr, R_STEP: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """buf_rows[:, :rank] = x[tokens, k_lo:k_hi] @ A[:rank, k_lo:k_hi].T, rank tile by tile:
     the BLOCK_R-wide tiles at r_start, r_start + R_STEP, ... below `rank` (0 and BLOCK_R for a
@@ -61,7 +63,11 @@ def _shrink_rank_tiles(
                 mask=mask_r[None, :] & mask_k[:, None], other=0.0,
             )
             acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
-        tl.store(buf_rows[:, None] + offs_r[None, :], acc, mask=mask_m[:, None] & mask_r[None, :])
+        mask = mask_m[:, None] & mask_r[None, :]
+        if ATOMIC:
+            tl.atomic_add(buf_rows[:, None] + offs_r[None, :], acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(buf_rows[:, None] + offs_r[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -69,6 +75,7 @@ def _shrink_bucketed(
     x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K, stride_xm, stride_xk,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr, part, RANK_PARTS: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):
     """`_shrink_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) that covers this
     segment's rank, so a rank-8 adapter does not pay for the launch's 64-wide tile. With
@@ -78,40 +85,17 @@ def _shrink_bucketed(
     if RANK_PARTS > 1:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
                            stride_xm, stride_xk, part * (BLOCK_R // RANK_PARTS), DOT_PRECISION,
-                           BLOCK_M, BLOCK_R // RANK_PARTS, BLOCK_K, BLOCK_R)
+                           BLOCK_M, BLOCK_R // RANK_PARTS, BLOCK_K, BLOCK_R, ATOMIC)
     elif RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
-                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 16, BLOCK_K, 16)
+                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 16, BLOCK_K, 16, ATOMIC)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
-                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 32, BLOCK_K, 32)
+                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 32, BLOCK_K, 32, ATOMIC)
     else:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
                            stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K,
-                           BLOCK_R)
-
-
-@triton.jit
-def _reduce_splits(buf_rows, tokens_mask, rank, stride_bs, split_k, counter_ptr,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Split-K in the shrink: after this program's partial sums are stored, the last of the
-    work item's split_k programs to arrive (an atomic counter) adds them all into split 0
-    and resets the counter, so the expand reads one sum instead of split_k. Stores of the
-    other programs are seen through the counter's acquire-release order; their rows are read
-    past L1 (.cg), which is not coherent across multiprocessors."""
-    tl.debug_barrier()  # every thread's partial sums stored before the counter moves
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == split_k - 1:
-        tl.debug_barrier()
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            mask = tokens_mask[:, None] & (offs_r < rank)[None, :]
-            h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for j in range(split_k):
-                h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=mask,
-                             other=0.0, cache_modifier=".cg")
-            tl.store(buf_rows[:, None] + offs_r[None, :], h, mask=mask)
-        tl.store(counter_ptr, 0)
+                           BLOCK_R, ATOMIC)
 
 
 @triton.jit
@@ -119,13 +103,13 @@ def _shrink_item(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
     tile, mod_i, split, part, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk, table_stride,
-    stride_bs, stride_bt, stride_bm, split_k, counter_ptr,
+    stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr,
-    GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr, REDUCE_SPLITS: tl.constexpr,
+    GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile` (rank
-    part `part` of RANK_PARTS)."""
+    part `part` of RANK_PARTS), added atomically into buf's one split when ATOMIC."""
     seg = tl.load(tile_segs_ptr + tile)
     real = seg >= 0
     # Masked: an unused entry reads nothing (the segment arrays may even be empty).
@@ -141,22 +125,21 @@ def _shrink_item(
                               GATHER_ROWS)
         k_lo = split * k_chunk
         k_hi = tl.minimum(k_lo + k_chunk, K)
-        buf_rows = buf_ptr + split * stride_bs + tokens * stride_bt + mod_i * stride_bm
+        buf_rows = buf_ptr + tokens * stride_bt + mod_i * stride_bm
+        if not ATOMIC:
+            buf_rows += split * stride_bs
         if a_off % 8 == 0:
             # The page packer puts matrices at multiples of 8 elements whenever the model's
             # sizes are; `// 8 * 8` shows the compiler that alignment: 16-byte A loads.
             _shrink_bucketed(x_ptr, arena_ptr + a_off // 8 * 8, buf_rows, tokens, mask_m, rank,
                              k_lo, k_hi, K, stride_xm, stride_xk,
                              DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS, part,
-                             RANK_PARTS)
+                             RANK_PARTS, ATOMIC)
         else:
             _shrink_bucketed(x_ptr, arena_ptr + a_off, buf_rows, tokens, mask_m, rank,
                              k_lo, k_hi, K, stride_xm, stride_xk,
                              DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS, part,
-                             RANK_PARTS)
-        if REDUCE_SPLITS:
-            _reduce_splits(buf_ptr + tokens * stride_bt + mod_i * stride_bm, mask_m, rank,
-                           stride_bs, split_k, counter_ptr, BLOCK_M, BLOCK_R)
+                             RANK_PARTS, ATOMIC)
 
 
 # Values that change from step to step are runtime arguments that Triton must not specialize
@@ -166,11 +149,11 @@ def _lora_shrink_kernel(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
     mod0, mod1, mod2, num_tiles, num_mods, split_k,
-    K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm, counters_ptr,
+    K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr, REDUCE_SPLITS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     release_dependents(LAUNCH_DEPENDENTS)
     # Work items (tile, module, K split, rank part), the parts and splits of one tile adjacent
@@ -183,10 +166,9 @@ def _lora_shrink_kernel(
                      seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
                      rows_ptr, v // split_k // num_mods, v // split_k % num_mods, v % split_k,
                      w % RANK_PARTS, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk,
-                     table_stride, stride_bs, stride_bt, stride_bm, split_k,
-                     counters_ptr + v // split_k,
+                     table_stride, stride_bs, stride_bt, stride_bm,
                      MAX_RANK, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS,
-                     GATHER_ROWS, RANK_PARTS, REDUCE_SPLITS)
+                     GATHER_ROWS, RANK_PARTS, ATOMIC)
 
 
 def lora_shrink(
@@ -206,27 +188,26 @@ def lora_shrink(
     rank_buckets: bool = True,
     rank_parts: int = 1,
     launch_dependents: bool = False,
-    counters: torch.Tensor | None = None,
+    atomic_splits: int = 1,
 ) -> None:
     """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it.
     `rank_parts` > 1 shares each `block_r`-wide rank tile among that many programs (a power
     of two, parts at least 16 wide): more, smaller programs for launches of few tiles.
     `launch_dependents`: let an expand launched with `pdl` start while this runs.
-    `counters` (zeroed int32, at least tiles x modules; `lora_common.split_counters`): the
-    last split of each tile and module to finish adds all splits into split 0 (buf[0] then
-    holds x @ A.T whole, the other splits their partial sums) and zeroes its counter again."""
+    `atomic_splits` > 1: K in that many splits, each added atomically into buf, which has one
+    split and must hold zeros where this writes (`lora_common.split_workspace`)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if (rank_parts < 1 or rank_parts & (rank_parts - 1) or block_r % rank_parts
             or block_r // rank_parts < 16):
         raise ValueError(f"rank_parts must be a power of two splitting the rank tile "
                          f"{block_r} into parts of at least 16, got {rank_parts}")
-    reduce = counters is not None and split_k > 1
-    if counters is not None and reduce and (rank_parts != 1 or counters.dtype != torch.int32
-                   or counters.numel() < meta.num_tiles * num_mods
-                   or counters.device != buf.device):
-        raise ValueError("reducing the splits takes one rank part and int32 counters on "
-                         f"buf's device for {meta.num_tiles} tiles x {num_mods} modules")
+    if atomic_splits < 1 or (atomic_splits > 1 and split_k != 1):
+        raise ValueError(f"atomic_splits must be >= 1 and add into a buf of one split, got "
+                         f"{atomic_splits} into {split_k}")
+    atomic = atomic_splits > 1
+    if atomic:
+        split_k = atomic_splits
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
@@ -239,11 +220,10 @@ def lora_shrink(
         meta.rows_or_slots(), mods[0], mods[1], mods[2], meta.num_tiles, num_mods, split_k,
         x.shape[1], x.stride(0), x.stride(1), a_offsets.stride(0),
         buf.stride(0), buf.stride(1), buf.stride(2),
-        counters if reduce else ranks,  # an int32 pointer either way; unread unless reducing
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, RANK_PARTS=rank_parts,
-        LAUNCH_DEPENDENTS=launch_dependents, REDUCE_SPLITS=reduce, num_warps=num_warps,
+        LAUNCH_DEPENDENTS=launch_dependents, ATOMIC=atomic, num_warps=num_warps,
         num_stages=num_stages,
     )
 
