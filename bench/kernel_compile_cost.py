@@ -37,7 +37,7 @@ POINTERS = {
     "x_ptr": F16, "y_ptr": F16, "arena_ptr": F16, "buf_ptr": F32, "a_off_ptr": I64,
     "b_off_ptr": I64, "ranks_ptr": I32, "scales_ptr": F32, "slots_ptr": I32,
     "seg_starts_ptr": I32, "seg_lens_ptr": I32, "seg_slots_ptr": I32, "tile_segs_ptr": I32,
-    "tile_m0_ptr": I32, "rows_ptr": I32,
+    "tile_m0_ptr": I32, "rows_ptr": I32, "counters_ptr": I32,
 }
 
 
@@ -51,7 +51,7 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int) -> dict[str, A
     seconds = time.perf_counter() - t0
     ptx = kernel.asm.get("ptx", "")
     regs = re.search(r"\.reg \.b32\s+%r<(\d+)>", ptx)
-    return {"seconds": seconds, "ptx_chars": len(ptx),
+    return {"seconds": seconds, "ptx_chars": len(ptx), "ptx": ptx,
             "ptx_b32_registers_declared": int(regs.group(1)) if regs else None}
 
 
@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows: dict[str, Any] = {}
     for name, fn, consts, warps in variants():
-        rows[name] = {"num_warps": warps, **compile_cost(fn, consts, warps)}
+        cost = compile_cost(fn, consts, warps)
+        del cost["ptx"]
+        rows[name] = {"num_warps": warps, **cost}
         print(f"{name}: {rows[name]}", flush=True)
     result = {**run_record(["bench.kernel_compile_cost", *(argv or sys.argv[1:])]),
               "target": "cuda sm_90 (ahead of time, this machine's CPU)",

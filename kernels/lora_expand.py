@@ -112,6 +112,11 @@ def _expand_bucketed(
                            SPLIT_UNROLL, EARLY_LOADS, USE_PDL)
 
 
+# The clearing counters of a tile: one a module of the launch (a constexpr global, which
+# kernels may read).
+COUNTERS_PER_TILE = tl.constexpr(MAX_MODULES_PER_LAUNCH)
+
+
 @triton.jit
 def _clear_sums(buf_rows, mask_m, rank, counter_ptr, readers, BLOCK_M: tl.constexpr,
                 BLOCK_R: tl.constexpr):
@@ -185,7 +190,7 @@ def _lora_expand_kernel(
                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
                          EARLY_LOADS, USE_PDL)
     if CLEAR_SUMS:
-        _clear_sums(buf_rows, mask_m, rank, counters_ptr + tile * MAX_MODULES_PER_LAUNCH + mod_i,
+        _clear_sums(buf_rows, mask_m, rank, counters_ptr + tile * COUNTERS_PER_TILE + mod_i,
                     tl.cdiv(out_size, BLOCK_N), BLOCK_M, BLOCK_R)
 
 
