@@ -22,6 +22,8 @@
 #   tests   pytest on the GPU (TESTS, default tests/kernels/test_lora_pdl.py);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
+#   floor-async  engine-async's decode-step floor alone (its JSON without the one-adapter runs,
+#           which engine-merge measures);
 #   merge-time  the merge's and the restore's device time at 7B shapes (bench.merge_time);
 #   sweep   decode attention tiles at the default and the previous default (block_n 128);
 #   core    the engine core's host time per decode step, asynchronous steps (profile_core);
@@ -49,6 +51,7 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
             --out "$OUT/lora-grid-h200.json" ;;
         engine-async) engine_arm async --async-steps ;;
         engine-sync) engine_arm sync --no-async-steps ;;
+        floor-async) engine_arm async --async-steps --scenarios floor ;;
         engine-overlap) engine_arm overlap --async-steps --lora-overlap ;;
         engine-pdl) engine_arm pdl --async-steps --lora-pdl ;;
         engine-nopdl) engine_arm nopdl --async-steps --no-lora-pdl ;;

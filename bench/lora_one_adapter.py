@@ -6,8 +6,7 @@ over eager launches: kernel durations, not launch gaps), then CUDA-graph replay 
 short list under K splits 8..64 (finer K tiles past 16 splits), with the expand summing the
 splits one or four at a time, with the shrink's rank tile shared by four programs, and with
 the expand launched as the shrink's programmatic dependent or not (`LoraTiles.pdl`) beside
-split and column-tile variants, and with the shrink's K splits added atomically into one sum
-(`LoraTiles.atomic_splits`). One 4096x4096 module, fp16, inputs rotated past the L2.
+split and column-tile variants. One 4096x4096 module, fp16, inputs rotated past the L2.
 
     python -m bench.lora_one_adapter --out bench/results/lora-one-adapter-h200.json
 """
@@ -67,24 +66,6 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("pdl_k512_bn512_split4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_block_k=512,
                                                   expand_block_n=512), 4),
     ("pdl_warps8_split8", dataclasses.replace(DECODE_TILES, pdl=True, num_warps=8), 8),
-    # The shrink's K splits added atomically into one zeroed sum (LoraTiles.atomic_splits),
-    # so the expand reads one sum whatever the split: at the graphs' split, with fewer and
-    # with more, shorter splits (the expand no longer pays for them), with narrower expand
-    # columns (more programs, now that each reads 16 x 64 sums, not 16 splits of them), with
-    # 8 warps and with the shrink's rank tile shared by 4 programs.
-    ("atomic", dataclasses.replace(DECODE_TILES, atomic_splits=True), None),
-    ("atomic_split8", dataclasses.replace(DECODE_TILES, atomic_splits=True), 8),
-    ("atomic_split32_k128", dataclasses.replace(DECODE_TILES, atomic_splits=True,
-                                                shrink_block_k=128), 32),
-    ("atomic_bn128", dataclasses.replace(DECODE_TILES, atomic_splits=True,
-                                         expand_block_n=128), None),
-    ("atomic_warps8", dataclasses.replace(DECODE_TILES, atomic_splits=True, num_warps=8),
-     None),
-    ("atomic_rank_parts4", dataclasses.replace(DECODE_TILES, atomic_splits=True,
-                                               shrink_rank_parts=4), None),
-    ("atomic_rank_parts4_bn128", dataclasses.replace(DECODE_TILES, atomic_splits=True,
-                                                     shrink_rank_parts=4, expand_block_n=128),
-     None),
 )
 
 

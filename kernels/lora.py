@@ -14,13 +14,7 @@ from functools import lru_cache
 import torch
 import triton
 
-from kernels.lora_common import (
-    MAX_MODULES_PER_LAUNCH,
-    SPLIT_COUNTERS,
-    check_rows,
-    pdl_supported,
-    split_workspace,
-)
+from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows, pdl_supported
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from kernels.lora_rows import RowTiles, rows_expand, rows_shrink
@@ -70,14 +64,15 @@ class LoraTiles:
     # not in the grid, take it too; the engine runs include them)
     # (lora-grid-pdl-dccb3ce-h200.json, engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
     pdl: bool = True
-    # The shrink's K splits add atomically into one zeroed sum (the device's persistent
-    # `split_workspace`; the expand's last reader of each tile's sums zeroes them again), so
-    # the expand reads one sum instead of re-reading every split once per column tile (r64
-    # B256 U1: 16 splits of 16 x 64 float32 a tile, read by each of the 16 column tiles).
-    # Its predecessor, the last split summing the others into the first (an atomic counter),
-    # was slower everywhere on the H200 (r64 B256 U1 14.3 -> 15.9 us, r64 B16 8.5 -> 10.1;
-    # lora-one-adapter-reduce-rejected-h200.json) and is gone.
-    atomic_splits: bool = False
+    # Two ways of adding the K splits before the expand, so that it reads one sum instead
+    # of re-reading every split once per column tile, were timed on the H200 and lost, so
+    # neither is kept: the shrink's last split summing the others into the first (an atomic
+    # counter a tile; r64 B256 U1 14.3 -> 15.9 us, r64 B16 8.5 -> 10.1,
+    # lora-one-adapter-reduce-rejected-h200.json) and the splits added atomically into a
+    # zeroed persistent sum the expand's last reader zeroed again (r64 B256 U1 14.4 -> 14.4,
+    # r16 B256 U256 45.2 -> 48.3; lora-one-adapter-atomic-rejected-h200.json). Fewer splits
+    # won there instead: 8 rather than 16 on a 16-tile list (r64 B256 U1 14.4 -> 12.8,
+    # r16 9.2 -> 9.0), but lost on 4- and 1-tile lists (r64 B64 9.7 -> 10.1, B16 8.3 -> 8.7).
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -196,25 +191,16 @@ def add_lora_triton(
                         num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl)
             continue
         rank_parts = min(tiles.shrink_rank_parts, block_r // 16)
-        sums, counters = None, None
-        if (tiles.atomic_splits and splits > 1
-                and meta.num_tiles * MAX_MODULES_PER_LAUNCH <= SPLIT_COUNTERS):
-            ws = split_workspace(x.device)
-            sums = ws.sums_for(x.shape[0], len(mods), max_rank)
-            counters = ws.counters if sums is not None else None
-        if sums is None:
-            sums = _partial_sums(splits, x, len(mods), max_rank)
-        lora_shrink(sums, x, arena, a_offsets, ranks, mods, meta,
-                    block_m=tiles.shrink_block_m, block_r=block_r,
-                    block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
+        buf = _partial_sums(splits, x, len(mods), max_rank)
+        lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
+                    block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    rank_parts=rank_parts, launch_dependents=pdl,
-                    atomic_splits=splits if counters is not None else 1)
-        lora_expand(y, sums, arena, b_offsets, ranks, scales, mods, slices, meta,
+                    rank_parts=rank_parts, launch_dependents=pdl)
+        lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
-                    early_loads=early_loads, pdl=pdl, clear_counters=counters)
+                    early_loads=early_loads, pdl=pdl)
 
 
 def _partial_sums(splits: int, x: torch.Tensor, num_mods: int, max_rank: int) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -48,47 +47,6 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     if GATHER_ROWS:
         return tl.load(rows_ptr + positions, mask=mask, other=0).to(tl.int64)
     return positions.to(tl.int64)
-
-
-# The atomic split-K workspace (LoraTiles.atomic_splits): float32 sums the shrink's K splits
-# add into, and one counter per tile and module of a launch with which the expand's last reader
-# of each tile's sums zeroes them again, so both are zero between launches.
-SPLIT_COUNTERS = 1 << 14
-SPLIT_SUMS = 1 << 20  # tokens x modules x rank bound: 4 MB, 1,024 tokens x 3 x 128 + room
-
-
-@dataclass(frozen=True)
-class SplitWorkspace:
-    counters: torch.Tensor  # int32 [SPLIT_COUNTERS], zero between launches
-    sums: torch.Tensor  # float32 [SPLIT_SUMS], zero between launches
-
-    def sums_for(self, tokens: int, num_mods: int, max_rank: int) -> torch.Tensor | None:
-        """The zeroed [1, tokens, num_mods, max_rank] sums of one launch, or None when the
-        launch is larger than the workspace."""
-        n = tokens * num_mods * max_rank
-        return self.sums[:n].view(1, tokens, num_mods, max_rank) if n <= SPLIT_SUMS else None
-
-
-_split_workspaces: dict[tuple[str, int | None], SplitWorkspace] = {}
-
-
-def split_workspace(device: torch.device) -> SplitWorkspace:
-    """The device's atomic split-K workspace, allocated zeroed at first use, which must come
-    before any CUDA graph capture that reads it. One per device: sound because the LoRA
-    launches of a device run one after another (one stream at a time: the decode steps' second
-    stream of lora_overlap carries every LoRA launch of its step), each shrink after the
-    expand before it has finished (the shrink launches plainly, PDL or not)."""
-    key = (device.type, device.index if device.type != "cuda" or device.index is not None
-           else torch.cuda.current_device())
-    ws = _split_workspaces.get(key)
-    if ws is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split workspace is allocated at first use, which must "
-                               "come before CUDA graph capture (run one step eagerly)")
-        ws = SplitWorkspace(torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device),
-                            torch.zeros(SPLIT_SUMS, dtype=torch.float32, device=device))
-        _split_workspaces[key] = ws
-    return ws
 
 
 def pdl_supported(device: torch.device) -> bool:

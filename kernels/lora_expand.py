@@ -8,9 +8,7 @@ Semantics, for every segment s, every module index i < len(module_ids) with m = 
     y[tokens of s, o_start : o_start + N] += scales[slot_s, m] * h @ B.T   (float32 math)
 
 Tokens of no segment and modules of rank 0 are left untouched, so several launches (one per
-group of modules) may target slices of the same y. With `clear_counters` (the atomic split-K
-workspace's, `lora_common.split_workspace`) buf is that workspace's sums: the last program to
-read each tile and module's sums zeroes them, and its counter, for the next launch.
+group of modules) may target slices of the same y.
 
 Shapes: y [T, N_total] (any strides, updated in place); buf [split_k, T, num_modules, max_rank]
 float32; b_offsets [num_slots, num_modules] int64, ranks int32, scales float32 (contiguous).
@@ -112,28 +110,6 @@ def _expand_bucketed(
                            SPLIT_UNROLL, EARLY_LOADS, USE_PDL)
 
 
-# The clearing counters of a tile: one a module of the launch (a constexpr global, which
-# kernels may read).
-COUNTERS_PER_TILE = tl.constexpr(MAX_MODULES_PER_LAUNCH)
-
-
-@triton.jit
-def _clear_sums(buf_rows, mask_m, rank, counter_ptr, readers, BLOCK_M: tl.constexpr,
-                BLOCK_R: tl.constexpr):
-    """The last of the `readers` programs that read these rows' sums (an atomic counter)
-    zeroes them and the counter. Every thread's loads are done by the barrier (their values
-    went into y's store), and the counter's acquire-release orders them before the zeroing."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == readers - 1:
-        zeros = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            tl.store(buf_rows[:, None] + offs_r[None, :], zeros,
-                     mask=mask_m[:, None] & (offs_r < rank)[None, :])
-        tl.store(counter_ptr, 0)
-
-
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
 # a new batch shape compiles no new variant.
 @triton.jit(do_not_specialize=["split_k", "stride_bs"])
@@ -142,11 +118,11 @@ def _lora_expand_kernel(
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
     mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
     n_tiles, stride_ym, stride_yn, table_stride, split_k,
-    stride_bs, stride_bt, stride_bm, counters_ptr,
+    stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr, CLEAR_SUMS: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     mod_i = tl.program_id(1) // n_tiles
@@ -189,9 +165,6 @@ def _lora_expand_kernel(
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
                          EARLY_LOADS, USE_PDL)
-    if CLEAR_SUMS:
-        _clear_sums(buf_rows, mask_m, rank, counters_ptr + tile * COUNTERS_PER_TILE + mod_i,
-                    tl.cdiv(out_size, BLOCK_N), BLOCK_M, BLOCK_R)
 
 
 def lora_expand(
@@ -214,25 +187,15 @@ def lora_expand(
     split_unroll: int = 1,
     early_loads: bool = False,
     pdl: bool = False,
-    clear_counters: torch.Tensor | None = None,
 ) -> None:
     """Add the expand of `buf` into y's column slices (see module docstring). `split_unroll`
     (1 or 4): K splits' partial sums read per step of the summing loop; `early_loads`: the y
     and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`): launched
     as a programmatic dependent of the shrink before it, which must write nothing else this
-    reads (kernels.lora.LoraTiles.pdl). `clear_counters`: buf (one split) is the atomic
-    split-K workspace's sums, zeroed again as they are read, these its zeroed int32 counters
-    (MAX_MODULES_PER_LAUNCH a tile)."""
+    reads (kernels.lora.LoraTiles.pdl)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if split_unroll not in (1, 4):
         raise ValueError(f"split_unroll must be 1 or 4, got {split_unroll}")
-    if clear_counters is not None and (
-            split_k != 1 or clear_counters.dtype != torch.int32
-            or clear_counters.device != buf.device
-            or clear_counters.numel() < meta.num_tiles * MAX_MODULES_PER_LAUNCH):
-        raise ValueError("clearing the sums takes a buf of one split and int32 counters on "
-                         f"buf's device for {meta.num_tiles} tiles x "
-                         f"{MAX_MODULES_PER_LAUNCH} modules")
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
@@ -252,12 +215,10 @@ def lora_expand(
         sizes[0], sizes[1], sizes[2],
         n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
-        ranks if clear_counters is None else clear_counters,  # int32 either way; unread if None
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, SPLIT_UNROLL=split_unroll,
-        EARLY_LOADS=early_loads, USE_PDL=pdl, CLEAR_SUMS=clear_counters is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        EARLY_LOADS=early_loads, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **pdl_options(pdl),
     )
 

@@ -9,9 +9,7 @@ and r = min(ranks[slot_s, m], max_rank) > 0, and every split j < split_k:
 so that sum_j buf[j, t, i, :r] = x[t] @ A.T. Entries with ranks >= r, tokens of no segment and
 modules of rank 0 are not written. Splitting K across programs keeps the chip busy when a
 decode step has few segments; the partial sums are added by the expand kernel, so no atomics
-and no zero-fill are needed. With `atomic_splits` > 1 instead, buf has one split, holds zeros,
-and the K splits are added into it atomically (float32 atomics: the order of the additions,
-and so the last bits of the sum, vary from launch to launch), so the expand reads one sum. Each segment runs the narrowest rank tile (16, 32, BLOCK_R)
+and no zero-fill are needed. Each segment runs the narrowest rank tile (16, 32, BLOCK_R)
 that covers its rank, so rank-8 adapters do not pay for a launch bounded at rank 64.
 
 Shapes: x [T, K] (any strides); arena 1-D; a_offsets [num_slots, num_modules] int64, ranks the
@@ -40,7 +38,7 @@ from kernels.lora_meta import LoraMeta
 def _shrink_rank_tiles(
     x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K, stride_xm, stride_xk, r_start,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, R_STEP: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_K: tl.constexpr, R_STEP: tl.constexpr,
 ):
     """buf_rows[:, :rank] = x[tokens, k_lo:k_hi] @ A[:rank, k_lo:k_hi].T, rank tile by tile:
     the BLOCK_R-wide tiles at r_start, r_start + R_STEP, ... below `rank` (0 and BLOCK_R for a
@@ -63,11 +61,7 @@ def _shrink_rank_tiles(
                 mask=mask_r[None, :] & mask_k[:, None], other=0.0,
             )
             acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
-        mask = mask_m[:, None] & mask_r[None, :]
-        if ATOMIC:
-            tl.atomic_add(buf_rows[:, None] + offs_r[None, :], acc, mask=mask, sem="relaxed")
-        else:
-            tl.store(buf_rows[:, None] + offs_r[None, :], acc, mask=mask)
+        tl.store(buf_rows[:, None] + offs_r[None, :], acc, mask=mask_m[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -75,7 +69,6 @@ def _shrink_bucketed(
     x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K, stride_xm, stride_xk,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr, part, RANK_PARTS: tl.constexpr,
-    ATOMIC: tl.constexpr,
 ):
     """`_shrink_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) that covers this
     segment's rank, so a rank-8 adapter does not pay for the launch's 64-wide tile. With
@@ -85,17 +78,17 @@ def _shrink_bucketed(
     if RANK_PARTS > 1:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
                            stride_xm, stride_xk, part * (BLOCK_R // RANK_PARTS), DOT_PRECISION,
-                           BLOCK_M, BLOCK_R // RANK_PARTS, BLOCK_K, BLOCK_R, ATOMIC)
+                           BLOCK_M, BLOCK_R // RANK_PARTS, BLOCK_K, BLOCK_R)
     elif RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
-                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 16, BLOCK_K, 16, ATOMIC)
+                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 16, BLOCK_K, 16)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
-                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 32, BLOCK_K, 32, ATOMIC)
+                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 32, BLOCK_K, 32)
     else:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
                            stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K,
-                           BLOCK_R, ATOMIC)
+                           BLOCK_R)
 
 
 @triton.jit
@@ -106,10 +99,10 @@ def _shrink_item(
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr,
-    GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr, ATOMIC: tl.constexpr,
+    GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr,
 ):
     """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile` (rank
-    part `part` of RANK_PARTS), added atomically into buf's one split when ATOMIC."""
+    part `part` of RANK_PARTS)."""
     seg = tl.load(tile_segs_ptr + tile)
     real = seg >= 0
     # Masked: an unused entry reads nothing (the segment arrays may even be empty).
@@ -125,21 +118,19 @@ def _shrink_item(
                               GATHER_ROWS)
         k_lo = split * k_chunk
         k_hi = tl.minimum(k_lo + k_chunk, K)
-        buf_rows = buf_ptr + tokens * stride_bt + mod_i * stride_bm
-        if not ATOMIC:
-            buf_rows += split * stride_bs
+        buf_rows = buf_ptr + split * stride_bs + tokens * stride_bt + mod_i * stride_bm
         if a_off % 8 == 0:
             # The page packer puts matrices at multiples of 8 elements whenever the model's
             # sizes are; `// 8 * 8` shows the compiler that alignment: 16-byte A loads.
             _shrink_bucketed(x_ptr, arena_ptr + a_off // 8 * 8, buf_rows, tokens, mask_m, rank,
                              k_lo, k_hi, K, stride_xm, stride_xk,
                              DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS, part,
-                             RANK_PARTS, ATOMIC)
+                             RANK_PARTS)
         else:
             _shrink_bucketed(x_ptr, arena_ptr + a_off, buf_rows, tokens, mask_m, rank,
                              k_lo, k_hi, K, stride_xm, stride_xk,
                              DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS, part,
-                             RANK_PARTS, ATOMIC)
+                             RANK_PARTS)
 
 
 # Values that change from step to step are runtime arguments that Triton must not specialize
@@ -153,7 +144,7 @@ def _lora_shrink_kernel(
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr, ATOMIC: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     release_dependents(LAUNCH_DEPENDENTS)
     # Work items (tile, module, K split, rank part), the parts and splits of one tile adjacent
@@ -168,7 +159,7 @@ def _lora_shrink_kernel(
                      w % RANK_PARTS, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk,
                      table_stride, stride_bs, stride_bt, stride_bm,
                      MAX_RANK, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS,
-                     GATHER_ROWS, RANK_PARTS, ATOMIC)
+                     GATHER_ROWS, RANK_PARTS)
 
 
 def lora_shrink(
@@ -188,26 +179,17 @@ def lora_shrink(
     rank_buckets: bool = True,
     rank_parts: int = 1,
     launch_dependents: bool = False,
-    atomic_splits: int = 1,
 ) -> None:
     """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it.
     `rank_parts` > 1 shares each `block_r`-wide rank tile among that many programs (a power
     of two, parts at least 16 wide): more, smaller programs for launches of few tiles.
-    `launch_dependents`: let an expand launched with `pdl` start while this runs.
-    `atomic_splits` > 1: K in that many splits, each added atomically into buf, which has one
-    split and must hold zeros where this writes (`lora_common.split_workspace`)."""
+    `launch_dependents`: let an expand launched with `pdl` start while this runs."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if (rank_parts < 1 or rank_parts & (rank_parts - 1) or block_r % rank_parts
             or block_r // rank_parts < 16):
         raise ValueError(f"rank_parts must be a power of two splitting the rank tile "
                          f"{block_r} into parts of at least 16, got {rank_parts}")
-    if atomic_splits < 1 or (atomic_splits > 1 and split_k != 1):
-        raise ValueError(f"atomic_splits must be >= 1 and add into a buf of one split, got "
-                         f"{atomic_splits} into {split_k}")
-    atomic = atomic_splits > 1
-    if atomic:
-        split_k = atomic_splits
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
@@ -223,7 +205,7 @@ def lora_shrink(
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, RANK_PARTS=rank_parts,
-        LAUNCH_DEPENDENTS=launch_dependents, ATOMIC=atomic, num_warps=num_warps,
+        LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps,
         num_stages=num_stages,
     )
 

@@ -9,10 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.lora import DECODE_TILES, PREFILL_TILES, add_lora_triton, split_cap
-from kernels.lora_common import SPLIT_SUMS, split_workspace
-from kernels.lora_expand import lora_expand
-from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
+from kernels.lora import DECODE_TILES, add_lora_triton, split_cap
+from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 from kernels.lora_reference import add_lora_reference
 from kernels.lora_shrink import lora_shrink
 from tests.kernels.helpers import (
@@ -37,11 +35,6 @@ VARIANTS = {
     "rank_parts4": dataclasses.replace(DECODE_TILES, shrink_rank_parts=4),
     "no_pdl": dataclasses.replace(DECODE_TILES, pdl=False),
     "no_pdl_early_loads": dataclasses.replace(DECODE_TILES, pdl=False, early_loads=True),
-    "atomic_splits": dataclasses.replace(DECODE_TILES, atomic_splits=True),
-    "atomic_splits_early_loads": dataclasses.replace(DECODE_TILES, atomic_splits=True,
-                                                     early_loads=True),
-    "atomic_splits_rank_parts4": dataclasses.replace(DECODE_TILES, atomic_splits=True,
-                                                     shrink_rank_parts=4),
 }
 
 
@@ -125,107 +118,6 @@ def test_shrink_work_items_cover_every_split() -> None:
             off = int(case.a_offsets[slot, i])
             a = case.arena[off : off + 16 * k].view(16, k).double()
             assert rel_err(buf[:, t, i].sum(0), x[t].double() @ a.T) < 1e-5
-
-
-@pytest.mark.parametrize("gather", [False, True])
-def test_atomic_splits_sum_into_the_workspace_and_the_expand_zeroes_it(gather: bool) -> None:
-    """The shrink's K splits add atomically into the workspace's one sum (x @ A.T whole); the
-    expand's last reader of each tile and module zeroes those sums and its counter, so three
-    launches in a row over one workspace each add the right delta and leave it all zero. Rows
-    in random order go through the sorted row list; a padding row is never written."""
-    gen = generator(7 + gather)
-    k, split, rank = 1024, 4, 24
-    slots = [0] * 20 + [1] * 3 + [-1]
-    if gather:
-        slots = [slots[i] for i in torch.randperm(len(slots), generator=gen).tolist()]
-    rank_of = {(s, m): rank for s in range(2) for m in (0, 1)}
-    case = build_lora_case(slots, 2, k, {0: 40, 1: 16}, rank_of, torch.float32, gen,
-                           block_m=DECODE_BLOCK_M)
-    meta = padded(case.meta, case.meta.num_tiles + 2)
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    sums = torch.zeros(1, len(slots), 2, 32, device=DEVICE)
-    slices = ((0, 40), (40, 16))
-    for launch in range(3):
-        x = randn(len(slots), k, dtype=torch.float32, gen=gen)
-        lora_shrink(sums, x, case.arena, case.a_offsets, case.ranks, (0, 1), meta, block_m=16,
-                    block_r=32, block_k=128, atomic_splits=split)
-        for t, slot in enumerate(slots):
-            for i in (0, 1):
-                if slot < 0:
-                    assert not sums[0, t, i].any(), "wrote a padding row"
-                    continue
-                off = int(case.a_offsets[slot, i])
-                a = case.arena[off : off + rank * k].view(rank, k).double()
-                assert rel_err(sums[0, t, i, :rank], x[t].double() @ a.T) < 1e-5
-        y0 = randn(len(slots), 56, dtype=torch.float32, gen=gen)
-        y = y0.clone()
-        # 16-column tiles: three readers of module 0's sums (40 columns), one of module 1's.
-        lora_expand(y, sums, case.arena, case.b_offsets, case.ranks, case.scales, (0, 1),
-                    slices, meta, block_m=16, block_n=16, block_r=32, clear_counters=counters)
-        ref = y0.double()
-        add_lora_reference(ref, x.double(), case.arena.double(), case.a_offsets,
-                           case.b_offsets, case.ranks, case.scales, (0, 1), slices, case.meta)
-        assert rel_err(y - y0, ref - y0.double()) < 1e-5, f"launch {launch}"
-        assert not sums.any() and not counters.any(), f"launch {launch} left the workspace set"
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_atomic_splits_through_the_device_workspace(dtype: torch.dtype) -> None:
-    """add_lora_triton with atomic splits over the device's workspace, twice (the second
-    launch relies on the first having zeroed it), on prefill-height (64-row) tiles too:
-    against float64, and the workspace zero afterwards."""
-    gen = generator(12)
-    slots = [0] * 70 + [1] * 9 + [-1]
-    rank_of = {(s, m): (16, 40)[s] for s in range(2) for m in QKV}
-    slices = ((0, 48), (48, 32), (80, 32))
-    for block_m, tiles in ((DECODE_BLOCK_M, DECODE_TILES), (PREFILL_BLOCK_M, PREFILL_TILES)):
-        case = build_lora_case(slots, 2, 768, OUT_SIZES, rank_of, dtype, gen, aligned=True,
-                               block_m=block_m)
-        args = (case.arena, case.a_offsets, case.b_offsets, case.ranks, case.scales, QKV,
-                slices)
-        for _ in range(2):
-            x = randn(len(slots), 768, dtype=dtype, gen=gen)
-            y0 = randn(len(slots), 112, dtype=dtype, gen=gen)
-            y = y0.clone()
-            add_lora_triton(y, x, *args, case.meta, max_rank=64, split_k=3,
-                            tiles=dataclasses.replace(tiles, atomic_splits=True))
-            y_ref = y0.double()
-            add_lora_reference(y_ref, x.double(), case.arena.double(), *args[1:], case.meta)
-            err = rel_err(y - y0, y_ref - y0.double())
-            assert err < TOLERANCE[dtype] * 4, f"{block_m}-row tiles: delta error {err:.2e}"
-    ws = split_workspace(torch.device(DEVICE))
-    assert not ws.sums.any() and not ws.counters.any()
-
-
-def test_atomic_splits_and_clearing_refuse_bad_buffers() -> None:
-    gen = generator(9)
-    case = build_lora_case([0] * 16, 1, 512, {0: 16}, {(0, 0): 32}, torch.float32, gen,
-                           block_m=DECODE_BLOCK_M)
-    x = randn(16, 512, dtype=torch.float32, gen=gen)
-    y = randn(16, 16, dtype=torch.float32, gen=gen)
-    two = torch.zeros(2, 16, 1, 32, device=DEVICE)
-    one = torch.zeros(1, 16, 1, 32, device=DEVICE)
-    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
-    expand_args = (case.arena, case.b_offsets, case.ranks, case.scales, (0,), ((0, 16),),
-                   case.meta)
-    with pytest.raises(ValueError, match="buf of one split"):
-        lora_shrink(two, x, case.arena, case.a_offsets, case.ranks, (0,), case.meta,
-                    block_m=16, block_r=32, block_k=256, atomic_splits=2)
-    with pytest.raises(ValueError, match="atomic_splits must be >= 1"):
-        lora_shrink(one, x, case.arena, case.a_offsets, case.ranks, (0,), case.meta,
-                    block_m=16, block_r=32, block_k=256, atomic_splits=0)
-    with pytest.raises(ValueError, match="int32 counters"):
-        lora_expand(y, two, *expand_args, block_m=16, block_n=16, block_r=32,
-                    clear_counters=counters)
-    with pytest.raises(ValueError, match="int32 counters"):
-        lora_expand(y, one, *expand_args, block_m=16, block_n=16, block_r=32,
-                    clear_counters=counters[:2])
-
-
-def test_workspace_sums_for_a_launch_too_large_is_none() -> None:
-    ws = split_workspace(torch.device(DEVICE))
-    assert ws.sums_for(16, 3, 64) is not None
-    assert ws.sums_for(SPLIT_SUMS // 64 + 1, 1, 64) is None
 
 
 def test_all_padding_writes_nothing() -> None:
