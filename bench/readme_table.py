@@ -154,17 +154,40 @@ def engine_graph_us(r: dict[str, Any]) -> tuple[float, str]:
     return r["graph_capture_split_us"], "full tile list"
 
 
+# Complete grids of earlier commits, newest first, whose cells stand in for those a grid cut at
+# its time limit did not reach (each row names its JSON and commit).
+EARLIER_GRIDS = ("lora-grid-atomic-rejected-h200.json",)
+
+
+def _cell(r: dict[str, Any]) -> tuple[int, int, int, str]:
+    return r["rank"], r["batch"], r["adapters"], r["order"]
+
+
 def grid_rows(result: dict[str, Any], source: str) -> list[str]:
-    """The issue's cells: the graph path the engine replays beside vLLM's quoted times."""
+    """The issue's cells: the graph path the engine replays beside vLLM's quoted times. A run
+    cut short says so, and the cells it did not reach come from the newest complete earlier
+    grid, marked as such."""
     rows = []
-    for r in result["rows"]:
-        if "vllm_us_issue" not in r:
-            continue
+    cells = [r for r in result["rows"] if "vllm_us_issue" in r]
+    if not result.get("complete", True):
+        rows.append(f"| decode LoRA grid: cut at its time limit after {len(result['rows'])} "
+                    f"of {result['cases']} cases; the cells it did not reach below are from "
+                    f"the earlier run named beside them | | | {source} |")
+        seen = {_cell(r) for r in result["rows"]}
+        for name in EARLIER_GRIDS:
+            path = RESULTS / name
+            if path.exists():
+                earlier = json.loads(path.read_text())
+                src = f"`{name}` @ {earlier['commit'][:8]} (not reached at {source})"
+                cells += [dict(r, source=src) for r in earlier["rows"]
+                          if "vllm_us_issue" in r and _cell(r) not in seen]
+                break
+    for r in cells:
         us, path = engine_graph_us(r)
         order = ", rows in random order" if r["order"] == "random" else ""
         rows.append(f"| decode LoRA r{r['rank']} B{r['batch']} U{r['adapters']}{order}, graph "
                     f"replay ({path}) | {us:.1f} us (bytes floor {r['floor_us']:.1f}) | vLLM "
-                    f"{r['vllm_us_issue']} us | {source} |")
+                    f"{r['vllm_us_issue']} us | {r.get('source', source)} |")
     return rows
 
 
