@@ -22,6 +22,8 @@ case times, over inputs rotated past the L2:
   default (`graph_pdl`, `short_list_pdl`, `short_list_rank_parts4_pdl`, `rows_pdl`, ...);
 - `wide_split4` (U >= B/4): 512-wide expand and shrink tiles, K split at most 4;
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
+- `graph_dot16` / `short_list_dot16`: the full / short list with the expand's second product
+  in fp16 (`LoraTiles.expand_dot_16bit`);
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
 - `rows` / `rows_maxrank64`: the row kernels (`kernels.lora_rows`: each token reads its own
@@ -65,6 +67,7 @@ RANK_PARTS4 = dataclasses.replace(DECODE_TILES, shrink_rank_parts=4)
 # Programmatic dependent launch on (`LoraTiles.pdl`) and off, whatever the default.
 PDL, NO_PDL = (dataclasses.replace(DECODE_TILES, pdl=on) for on in (True, False))
 ROWS_PDL, ROWS_NO_PDL = RowTiles(pdl=True), RowTiles(pdl=False)
+DOT16 = dataclasses.replace(DECODE_TILES, expand_dot_16bit=True)
 # The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
 # expand and shrink tiles, the K split at most 4 (`wide_split4`).
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
@@ -124,7 +127,8 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
         "graph_pdl": (grph, rank, PDL, capture),
         "graph_no_pdl": (grph, rank, NO_PDL, capture),
         "rows_pdl": (rows, rank, ROWS_PDL, None),
-        "rows_no_pdl": (rows, rank, ROWS_NO_PDL, None)}
+        "rows_no_pdl": (rows, rank, ROWS_NO_PDL, None),
+        "graph_dot16": (grph, rank, DOT16, capture)}
     if len(set(slots)) >= max(2, b // 4):
         out["wide_split4"] = (grph, rank, WIDE, min(4, capture))
     short = -(-b // DECODE_BLOCK_M)
@@ -135,6 +139,7 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
                                          short_split)
         out["short_list_pdl"] = (padded_meta(slots, short), rank, PDL, short_split)
         out["short_list_no_pdl"] = (padded_meta(slots, short), rank, NO_PDL, short_split)
+        out["short_list_dot16"] = (padded_meta(slots, short), rank, DOT16, short_split)
         out["short_list_rank_parts4_pdl"] = (
             padded_meta(slots, short), rank, dataclasses.replace(RANK_PARTS4, pdl=True),
             short_split)

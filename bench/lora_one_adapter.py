@@ -66,6 +66,14 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("pdl_k512_bn512_split4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_block_k=512,
                                                   expand_block_n=512), 4),
     ("pdl_warps8_split8", dataclasses.replace(DECODE_TILES, pdl=True, num_warps=8), 8),
+    # The expand's second product in fp16 (LoraTiles.expand_dot_16bit: B stays 16-bit, the
+    # dot at the 16-bit rate), alone, with 8 K splits, and with 128-wide expand columns.
+    ("dot16", dataclasses.replace(DECODE_TILES, expand_dot_16bit=True), None),
+    ("dot16_split8", dataclasses.replace(DECODE_TILES, expand_dot_16bit=True), 8),
+    ("dot16_bn128", dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
+                                        expand_block_n=128), None),
+    ("dot16_bn512", dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
+                                        expand_block_n=512), None),
 )
 
 

@@ -64,6 +64,13 @@ class LoraTiles:
     # not in the grid, take it too; the engine runs include them)
     # (lora-grid-pdl-dccb3ce-h200.json, engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
     pdl: bool = True
+    # The expand's second product in the arena's 16-bit dtype, x @ A.T rounded to it first (as
+    # peft's 16-bit forward rounds lora_A's output, and as vLLM's expand casts its input),
+    # instead of B widened to float32 for a tf32 dot: half B's registers (a 256 x 64 tile is
+    # 64 KB as float32) and the 16-bit dot rate. float32 arenas keep the float32 dot. The
+    # suspect for r64 B256 U1 (expand 7.0 us beside 4.4 at r16, where B's tile is a quarter
+    # the size). Not yet timed on a GPU, so off.
+    expand_dot_16bit: bool = False
     # Two ways of adding the K splits before the expand, so that it reads one sum instead
     # of re-reading every split once per column tile, were timed on the H200 and lost, so
     # neither is kept: the shrink's last split summing the others into the first (an atomic
@@ -200,7 +207,8 @@ def add_lora_triton(
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
-                    early_loads=early_loads, pdl=pdl)
+                    early_loads=early_loads, pdl=pdl,
+                    dot_16bit=tiles.expand_dot_16bit and arena.dtype != torch.float32)
 
 
 def _partial_sums(splits: int, x: torch.Tensor, num_mods: int, max_rank: int) -> torch.Tensor:

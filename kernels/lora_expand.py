@@ -40,14 +40,18 @@ def _expand_rank_tiles(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr, DOT_16BIT: tl.constexpr,
 ):
     """y[rows, cols] += scale * (sum of buf's K splits)[:, :rank] @ B[cols, :rank].T. With
     SPLIT_UNROLL 4 the partial sums are read four loads at a time (independent loads issued
     before the adds), else one after another. With EARLY_LOADS the y tile and each B tile are
     loaded before the K splits are summed, so their latency overlaps the sum's (as the row
     kernels do, lora_rows._rows_expand_tiles). With USE_PDL only the sum waits for the
-    shrink (launched as its programmatic dependent, this may start while the shrink runs)."""
+    shrink (launched as its programmatic dependent, this may start while the shrink runs).
+    With DOT_16BIT the summed x @ A.T is rounded to B's 16-bit dtype and multiplied in it
+    (float32 accumulation), as peft's 16-bit forward rounds lora_A's output: B stays 16-bit
+    in registers and the dot runs at the 16-bit rate, instead of B widened to float32 for a
+    tf32 dot."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EARLY_LOADS:
         y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -81,7 +85,10 @@ def _expand_rank_tiles(
                              other=0.0)
         if not EARLY_LOADS:
             b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
+        if DOT_16BIT:
+            acc += tl.dot(h.to(b_tile.dtype), b_tile)
+        else:
+            acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
     if not EARLY_LOADS:
         y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_ptrs.dtype.element_ty),
@@ -93,21 +100,21 @@ def _expand_bucketed(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr, DOT_16BIT: tl.constexpr,
 ):
     """`_expand_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`."""
     if RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16,
-                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL)
+                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL, DOT_16BIT)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32,
-                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL)
+                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL, DOT_16BIT)
     else:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
-                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL)
+                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL, DOT_16BIT)
 
 
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
@@ -122,7 +129,7 @@ def _lora_expand_kernel(
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr, DOT_16BIT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     mod_i = tl.program_id(1) // n_tiles
@@ -159,12 +166,12 @@ def _lora_expand_kernel(
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
-                         EARLY_LOADS, USE_PDL)
+                         EARLY_LOADS, USE_PDL, DOT_16BIT)
     else:
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
                          DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
-                         EARLY_LOADS, USE_PDL)
+                         EARLY_LOADS, USE_PDL, DOT_16BIT)
 
 
 def lora_expand(
@@ -187,15 +194,19 @@ def lora_expand(
     split_unroll: int = 1,
     early_loads: bool = False,
     pdl: bool = False,
+    dot_16bit: bool = False,
 ) -> None:
     """Add the expand of `buf` into y's column slices (see module docstring). `split_unroll`
     (1 or 4): K splits' partial sums read per step of the summing loop; `early_loads`: the y
     and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`): launched
     as a programmatic dependent of the shrink before it, which must write nothing else this
-    reads (kernels.lora.LoraTiles.pdl)."""
+    reads (kernels.lora.LoraTiles.pdl). `dot_16bit` (16-bit arenas only): the delta's
+    second product in B's dtype, its input x @ A.T rounded to it (`_expand_rank_tiles`)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if split_unroll not in (1, 4):
         raise ValueError(f"split_unroll must be 1 or 4, got {split_unroll}")
+    if dot_16bit and arena.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"a 16-bit expand dot needs a 16-bit arena, got {arena.dtype}")
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
@@ -218,7 +229,8 @@ def lora_expand(
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, SPLIT_UNROLL=split_unroll,
-        EARLY_LOADS=early_loads, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        EARLY_LOADS=early_loads, USE_PDL=pdl, DOT_16BIT=dot_16bit, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_options(pdl),
     )
 

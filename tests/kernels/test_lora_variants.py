@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.lora import DECODE_TILES, add_lora_triton, split_cap
+from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 from kernels.lora_reference import add_lora_reference
 from kernels.lora_shrink import lora_shrink
@@ -35,6 +36,10 @@ VARIANTS = {
     "rank_parts4": dataclasses.replace(DECODE_TILES, shrink_rank_parts=4),
     "no_pdl": dataclasses.replace(DECODE_TILES, pdl=False),
     "no_pdl_early_loads": dataclasses.replace(DECODE_TILES, pdl=False, early_loads=True),
+    # float32 cases keep the float32 dot (the option applies to 16-bit arenas only).
+    "expand_dot_16bit": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True),
+    "expand_dot_16bit_early_loads": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
+                                                        early_loads=True),
 }
 
 
@@ -214,6 +219,17 @@ def test_partial_sums_read_four_at_a_time(dtype: torch.dtype, split_k: int) -> N
     slots = sorted(i % 5 for i in range(20))
     _check(slots, 5, [8, 16, 40, 64], dtype, seed=40 + split_k, capacity=24,
            tiles=VARIANTS["split_unroll4"], in_features=1024, split_k=split_k)
+
+
+def test_a_16bit_expand_dot_on_a_float32_arena_is_refused() -> None:
+    gen = generator(3)
+    case = build_lora_case([0] * 4, 1, 64, {0: 16}, {(0, 0): 8}, torch.float32, gen,
+                           block_m=DECODE_BLOCK_M)
+    y = randn(4, 16, dtype=torch.float32, gen=gen)
+    buf = torch.zeros(1, 4, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="16-bit arena"):
+        lora_expand(y, buf, case.arena, case.b_offsets, case.ranks, case.scales, (0,),
+                    ((0, 16),), case.meta, block_m=16, block_n=16, block_r=16, dot_16bit=True)
 
 
 def test_split_unroll_other_than_1_or_4_is_refused() -> None:

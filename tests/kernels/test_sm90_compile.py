@@ -1,7 +1,8 @@
 """The tile LoRA kernels compiled ahead of time for sm_90 (the H100/H200) on this CPU, with
 Triton's bundled ptxas: what the interpreter cannot catch (a global a kernel may not read, a
 type the compiler refuses) fails here, before a GPU run does. Both are compiled as decode
-graphs launch them (PDL, rows gathered or not) at the engine's largest rank tile, in a child
+graphs launch them (PDL, rows gathered or not; the expand's 16-bit dot too) at the engine's
+largest rank tile, in a child
 process (the kernels are compiled only when imported with TRITON_INTERPRET=0)."""
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ if sys.argv[1] == "shrink":
 else:
     out = compile_cost(lora_expand._lora_expand_kernel,
                        {**common, "BLOCK_N": 256, "SPLIT_UNROLL": 1, "EARLY_LOADS": True,
-                        "USE_PDL": True}, 4)
+                        "USE_PDL": True, "DOT_16BIT": sys.argv[3] == "1"}, 4)
 ptx = out["ptx"]
 print(json.dumps({"pdl_wait": "griddepcontrol.wait" in ptx,
                   "pdl_launch": "griddepcontrol.launch_dependents" in ptx}))
 """
 
 
-def _compile(kernel: str, gather_rows: bool) -> dict[str, object]:
+def _compile(kernel: str, gather_rows: bool, dot_16bit: bool = False) -> dict[str, object]:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", CHILD, kernel, str(int(gather_rows))], env=env,
+    done = subprocess.run([sys.executable, "-c", CHILD, kernel, str(int(gather_rows)),
+                           str(int(dot_16bit))], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -47,6 +49,7 @@ def test_shrink_compiles_for_sm90(gather_rows: bool) -> None:
     assert _compile("shrink", gather_rows)["pdl_launch"]
 
 
-@pytest.mark.parametrize("gather_rows", [False, True])
-def test_expand_compiles_for_sm90(gather_rows: bool) -> None:
-    assert _compile("expand", gather_rows)["pdl_wait"]
+@pytest.mark.parametrize(("gather_rows", "dot_16bit"), [(False, False), (True, False),
+                                                      (False, True)])
+def test_expand_compiles_for_sm90(gather_rows: bool, dot_16bit: bool) -> None:
+    assert _compile("expand", gather_rows, dot_16bit)["pdl_wait"]
