@@ -153,6 +153,7 @@ def add_lora_triton(
     split_k: int | None = None,
     tiles: LoraTiles | RowTiles | None = None,
     pdl: bool | None = None,
+    expand_dot_16bit: bool | None = None,
 ) -> None:
     """y += the multi-LoRA delta of x, as `add_lora_reference` defines it.
 
@@ -160,7 +161,8 @@ def add_lora_triton(
     launcher reads `ranks.max()`, a host sync that CUDA-graph capture forbids. `split_k` and
     `tiles` override the tuned choices (tests use them to reach every code path). A meta
     built for `ROW_BLOCK_M` runs the row kernels (`kernels.lora_rows`) over its token slots.
-    `pdl` overrides the tiles' programmatic dependent launch (used only where supported).
+    `pdl` overrides the tiles' programmatic dependent launch (used only where supported),
+    `expand_dot_16bit` their expand's 16-bit dot (used only with 16-bit arenas).
     """
     if len(module_ids) != len(out_slices):
         raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
@@ -208,7 +210,8 @@ def add_lora_triton(
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
                     early_loads=early_loads, pdl=pdl,
-                    dot_16bit=tiles.expand_dot_16bit and arena.dtype != torch.float32)
+                    dot_16bit=(tiles.expand_dot_16bit if expand_dot_16bit is None
+                               else expand_dot_16bit) and arena.dtype != torch.float32)
 
 
 def _partial_sums(splits: int, x: torch.Tensor, num_mods: int, max_rank: int) -> torch.Tensor:

@@ -229,6 +229,10 @@ class EngineConfig:
     # adapter at batch 64: 0.951x vs 0.933x base; the decode step 1.259x vs 1.272x its floor,
     # engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
     lora_pdl: bool | None = None
+    # Each LoRA expand's second product in the weights' 16-bit dtype, x @ A.T rounded to it
+    # first, as peft's 16-bit forward rounds lora_A's output (kernels.lora.LoraTiles.
+    # expand_dot_16bit). None: the kernels' default, off until timed on the GPU.
+    lora_expand_dot_16bit: bool | None = None
     # When every token of a run of steps reads one adapter, fold it into the base weights and
     # run those steps as the base model (slora_core/lora_merge.py); any other step restores
     # the weights first, bit for bit, from the adapter's factors and the few elements whose

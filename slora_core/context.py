@@ -52,6 +52,9 @@ class StepContext:
     # EngineConfig.lora_pdl: each LoRA expand launched as a programmatic dependent of its
     # shrink (Hopper+); None = the kernels' default (kernels.lora.LoraTiles.pdl).
     lora_pdl: bool | None = None
+    # EngineConfig.lora_expand_dot_16bit: each LoRA expand's second product in the weights'
+    # 16-bit dtype; None = the kernels' default (kernels.lora.LoraTiles.expand_dot_16bit).
+    lora_expand_dot_16bit: bool | None = None
     # Set for decode-sized steps when EngineConfig.lora_overlap is on: each LoRA layer runs
     # its delta on this stream beside the base GEMM (see LoraLinear.forward).
     lora_stream: torch.cuda.Stream | None = None

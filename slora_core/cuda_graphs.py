@@ -33,6 +33,7 @@ class ModelRunner(Protocol):
     graph_lora_split_k: int | None
     lora_row_kernels: bool
     lora_pdl: bool | None
+    lora_expand_dot_16bit: bool | None
 
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None: ...
 
@@ -280,6 +281,7 @@ class DecodeGraphs(_StepGraphs):
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
             lora_split_k=r.graph_lora_split_k, lora_pdl=r.lora_pdl,
+            lora_expand_dot_16bit=r.lora_expand_dot_16bit,
             lora_stream=r.lora_stream(b) if modules else None,
         )
 
@@ -373,6 +375,7 @@ class MixedGraphs(_StepGraphs):
             logits_indices=buf.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
             lora_split_k=r.graph_lora_split_k, lora_pdl=r.lora_pdl,
+            lora_expand_dot_16bit=r.lora_expand_dot_16bit,
             lora_stream=r.lora_stream(t) if modules else None,
         )
 

@@ -45,6 +45,9 @@ HELP: dict[str, str] = {
                         "decode steps; off: 16-row tiles only)",
     "lora_pdl": "launch each LoRA expand as a programmatic dependent of its shrink, so it "
                 "overlaps it (Hopper+; default: the kernels')",
+    "lora_expand_dot_16bit": "run each LoRA expand's second product in the weights' 16-bit "
+                             "dtype, its input rounded to it as peft's 16-bit forward does "
+                             "(default: the kernels')",
     "tensor_parallel_size": "ranks (one GPU each) one engine is sharded over; rank 0 "
                             "schedules (slora_core/tp)",
 }

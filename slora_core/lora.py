@@ -90,6 +90,7 @@ class LoraLinear(nn.Module):
             y, x, t.arena, t.a_offsets[layer], t.b_offsets[layer], t.ranks[layer],
             t.scales[layer], module_ids, out_slices, ctx.lora, max_rank=t.max_rank or None,
             split_k=ctx.lora_split_k, pdl=ctx.lora_pdl,
+            expand_dot_16bit=ctx.lora_expand_dot_16bit,
         )
 
 

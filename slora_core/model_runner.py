@@ -41,13 +41,16 @@ class ModelRunner:
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
                  mixed_graphs: bool = True, lora_overlap: bool = False,
                  merge_sole_adapter: bool = False, lora_row_kernels: bool = False,
-                 lora_pdl: bool | None = None) -> None:
+                 lora_pdl: bool | None = None,
+                 lora_expand_dot_16bit: bool | None = None) -> None:
         self.model = model
         self.arena = arena
         # EngineConfig.lora_row_kernels: decode graphs' full LoRA list runs the row kernels.
         self.lora_row_kernels = lora_row_kernels
         # EngineConfig.lora_pdl: LoRA expands as programmatic dependents of their shrinks.
         self.lora_pdl = lora_pdl
+        # EngineConfig.lora_expand_dot_16bit: LoRA expands' second product in 16 bits.
+        self.lora_expand_dot_16bit = lora_expand_dot_16bit
         # EngineConfig.merge_sole_adapter: steps on one adapter run as the base model.
         self.merge = SoleAdapterMerge(model, arena) if merge_sole_adapter else None
         # A fixed LoRA K split inside CUDA graphs (fix_graph_lora_split); None: the kernels'.
@@ -83,7 +86,8 @@ class ModelRunner:
                    use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs,
                    lora_overlap=config.lora_overlap,
                    merge_sole_adapter=config.merges_sole_adapter,
-                   lora_row_kernels=config.lora_row_kernels, lora_pdl=config.lora_pdl)
+                   lora_row_kernels=config.lora_row_kernels, lora_pdl=config.lora_pdl,
+                   lora_expand_dot_16bit=config.lora_expand_dot_16bit)
 
     def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None:
         """The stream a step of `num_tokens` tokens runs its LoRA deltas on beside the base
@@ -130,7 +134,7 @@ class ModelRunner:
             lora_tables=self.arena.tables if lora is not None else None,
             lora_modules=self.arena.active_lora_modules,
             lora_stream=self.lora_stream(int(input_ids.shape[0])) if lora is not None else None,
-            lora_pdl=self.lora_pdl,
+            lora_pdl=self.lora_pdl, lora_expand_dot_16bit=self.lora_expand_dot_16bit,
         )
         return input_ids, ctx
 

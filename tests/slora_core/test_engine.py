@@ -437,3 +437,34 @@ def test_graph_lora_split_reaches_the_lora_launch(demo_dir, adapter_names, monke
     with torch.inference_mode():
         graphs.run_padded_eager(inputs)
     assert splits and set(splits) == {3}
+
+
+@pytest.mark.parametrize("dot_16bit", [None, True, False])
+def test_lora_expand_dot_16bit_reaches_every_lora_launch(demo_dir, adapter_names, monkeypatch,
+                                                        dot_16bit):
+    """EngineConfig.lora_expand_dot_16bit is what the eager and the graphs' LoRA launches
+    pass to the kernels (None: the kernels' default)."""
+    from slora_core import lora as lora_module
+    from slora_core.cuda_graphs import DecodeGraphs
+    from slora_core.step_inputs import build_step_inputs
+
+    seen: list[object] = []
+    real = lora_module.ops.add_lora
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("expand_dot_16bit", "missing"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lora_module.ops, "add_lora", spy)
+    engine = make_engine(demo_dir, adapter_names[:2], lora_expand_dot_16bit=dot_16bit)
+    graphs = DecodeGraphs(engine.runner, 8, engine.config.max_model_len)
+    for i, name in enumerate(adapter_names[:2]):
+        engine.add_request(str(i), PROMPTS[i], SamplingParams(max_new_tokens=3), adapter=name)
+    engine.step()  # prefill, eager
+    assert seen and set(seen) == {dot_16bit}
+    seen.clear()
+    sched = engine.scheduler.schedule()
+    inputs = build_step_inputs(sched.scheduled, engine.arena.block_size)
+    with torch.inference_mode():
+        graphs.run_padded_eager(inputs)
+    assert seen and set(seen) == {dot_16bit}
