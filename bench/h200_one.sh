@@ -19,6 +19,8 @@
 #   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
 #   engine-pdl / engine-nopdl  engine-async with the LoRA expands launched as programmatic
 #           dependents of their shrinks (EngineConfig.lora_pdl) and without;
+#   engine-dot16  engine-async with the expands' second product in fp16
+#           (EngineConfig.lora_expand_dot_16bit; time it beside engine-async in one call);
 #   tests   pytest on the GPU (TESTS, default tests/kernels/test_lora_pdl.py);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
@@ -54,6 +56,7 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
         floor-async) engine_arm async --async-steps --scenarios floor ;;
         engine-overlap) engine_arm overlap --async-steps --lora-overlap ;;
         engine-pdl) engine_arm pdl --async-steps --lora-pdl ;;
+        engine-dot16) engine_arm dot16 --async-steps --lora-expand-dot-16bit ;;
         engine-nopdl) engine_arm nopdl --async-steps --no-lora-pdl ;;
         tests) step tests "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider \
             ${TESTS:-tests/kernels/test_lora_pdl.py} ;;
