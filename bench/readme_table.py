@@ -175,9 +175,9 @@ def grid_rows(result: dict[str, Any], source: str) -> list[str]:
                     f"the earlier run named beside them | | | {source} |")
         seen = {_cell(r) for r in result["rows"]}
         for name in EARLIER_GRIDS:
-            path = RESULTS / name
-            if path.exists():
-                earlier = json.loads(path.read_text())
+            earlier_path = RESULTS / name
+            if earlier_path.exists():
+                earlier = json.loads(earlier_path.read_text())
                 src = f"`{name}` @ {earlier['commit'][:8]} (not reached at {source})"
                 cells += [dict(r, source=src) for r in earlier["rows"]
                           if "vllm_us_issue" in r and _cell(r) not in seen]
