@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
-import json, sys
+import json, re, sys
 from bench.kernel_compile_cost import compile_cost
 from kernels import lora_expand, lora_shrink
 common = {"MAX_RANK": 64, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64,
@@ -30,7 +30,8 @@ else:
                        {**common, "BLOCK_N": 256, "SPLIT_UNROLL": 1, "EARLY_LOADS": True,
                         "USE_PDL": True, "DOT_16BIT": sys.argv[3] == "1"}, 4)
 ptx = out["ptx"]
-print(json.dumps({"pdl_wait": "griddepcontrol.wait" in ptx,
+print(json.dumps({"mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
+                  "pdl_wait": "griddepcontrol.wait" in ptx,
                   "pdl_launch": "griddepcontrol.launch_dependents" in ptx}))
 """
 
@@ -52,4 +53,9 @@ def test_shrink_compiles_for_sm90(gather_rows: bool) -> None:
 @pytest.mark.parametrize(("gather_rows", "dot_16bit"), [(False, False), (True, False),
                                                       (False, True)])
 def test_expand_compiles_for_sm90(gather_rows: bool, dot_16bit: bool) -> None:
-    assert _compile("expand", gather_rows, dot_16bit)["pdl_wait"]
+    """The expand's dot is tf32 on the float32 sums and B (m16n8k8), or with the 16-bit dot
+    an f16 one on the rounded sums and B as stored (m16n8k16)."""
+    out = _compile("expand", gather_rows, dot_16bit)
+    assert out["pdl_wait"]
+    kinds = " ".join(out["mma"])  # type: ignore[arg-type]
+    assert ("f32.f16.f16.f32" in kinds) == dot_16bit and ("tf32" in kinds) != dot_16bit, kinds
