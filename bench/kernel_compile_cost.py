@@ -37,7 +37,7 @@ POINTERS = {
     "x_ptr": F16, "y_ptr": F16, "arena_ptr": F16, "buf_ptr": F32, "a_off_ptr": I64,
     "b_off_ptr": I64, "ranks_ptr": I32, "scales_ptr": F32, "slots_ptr": I32,
     "seg_starts_ptr": I32, "seg_lens_ptr": I32, "seg_slots_ptr": I32, "tile_segs_ptr": I32,
-    "tile_m0_ptr": I32, "rows_ptr": I32, "counters_ptr": I32,
+    "tile_m0_ptr": I32, "rows_ptr": I32,
 }
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows, pdl_supported
-from kernels.lora_expand import lora_expand
+from kernels.lora_expand import DOT_16BIT_DTYPES, lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from kernels.lora_rows import RowTiles, rows_expand, rows_shrink
 from kernels.lora_shrink import lora_shrink
@@ -188,8 +188,9 @@ def add_lora_triton(
         else:
             splits = split_k or min(split_cap(tiles, k, block_r), pick_split_k(
                 meta.num_tiles * len(mods), k, x.device, tiles.max_split_k))
+        buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
+                          device=x.device)
         if isinstance(tiles, RowTiles):
-            buf = _partial_sums(splits, x, len(mods), max_rank)
             rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots,
                         block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps,
                         launch_dependents=pdl)
@@ -200,7 +201,6 @@ def add_lora_triton(
                         num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl)
             continue
         rank_parts = min(tiles.shrink_rank_parts, block_r // 16)
-        buf = _partial_sums(splits, x, len(mods), max_rank)
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
@@ -211,14 +211,7 @@ def add_lora_triton(
                     rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
                     early_loads=early_loads, pdl=pdl,
                     dot_16bit=(tiles.expand_dot_16bit if expand_dot_16bit is None
-                               else expand_dot_16bit) and arena.dtype != torch.float32)
-
-
-def _partial_sums(splits: int, x: torch.Tensor, num_mods: int, max_rank: int) -> torch.Tensor:
-    """The shrink's float32 partial sums, one per K split (every entry the expand reads is
-    written by the shrink, so no zero-fill)."""
-    return torch.empty((splits, x.shape[0], num_mods, max_rank), dtype=torch.float32,
-                       device=x.device)
+                               else expand_dot_16bit) and arena.dtype in DOT_16BIT_DTYPES)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:

@@ -117,6 +117,10 @@ def _expand_bucketed(
                            SPLIT_UNROLL, EARLY_LOADS, USE_PDL, DOT_16BIT)
 
 
+# Arena dtypes the expand's 16-bit dot takes (`lora_expand(dot_16bit=True)`).
+DOT_16BIT_DTYPES = (torch.float16, torch.bfloat16)
+
+
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
 # a new batch shape compiles no new variant.
 @triton.jit(do_not_specialize=["split_k", "stride_bs"])
@@ -205,7 +209,7 @@ def lora_expand(
     split_k, num_tokens, num_mods, max_rank = buf.shape
     if split_unroll not in (1, 4):
         raise ValueError(f"split_unroll must be 1 or 4, got {split_unroll}")
-    if dot_16bit and arena.dtype not in (torch.float16, torch.bfloat16):
+    if dot_16bit and arena.dtype not in DOT_16BIT_DTYPES:
         raise ValueError(f"a 16-bit expand dot needs a 16-bit arena, got {arena.dtype}")
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:

@@ -2,8 +2,8 @@
 Triton's bundled ptxas: what the interpreter cannot catch (a global a kernel may not read, a
 type the compiler refuses) fails here, before a GPU run does. Both are compiled as decode
 graphs launch them (PDL, rows gathered or not; the expand's 16-bit dot too) at the engine's
-largest rank tile, in a child
-process (the kernels are compiled only when imported with TRITON_INTERPRET=0)."""
+largest rank tile, in a child process (the kernels are compiled only when imported with
+TRITON_INTERPRET=0)."""
 
 from __future__ import annotations
 
