@@ -33,6 +33,9 @@
 #           (bench.profile_async);
 #   lora-sweep  decode LoRA tiles and K splits at r16 B64 U64, B256 U256, B64 U1;
 #   churn   2,000 adapters under churn at 50 arrivals/s, alpha 1.0 and 0.5;
+#   grid-split  part of the grid: the one-adapter cells and a few full lists, the 16-bit expand
+#           dot and the one-wave K split (LoraTiles.wave_split) beside the default;
+#   numerics  bench.gpu_numerics against HF + peft (NUMERICS_ARGS, e.g. --modes all_graphs);
 #   suites  gpu_suite parts A and B side by side (every GPU-only and compiled kernel test, and
 #           numerics; 7B/8B shapes against HF under churn).
 # Run from the root of a clean export with the wheels in .whl:
@@ -51,6 +54,15 @@ for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
     case $s in
         grid) step grid "${GRID_S:-220}" python3 -m bench.kernels_lora_grid \
             --out "$OUT/lora-grid-h200.json" ;;
+        grid-split) step grid-split "${GRID_S:-150}" python3 -m bench.kernels_lora_grid \
+            --cases "8x1x1,8x16x1,8x64x1,8x256x1,16x1x1,16x16x1,16x64x1,16x256x1,64x1x1,\
+64x16x1,64x64x1,64x256x1,16x16x16,16x64x64,16x256x256,64x16x16,64x256x256" \
+            --variants "graph_capture_split,graph_short_list,graph_dot16,short_list_dot16,\
+graph_wave,short_list_wave,graph_wave_dot16,short_list_wave_dot16" \
+            --out "$OUT/lora-grid-split-h200.json" ;;
+        numerics) step numerics "${NUMERICS_S:-200}" python3 -m bench.gpu_numerics \
+            ${NUMERICS_ARGS:-} --budget-s "$((${NUMERICS_S:-200} - 30))" \
+            --out "$OUT/gpu-numerics-h200.json" ;;
         engine-async) engine_arm async --async-steps ;;
         engine-sync) engine_arm sync --no-async-steps ;;
         floor-async) engine_arm async --async-steps --scenarios floor ;;

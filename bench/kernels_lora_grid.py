@@ -24,6 +24,10 @@ case times, over inputs rotated past the L2:
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
 - `graph_dot16` / `short_list_dot16`: the full / short list with the expand's second product
   in fp16 (`LoraTiles.expand_dot_16bit`);
+- `graph_wave` / `short_list_wave` (and `_dot16`): the K split of `LoraTiles.wave_split`
+  (launches of at most 16 tiles: one wave of tiles x splits, a power of two);
+- `graph_before` / `short_list_before`: the tiles before either (tf32 expand dot, splits for
+  four programs a multiprocessor), whatever the default;
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
 - `rows` / `rows_maxrank64`: the row kernels (`kernels.lora_rows`: each token reads its own
@@ -32,6 +36,8 @@ case times, over inputs rotated past the L2:
 - `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
 
     python -m bench.kernels_lora_grid --out bench/results/lora-grid-h200.json
+    python -m bench.kernels_lora_grid --cases 64x256x1,16x64x1 \
+        --variants graph_capture_split,graph_short_list   # a part of it
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from bench import kernels_lora as kl
 from bench import kernels_timing as timing
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record, save_rows
-from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split_k, split_cap
+from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split, rank_block, split_cap
 from kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from kernels.lora_rows import RowTiles
 
@@ -68,6 +74,9 @@ RANK_PARTS4 = dataclasses.replace(DECODE_TILES, shrink_rank_parts=4)
 PDL, NO_PDL = (dataclasses.replace(DECODE_TILES, pdl=on) for on in (True, False))
 ROWS_PDL, ROWS_NO_PDL = RowTiles(pdl=True), RowTiles(pdl=False)
 DOT16 = dataclasses.replace(DECODE_TILES, expand_dot_16bit=True)
+WAVE = dataclasses.replace(DECODE_TILES, wave_split=True)
+WAVE_DOT16 = dataclasses.replace(WAVE, expand_dot_16bit=True)
+BEFORE = dataclasses.replace(DECODE_TILES, wave_split=False, expand_dot_16bit=False)
 # The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
 # expand and shrink tiles, the K split at most 4 (`wide_split4`).
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
@@ -115,7 +124,12 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
     """name -> (meta, max_rank, tiles, fixed split) for one case."""
     b = len(slots)
     grph = padded_meta(slots, b)
-    capture = pick_split_k(b, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
+    dev, block_r = torch.device(DEVICE), rank_block(rank)
+
+    def split(tiles: LoraTiles, num_tiles: int) -> int:
+        return pick_split(tiles, num_tiles, 1, kl.K, dev, block_r)
+
+    capture = split(DECODE_TILES, b)
     exact = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
     rows = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=ROW_BLOCK_M)
     out: dict[str, Variant] = {
@@ -128,18 +142,23 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
         "graph_no_pdl": (grph, rank, NO_PDL, capture),
         "rows_pdl": (rows, rank, ROWS_PDL, None),
         "rows_no_pdl": (rows, rank, ROWS_NO_PDL, None),
-        "graph_dot16": (grph, rank, DOT16, capture)}
+        "graph_dot16": (grph, rank, DOT16, split(DOT16, b)),
+        "graph_wave": (grph, rank, WAVE, split(WAVE, b)),
+        "graph_wave_dot16": (grph, rank, WAVE_DOT16, split(WAVE_DOT16, b)),
+        "graph_before": (grph, rank, BEFORE, split(BEFORE, b))}
     if len(set(slots)) >= max(2, b // 4):
         out["wide_split4"] = (grph, rank, WIDE, min(4, capture))
     short = -(-b // DECODE_BLOCK_M)
     if short < b and exact.num_tiles <= short:
-        short_split = pick_split_k(short, kl.K, torch.device(DEVICE), DECODE_TILES.max_split_k)
+        short_split = split(DECODE_TILES, short)
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES, short_split)
         out["short_list_rank_parts4"] = (padded_meta(slots, short), rank, RANK_PARTS4,
                                          short_split)
         out["short_list_pdl"] = (padded_meta(slots, short), rank, PDL, short_split)
         out["short_list_no_pdl"] = (padded_meta(slots, short), rank, NO_PDL, short_split)
-        out["short_list_dot16"] = (padded_meta(slots, short), rank, DOT16, short_split)
+        out["short_list_dot16"] = (padded_meta(slots, short), rank, DOT16, split(DOT16, short))
+        for name, t in (("wave", WAVE), ("wave_dot16", WAVE_DOT16), ("before", BEFORE)):
+            out[f"short_list_{name}"] = (padded_meta(slots, short), rank, t, split(t, short))
         out["short_list_rank_parts4_pdl"] = (
             padded_meta(slots, short), rank, dataclasses.replace(RANK_PARTS4, pdl=True),
             short_split)
@@ -153,7 +172,17 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
     return out
 
 
-def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float) -> dict[str, object]:
+def variant_names() -> set[str]:
+    """Every variant some case of the grid times (the --variants choices)."""
+    names: set[str] = set()
+    for rank in (16, 64):
+        for slots in ([0] * 32, list(range(32))):
+            names |= variants(slots, rank).keys()
+    return names
+
+
+def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float,
+             only: set[str] | None = None) -> dict[str, object]:
     slots = kl.decode_slots(b, u)
     if order == "random":
         random.Random(b * 1000 + u).shuffle(slots)
@@ -161,6 +190,8 @@ def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float) -> dict[str
     row: dict[str, object] = {"rank": rank, "batch": b, "adapters": u, "order": order,
                               "floor_us": kl.floor_bytes(b, u, rank) / (copy_gbs * 1e3)}
     for name, (meta, max_rank, tiles, split) in variants(slots, rank).items():
+        if only is not None and name not in only:
+            continue
         row[f"{name}_us"] = graph_time_us([call(lay, meta, max_rank, tiles, split)
                                            for lay in layers], replays=10)
         row[f"{name}_rel_err"] = rel_err_f64(layers[0], slots,
@@ -176,13 +207,32 @@ def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float) -> dict[str
     return row
 
 
-def cases() -> list[tuple[int, int, int, str]]:
+def cases(only: set[tuple[int, int, int]] | None = None) -> list[tuple[int, int, int, str]]:
+    """The grid's cases, or those of it whose (rank, batch, adapters) `only` names."""
     out = []
     for rank in RANKS:
         for b in BATCHES:
             for u in sorted({1, max(1, b // 4), b}):
+                if only is not None and (rank, b, u) not in only:
+                    continue
                 for order in ("grouped", "random") if u > 1 else ("grouped",):
                     out.append((rank, b, u, order))
+    return out
+
+
+def parse_cases(text: str) -> set[tuple[int, int, int]]:
+    """'64x256x1,16x64x64' -> {(64, 256, 1), (16, 64, 64)}, each a case of the grid."""
+    grid = {c[:3] for c in cases()}
+    out = set()
+    for part in text.split(","):
+        try:
+            r, b, u = (int(v) for v in part.strip().split("x"))
+        except ValueError:
+            raise SystemExit(f"--cases: {part!r} is not RANKxBATCHxADAPTERS") from None
+        if (r, b, u) not in grid:
+            raise SystemExit(f"--cases: {part!r} is not in the grid (ranks {RANKS}, batches "
+                             f"{BATCHES}, adapters 1, B/4, B)")
+        out.add((r, b, u))
     return out
 
 
@@ -191,11 +241,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="CPU smoke sizes (hidden 512)")
+    ap.add_argument("--cases", default=None,
+                    help="only these cases, RANKxBATCHxADAPTERS comma-separated (both orders)")
+    ap.add_argument("--variants", default=None,
+                    help="only these variants, comma-separated (gather_bmm and the floor "
+                         "always)")
     args = ap.parse_args(argv)
     if args.toy:
         kl.K = kl.N = 512
         timing.MAX_ROTATION = 1
         RANKS, BATCHES = (8, 64), (1, 16)
+    only_cases = parse_cases(args.cases) if args.cases else None
+    only = None
+    if args.variants:
+        only = {v.strip() for v in args.variants.split(",")}
+        unknown = only - variant_names()
+        if unknown:
+            raise SystemExit(f"--variants: no such variant {sorted(unknown)}; choose from "
+                             f"{sorted(variant_names())}")
+    todo = cases(only_cases)
     copy = copy_bandwidth_gbs(1 << 30 if DEVICE == "cuda" else 1 << 20)
     copy_gbs = max(copy.values())
     rows: list[dict[str, object]] = []
@@ -203,13 +267,14 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": "float16", "hidden": kl.K, "copy_gbs": copy, "method":
               "median of 10 CUDA-graph replays, >= 24 calls a graph over inputs rotated past "
               "the L2", "vllm_source": "issue 15's quoted H200 times (not re-measured)",
-              "cases": len(cases()), "rows": rows}
-    for case in cases():
-        row = run_case(*case, copy_gbs)
+              "cases": len(todo), "grid_cases": len(cases()),
+              "variants": sorted(only) if only else "all", "rows": rows}
+    for case in todo:
+        row = run_case(*case, copy_gbs, only)
         rows.append(row)
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items() if not k.endswith("rel_err")), flush=True)
-        save_rows(args.out, result, rows, len(cases()))
+        save_rows(args.out, result, rows, len(todo))
     return 0
 
 

@@ -80,6 +80,8 @@ class LoraTiles:
     # r16 B256 U256 45.2 -> 48.3; lora-one-adapter-atomic-rejected-h200.json). Fewer splits
     # won there instead: 8 rather than 16 on a 16-tile list (r64 B256 U1 14.4 -> 12.8,
     # r16 9.2 -> 9.0), but lost on 4- and 1-tile lists (r64 B64 9.7 -> 10.1, B16 8.3 -> 8.7).
+    # `wave_split` is that rule for every short launch: see `pick_split`.
+    wave_split: bool = False
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -127,6 +129,29 @@ def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int,
     want = triton.cdiv(programs_per_sm * sms, max(programs, 1))
     cap = max_split_k if programs * 4 >= sms else MAX_SPLIT_K
     return max(1, min(want, cap, k // MIN_K_PER_SPLIT))
+
+
+# Launches of at most this many tiles take `LoraTiles.wave_split`'s rule (see `pick_split`).
+WAVE_SPLIT_MAX_TILES = 16
+
+
+def pick_split(tiles: LoraTiles, num_tiles: int, num_mods: int, k: int, device: torch.device,
+               block_r: int) -> int:
+    """The K split a tile launch of `num_tiles` tiles (per module) and `num_mods` modules runs.
+
+    By default enough splits for PROGRAMS_PER_SM programs a multiprocessor. With
+    `tiles.wave_split`, launches of at most WAVE_SPLIT_MAX_TILES tiles instead take the largest
+    power of two that keeps one module's tiles x splits within one wave (a program a
+    multiprocessor): 16 splits on 1- and 4-tile lists as before, 8 on a 16-tile list (the
+    H200 timed 8 ahead of 16 there, and 16 ahead of 8 on the shorter lists). The expand
+    re-reads every split's partial sums once per column tile, so fewer splits read less;
+    the split does not shrink with the module count, which multiplies the shrink's programs.
+    """
+    cap = split_cap(tiles, k, block_r)
+    if tiles.wave_split and num_tiles <= WAVE_SPLIT_MAX_TILES:
+        want = triton.cdiv(_num_sms(device), max(num_tiles, 1))
+        return min(cap, MAX_SPLIT_K, 1 << (want.bit_length() - 1))
+    return min(cap, pick_split_k(num_tiles * num_mods, k, device, tiles.max_split_k))
 
 
 def split_cap(tiles: LoraTiles, k: int, block_r: int) -> int:
@@ -186,8 +211,8 @@ def add_lora_triton(
             splits = split_k or min(tiles.max_split_k, pick_split_k(
                 x.shape[0] * len(mods), k, x.device, tiles.max_split_k, tiles.programs_per_sm))
         else:
-            splits = split_k or min(split_cap(tiles, k, block_r), pick_split_k(
-                meta.num_tiles * len(mods), k, x.device, tiles.max_split_k))
+            splits = split_k or pick_split(tiles, meta.num_tiles, len(mods), k, x.device,
+                                           block_r)
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)
         if isinstance(tiles, RowTiles):

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.lora import DECODE_TILES, add_lora_triton, split_cap
+import kernels.lora
+from kernels.lora import DECODE_TILES, add_lora_triton, pick_split, split_cap
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 from kernels.lora_reference import add_lora_reference
@@ -40,6 +41,9 @@ VARIANTS = {
     "expand_dot_16bit": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True),
     "expand_dot_16bit_early_loads": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
                                                         early_loads=True),
+    "wave_split": dataclasses.replace(DECODE_TILES, wave_split=True),
+    "wave_split_dot16": dataclasses.replace(DECODE_TILES, wave_split=True,
+                                            expand_dot_16bit=True),
 }
 
 
@@ -144,6 +148,27 @@ def test_split_rank_budget_caps_the_split() -> None:
     assert split_cap(budget, 4096, 64) == 4  # 256 // 64
     assert split_cap(budget, 4096, 16) == 16
     assert split_cap(budget, 512, 16) == 2  # K / 256
+
+
+def test_wave_split_keeps_short_launches_to_one_wave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `wave_split`, launches of at most 16 tiles take the largest power of two that keeps
+    tiles x splits within one program a multiprocessor (132 on the H200), whatever the module
+    count; longer launches, and the default, keep four programs a multiprocessor."""
+    monkeypatch.setattr(kernels.lora, "_num_sms", lambda device: 132)
+    wave = dataclasses.replace(DECODE_TILES, wave_split=True)
+    cpu = torch.device("cpu")
+    got = {(n, m): pick_split(wave, n, m, 4096, cpu, 64) for n in (1, 4, 8, 16) for m in (1, 3)}
+    assert got == {(1, 1): 16, (1, 3): 16, (4, 1): 16, (4, 3): 16, (8, 1): 16, (8, 3): 16,
+                   (16, 1): 8, (16, 3): 8}
+    assert pick_split(wave, 12, 1, 4096, cpu, 64) == 8  # cdiv(132, 12) = 11 -> 8
+    assert pick_split(wave, 16, 1, 1024, cpu, 64) == 4  # K / 256 caps it
+    budget = dataclasses.replace(wave, split_rank_budget=256)
+    assert pick_split(budget, 16, 1, 4096, cpu, 64) == 4  # and the rank budget
+    # Past 16 tiles, and without the option: four programs a multiprocessor (cdiv(528, n)).
+    assert pick_split(wave, 64, 1, 4096, cpu, 64) == pick_split(DECODE_TILES, 64, 1, 4096,
+                                                                 cpu, 64) == 9
+    assert [pick_split(DECODE_TILES, n, m, 4096, cpu, 64)
+            for n, m in ((1, 1), (16, 1), (16, 2), (16, 3))] == [16, 16, 16, 11]
 
 
 def _per_token_delta(case: LoraCase, x: torch.Tensor, slots: list[int], k: int,
