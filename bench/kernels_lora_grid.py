@@ -26,7 +26,7 @@ case times, over inputs rotated past the L2:
   in fp16 (`LoraTiles.expand_dot_16bit`);
 - `graph_wave` / `short_list_wave` (and `_dot16`): the K split of `LoraTiles.wave_split`
   (launches of at most 16 tiles: one wave of tiles x splits, a power of two);
-- `graph_before` / `short_list_before`: the tiles before either (tf32 expand dot, splits for
+- `graph_before` / `short_list_before`: the tiles before 015e6a7 (tf32 expand dot, splits for
   four programs a multiprocessor), whatever the default;
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=None,
                     help="only these cases, RANKxBATCHxADAPTERS comma-separated (both orders)")
     ap.add_argument("--variants", default=None,
-                    help="only these variants, comma-separated (gather_bmm and the floor "
-                         "always)")
+                    help="only these variants, comma-separated, or 'all' (the default; "
+                         "gather_bmm and the floor always)")
     args = ap.parse_args(argv)
     if args.toy:
         kl.K = kl.N = 512
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         RANKS, BATCHES = (8, 64), (1, 16)
     only_cases = parse_cases(args.cases) if args.cases else None
     only = None
-    if args.variants:
+    if args.variants and args.variants != "all":
         only = {v.strip() for v in args.variants.split(",")}
         unknown = only - variant_names()
         if unknown:

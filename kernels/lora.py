@@ -67,10 +67,11 @@ class LoraTiles:
     # The expand's second product in the arena's 16-bit dtype, x @ A.T rounded to it first (as
     # peft's 16-bit forward rounds lora_A's output, and as vLLM's expand casts its input),
     # instead of B widened to float32 for a tf32 dot: half B's registers (a 256 x 64 tile is
-    # 64 KB as float32) and the 16-bit dot rate. float32 arenas keep the float32 dot. The
-    # suspect for r64 B256 U1 (expand 7.0 us beside 4.4 at r16, where B's tile is a quarter
-    # the size). Not yet timed on a GPU, so off.
-    expand_dot_16bit: bool = False
+    # 64 KB as float32) and the 16-bit dot rate. float32 arenas keep the float32 dot. On the
+    # H200 (graph replay, fp16) no cell of the grid lost and rank 64 gained most: r64 B256 U1
+    # short list 13.6 -> 13.0 us, r64 B64 U1 full list 11.7 -> 10.9, r64 B256 U256 104.5 ->
+    # 99.5, r16 B256 U256 45.0 -> 44.8 (lora-grid-split-h200.json @ 015e6a7), so on.
+    expand_dot_16bit: bool = True
     # Two ways of adding the K splits before the expand, so that it reads one sum instead
     # of re-reading every split once per column tile, were timed on the H200 and lost, so
     # neither is kept: the shrink's last split summing the others into the first (an atomic
@@ -80,8 +81,12 @@ class LoraTiles:
     # r16 B256 U256 45.2 -> 48.3; lora-one-adapter-atomic-rejected-h200.json). Fewer splits
     # won there instead: 8 rather than 16 on a 16-tile list (r64 B256 U1 14.4 -> 12.8,
     # r16 9.2 -> 9.0), but lost on 4- and 1-tile lists (r64 B64 9.7 -> 10.1, B16 8.3 -> 8.7).
-    # `wave_split` is that rule for every short launch: see `pick_split`.
-    wave_split: bool = False
+    # `wave_split` is that rule for short launches at rank tile 64: see `pick_split`. Timed on
+    # the H200 beside the old split (lora-grid-split-h200.json @ 015e6a7; with the 16-bit
+    # dot): r64 B256 U1 short list 13.0 -> 11.5 us, r64 B16 U16 13.6 -> 12.5; at rank tile 16
+    # it lost (r16 B16 U16 7.3 -> 7.7, r16 B256 U1 short list 8.0 -> 8.1-8.3), so it keeps
+    # to rank tile 64 (WAVE_SPLIT_MIN_RANK_TILE), where the re-read sums are 4x as wide.
+    wave_split: bool = True
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -131,24 +136,28 @@ def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int,
     return max(1, min(want, cap, k // MIN_K_PER_SPLIT))
 
 
-# Launches of at most this many tiles take `LoraTiles.wave_split`'s rule (see `pick_split`).
+# Launches of at most this many tiles, at a rank tile of at least this, take
+# `LoraTiles.wave_split`'s rule (see `pick_split`).
 WAVE_SPLIT_MAX_TILES = 16
+WAVE_SPLIT_MIN_RANK_TILE = 64
 
 
 def pick_split(tiles: LoraTiles, num_tiles: int, num_mods: int, k: int, device: torch.device,
                block_r: int) -> int:
     """The K split a tile launch of `num_tiles` tiles (per module) and `num_mods` modules runs.
 
-    By default enough splits for PROGRAMS_PER_SM programs a multiprocessor. With
-    `tiles.wave_split`, launches of at most WAVE_SPLIT_MAX_TILES tiles instead take the largest
-    power of two that keeps one module's tiles x splits within one wave (a program a
-    multiprocessor): 16 splits on 1- and 4-tile lists as before, 8 on a 16-tile list (the
-    H200 timed 8 ahead of 16 there, and 16 ahead of 8 on the shorter lists). The expand
-    re-reads every split's partial sums once per column tile, so fewer splits read less;
-    the split does not shrink with the module count, which multiplies the shrink's programs.
+    Enough splits for PROGRAMS_PER_SM programs a multiprocessor, except that with
+    `tiles.wave_split`, launches of at most WAVE_SPLIT_MAX_TILES tiles at a rank tile of at
+    least WAVE_SPLIT_MIN_RANK_TILE take the largest power of two that keeps one module's tiles
+    x splits within one wave (a program a multiprocessor): 16 splits on 1- and 4-tile lists
+    as before, 8 on a 16-tile list (the H200 timed 8 ahead of 16 there, and 16 ahead of 8 on
+    the shorter lists). The expand re-reads every split's block_r-wide partial sums once per
+    column tile, so fewer splits read less; the split does not shrink with the module count,
+    which multiplies the shrink's programs.
     """
     cap = split_cap(tiles, k, block_r)
-    if tiles.wave_split and num_tiles <= WAVE_SPLIT_MAX_TILES:
+    if (tiles.wave_split and num_tiles <= WAVE_SPLIT_MAX_TILES
+            and block_r >= WAVE_SPLIT_MIN_RANK_TILE):
         want = triton.cdiv(_num_sms(device), max(num_tiles, 1))
         return min(cap, MAX_SPLIT_K, 1 << (want.bit_length() - 1))
     return min(cap, pick_split_k(num_tiles * num_mods, k, device, tiles.max_split_k))

@@ -51,7 +51,8 @@ def _expand_rank_tiles(
     With DOT_16BIT the summed x @ A.T is rounded to B's 16-bit dtype and multiplied in it
     (float32 accumulation), as peft's 16-bit forward rounds lora_A's output: B stays 16-bit
     in registers and the dot runs at the 16-bit rate, instead of B widened to float32 for a
-    tf32 dot."""
+    tf32 dot. In fp16, rows past 2**15 are scaled into range first (by powers of two, undone
+    after the dot), so sums past fp16's range stay finite as the float32 chain keeps them."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EARLY_LOADS:
         y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -85,7 +86,14 @@ def _expand_rank_tiles(
                              other=0.0)
         if not EARLY_LOADS:
             b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        if DOT_16BIT:
+        if DOT_16BIT and b_tile.dtype == tl.float16:
+            # fp16 tops out at 65504 while x @ A.T on massive activations passes it (bf16 has
+            # float32's range): a row whose sums reach past 2**15 is scaled by a power of two
+            # into range before the rounding and back after the dot, both exact.
+            shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(h), axis=1))) - 15.0, 0.0)
+            acc += tl.dot((h * tl.exp2(-shift)[:, None]).to(tl.float16),
+                          b_tile) * tl.exp2(shift)[:, None]
+        elif DOT_16BIT:
             acc += tl.dot(h.to(b_tile.dtype), b_tile)
         else:
             acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)

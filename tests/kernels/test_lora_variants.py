@@ -41,9 +41,8 @@ VARIANTS = {
     "expand_dot_16bit": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True),
     "expand_dot_16bit_early_loads": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
                                                         early_loads=True),
-    "wave_split": dataclasses.replace(DECODE_TILES, wave_split=True),
-    "wave_split_dot16": dataclasses.replace(DECODE_TILES, wave_split=True,
-                                            expand_dot_16bit=True),
+    "no_wave_split": dataclasses.replace(DECODE_TILES, wave_split=False),
+    "tf32_expand_dot": dataclasses.replace(DECODE_TILES, expand_dot_16bit=False),
 }
 
 
@@ -151,11 +150,14 @@ def test_split_rank_budget_caps_the_split() -> None:
 
 
 def test_wave_split_keeps_short_launches_to_one_wave(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With `wave_split`, launches of at most 16 tiles take the largest power of two that keeps
-    tiles x splits within one program a multiprocessor (132 on the H200), whatever the module
-    count; longer launches, and the default, keep four programs a multiprocessor."""
+    """With `wave_split` (the default), launches of at most 16 tiles at rank tile 64 take the
+    largest power of two that keeps tiles x splits within one program a multiprocessor (132 on
+    the H200), whatever the module count; longer launches, narrower rank tiles, and tiles
+    without the option keep four programs a multiprocessor."""
     monkeypatch.setattr(kernels.lora, "_num_sms", lambda device: 132)
     wave = dataclasses.replace(DECODE_TILES, wave_split=True)
+    old = dataclasses.replace(DECODE_TILES, wave_split=False)
+    assert DECODE_TILES.wave_split  # the default
     cpu = torch.device("cpu")
     got = {(n, m): pick_split(wave, n, m, 4096, cpu, 64) for n in (1, 4, 8, 16) for m in (1, 3)}
     assert got == {(1, 1): 16, (1, 3): 16, (4, 1): 16, (4, 3): 16, (8, 1): 16, (8, 3): 16,
@@ -164,10 +166,11 @@ def test_wave_split_keeps_short_launches_to_one_wave(monkeypatch: pytest.MonkeyP
     assert pick_split(wave, 16, 1, 1024, cpu, 64) == 4  # K / 256 caps it
     budget = dataclasses.replace(wave, split_rank_budget=256)
     assert pick_split(budget, 16, 1, 4096, cpu, 64) == 4  # and the rank budget
-    # Past 16 tiles, and without the option: four programs a multiprocessor (cdiv(528, n)).
-    assert pick_split(wave, 64, 1, 4096, cpu, 64) == pick_split(DECODE_TILES, 64, 1, 4096,
-                                                                 cpu, 64) == 9
-    assert [pick_split(DECODE_TILES, n, m, 4096, cpu, 64)
+    # Past 16 tiles, below rank tile 64, and without the option: four programs a
+    # multiprocessor (cdiv(528, tiles x modules), capped at 16).
+    assert pick_split(wave, 64, 1, 4096, cpu, 64) == pick_split(old, 64, 1, 4096, cpu, 64) == 9
+    assert pick_split(wave, 16, 1, 4096, cpu, 32) == pick_split(wave, 16, 1, 4096, cpu, 16) == 16
+    assert [pick_split(old, n, m, 4096, cpu, 64)
             for n, m in ((1, 1), (16, 1), (16, 2), (16, 3))] == [16, 16, 16, 11]
 
 
