@@ -75,9 +75,9 @@ MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps
          "all_graphs_async": {"async_steps": True},
          "all_graphs_one_seq": {"max_num_seqs": 1, "async_steps": False},
          # The LoRA expands' second product in 16 bits (off by default until timed).
-         "all_graphs_tf32": {"async_steps": False, "lora_expand_dot_16bit": False}}
-# all_graphs_tf32 (the LoRA expands' tf32 dot, the default before 015e6a7): asked by name.
-DEFAULT_MODES = tuple(m for m in MODES if m != "all_graphs_tf32")
+         "all_graphs_dot16": {"async_steps": False, "lora_expand_dot_16bit": True}}
+# all_graphs_dot16 (the LoRA expands' 16-bit dot, off by default): asked by name.
+DEFAULT_MODES = tuple(m for m in MODES if m != "all_graphs_dot16")
 
 
 @torch.no_grad()

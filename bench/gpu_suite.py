@@ -86,9 +86,9 @@ MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps
          # EngineConfig.merge_sole_adapter, over its own requests: MERGE_REQUESTS prompts all
          # on MERGE_ADAPTER (every module, rsLoRA scale), so most steps run merged.
          "merge_sole_adapter": {"merge_sole_adapter": True},
-         # The LoRA expands' tf32 dot (EngineConfig.lora_expand_dot_16bit off: the default
-         # before 015e6a7); not in DEFAULT_MODES.
-         "all_graphs_tf32": {"async_steps": False, "lora_expand_dot_16bit": False}}
+         # The LoRA expands' 16-bit dot (EngineConfig.lora_expand_dot_16bit, off by default:
+         # lora-grid-dot16-rejected-h200.json); not in DEFAULT_MODES.
+         "all_graphs_dot16": {"async_steps": False, "lora_expand_dot_16bit": True}}
 DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async", "merge_sole_adapter")
 MERGE_ADAPTER = "rslora-all-r32"
 MERGE_REQUESTS = 6

@@ -21,8 +21,8 @@
 #   gemm    the base decode GEMMs under cuBLAS and cuBLASLt (bench.gemm_decode);
 #   engine-pdl / engine-nopdl  engine-async with the LoRA expands launched as programmatic
 #           dependents of their shrinks (EngineConfig.lora_pdl) and without;
-#   engine-tf32  engine-async with the expands' tf32 dot (EngineConfig.lora_expand_dot_16bit
-#           off, the default before 015e6a7; time it beside engine-async in one call);
+#   engine-dot16  engine-async with the expands' 16-bit dot (EngineConfig.lora_expand_dot_16bit,
+#           off by default; time it beside engine-async in one call);
 #   tests   pytest on the GPU (TESTS, default tests/kernels/test_lora_pdl.py);
 #   engine-merge  one adapter vs base with merge_sole_adapter, the unmerged arm beside it (5
 #           interleaved repeats);
@@ -55,7 +55,7 @@ suites() {
 for s in ${STEPS:-grid engine-async engine-sync sweep async churn suites}; do
     case $s in
         grid) step grid "${GRID_S:-150}" python3 -m bench.kernels_lora_grid \
-            --variants "${GRID_VARIANTS:-graph_capture_split,graph_short_list,exact,rows,\
+            --variants "${GRID_VARIANTS:-graph_capture_split,graph_short_list,exact,rows,graph_dot16,short_list_dot16,\
 graph_before,short_list_before}" --out "$OUT/lora-grid-h200.json" ;;
         grid-split) step grid-split "${GRID_S:-150}" python3 -m bench.kernels_lora_grid \
             --cases "8x1x1,8x16x1,8x64x1,8x256x1,16x1x1,16x16x1,16x64x1,16x256x1,64x1x1,\
@@ -71,7 +71,7 @@ graph_wave,short_list_wave,graph_wave_dot16,short_list_wave_dot16" \
         floor-async) engine_arm async --async-steps --scenarios floor ;;
         engine-overlap) engine_arm overlap --async-steps --lora-overlap ;;
         engine-pdl) engine_arm pdl --async-steps --lora-pdl ;;
-        engine-tf32) engine_arm tf32 --async-steps --no-lora-expand-dot-16bit ;;
+        engine-dot16) engine_arm dot16 --async-steps --lora-expand-dot-16bit ;;
         engine-nopdl) engine_arm nopdl --async-steps --no-lora-pdl ;;
         tests) step tests "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider \
             ${TESTS:-tests/kernels/test_lora_pdl.py} ;;

@@ -27,7 +27,7 @@ case times, over inputs rotated past the L2:
 - `graph_wave` / `short_list_wave` (and `_dot16`): the K split of `LoraTiles.wave_split`
   (launches of at most 16 tiles: one wave of tiles x splits, a power of two);
 - `graph_before` / `short_list_before`: the tiles before 015e6a7 (tf32 expand dot, splits for
-  four programs a multiprocessor), whatever the default;
+  four programs a multiprocessor everywhere), whatever the default;
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
 - `rows` / `rows_maxrank64`: the row kernels (`kernels.lora_rows`: each token reads its own

@@ -68,10 +68,12 @@ class LoraTiles:
     # peft's 16-bit forward rounds lora_A's output, and as vLLM's expand casts its input),
     # instead of B widened to float32 for a tf32 dot: half B's registers (a 256 x 64 tile is
     # 64 KB as float32) and the 16-bit dot rate. float32 arenas keep the float32 dot. On the
-    # H200 (graph replay, fp16) no cell of the grid lost and rank 64 gained most: r64 B256 U1
-    # short list 13.6 -> 13.0 us, r64 B64 U1 full list 11.7 -> 10.9, r64 B256 U256 104.5 ->
-    # 99.5, r16 B256 U256 45.0 -> 44.8 (lora-grid-split-h200.json @ 015e6a7), so on.
-    expand_dot_16bit: bool = True
+    # H200 unscaled, no cell of the grid lost (r64 B256 U1 short list 13.6 -> 13.0 us;
+    # lora-grid-split-h200.json @ 015e6a7), but fp16 then overflowed on massive activations;
+    # with the per-row scaling that keeps them finite it lost at rank 64 (r64 B16 U1 short
+    # list 8.0 -> 8.7, B64 U1 8.8 -> 9.5, B256 U256 105.1 -> 108.4; lora-grid-dot16-
+    # rejected-h200.json @ 0f38612), so off.
+    expand_dot_16bit: bool = False
     # Two ways of adding the K splits before the expand, so that it reads one sum instead
     # of re-reading every split once per column tile, were timed on the H200 and lost, so
     # neither is kept: the shrink's last split summing the others into the first (an atomic
@@ -82,10 +84,10 @@ class LoraTiles:
     # won there instead: 8 rather than 16 on a 16-tile list (r64 B256 U1 14.4 -> 12.8,
     # r16 9.2 -> 9.0), but lost on 4- and 1-tile lists (r64 B64 9.7 -> 10.1, B16 8.3 -> 8.7).
     # `wave_split` is that rule for short launches at rank tile 64: see `pick_split`. Timed on
-    # the H200 beside the old split (lora-grid-split-h200.json @ 015e6a7; with the 16-bit
-    # dot): r64 B256 U1 short list 13.0 -> 11.5 us, r64 B16 U16 13.6 -> 12.5; at rank tile 16
-    # it lost (r16 B16 U16 7.3 -> 7.7, r16 B256 U1 short list 8.0 -> 8.1-8.3), so it keeps
-    # to rank tile 64 (WAVE_SPLIT_MIN_RANK_TILE), where the re-read sums are 4x as wide.
+    # the H200 beside the old split (lora-grid-split-h200.json @ 015e6a7, tf32 expand dot):
+    # r64 B256 U1 short list 13.6 -> 12.2 us, r64 B16 U16 14.3 -> 12.9; at rank tile 16 it
+    # lost (r16 B16 U16 7.3 -> 7.7, r16 B256 U1 short list 8.0 -> 8.2-8.3), so it keeps to
+    # rank tile 64 (WAVE_SPLIT_MIN_RANK_TILE), where the re-read sums are 4x as wide.
     wave_split: bool = True
 
 

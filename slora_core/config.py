@@ -231,8 +231,8 @@ class EngineConfig:
     lora_pdl: bool | None = None
     # Each LoRA expand's second product in the weights' 16-bit dtype, x @ A.T rounded to it
     # first, as peft's 16-bit forward rounds lora_A's output (kernels.lora.LoraTiles.
-    # expand_dot_16bit). None: the kernels' default, on (H200 grid: no cell lost, r64 B256 U1
-    # 13.6 -> 13.0 us, r64 B256 U256 104.5 -> 99.5; lora-grid-split-h200.json @ 015e6a7).
+    # expand_dot_16bit). None: the kernels' default, off (with the fp16 range scaling it lost
+    # at rank 64 on the H200: lora-grid-dot16-rejected-h200.json @ 0f38612).
     lora_expand_dot_16bit: bool | None = None
     # When every token of a run of steps reads one adapter, fold it into the base weights and
     # run those steps as the base model (slora_core/lora_merge.py); any other step restores
