@@ -25,7 +25,9 @@ case times, over inputs rotated past the L2:
 - `graph_dot16` / `short_list_dot16`: the full / short list with the expand's second product
   in fp16 (`LoraTiles.expand_dot_16bit`);
 - `graph_wave` / `short_list_wave` (and `_dot16`): the K split of `LoraTiles.wave_split`
-  (launches of at most 16 tiles: one wave of tiles x splits, a power of two);
+  (launches of at most 16 tiles: one wave of tiles x splits, a power of two); the default
+  since 015e6a7, so today they repeat `graph_capture_split` / `graph_short_list` (and
+  `_dot16`), kept for the `grid-split` step that compared them;
 - `graph_before` / `short_list_before`: the tiles before 015e6a7 (tf32 expand dot, splits for
   four programs a multiprocessor everywhere), whatever the default;
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's

@@ -42,7 +42,6 @@ VARIANTS = {
     "expand_dot_16bit_early_loads": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
                                                         early_loads=True),
     "no_wave_split": dataclasses.replace(DECODE_TILES, wave_split=False),
-    "tf32_expand_dot": dataclasses.replace(DECODE_TILES, expand_dot_16bit=False),
 }
 
 

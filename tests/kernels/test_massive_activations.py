@@ -109,7 +109,7 @@ def test_lora_shrink_beyond_16_bit_range_with_rslora_scale(dtype: torch.dtype) -
         assert not bool(torch.isfinite(x[:5] @ a.T).all())
     assert float(ref.abs().max()) < 1e4  # ... and the result fits comfortably
     for split_k in (1, 3):
-        for dot_16bit in (True, False):  # the expand's 16-bit dot (default) and its tf32 one
+        for dot_16bit in (True, False):  # the expand's 16-bit dot (option) and tf32 (default)
             y = y0.clone()
             add_lora_triton(y, x, *args, split_k=split_k,  # type: ignore[arg-type]
                             expand_dot_16bit=dot_16bit)
@@ -117,10 +117,10 @@ def test_lora_shrink_beyond_16_bit_range_with_rslora_scale(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lora_expand_16_bit_dot_scales_only_the_rows_past_range(dtype: torch.dtype) -> None:
+def test_lora_expand_16_bit_dot_keeps_a_massive_row_finite(dtype: torch.dtype) -> None:
     """One massive row among ordinary ones in a tile: the 16-bit expand dot scales that row's
     x @ A.T (past fp16's range) into range, its delta comes out finite and accurate, and the
-    ordinary rows are as accurate as ever (each row has its own scale)."""
+    ordinary rows stay as accurate."""
     gen = generator(9)
     k, n, r = 128, 64, 16
     slots = [0] * 16
