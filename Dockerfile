@@ -29,7 +29,8 @@ RUN pip install -r /tmp/requirements-image.txt ${TRITON_VERSION:+"triton==$TRITO
  && rm /tmp/requirements-image.txt
 
 # The package itself, non-editable: the build compiles proto/ into slora/v1 and the wheel
-# carries the migrations, so the sources are not kept in the image.
+# carries the migrations (migrations/, mapped into the services package by setup.py), so the
+# sources are not kept in the image.
 COPY . /tmp/src
 RUN pip install --no-deps --no-build-isolation /tmp/src \
  && rm -rf /tmp/src \

@@ -5,10 +5,21 @@ them although git does not (DESIGN section 2: generated code is a build product)
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
+
+# The registry's Alembic folder lives at the top level (migrations/, as DESIGN lays the tree out)
+# and ships inside the services package, so an installed slora finds it without a checkout
+# (services/control_plane/store/db.py looks in both places).
+MIGRATIONS = {
+    "services.control_plane.migrations": "migrations",
+    "services.control_plane.migrations.versions": "migrations/versions",
+}
+PACKAGES = find_namespace_packages(
+    where=str(HERE), include=["slora*", "slora_core*", "kernels*", "services*", "devtools*"]
+) + list(MIGRATIONS)
 
 
 class BuildPyWithProtos(build_py):
@@ -21,4 +32,4 @@ class BuildPyWithProtos(build_py):
         generate(HERE, HERE if getattr(self, "editable_mode", False) else Path(self.build_lib))
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+setup(packages=PACKAGES, package_dir=MIGRATIONS, cmdclass={"build_py": BuildPyWithProtos})

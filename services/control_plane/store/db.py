@@ -13,8 +13,18 @@ from sqlalchemy.pool import StaticPool
 import services.control_plane
 from services.control_plane.store.models import AuditEvent
 
-# Inside the package (package data of the wheel), so an installed slora finds its migrations.
-MIGRATIONS_DIR = Path(services.control_plane.__file__).resolve().parent / "migrations"
+
+def find_migrations_dir() -> Path:
+    """The Alembic folder: inside the package in an installed wheel (setup.py maps the top-level
+    migrations/ there), else the checkout's top-level migrations/ (source tree, editable)."""
+    packaged = Path(services.control_plane.__file__).resolve().parent / "migrations"
+    # alembic.ini, not the folder: a checkout can keep a stale __pycache__ where it once was.
+    if (packaged / "alembic.ini").is_file():
+        return packaged
+    return packaged.parents[2] / "migrations"
+
+
+MIGRATIONS_DIR = find_migrations_dir()
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
