@@ -1,7 +1,7 @@
 """Batched token sampling: logits of B sequences in, one token (plus logprobs) per sequence out.
 
-Order as Hugging Face `generate`: repetition penalty, min-new-tokens mask, temperature, top-k,
-top-p, then sampling. Every step works on the whole [B, V] batch at once; the only per-row Python
+Order as vLLM: logit bias, min-new-tokens mask, penalties (repetition over prompt + output,
+frequency and presence over the output), then temperature, min-p, top-k, top-p, and sampling. Every step works on the whole [B, V] batch at once; the only per-row Python
 work is the random draw of rows that own a seeded generator, and the final unpacking of one host
 transfer into `SampledToken`s.
 
@@ -63,6 +63,63 @@ def token_mask(rows: Sequence[Sequence[int]], vocab_size: int,
     mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
     mask[torch.from_numpy(row_of).to(device), torch.from_numpy(ids).to(device)] = True
     return mask[:, :vocab_size]
+
+
+def token_counts(rows: Sequence[Sequence[int]], vocab_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """[B, V] float32: how many times row b lists each token (ids outside [0, V) ignored)."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    row_of = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+    ids = np.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    ones = torch.ones(len(ids), dtype=torch.float32, device=device)
+    counts.index_put_((torch.from_numpy(row_of).to(device), torch.from_numpy(ids).to(device)),
+                      ones, accumulate=True)
+    return counts[:, :vocab_size]
+
+
+def apply_logit_bias(scores: torch.Tensor, biases: Sequence[Sequence[tuple[int, float]]],
+                     ) -> torch.Tensor:
+    """OpenAI's `logit_bias`: row b's (token id, bias) pairs added to its logits, the whole
+    batch in one scatter (ids outside [0, V) ignored)."""
+    if not any(biases):
+        return scores
+    vocab = scores.shape[-1]
+    rows = [b for b, pairs in enumerate(biases) for _ in pairs]
+    ids = [t if 0 <= t < vocab else vocab for pairs in biases for t, _ in pairs]
+    values = [v for pairs in biases for _, v in pairs]
+    dev = scores.device
+    bias = torch.zeros(scores.shape[0], vocab + 1, dtype=scores.dtype, device=dev)
+    bias.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+                    torch.tensor(values, dtype=scores.dtype, device=dev), accumulate=True)
+    return scores + bias[:, :vocab]
+
+
+def apply_frequency_presence(scores: torch.Tensor, frequency: Sequence[float],
+                             presence: Sequence[float], counts: torch.Tensor) -> torch.Tensor:
+    """OpenAI's penalties with per-row values: logits minus frequency x count minus presence x
+    (count > 0), where `counts` [B, V] counts each token in the row's generated output."""
+    dev, dtype = scores.device, scores.dtype
+    f = torch.tensor(frequency, dtype=dtype, device=dev)[:, None]
+    p = torch.tensor(presence, dtype=dtype, device=dev)[:, None]
+    return scores - f * counts - p * (counts > 0).to(dtype)
+
+
+def apply_min_p(scores: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """vLLM's min-p with a per-row value (0 = off): tokens whose probability is below
+    min_p x the row's top probability are set to -inf; the most likely token always stays."""
+    rows = [b for b, m in enumerate(min_p) if m > 0.0]
+    if not rows:
+        return scores
+    ms = [min_p[b] for b in rows]
+
+    def warp(x: torch.Tensor) -> torch.Tensor:
+        m = torch.tensor(ms, dtype=x.dtype, device=x.device)[:, None]
+        probs = x.softmax(dim=-1)
+        return x.masked_fill(probs < m * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+    return _on_rows(scores, rows, warp)
 
 
 def apply_repetition_penalty(scores: torch.Tensor, penalties: Sequence[float],
@@ -150,10 +207,10 @@ class Sampler:
         """Sample one token per row of `logits` [B, V].
 
         `generators[b]` is the request's own generator (see `make_generator`) or None for an
-        unseeded request; `token_history[b]` is prompt + generated ids (for the repetition
-        penalty); `num_generated[b]` counts generated tokens (for `min_new_tokens`). Greedy rows
-        (temperature 0) take the argmax of the penalised, masked logits and draw nothing. Makes
-        one device-to-host transfer."""
+        unseeded request; `token_history[b]` is prompt + generated ids (for the penalties);
+        `num_generated[b]` counts generated tokens (for `min_new_tokens` and the output
+        penalties). Greedy rows (temperature 0) take the argmax of the biased, penalised, masked
+        logits and draw nothing. Makes one device-to-host transfer."""
         chosen, raw_logprobs, finite = self._choose(logits, params, generators, token_history,
                                                     num_generated, eos_token_ids)
         return _unpack(_pack(chosen, raw_logprobs, finite, params).cpu().tolist(), params)
@@ -177,8 +234,9 @@ class Sampler:
         logits = logits.float()
         finite = torch.isfinite(logits).all(dim=-1)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        scores = self._penalise(logits, params, token_history)
+        scores = apply_logit_bias(logits, [p.logit_bias for p in params])
         scores = _mask_min_tokens(scores, params, num_generated, eos_token_ids)
+        scores = self._penalise(scores, params, token_history, num_generated)
         chosen = scores.argmax(dim=-1)
         if not all(p.is_greedy for p in params):
             sampled = self._sample_rows(_warp(scores, params), params, generators)
@@ -188,14 +246,24 @@ class Sampler:
 
     @staticmethod
     def _penalise(scores: torch.Tensor, params: Sequence[SamplingParams],
-                  token_history: Sequence[Sequence[int]]) -> torch.Tensor:
-        if all(p.repetition_penalty == 1.0 for p in params):
+                  token_history: Sequence[Sequence[int]], num_generated: Sequence[int],
+                  ) -> torch.Tensor:
+        """Repetition penalty over prompt + output, then frequency and presence penalties over
+        the output (the last `num_generated[b]` ids of the history)."""
+        if any(p.repetition_penalty != 1.0 for p in params):
+            # Rows without a penalty contribute no ids: less to pad and copy to the device.
+            rows = [h if p.repetition_penalty != 1.0 else () for p, h in
+                    zip(params, token_history, strict=True)]
+            seen = token_mask(rows, scores.shape[-1], scores.device)
+            scores = apply_repetition_penalty(scores, [p.repetition_penalty for p in params],
+                                              seen)
+        if all(p.frequency_penalty == 0.0 and p.presence_penalty == 0.0 for p in params):
             return scores
-        # Rows without a penalty contribute no ids: less to pad and copy to the device.
-        rows = [h if p.repetition_penalty != 1.0 else () for p, h in
-                zip(params, token_history, strict=True)]
-        seen = token_mask(rows, scores.shape[-1], scores.device)
-        return apply_repetition_penalty(scores, [p.repetition_penalty for p in params], seen)
+        outputs = [h[max(0, len(h) - n):] if n and (p.frequency_penalty or p.presence_penalty) else ()
+                   for p, h, n in zip(params, token_history, num_generated, strict=True)]
+        counts = token_counts(outputs, scores.shape[-1], scores.device)
+        return apply_frequency_presence(scores, [p.frequency_penalty for p in params],
+                                        [p.presence_penalty for p in params], counts)
 
     def _sample_rows(self, scores: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -244,12 +312,13 @@ def _mask_min_tokens(scores: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def _warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p; a row that does not use a step skips it."""
+    """Temperature, then min-p, top-k, top-p; a row that does not use a step skips it."""
     # Greedy rows divide by 1: their sampled token is discarded anyway.
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                          dtype=scores.dtype, device=scores.device)
     scores = scores / temps[:, None]
     # Greedy rows skip truncation too (k = 0, p = 1): no sort is spent on them.
+    scores = apply_min_p(scores, [0.0 if p.is_greedy else p.min_p for p in params])
     scores = apply_top_k(scores, [0 if p.is_greedy else p.top_k for p in params])
     return apply_top_p(scores, [1.0 if p.is_greedy else p.top_p for p in params])
 
