@@ -17,6 +17,10 @@ RETRY_AFTER_MS = "retry-after-ms"
 # Set on errors caused by an adapter version that cannot be loaded (bad files, checksum,
 # incompatible): the gateway then tries the route's fallback version.
 ADAPTER_ERROR = "slora-adapter-error"
+# Set on errors a request would meet on any worker (bad token ids, non-finite logits, an
+# exception while building it): the gateway answers with it at once instead of trying the
+# next worker, where it would fail the same way.
+DETERMINISTIC = "slora-deterministic"
 
 
 class ServiceError(Exception):
@@ -25,15 +29,18 @@ class ServiceError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
     def __init__(self, message: str, *, adapter_error: bool = False,
-                 retry_after_ms: int | None = None) -> None:
+                 retry_after_ms: int | None = None, deterministic: bool = False) -> None:
         super().__init__(message)
         self.adapter_error = adapter_error
         self.retry_after_ms = retry_after_ms
+        self.deterministic = deterministic
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         md: list[tuple[str, str]] = []
         if self.adapter_error:
             md.append((ADAPTER_ERROR, "1"))
+        if self.deterministic:
+            md.append((DETERMINISTIC, "1"))
         if self.retry_after_ms is not None:
             md.append((RETRY_AFTER_MS, str(self.retry_after_ms)))
         return tuple(md)
@@ -108,7 +115,8 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> ServiceError:
     retry = md.get(RETRY_AFTER_MS)
     err = ServiceError(exc.details() or exc.code().name,
                        adapter_error=ADAPTER_ERROR in md,
-                       retry_after_ms=int(retry) if isinstance(retry, str) and retry.isdigit() else None)
+                       retry_after_ms=int(retry) if isinstance(retry, str) and retry.isdigit() else None,
+                       deterministic=DETERMINISTIC in md)
     err.code = exc.code()
     return err
 

@@ -12,6 +12,7 @@ stop strings (each at most 256 bytes, so matching costs at most 4 KiB of suffix 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
@@ -62,6 +63,18 @@ def check_sampling(sampling: pb.SamplingOptions, limits: Limits = DEFAULT_LIMITS
     _cap("min_new_tokens", sampling.min_new_tokens, limits.max_new_tokens)
 
 
+def check_token_ids(ids: Sequence[int], vocab_size: int | None = None) -> None:
+    """Raise InvalidArgument for a negative token id, or one at or past `vocab_size` when it is
+    known (the worker knows it; the gateway checks the sign only)."""
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
+    if low < 0:
+        raise InvalidArgument(f"token id {low} is out of range (token ids are >= 0)")
+    if vocab_size is not None and high >= vocab_size:
+        raise InvalidArgument(f"token id {high} is out of range [0, {vocab_size})")
+
+
 def check_n(n: int, limits: Limits = DEFAULT_LIMITS) -> None:
     """Raise InvalidArgument unless 1 <= n <= limits.n (the HTTP API's `n`)."""
     _cap("n", n, limits.n, low=1)
@@ -75,6 +88,7 @@ def check_generate(request: pb.GenerateRequest, limits: Limits = DEFAULT_LIMITS)
     _cap("number of chat messages", len(request.messages), limits.chat_messages)
     _cap("prompt size in bytes", prompt_bytes(request), limits.prompt_bytes)
     _cap("number of prompt token ids", len(request.token_ids.ids), limits.prompt_token_ids)
+    check_token_ids(request.token_ids.ids)
     if request.adapter.adapter_id:
         check_adapter_id(request.adapter.adapter_id)
     if request.adapter.HasField("version"):

@@ -238,7 +238,9 @@ class RoutedCall:
                     yield r
         except grpc.aio.AioRpcError as exc:
             err = e.error_from_rpc(exc)
-            if not started and exc.code() in RETRY_CODES:
+            # A deterministic error (bad token ids, non-finite logits) would recur on every
+            # worker: the client gets it now.
+            if not started and exc.code() in RETRY_CODES and not err.deterministic:
                 raise WorkerFailed(err) from None
             raise err from None
         finally:

@@ -26,7 +26,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.placement_client import PlacementClient, WorkerIdentity
 from services.worker.servicer import WorkerServicer
 from slora.v1 import inference_pb2, inference_pb2_grpc
-from slora_core.config import EngineConfig
+from slora_core.config import EngineConfig, ModelConfig
 from slora_core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,9 @@ async def serve_worker(opts: WorkerOptions) -> int:
         port = serve_metrics(opts.metrics_port, metrics.registry, metrics_host(opts.listen))
         log.info("metrics on :%d/metrics", port)
     adapters = AdapterManager(core, DiskCache(opts.cache_dir), metrics)
+    vocab_size = ModelConfig.from_hf_dir(opts.model_dir).vocab_size
     servicer = WorkerServicer(opts.worker_id, core, tokenizer, adapters, metrics,
-                              slow_versions=slow_versions_from_env())
+                              slow_versions=slow_versions_from_env(), vocab_size=vocab_size)
     handle = await start_server(
         opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
         [SERVICE], interceptors=GatewayOnlyInterceptor.from_env())  # gateways only (hop_auth)

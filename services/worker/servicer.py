@@ -19,7 +19,7 @@ import grpc
 from services.common import errors as e
 from services.common.convert import prompt_of, sampling_kwargs
 from services.common.hop_auth import TENANT_HEADER
-from services.common.limits import check_generate
+from services.common.limits import check_generate, check_token_ids
 from services.common.versions import VersionKey
 from services.worker import core_protocol as m
 from services.worker.adapters import AdapterManager
@@ -40,7 +40,17 @@ INLINE_TOKENIZE_BYTES = 4096
 
 
 class NonfiniteFailure(e.Internal):
-    """The engine ended the request because its logits were NaN or inf."""
+    """The engine ended the request because its logits were NaN or inf: the same request on
+    another worker (same model, same adapter version) would meet them too."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, deterministic=True)
+
+
+# Codes that say "this worker cannot take the request now", not "this request cannot be
+# served": they stay retryable when raised while the request is being built.
+WORKER_STATE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass
@@ -103,8 +113,12 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
 
     def __init__(self, worker_id: str, core: CoreClient, tokenizer: Tokenizer,
                  adapters: AdapterManager, metrics: WorkerMetrics,
-                 slow_versions: Mapping[VersionKey, float] | None = None) -> None:
+                 slow_versions: Mapping[VersionKey, float] | None = None,
+                 vocab_size: int | None = None) -> None:
         self.worker_id = worker_id
+        # The model's vocabulary: prompt ids at or past it are refused before they reach the
+        # detokenizer or the engine (None: the tokenizer's own size).
+        self.vocab_size = vocab_size if vocab_size is not None else tokenizer.vocab_size
         self.core = core
         self.tokenizer = tokenizer
         self.adapters = adapters
@@ -175,18 +189,34 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         adapter_id, version = key
         if adapter_id and not request.adapter.HasField("version"):
             raise e.InvalidArgument("workers serve explicit versions; call the gateway to route")
-        check_generate(request)  # caps on stops, prompt bytes, names: before any tokenizing
-        params = SamplingParams(**sampling_kwargs(request.sampling))
-        ids = await self._prompt_ids(request)
+        try:
+            check_generate(request)  # caps on stops, prompt bytes, names: before tokenizing
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+            ids = await self._prompt_ids(request)
+            check_token_ids(ids, self.vocab_size)
+            # Built before the engine gets the request: the detokenizer decodes the prompt's
+            # tail, and what fails there must fail before anything is taken.
+            stream = Detokenized(self.tokenizer, ids, params, TokenStream())
+        except Exception as exc:
+            # Nothing is taken yet; a request that cannot be built here cannot be built on
+            # any worker, so the gateway must not try the next one.
+            err = to_service_error(exc)
+            if err.code not in WORKER_STATE_CODES:
+                err.deterministic = True
+            raise err from None
         self.metrics.record_request(key)
         start = time.monotonic()
         name = await self.adapters.ensure(adapter_id, version) if adapter_id else None
-        rid, tokens = self.core.add(ids, params, name, tenant=tenant, deadline_s=time_remaining)
-        stream = Detokenized(self.tokenizer, ids, params, tokens)
+        rid: int | None = None
         first: float | None = None
         nonfinite = False
         delay = self.slow_versions.get(key, 0.0)
         try:
+            # Inside the try: whatever fails from here on, the finally aborts what the core
+            # holds for the request.
+            rid, tokens = self.core.add(ids, params, name, tenant=tenant,
+                                        deadline_s=time_remaining)
+            stream.tokens = tokens
             while True:
                 delta, finish = await stream.next()
                 if finish is not None and finish.code:
@@ -207,7 +237,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         finally:
             # Cancelled call, expired deadline, a failed write or a stop string: free the
             # pages now (a no-op for a request the core already finished).
-            if self.core.abort(rid) and not stream.stopped:
+            if rid is not None and self.core.abort(rid) and not stream.stopped:
                 self.metrics.aborts.inc()
 
     def _record_finish(self, key: VersionKey, start: float, first: float | None,
