@@ -250,10 +250,17 @@ class Registry:
         page_size: int = 0,
         page_token: str = "",
     ) -> tuple[list[EventRecord], str]:
-        """One page of audit events, oldest first; a tenant key sees its tenant's events only."""
+        """One page of audit events, oldest first; a tenant key sees its tenant's events only,
+        and asking for another tenant's adapter gets the NotFound of an adapter that does not
+        exist (an empty page would confirm it exists; a refusal naming the tenant would too)."""
         tenant = self._visible_tenant(viewer, tenant)
         if adapter_id:
             check_adapter_id(adapter_id)
+            if not viewer.is_admin:
+                with self._sessions() as s:
+                    row = s.get(Adapter, adapter_id)
+                    if row is None or row.tenant != viewer.tenant:
+                        raise NotFound(f"adapter {adapter_id!r} is not registered")
         limit = _page_size(page_size)
         query = select(AuditEvent).order_by(AuditEvent.id).limit(limit + 1)
         if page_token:

@@ -62,6 +62,27 @@ def test_tenant_key_sees_only_its_tenant(plane: RunningPlane, tenants: dict[str,
     assert names == ["acme"]
 
 
+def refusal(fn) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+def test_tenant_key_reading_another_tenants_events_gets_not_found(
+        plane: RunningPlane, tenants: dict[str, str]) -> None:
+    """Another tenant's adapter answers exactly as an adapter that does not exist (so a key
+    cannot even learn that it exists); its own adapter's events come as before."""
+    acme = plane.client(tenants["acme"])
+    own = acme.events(adapter_id="auth/acme")
+    assert own and {e.adapter_id for e in own} == {"auth/acme"}
+    other = refusal(lambda: acme.events(adapter_id="auth/umbrella"))
+    ghost = refusal(lambda: acme.events(adapter_id="auth/ghost"))
+    assert other[0] == ghost[0] == grpc.StatusCode.NOT_FOUND
+    assert other[1].replace("umbrella", "X") == ghost[1].replace("ghost", "X")
+    # An admin key still reads every tenant's events.
+    assert {e.tenant for e in plane.admin.events(adapter_id="auth/umbrella")} == {"umbrella"}
+
+
 def test_tenant_key_cannot_change_anything(plane: RunningPlane, tenants: dict[str, str],
                                            adapter_root: Path) -> None:
     acme = plane.client(tenants["acme"])

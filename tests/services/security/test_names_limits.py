@@ -5,6 +5,8 @@ requests, and undecodable requests answered INVALID_ARGUMENT instead of UNKNOWN.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -171,3 +173,16 @@ def test_invalid_utf8_on_the_wire_is_invalid_argument() -> None:
             await handle.server.stop(0)
 
     asyncio.run(main())
+
+
+def test_security_doc_lists_every_request_cap() -> None:
+    """docs/security.md's table names each cap of `Limits` with its value."""
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "security.md").read_text()
+    table = doc[doc.index("## Request limits"):doc.index("## Registration")]
+    numbers = {int(n.replace(",", "")) for n in re.findall(r"\d[\d,]*", table)}
+    for f in dataclasses.fields(DEFAULT_LIMITS):
+        value = getattr(DEFAULT_LIMITS, f.name)
+        shown = value >> 10 if f.name == "prompt_bytes" else value  # written as 512 KiB
+        assert shown in numbers, f"docs/security.md does not give the {f.name} cap ({value})"
+    for field_name in ("request_id", "routing_key", "token_ids", "stop_token_ids", "messages"):
+        assert f"`{field_name}`" in table or f"`sampling.{field_name}`" in table, field_name
