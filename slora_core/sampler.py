@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from slora_core.sampling_params import SamplingParams
+from slora_core.structured.bitmask import GrammarMask, apply_grammar_mask
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -203,32 +204,37 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None],
                token_history: Sequence[Sequence[int]], num_generated: Sequence[int],
-               eos_token_ids: Sequence[int]) -> list[SampledToken]:
+               eos_token_ids: Sequence[int], grammar: GrammarMask | None = None,
+               ) -> list[SampledToken]:
         """Sample one token per row of `logits` [B, V].
 
         `generators[b]` is the request's own generator (see `make_generator`) or None for an
         unseeded request; `token_history[b]` is prompt + generated ids (for the penalties);
         `num_generated[b]` counts generated tokens (for `min_new_tokens` and the output
         penalties). Greedy rows (temperature 0) take the argmax of the biased, penalised, masked
-        logits and draw nothing. Makes one device-to-host transfer."""
+        logits and draw nothing. `grammar`: the constrained rows' allowed tokens (structured
+        output), applied last, so no bias or penalty revives a token the grammar forbids.
+        Makes one device-to-host transfer."""
         chosen, raw_logprobs, finite = self._choose(logits, params, generators, token_history,
-                                                    num_generated, eos_token_ids)
+                                                    num_generated, eos_token_ids, grammar)
         return _unpack(_pack(chosen, raw_logprobs, finite, params).cpu().tolist(), params)
 
     def sample_async(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                      generators: Sequence[torch.Generator | None],
                      token_history: Sequence[Sequence[int]], num_generated: Sequence[int],
-                     eos_token_ids: Sequence[int]) -> PendingSample:
+                     eos_token_ids: Sequence[int], grammar: GrammarMask | None = None,
+                     ) -> PendingSample:
         """`sample` without waiting: the chosen ids stay on the device (the next step reads
         them there) and the host copy is started; `PendingSample.result()` waits for it."""
         chosen, raw_logprobs, finite = self._choose(logits, params, generators, token_history,
-                                                    num_generated, eos_token_ids)
+                                                    num_generated, eos_token_ids, grammar)
         return PendingSample(chosen, _pack(chosen, raw_logprobs, finite, params), params)
 
     def _choose(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None],
                 token_history: Sequence[Sequence[int]], num_generated: Sequence[int],
-                eos_token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                eos_token_ids: Sequence[int], grammar: GrammarMask | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(chosen ids [B], raw logprobs [B, V], finite [B] bool), all left on the device."""
         _check_batch(logits, params, generators, token_history, num_generated)
         logits = logits.float()
@@ -237,6 +243,7 @@ class Sampler:
         scores = apply_logit_bias(logits, [p.logit_bias for p in params])
         scores = _mask_min_tokens(scores, params, num_generated, eos_token_ids)
         scores = self._penalise(scores, params, token_history, num_generated)
+        scores = apply_grammar_mask(scores, grammar)
         chosen = scores.argmax(dim=-1)
         if not all(p.is_greedy for p in params):
             sampled = self._sample_rows(_warp(scores, params), params, generators)

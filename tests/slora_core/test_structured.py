@@ -1,0 +1,192 @@
+"""Constrained decoding pieces on the demo tokenizer: specs, compiles (xgrammar, the llguidance
+fallback), the cache, the time limit, the batched mask in the sampler."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from slora_core.sampler import Sampler
+from slora_core.sampling_params import SamplingParams
+from slora_core.structured.backend import GrammarBackend
+from slora_core.structured.bitmask import GrammarMask, allowed_tokens, apply_grammar_mask
+from slora_core.structured.compiler import CompileLimits, GrammarCompiler
+from slora_core.structured.requests import GrammarRequests
+from slora_core.structured.spec import MAX_SPEC_BYTES, StructuredOutput, StructuredOutputError
+from slora_core.tokenizer import Tokenizer
+
+VOCAB = 512
+EOS = 1
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(demo_dir / "model")
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer: Tokenizer) -> GrammarBackend:
+    return GrammarBackend(tokenizer.backend, VOCAB, tuple(tokenizer.eos_token_ids))
+
+
+def _walk(grammars: GrammarRequests, rids: list[str], steps: int = 200,
+          seed: int = 0) -> dict[str, list[int]]:
+    """Random logits through the sampler with the grammars' masks until every request's
+    grammar terminates: what a random model does under constraints."""
+    sampler = Sampler(seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, list[int]] = {r: [] for r in rids}
+    live = list(rids)
+    for _ in range(steps):
+        if not live:
+            break
+        logits = torch.randn(len(live), VOCAB, generator=gen) * 3
+        params = [SamplingParams(temperature=1.0)] * len(live)
+        toks = sampler.sample(logits, params, [None] * len(live), [()] * len(live),
+                              [0] * len(live), [1], grammar=grammars.mask(live))
+        for rid, tok in zip(list(live), toks, strict=True):
+            assert grammars.accept(rid, tok.token_id), (rid, tok.token_id)
+            if tok.token_id != EOS:
+                out[rid].append(tok.token_id)
+            if grammars.is_terminated(rid):
+                live.remove(rid)
+                continue
+            if not grammars.is_constrained(rid) and len(out[rid]) == 5:
+                live.remove(rid)  # a free row: a few tokens to share the batch
+    assert not live, f"{live} did not finish in {steps} steps"
+    return out
+
+
+def _ready(grammars: GrammarRequests) -> tuple[list[str], list[tuple[str, str]]]:
+    ready, failed = [], []
+    deadline = time.monotonic() + 30
+    while grammars.has_pending and time.monotonic() < deadline:
+        grammars.wait(0.1)
+        r, f = grammars.poll()
+        ready += r
+        failed += f
+    return ready, failed
+
+
+def test_spec_validation() -> None:
+    with pytest.raises(StructuredOutputError, match="unknown structured output kind"):
+        StructuredOutput("yaml", "x")
+    with pytest.raises(StructuredOutputError, match="not valid JSON"):
+        StructuredOutput("json_schema", "{nope")
+    with pytest.raises(StructuredOutputError, match="must be a JSON object"):
+        StructuredOutput.json_schema("[1, 2]")
+    with pytest.raises(StructuredOutputError, match="past the limit"):
+        StructuredOutput.json_schema({"description": "x" * MAX_SPEC_BYTES})
+    with pytest.raises(StructuredOutputError, match="non-empty list of strings"):
+        StructuredOutput.choice([])
+    with pytest.raises(StructuredOutputError, match="regex must not be empty"):
+        StructuredOutput("regex", "")
+    a, b = StructuredOutput.json_schema(SCHEMA), StructuredOutput.json_schema(json.dumps(SCHEMA))
+    assert a == b and a.digest == b.digest
+    assert a.digest != StructuredOutput("regex", "a").digest
+
+
+def test_mixed_batch_outputs_follow_their_grammars(backend: GrammarBackend,
+                                                   tokenizer: Tokenizer) -> None:
+    grammars = GrammarRequests(backend, VOCAB)
+    grammars.submit("schema", StructuredOutput.json_schema(SCHEMA))
+    grammars.submit("regex", StructuredOutput("regex", r"[a-c]{2}-\d{3}"))
+    grammars.submit("choice", StructuredOutput.choice(["red", "green", "blue"]))
+    grammars.submit("ebnf", StructuredOutput("grammar", 'root ::= "<" [0-9] [0-9]? ">"'))
+    grammars.submit("object", StructuredOutput("json_object"))
+    ready, failed = _ready(grammars)
+    assert not failed and len(ready) == 5
+    out = _walk(grammars, ["schema", "free", "regex", "choice", "ebnf"])
+    text = {r: tokenizer.decode(ids) for r, ids in out.items()}
+    jsonschema.validate(json.loads(text["schema"]), SCHEMA)
+    assert __import__("re").fullmatch(r"[a-c]{2}-\d{3}", text["regex"]), text["regex"]
+    assert text["choice"] in ("red", "green", "blue")
+    assert __import__("re").fullmatch(r"<\d\d?>", text["ebnf"]), text["ebnf"]
+    assert out["free"] and not grammars.is_constrained("free")
+
+
+def test_mask_touches_only_constrained_rows(backend: GrammarBackend) -> None:
+    grammars = GrammarRequests(backend, VOCAB)
+    grammars.submit("c", StructuredOutput.choice(["yes", "no"]))
+    _ready(grammars)
+    mask = grammars.mask(["free", "c", "free2"])
+    assert mask is not None and mask.rows == (1,)
+    logits = torch.randn(3, VOCAB)
+    scores = apply_grammar_mask(logits, mask)
+    assert torch.equal(scores[0], logits[0]) and torch.equal(scores[2], logits[2])
+    allowed = allowed_tokens(mask.bitmask, VOCAB)[0]
+    assert torch.isinf(scores[1][~allowed]).all() and torch.equal(scores[1][allowed],
+                                                                   logits[1][allowed])
+    assert 0 < int(allowed.sum()) < VOCAB
+    assert not allowed[0], "BOS (a special token, no text) is never allowed under a grammar"
+    assert grammars.mask(["free"]) is None
+
+
+def test_bitmask_unpacking_matches_bits() -> None:
+    bits = torch.tensor([[-2**31, 5]], dtype=torch.int32)  # tokens 31, 32 and 34
+    allowed = allowed_tokens(bits, 70)
+    assert allowed.nonzero()[:, 1].tolist() == [31, 32, 34]
+    assert allowed.shape == (1, 70)
+    with pytest.raises(ValueError, match="for 2 rows"):
+        GrammarMask(torch.zeros(1, 2, dtype=torch.int32), (0, 1))
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    (StructuredOutput("json_schema", '{"type": "objec"}'), 'Unsupported type "objec"'),
+    (StructuredOutput("regex", "(abc"), "regex"),
+    (StructuredOutput("grammar", "root ::= missing"), 'Rule "missing" is not defined'),
+])
+def test_refusals_name_the_problem_and_are_cached(backend: GrammarBackend,
+                                                 spec: StructuredOutput, problem: str) -> None:
+    compiler = GrammarCompiler(backend)
+    with pytest.raises(StructuredOutputError, match=problem):
+        compiler.compile_now(spec)
+    start = time.perf_counter()
+    with pytest.raises(StructuredOutputError, match=problem):
+        compiler.compile_now(spec)
+    assert time.perf_counter() - start < 0.05
+    assert compiler.stats.errors == 1 and compiler.stats.hits == 1
+
+
+def test_cache_hit_and_llguidance_fallback(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
+    compiler = GrammarCompiler(backend)
+    first = compiler.compile_now(StructuredOutput.json_schema(SCHEMA))
+    again = compiler.compile_now(StructuredOutput.json_schema(json.dumps(SCHEMA)))
+    assert first is again and compiler.stats.hits == 1 and first.backend == "xgrammar"
+    # A Lark grammar: xgrammar's EBNF parser refuses it, llguidance compiles it.
+    lark = StructuredOutput("grammar", 'start: "ab" NUM\nNUM: /[0-9]{2}/')
+    grammar = compiler.compile_now(lark)
+    assert grammar.backend == "llguidance"
+    grammars = GrammarRequests(backend, VOCAB)
+    grammars.submit("lark", lark)
+    _ready(grammars)
+    text = tokenizer.decode(_walk(grammars, ["lark"])["lark"])
+    assert __import__("re").fullmatch(r"ab[0-9]{2}", text), text
+
+
+def test_slow_compile_times_out_and_others_go_on(backend: GrammarBackend) -> None:
+    # ~0.1 s to compile on this vocabulary; the limit is far below it.
+    slow = StructuredOutput("grammar", "root ::= " + " | ".join(
+        f'"w{i}" root' for i in range(4000)) + ' | "x"')
+    grammars = GrammarRequests(backend, VOCAB, CompileLimits(timeout_s=0.005, threads=1))
+    grammars.submit("slow", slow)
+    time.sleep(0.01)
+    ready, failed = grammars.poll()
+    assert ready == [] and failed == [("slow", "grammar did not compile within 0.005 s")]
+    assert grammars.compiler.stats.timeouts == 1
+    assert not grammars.has_pending
+
+
+def test_bad_limits() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        CompileLimits(timeout_s=0)
