@@ -73,11 +73,7 @@ class Bench:
         kw = {"max_model_len": MAX_MODEL_LEN, **engine_config_kwargs(a),
               "num_pages": self.num_pages(), "max_rank": max(ranks), "max_queue": 100_000}
         kw.update(overrides)
-        self.bare_model()
-        gc.unfreeze()  # the previous engine's objects become collectable again
-        gc.collect()  # free the previous engine's arena and graphs before the next one
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.release()
         engine = self._last = LLMEngine(self.model, self.cfg, None, EngineConfig(**kw))
         if getattr(a, "graph_lora_split_k", None) is not None:
             engine.runner.fix_graph_lora_split(a.graph_lora_split_k)
@@ -93,6 +89,19 @@ class Bench:
         self.warmup_s.append(time.perf_counter() - t0)
         freeze_startup_heap()  # as the worker's engine core does once warm
         return engine
+
+    def release(self) -> None:
+        """Free the latest engine (arena, graphs, loader threads) before another is built or
+        the next scenario starts. `self._last` kept it alive while the next engine allocated its
+        arena: `--scenarios overhead,scale --arena-gb 90` ran out of GPU memory on the H200."""
+        self.bare_model()
+        if self._last is not None:
+            self._last.close()
+        self._last = None
+        gc.unfreeze()  # the engine's objects frozen at start-up become collectable again
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def bare_model(self) -> None:
         """Undo the latest engine's changes to the shared model: a merged adapter
@@ -439,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         results[name]["scenario_wall_s"] = time.perf_counter() - t0
         results[name]["engine_warmup_s"] = bench.warmup_s
         bench.warmup_s = []
+        bench.release()
         print(f"== {name}: {summary(name, results[name])}", flush=True)
         if args.out:
             with open(args.out, "w") as f:
