@@ -152,12 +152,14 @@ class ChatTemplate:
         object.__setattr__(self, "_compiled", compiled)
 
     def render(self, messages: Sequence[Mapping[str, str]],
-               add_generation_prompt: bool = True) -> str:
+               add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text for `messages` (checked with `check_messages`), ending with the
-        assistant header when `add_generation_prompt`. Raises ChatTemplateError."""
+        assistant header when `add_generation_prompt`; `variables` are extra template variables
+        (vLLM's chat_template_kwargs). Raises ChatTemplateError."""
         chat = check_messages(messages)
         try:
-            return str(self._compiled.render(messages=chat, tools=None, documents=None,
+            return str(self._compiled.render(**{"tools": None, "documents": None, **variables},
+                                             messages=chat,
                                              add_generation_prompt=add_generation_prompt,
                                              **self.special_tokens))
         except jinja2.TemplateError as e:

@@ -59,6 +59,7 @@ class TextStream:
         self._released = 0  # characters of _text already returned
         self._finished = False
         self.stopped = False
+        self.stop_string = ""  # the stop string that was matched (vLLM's stop_reason)
 
     @property
     def text(self) -> str:
@@ -124,8 +125,11 @@ class TextStream:
         return len(self._ids) - self._num_context >= self._min_tokens
 
     def _find_stop(self, start: int) -> int | None:
-        hits = [i for s in self._stop if (i := self._text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for s in self._stop if (i := self._text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        at, self.stop_string = min(hits, key=lambda hit: hit[0])
+        return at
 
     def _stop_prefix_len(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""

@@ -135,13 +135,13 @@ class Tokenizer:
         return self.chat_template is not None
 
     def render_chat(self, messages: Sequence[Mapping[str, str]],
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, **variables: Any) -> str:
         """The prompt text of a chat, as transformers' apply_chat_template(tokenize=False).
         Raises ChatTemplateError (no template, malformed messages, template refused them)."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template (neither chat_template.jinja "
                                     "nor tokenizer_config.json chat_template): send a text prompt")
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, **variables)
 
     def encode_chat(self, messages: Sequence[Mapping[str, str]],
                     add_generation_prompt: bool = True) -> list[int]:

@@ -3,7 +3,9 @@
 not), `/v1/models`, `/v1/feedback`, plus `/health` and `/metrics`.
 
 Errors use OpenAI's JSON shape with the status from `services.common.errors.HTTP_ERRORS` (the
-table shared with gRPC codes). A client that goes away cancels its worker calls.
+table shared with gRPC codes), an OpenAI-style `code` and `param` naming the field as the caller
+sent it. Unknown request fields are ignored and named in the `x-slora-ignored-fields` header.
+A client that goes away cancels its worker calls.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from services.gateway.openai_requests import (
     Plan,
     chat_plan,
     completion_plan,
+    parse,
 )
 from services.gateway.openai_responses import (
     DONE,
     ChoiceState,
     Header,
     Kind,
+    Shape,
     StreamEvents,
     error_body,
     full_body,
@@ -50,6 +54,7 @@ from services.gateway.router import Router
 from slora.v1 import inference_pb2 as pb
 
 SERVED_BY_HEADER = "x-slora-served-by"
+IGNORED_FIELDS_HEADER = "x-slora-ignored-fields"
 
 
 class FeedbackRequest(BaseModel):
@@ -59,11 +64,11 @@ class FeedbackRequest(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
-def error_response(err: e.ServiceError) -> JSONResponse:
+def error_response(err: e.ServiceError, names: dict[str, str] | None = None) -> JSONResponse:
     status, _kind = e.http_status(err)
     retry = e.retry_after_seconds(err)
     headers = {"retry-after": str(retry)} if retry is not None else None
-    return JSONResponse(error_body(err), status_code=status, headers=headers)
+    return JSONResponse(error_body(err, names), status_code=status, headers=headers)
 
 
 class HttpApi:
@@ -92,7 +97,7 @@ class HttpApi:
             try:
                 response = await handler(request)
             except e.ServiceError as err:
-                response = error_response(err)
+                response = error_response(err, getattr(request.state, "names", None))
             except Exception as exc:  # noqa: BLE001 - a bug: answer 500, never a bare trace
                 response = error_response(e.as_service_error(exc))
             self.metrics.http_requests.labels(name, str(response.status_code)).inc()
@@ -102,17 +107,18 @@ class HttpApi:
     # ---- generation ------------------------------------------------------------------------
     async def _completions(self, request: Request) -> Response:
         token = self._token(request)
-        req = _parse(CompletionRequest, await _json(request))
+        req, ignored = parse(CompletionRequest, await _json(request))
         rid = "cmpl-" + uuid.uuid4().hex
-        return await self._generate(request, "completion", req,
-                                    completion_plan(req, self.base_model, rid), token, rid)
+        plan = completion_plan(req, self.base_model, rid)
+        return _ignored(await self._generate(request, "completion", req, plan, token, rid),
+                        ignored)
 
     async def _chat(self, request: Request) -> Response:
         token = self._token(request)
-        req = _parse(ChatCompletionRequest, await _json(request))
+        req, ignored = parse(ChatCompletionRequest, await _json(request))
         rid = "chatcmpl-" + uuid.uuid4().hex
-        return await self._generate(request, "chat", req,
-                                    chat_plan(req, self.base_model, rid), token, rid)
+        plan = chat_plan(req, self.base_model, rid)
+        return _ignored(await self._generate(request, "chat", req, plan, token, rid), ignored)
 
     def _token(self, request: Request) -> str:
         """The caller's key, checked before the body is read (401 comes before 400)."""
@@ -123,6 +129,7 @@ class HttpApi:
     async def _generate(self, request: Request, kind: Kind,
                         req: CompletionRequest | ChatCompletionRequest, plan: Plan, token: str,
                         rid: str) -> Response:
+        request.state.names = plan.names  # errors from here on name the caller's fields
         fanout = Fanout([self.router.call(c, token) for c in plan.calls])
         if not await self._unless_disconnected(request, fanout, fanout.start()):
             return Response(status_code=499)  # nobody reads it; counted as a disconnect
@@ -130,11 +137,15 @@ class HttpApi:
         header = Header(kind, rid, req.model, served_name(served, self.base_model))
         headers = {SERVED_BY_HEADER: served_header(served, self.base_model)}
         choices = [ChoiceState(i) for i in range(len(plan.calls))]
-        n = req.n
+        shape = Shape(plan.top_logprobs is not None, plan.echo, plan.prompt_logprobs is not None,
+                      plan.n, plan.best_of)
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = StreamEvents(header, plan.top_logprobs is not None, usage)
-            return StreamingResponse(self._stream(fanout, events, choices, n, usage), media_type="text/event-stream",
+            opts = req.stream_options
+            usage = bool(opts and opts.include_usage)
+            events = StreamEvents(header, shape, usage, bool(opts and opts.continuous_usage_stats),
+                                  plan.prompts, plan.names)
+            return StreamingResponse(self._stream(fanout, events, choices, plan.n, usage),
+                                     media_type="text/event-stream",
                                      headers={**headers, "cache-control": "no-cache"})
         try:
             if not await self._unless_disconnected(request, fanout, _read(fanout, choices)):
@@ -142,7 +153,7 @@ class HttpApi:
         finally:
             await fanout.close()
         self._alias(rid, fanout)
-        body = full_body(header, choices, n, plan.top_logprobs is not None)
+        body = full_body(header, choices, shape, plan.prompts)
         return JSONResponse(body, headers=headers)
 
     async def _unless_disconnected(self, request: Request, fanout: Fanout,
@@ -185,7 +196,7 @@ class HttpApi:
                 tail += usage_event(events.header, choices, n)
             yield tail + DONE
         except e.ServiceError as err:
-            yield tail + sse(error_body(err))
+            yield tail + sse(error_body(err, events.names))
         except asyncio.CancelledError:
             self.metrics.http_disconnects.inc()  # the client went away: calls cancelled
             raise
@@ -243,6 +254,13 @@ class HttpApi:
 
     async def _prometheus(self) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _ignored(response: Response, ignored: list[str]) -> Response:
+    """The response, naming the request's ignored fields in a header (vLLM logs them)."""
+    if ignored:
+        response.headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
+    return response
 
 
 async def _json(request: Request) -> Any:

@@ -57,11 +57,7 @@ class TokenStream:
 
 
 def sampling_msg(p: SamplingParams) -> m.SamplingMsg:
-    return m.SamplingMsg(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-        repetition_penalty=p.repetition_penalty, seed=p.seed, max_new_tokens=p.max_new_tokens,
-        min_new_tokens=p.min_new_tokens, stop_token_ids=p.stop_token_ids,
-        ignore_eos=p.ignore_eos, top_logprobs=p.top_logprobs)
+    return m.SamplingMsg.of(p)
 
 
 def error_of(code: str, message: str, adapter_error: bool = False) -> e.ServiceError:

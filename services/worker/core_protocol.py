@@ -15,9 +15,12 @@ from typing import Any
 
 import msgspec
 
+from slora_core.sampling_params import SamplingParams
+
 
 class SamplingMsg(msgspec.Struct, array_like=True, frozen=True):
-    """SamplingParams without stop strings (the front matches those on the text)."""
+    """SamplingParams without what only the front uses (stop strings, which it matches on the
+    text, and the text options)."""
 
     temperature: float
     top_p: float
@@ -29,6 +32,19 @@ class SamplingMsg(msgspec.Struct, array_like=True, frozen=True):
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     top_logprobs: int
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> SamplingMsg:
+        return cls(*(getattr(p, name) for name in cls.__struct_fields__))
+
+    def params(self) -> SamplingParams:
+        """The engine's SamplingParams (validated again: ValueError on a bad field)."""
+        return SamplingParams(**{name: getattr(self, name) for name in self.__struct_fields__})
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):

@@ -27,7 +27,6 @@ from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.outputs import ADAPTER_UNLOADABLE, DEADLINE, RequestOutput
 from slora_core.process import die_with_parent, freeze_startup_heap, share_cpu_threads
-from slora_core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 # How long an idle core waits for input before it looks at background work and its parent.
@@ -138,14 +137,8 @@ class EngineCore:
                 return False
 
     def _add(self, msg: m.AddRequest) -> None:
-        s = msg.sampling
         try:
-            params = SamplingParams(
-                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                repetition_penalty=s.repetition_penalty, seed=s.seed,
-                max_new_tokens=s.max_new_tokens, min_new_tokens=s.min_new_tokens,
-                stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
-                top_logprobs=s.top_logprobs)
+            params = msg.sampling.params()
             self.engine.add_request(str(msg.rid), msg.prompt_token_ids, params,
                                     adapter=msg.adapter, tenant=msg.tenant,
                                     deadline_s=msg.deadline_s)

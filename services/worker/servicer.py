@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import errors as e
-from services.common.convert import prompt_of, sampling_kwargs
+from services.common.convert import (
+    chat_prompt_ids,
+    first_chunk,
+    fit_to_prompt,
+    prompt_of,
+    sampling_kwargs,
+    token_logprobs,
+)
 from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate, check_token_ids
 from services.common.versions import VersionKey
@@ -26,6 +33,7 @@ from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient, TokenStream, error_of
 from services.worker.errors import to_service_error
 from services.worker.metrics import WorkerMetrics
+from services.worker.token_text import TokenText
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora_core.chat_template import ChatTemplateError
@@ -63,15 +71,10 @@ class Delta:
     text: str
 
 
-def chunk_of(d: Delta) -> pb.GenerateResponse:
+def chunk_of(d: Delta, text_of: TokenText) -> pb.Chunk:
     tops = d.top or [[] for _ in d.token_ids]
-    logprobs = [
-        pb.TokenLogprob(token_id=t, logprob=lp,
-                        top_logprobs=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
-        for t, lp, top in zip(d.token_ids, d.logprobs, tops, strict=True)
-    ]
-    return pb.GenerateResponse(chunk=pb.Chunk(token_ids=d.token_ids, text=d.text,
-                                              logprobs=logprobs))
+    logprobs = token_logprobs(text_of.of, d.token_ids, d.logprobs, tops)
+    return pb.Chunk(token_ids=d.token_ids, text=d.text, logprobs=logprobs)
 
 
 class Detokenized:
@@ -81,7 +84,9 @@ class Detokenized:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
                  tokens: TokenStream) -> None:
         self.text = TextStream(tokenizer, prompt_ids, params.stop,
+                               skip_special_tokens=params.skip_special_tokens,
                                min_tokens=params.min_new_tokens)
+        self.include_stop = params.include_stop_str_in_output
         self.tokens = tokens
         self.completion_tokens = 0
         self.stopped = False
@@ -96,6 +101,8 @@ class Detokenized:
         for n, tok in enumerate(ids, 1):
             pieces.append(self.text.append(tok))
             if self.text.stopped:  # this token completed a stop string: the rest is dropped
+                if self.include_stop:
+                    pieces.append(self.text.stop_string)
                 ids, lps, top = ids[:n], lps[:n], top[:n]
                 self.stopped = True
                 break
@@ -119,6 +126,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         # The model's vocabulary: prompt ids at or past it are refused before they reach the
         # detokenizer or the engine (None: the tokenizer's own size).
         self.vocab_size = vocab_size if vocab_size is not None else tokenizer.vocab_size
+        self.token_text = TokenText(tokenizer.backend)  # logprobs' token text and bytes
         self.core = core
         self.tokenizer = tokenizer
         self.adapters = adapters
@@ -167,9 +175,8 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         if request.messages:
             if prompt is not None:
                 raise e.InvalidArgument("send either messages or text/token_ids, not both")
-            chat = [{"role": msg.role, "content": msg.content} for msg in request.messages]
             try:
-                return await asyncio.to_thread(self.tokenizer.encode_chat, chat)
+                return await asyncio.to_thread(chat_prompt_ids, self.tokenizer, request)
             except ChatTemplateError as exc:
                 raise e.InvalidArgument(str(exc)) from None
         if prompt is None:
@@ -194,6 +201,8 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             params = SamplingParams(**sampling_kwargs(request.sampling))
             ids = await self._prompt_ids(request)
             check_token_ids(ids, self.vocab_size)
+            params = fit_to_prompt(params, request.sampling, len(ids), self._max_model_len(),
+                                   self.vocab_size)
             # Built before the engine gets the request: the detokenizer decodes the prompt's
             # tail, and what fails there must fail before anything is taken.
             stream = Detokenized(self.tokenizer, ids, params, TokenStream())
@@ -226,9 +235,12 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                 if delta.token_ids or delta.text:
                     if delay:
                         await asyncio.sleep(delay)
-                    first = first or time.monotonic()
                     nonfinite = nonfinite or not all(map(math.isfinite, delta.logprobs))
-                    yield chunk_of(delta)
+                    chunk = chunk_of(delta, self.token_text)
+                    if first is None:
+                        chunk = first_chunk(chunk, request, ids, self.tokenizer.decode)
+                    first = first or time.monotonic()
+                    yield pb.GenerateResponse(chunk=chunk)
                 if finish is not None:
                     self._record_finish(key, start, first, stream.completion_tokens, nonfinite)
                     yield self._complete(finish.reason, len(ids), stream.completion_tokens,
@@ -239,6 +251,10 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             # pages now (a no-op for a request the core already finished).
             if rid is not None and self.core.abort(rid) and not stream.stopped:
                 self.metrics.aborts.inc()
+
+    def _max_model_len(self) -> int:
+        ready = getattr(self.core, "ready", None)  # test doubles may lack it
+        return ready.max_model_len if ready is not None else 2**31 - 1
 
     def _record_finish(self, key: VersionKey, start: float, first: float | None,
                        tokens: int, nonfinite: bool) -> None:

@@ -3,6 +3,7 @@ OpenAI-compatible HTTP API) and helpers to read what the `openai` client returns
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -22,8 +23,10 @@ from devtools.demo_stack import (
 )
 from services.common.processes import free_port
 from services.control_plane.api.client import AdminClient
+from services.worker.token_text import TokenText
 from slora.v1 import admin_pb2 as apb
 from slora_core.adapters import digest_adapter_dir
+from slora_core.tokenizer import Tokenizer
 
 ADAPTERS = ("qv-r4", "attn-r8")
 MODELS = (BASE_MODEL, *ADAPTERS)
@@ -43,6 +46,10 @@ class HttpStack:
     @property
     def grpc(self) -> str:
         return self.stack.gateway_addresses["g1"]
+
+    def texts(self, ids: list[int]) -> list[str]:
+        """The logprob tokens of `ids` as the HTTP API shows them."""
+        return token_texts(self.stack.config.demo_dir, ids)
 
     def upload(self, name: str, source: str) -> Path:
         """A copy of demo adapter `source`'s files, registrable from the uploads root."""
@@ -67,10 +74,14 @@ class HttpStack:
         return str(created.token)
 
 
-def token_ids(logprobs_tokens: list[str]) -> list[int]:
-    """Token ids back from the gateway's `token_id:<id>` logprob tokens."""
-    assert all(t.startswith("token_id:") for t in logprobs_tokens), logprobs_tokens
-    return [int(t.split(":", 1)[1]) for t in logprobs_tokens]
+def token_texts(demo_dir: Path, ids: list[int]) -> list[str]:
+    """The logprob tokens OpenAI's shape shows for `ids` (each token's own text)."""
+    return [_token_text(demo_dir).of(i)[0] for i in ids]
+
+
+@functools.cache
+def _token_text(demo_dir: Path) -> TokenText:
+    return TokenText(Tokenizer.from_dir(demo_dir / "model").backend)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str,

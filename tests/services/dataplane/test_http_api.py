@@ -27,7 +27,6 @@ from tests.services.dataplane.http_support import (
     MODELS,
     HttpStack,
     http_stack,
-    token_ids,
     wait_for,
 )
 
@@ -75,7 +74,7 @@ def test_completions_equal_grpc_greedy_tokens(hs: HttpStack, client: OpenAI, mod
     r = raw.parse()
     choice = r.choices[0]
     assert choice.logprobs is not None and choice.logprobs.tokens is not None
-    assert token_ids(choice.logprobs.tokens) == ref.token_ids
+    assert choice.logprobs.tokens == hs.texts(ref.token_ids)
     assert choice.text == ref.text
     assert choice.finish_reason == ref.complete.finish_reason  # type: ignore[union-attr]
     assert r.usage is not None and r.usage.completion_tokens == len(ref.token_ids)
@@ -97,9 +96,9 @@ def test_streamed_completion_with_usage_equals_grpc(hs: HttpStack, client: OpenA
     assert last.usage.completion_tokens == len(ref.token_ids)
     assert all(c.usage is None for c in chunks)
     text = "".join(c.choices[0].text for c in chunks)
-    ids = [i for c in chunks if c.choices[0].logprobs
-           for i in token_ids(c.choices[0].logprobs.tokens or [])]
-    assert (text, ids) == (ref.text, ref.token_ids)
+    tokens = [t for c in chunks if c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens or []]
+    assert (text, tokens) == (ref.text, hs.texts(ref.token_ids))
     assert chunks[-1].choices[0].finish_reason == ref.complete.finish_reason  # type: ignore[union-attr]
 
 
@@ -121,8 +120,8 @@ def test_completions_equal_slora_batch(hs: HttpStack, client: OpenAI, demo_dir: 
                                       logprobs=0)
         got = r.choices[0]
         assert got.logprobs is not None and got.logprobs.tokens is not None
-        assert (token_ids(got.logprobs.tokens), got.text, got.finish_reason) == (
-            want["token_ids"], want["text"], want["finish_reason"])
+        assert (got.logprobs.tokens, got.text, got.finish_reason) == (
+            hs.texts(want["token_ids"]), want["text"], want["finish_reason"])
 
 
 def test_prompt_as_token_ids_and_several_prompts(hs: HttpStack, client: OpenAI) -> None:
@@ -132,7 +131,7 @@ def test_prompt_as_token_ids_and_several_prompts(hs: HttpStack, client: OpenAI) 
     grpc_ids = generate(hs.grpc, pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=ref[0].token_ids), adapter=pb.AdapterRef(adapter_id="qv-r4"),
         sampling=pb.SamplingOptions(max_new_tokens=5, temperature=0)), hs.token)
-    assert token_ids(by_ids.choices[0].logprobs.tokens) == grpc_ids.token_ids  # type: ignore[union-attr,arg-type]
+    assert by_ids.choices[0].logprobs.tokens == hs.texts(grpc_ids.token_ids)  # type: ignore[union-attr]
     both = client.completions.create(model="qv-r4", prompt=list(PROMPTS[:2]), max_tokens=5,
                                       temperature=0)
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [r.text for r in ref]
@@ -174,7 +173,9 @@ def test_chat_equals_grpc_chat(hs: HttpStack, client: OpenAI, demo_dir: Path,
     choice = r.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == ref.text
     assert choice.logprobs is not None and choice.logprobs.content is not None
-    assert token_ids([t.token for t in choice.logprobs.content]) == ref.token_ids
+    assert [t.token for t in choice.logprobs.content] == hs.texts(ref.token_ids)
+    assert [bytes(t.bytes or []).decode("utf-8", "replace") for t in choice.logprobs.content] == [
+        t.token for t in choice.logprobs.content]
     assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
     assert r.object == "chat.completion" and r.system_fingerprint == fingerprint(model)
     stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6,  # type: ignore[arg-type]
@@ -271,7 +272,7 @@ def test_feedback_reaches_the_served_version(hs: HttpStack, client: OpenAI) -> N
                     headers=auth)
     assert ok.status_code == 200 and ok.json()["request_id"] == r.id
     again = httpx.post(url, json={"request_id": r.id, "score": 0.5}, headers=auth)
-    assert again.status_code == 409 and again.json()["error"]["code"] == "ALREADY_EXISTS"
+    assert again.status_code == 409 and again.json()["error"]["code"] == "already_exists"
     unknown = httpx.post(url, json={"request_id": "cmpl-unknown", "score": 0}, headers=auth)
     assert unknown.status_code == 404
     out_of_range = httpx.post(url, json={"request_id": r.id, "score": 2}, headers=auth)

@@ -66,29 +66,68 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": BASE_MODEL, "messages": [{"role": "user", "content": "Hi"}], **fields}
 
 
-@pytest.mark.parametrize(("path", "body", "words"), [
-    ("/completions", completion(presence_penalty=0.5), "presence_penalty is not supported"),
-    ("/completions", completion(frequency_penalty=-1), "frequency_penalty is not supported"),
-    ("/completions", completion(max_token=5), "max_token: Extra inputs are not permitted"),
-    ("/completions", completion(n=17), "n is 17"),
-    ("/completions", completion(stop=["a", "b", "c", "d", "e"]), "at most 4 stop"),
-    ("/completions", completion(temperature=3), "temperature"),
-    ("/completions", completion(prompt=""), "prompt must not be empty"),
-    ("/completions", completion(echo=True), "echo is not supported"),
-    ("/completions", completion(logprobs=21), "logprobs"),
-    ("/completions", completion(stream_options={"include_usage": True}), "stream_options"),
-    ("/completions", completion(model=BASE_MODEL, adapter_version="v1"), "is the base model"),
-    ("/completions", completion(top_p=1.5), "top_p"),
-    ("/completions", {"prompt": "x"}, "model: Field required"),
-    ("/chat/completions", chat(tools=[{"type": "function"}]), "tools are not supported"),
+@pytest.mark.parametrize(("path", "body", "param", "words"), [
+    ("/completions", completion(presence_penalty=2.5), "presence_penalty", "less than or equal"),
+    ("/completions", completion(frequency_penalty=-3), "frequency_penalty", "greater than"),
+    ("/completions", completion(n=17), "n", "n is 17"),
+    ("/completions", completion(stop=["a"] * 17), "stop", "at most 16 stop"),
+    ("/completions", completion(temperature=3), "temperature", "temperature"),
+    ("/completions", completion(prompt=""), "prompt", "prompt must not be empty"),
+    ("/completions", completion(logprobs=21), "logprobs", "logprobs is 21; allowed 0..20"),
+    ("/completions", completion(max_tokens=0), "max_tokens", "max_tokens must be at least 1"),
+    ("/completions", completion(logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
+    ("/completions", completion(logit_bias={"5": -100.5}), "logit_bias", "[-100, 100]"),
+    ("/completions", completion(logit_bias={"x": 1}), "logit_bias", "token ids"),
+    ("/completions", completion(logit_bias={"-4": 1}), "logit_bias", "out of the vocabulary"),
+    ("/completions", completion(best_of=1, n=2), "best_of", "best_of (1) must be >= n (2)"),
+    ("/completions", completion(best_of=3, n=1, stream=True), "best_of", "cannot be streamed"),
+    ("/completions", completion(prompt_logprobs=21), "prompt_logprobs", "allowed 0..20"),
+    ("/completions", completion(stream_options={"include_usage": True}), "stream_options",
+     "stream_options"),
+    ("/completions", completion(model=BASE_MODEL, adapter_version="v1"), "adapter_version",
+     "is the base model"),
+    ("/completions", completion(top_p=1.5), "top_p", "top_p"),
+    ("/completions", {"prompt": "x"}, "model", "model: Field required"),
+    ("/chat/completions", chat(tools=[{"type": "function"}]), "tools", "tools are not supported"),
     ("/chat/completions", chat(messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]), "only text content parts"),
-    ("/chat/completions", chat(top_logprobs=2), "top_logprobs needs logprobs=true"),
-    ("/chat/completions", chat(messages=[]), "messages"),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), "messages[0].content",
+     "only text content parts"),
+    ("/chat/completions", chat(top_logprobs=2), "top_logprobs", "top_logprobs needs logprobs"),
+    ("/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs",
+     "top_logprobs is 21; allowed 0..20"),
+    ("/chat/completions", chat(max_tokens=3, max_completion_tokens=3), "max_tokens", "not both"),
+    ("/chat/completions", chat(messages=[]), "messages", "messages"),
 ])
-def test_bad_requests_are_400(hs: HttpStack, path: str, body: dict, words: str) -> None:
+def test_bad_requests_are_400_naming_the_field(hs: HttpStack, path: str, body: dict, param: str,
+                                               words: str) -> None:
     err = error_of(post(hs, path, body), 400, "invalid_request_error", words)
-    assert err["code"] == "INVALID_ARGUMENT"
+    assert err["code"] == "invalid_value" and err["param"] == param, err
+
+
+@pytest.mark.parametrize(("path", "body", "param", "words"), [
+    # only the worker knows the vocabulary and the context length
+    ("/completions", completion(logit_bias={"100000": 5}), "logit_bias", "out of the vocabulary"),
+    ("/chat/completions", chat(logit_bias={"100000": -5}), "logit_bias", "out of the vocabulary"),
+    ("/completions", completion(prompt="word " * 600, echo=True, max_tokens=1), "prompt",
+     "max_model_len"),
+    ("/completions", completion(max_tokens=5000), "max_tokens", "max_tokens"),
+    ("/chat/completions", chat(max_completion_tokens=40000), "max_completion_tokens",
+     "max_completion_tokens"),
+])
+def test_worker_refusals_name_the_field_the_caller_sent(hs: HttpStack, path: str, body: dict,
+                                                        param: str, words: str) -> None:
+    err = error_of(post(hs, path, body), 400, "invalid_request_error", words)
+    assert err["param"] == param and "max_new_tokens" not in err["message"], err
+    assert err["code"] in ("invalid_value", "context_length_exceeded"), err
+
+
+def test_unknown_fields_and_nulls_are_accepted_and_named_in_a_header(hs: HttpStack) -> None:
+    resp = post(hs, "/completions", completion(max_token=5, temperature=None, n=None,
+                                               stream=None, logprobs=None, echo=None,
+                                               extra_body={"frob": 1}))
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-slora-ignored-fields"] == "frob,max_token"
+    assert post(hs, "/completions", completion()).headers.get("x-slora-ignored-fields") is None
 
 
 def test_bad_json_is_400(hs: HttpStack) -> None:
@@ -110,9 +149,10 @@ def test_the_openai_client_raises_the_matching_errors(hs: HttpStack) -> None:
     with pytest.raises(openai.NotFoundError, match="no servable version 'v9'"):
         good.chat.completions.create(model="qv-r4", messages=[{"role": "user", "content": "x"}],
                                      extra_body={"adapter_version": "v9"})
-    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        good.chat.completions.create(model="qv-r4", presence_penalty=1.0,
+    with pytest.raises(openai.BadRequestError, match="logit_bias") as bad:
+        good.chat.completions.create(model="qv-r4", logit_bias={"999999": 1.0},
                                      messages=[{"role": "user", "content": "x"}])
+    assert bad.value.param == "logit_bias"  # type: ignore[attr-defined]
 
 
 def _authenticates(c: OpenAI) -> bool:
