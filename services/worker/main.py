@@ -25,6 +25,7 @@ from services.worker.disk_cache import DiskCache
 from services.worker.metrics import WorkerMetrics
 from services.worker.placement_client import PlacementClient, WorkerIdentity
 from services.worker.servicer import WorkerServicer
+from services.worker.vllm_metrics import VllmCollector, pinned_names, server_shape
 from slora.v1 import inference_pb2, inference_pb2_grpc
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.tokenizer import Tokenizer
@@ -91,7 +92,11 @@ async def serve_worker(opts: WorkerOptions) -> int:
         port = serve_metrics(opts.metrics_port, metrics.registry, metrics_host(opts.listen))
         log.info("metrics on :%d/metrics", port)
     adapters = AdapterManager(core, DiskCache(opts.cache_dir), metrics)
-    vocab_size = ModelConfig.from_hf_dir(opts.model_dir).vocab_size
+    model_config = ModelConfig.from_hf_dir(opts.model_dir)
+    vocab_size = model_config.vocab_size
+    # vLLM's router-facing gauges (llm-d / Inference Extension endpoint pickers scrape them)
+    metrics.add_vllm_gauges(VllmCollector(server_shape(opts.engine, model_config),
+                                          lambda: core.state, lambda: pinned_names(adapters)))
     servicer = WorkerServicer(opts.worker_id, core, tokenizer, adapters, metrics,
                               slow_versions=slow_versions_from_env(), vocab_size=vocab_size)
     handle = await start_server(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
 
 from services.common.metrics import LATENCY_BUCKETS
 from services.common.versions import Evidence, VersionKey
@@ -49,6 +50,20 @@ class WorkerMetrics:
                               ["adapter_id", "version"], registry=r)
         self.aborts = Counter("slora_requests_aborted", "Requests aborted by cancel or deadline",
                               registry=r)
+        # vLLM's names for the same latencies (its Grafana dashboards read these); the gauges
+        # routers read come from `add_vllm_gauges`.
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.vllm_e2e = Histogram("vllm:e2e_request_latency_seconds",
+                                  "End-to-end request latency", buckets=LATENCY_BUCKETS,
+                                  registry=r)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds",
+                                  "Time between output tokens (one observation per request: "
+                                  "its mean)", buckets=LATENCY_BUCKETS, registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Tokens generated",
+                                              registry=r)
+        self.vllm_success = Counter("vllm:request_success", "Requests finished",
+                                    registry=r)
         # Per-version evidence, cumulative since the worker started (the control plane takes
         # differences); ("", "") is the base model.
         self.counters: dict[VersionKey, Evidence] = {}
@@ -56,6 +71,10 @@ class WorkerMetrics:
         self._last_evictions = 0
         self._last_merges = 0
         self._last_merged_steps = 0
+
+    def add_vllm_gauges(self, collector: Collector) -> None:
+        """Serve vLLM's router-facing gauges (`vllm_metrics.VllmCollector`) here too."""
+        self.registry.register(collector)
 
     def version(self, key: VersionKey) -> Evidence:
         return self.counters.setdefault(key, Evidence())
@@ -85,12 +104,17 @@ class WorkerMetrics:
         c.nonfinite += int(nonfinite)
         c.empty += int(tokens == 0)
         self.e2e.observe(e2e)
+        self.vllm_e2e.observe(e2e)
+        self.vllm_success.inc()
+        self.vllm_generation_tokens.inc(tokens)
         if ttft is None:
             return
         c.ttft.observe(ttft)
+        self.vllm_ttft.observe(ttft)
         if tokens > 1:
             tpot = (e2e - ttft) / (tokens - 1)
             self.tpot.observe(tpot)
+            self.vllm_itl.observe(tpot)
             c.tpot.observe(tpot)
 
     def set_engine_state(self, running: int, waiting: int, kv_pages: int, adapter_pages: int,
