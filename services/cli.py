@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "services.commands.gateway",
     "services.commands.up",
     "services.commands.generate",
+    "services.commands.serve",
 )
 
 
@@ -34,7 +35,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     known = {m.rsplit(".", 1)[1].replace("_", "-") for m in COMMAND_MODULES}
-    args = build_parser(argv[0] if argv and argv[0] in known else None).parse_args(argv)
+    parser = build_parser(argv[0] if argv and argv[0] in known else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_unknown_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown_flags = unknown  # `slora serve` takes vLLM's flags it has no use for
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

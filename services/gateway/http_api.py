@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from services.common import errors as e
-from services.common.cluster_token import bearer_token
+from services.common.cluster_token import bearer_token, token_matches
 from services.gateway.evidence import Served
 from services.gateway.fanout import Fanout
 from services.gateway.metrics import GatewayMetrics
@@ -54,6 +55,10 @@ from services.gateway.router import Router
 from slora.v1 import inference_pb2 as pb
 
 SERVED_BY_HEADER = "x-slora-served-by"
+# `slora serve` (vLLM's single-server mode): the HTTP API acts as this tenant key for every
+# caller, who then needs no slora key, or only the one in API_KEY_ENV (vLLM's --api-key).
+OPEN_KEY_ENV = "SLORA_HTTP_OPEN_KEY"
+API_KEY_ENV = "SLORA_HTTP_API_KEY"
 IGNORED_FIELDS_HEADER = "x-slora-ignored-fields"
 
 
@@ -72,8 +77,11 @@ def error_response(err: e.ServiceError, names: dict[str, str] | None = None) -> 
 
 
 class HttpApi:
-    def __init__(self, router: Router, metrics: GatewayMetrics, base_model: str) -> None:
+    def __init__(self, router: Router, metrics: GatewayMetrics, base_model: str,
+                 env: Mapping[str, str] = os.environ) -> None:
         self.router, self.metrics, self.base_model = router, metrics, base_model
+        self.open_key = env.get(OPEN_KEY_ENV, "")
+        self.api_key = env.get(API_KEY_ENV, "")
 
     def app(self) -> FastAPI:
         app = FastAPI(title="slora gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -122,9 +130,17 @@ class HttpApi:
 
     def _token(self, request: Request) -> str:
         """The caller's key, checked before the body is read (401 comes before 400)."""
-        token = bearer_token(request.headers.items())
+        token = self._caller_key(request)
         self.router.authenticate(token)
         return token
+
+    def _caller_key(self, request: Request) -> str:
+        token = bearer_token(request.headers.items())
+        if not self.open_key:
+            return token
+        if self.api_key and not token_matches(token, self.api_key):
+            raise e.Unauthenticated("invalid API key")
+        return self.open_key
 
     async def _generate(self, request: Request, kind: Kind,
                         req: CompletionRequest | ChatCompletionRequest, plan: Plan, token: str,
@@ -214,7 +230,7 @@ class HttpApi:
     # ---- the rest --------------------------------------------------------------------------
     def _model_list(self, request: Request) -> list[dict[str, Any]]:
         """The base model and the adapters the caller's key may call, with their versions."""
-        grant = self.router.authenticate(bearer_token(request.headers.items()))
+        grant = self.router.authenticate(self._caller_key(request))
         data: list[dict[str, Any]] = [{"id": self.base_model, "object": "model", "created": 0,
                                        "owned_by": "slora", "root": self.base_model,
                                        "parent": None}]
@@ -240,8 +256,7 @@ class HttpApi:
         raise e.NotFound(f"unknown model {model!r} (or not one this key may call)")
 
     async def _feedback(self, request: Request) -> Response:
-        token = bearer_token(request.headers.items())
-        self.router.authenticate(token)
+        token = self._token(request)
         req = _parse(FeedbackRequest, await _json(request))
         await self.router.report_feedback(pb.ReportFeedbackRequest(
             request_id=req.request_id, score=req.score, labels=req.labels), token)
