@@ -22,6 +22,10 @@ from slora_core.structured.spec import StructuredOutput, StructuredOutputError
 # xgrammar prefixes its errors with a time stamp and a C++ source position.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 JSON_KINDS = ("json_schema", "json_object")
+# Schema keywords xgrammar 0.2.9 accepts but does not enforce (its output may break them, e.g.
+# allOf is read as "anything"): schemas using them go to llguidance, which enforces them.
+XGRAMMAR_IGNORES = frozenset({"allOf", "not", "if", "then", "else", "dependentRequired",
+                              "dependentSchemas", "uniqueItems", "contains"})
 
 
 class Matcher(Protocol):
@@ -110,6 +114,12 @@ class GrammarBackend:
     def compile(self, spec: StructuredOutput) -> Grammar:
         """Compile with xgrammar; if it refuses, with llguidance. Raises StructuredOutputError
         naming the problem when both refuse (the message is xgrammar's)."""
+        if spec.kind == "json_schema" and _uses(spec.schema(), XGRAMMAR_IGNORES):
+            try:
+                grammar = self._compile_llguidance(spec)
+            except (RuntimeError, ValueError) as e:
+                raise StructuredOutputError(f"json_schema refused: {_clean(e)}") from None
+            return Grammar("llguidance", grammar, len(grammar), self, True)
         try:
             compiled = self._compile_xgrammar(spec)
             return Grammar("xgrammar", compiled, int(compiled.memory_size_bytes), self,
@@ -140,7 +150,7 @@ class GrammarBackend:
         import llguidance
 
         if spec.kind == "json_schema":
-            schema = spec.schema()
+            schema = _closed(spec.schema())
             if isinstance(schema, dict):
                 schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
             grammar = llguidance.grammar_from("json_schema", json.dumps(schema))
@@ -173,6 +183,46 @@ class GrammarBackend:
 
         return _LlguidanceMatcher(llguidance.LLMatcher(self._llguidance_tokenizer(),
                                                        grammar.compiled), keep)
+
+
+def _closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not say
+    otherwise: what xgrammar's strict mode does, so both backends write the same objects."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(
+                value, dict):
+            out[key] = {k: _closed(v) for k, v in value.items()}
+        elif key in ("enum", "const", "required", "examples", "default", "allOf"):
+            # allOf branches stay open: closed, each would forbid the others' properties.
+            out[key] = value
+        else:
+            out[key] = _closed(value)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _uses(schema: Any, keywords: frozenset[str]) -> bool:
+    """Whether any (sub)schema of `schema` uses one of `keywords` (property names excluded)."""
+    if isinstance(schema, list):
+        return any(_uses(s, keywords) for s in schema)
+    if not isinstance(schema, dict):
+        return False
+    for key, value in schema.items():
+        if key in keywords:
+            return True
+        if key in ("properties", "patternProperties", "$defs", "definitions"):
+            if isinstance(value, dict) and any(_uses(v, keywords) for v in value.values()):
+                return True
+        elif key not in ("enum", "const", "required", "examples", "default") and _uses(
+                value, keywords):
+            return True
+    return False
 
 
 def choice_ebnf(choices: list[str]) -> str:

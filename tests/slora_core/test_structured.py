@@ -190,3 +190,43 @@ def test_slow_compile_times_out_and_others_go_on(backend: GrammarBackend) -> Non
 def test_bad_limits() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         CompileLimits(timeout_s=0)
+
+
+CORPUS = json.loads((Path(__file__).resolve().parents[1] / "data" / "json_schemas.json"
+                     ).read_text())
+
+
+def _corpus_walk(backend: GrammarBackend, tokenizer: Tokenizer, names: list[str],
+                 seed: int) -> None:
+    grammars = GrammarRequests(backend, VOCAB)
+    for name in names:
+        grammars.submit(name, StructuredOutput.json_schema(CORPUS[name]))
+    ready, failed = _ready(grammars)
+    assert not failed and sorted(ready) == sorted(names)
+    out = _walk(grammars, names, steps=400, seed=seed)
+    for name in names:
+        text = tokenizer.decode(out[name])
+        jsonschema.validate(json.loads(text), CORPUS[name])
+
+
+def test_corpus_is_large_and_varied() -> None:
+    text = json.dumps(CORPUS)
+    assert len(CORPUS) >= 50
+    for keyword in ('"$ref"', '"enum"', '"anyOf"', '"maximum"', '"items"', '"allOf"'):
+        assert keyword in text, keyword
+    assert any(set(s.get("properties", {})) - set(s.get("required", ()))
+               for s in CORPUS.values() if isinstance(s, dict)), "no optional fields"
+
+
+def test_corpus_slice_random_walks_validate(backend: GrammarBackend,
+                                            tokenizer: Tokenizer) -> None:
+    _corpus_walk(backend, tokenizer, list(CORPUS)[::7], seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_whole_corpus_random_walks_validate(backend: GrammarBackend, tokenizer: Tokenizer,
+                                            seed: int) -> None:
+    """Random logits (any model) under each schema's grammar: every output parses and
+    validates; allOf goes to llguidance, which enforces it (xgrammar reads it as "any")."""
+    _corpus_walk(backend, tokenizer, list(CORPUS), seed)
