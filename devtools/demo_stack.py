@@ -115,7 +115,7 @@ class Stack:
                      env: Mapping[str, str] | None = None) -> Child:
         address = f"{self.config.host}:{free_port()}"
         # Each worker gets its own credential: the cluster token alone makes no one a worker.
-        credential = mint_with_database(self.db_url, name)
+        credential = mint_with_database(self.db_url, name, base_model=BASE_MODEL)
         child = start_child(name, slora_argv(
             "worker", "--model", str(self.config.demo_dir / "model"),
             "--control-plane", self.cp_address, "--listen", address, "--worker-id", name,

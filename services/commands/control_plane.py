@@ -56,6 +56,9 @@ def register_credentials(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-env", default="", metavar="VAR",
                    help="mint: bind the token in this environment variable (32+ chars) instead "
                         "of a random one, for deployments that provision secrets themselves")
+    p.add_argument("--base-model", default=None, metavar="NAME",
+                   help="mint: bind the credential to this base model (a control plane's "
+                        "--base-model name): the worker must serve a model with its config")
     p.set_defaults(func=run_credentials)
 
 
@@ -94,7 +97,7 @@ def _credentials(args: argparse.Namespace) -> int:
     token = os.environ.get(args.token_env, "") if args.token_env else None
     if args.token_env and not token:
         raise SystemExit(f"--token-env {args.token_env}: the variable is empty or unset")
-    minted = mint_with_database(args.db, args.worker_id, token)
+    minted = mint_with_database(args.db, args.worker_id, token, args.base_model)
     # The token itself goes to stdout (and nowhere else): give it to the worker as
     # SLORA_WORKER_CREDENTIAL. A provisioned token is not echoed.
     print(minted if token is None else f"bound the token in ${args.token_env} to {args.worker_id}")

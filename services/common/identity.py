@@ -8,6 +8,8 @@ token, which alone no longer makes a process a worker. docs/security.md has the 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -48,3 +50,12 @@ def worker_metadata(cluster_token: str = "",
     """Metadata for the worker's placement stream: its own credential when it has one, else
     the cluster token (accepted only by control planes in the legacy cluster-token mode)."""
     return cluster_metadata(worker_credential(env) or cluster_token)
+
+
+def config_digest(model_dir: Path) -> str:
+    """sha256 of a base model's config.json as canonical JSON (sorted keys, no spaces), so a
+    re-formatted file has the same digest and any changed value a different one. What binds a
+    worker credential to its base model (docs/security.md)."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

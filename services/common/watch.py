@@ -15,7 +15,10 @@ from services.common.tls import open_channel
 log = logging.getLogger(__name__)
 M = TypeVar("M")
 INITIAL_BACKOFF_S = 0.1
-MAX_BACKOFF_S = 2.0
+# Kept short: while the control plane restarts, a subscriber that backed off longer would
+# see its routes (gateway) or placements (worker) that much later once it is back. An attempt
+# on a closed port costs a connection refusal.
+MAX_BACKOFF_S = 0.5
 
 
 class Outbox:
@@ -40,12 +43,13 @@ async def watch_forever(
     on_update: Callable[[Any, Outbox], Awaitable[None]],
     on_connected: Callable[[Outbox], Coroutine[Any, Any, None]] | None = None,
     on_disconnected: Callable[[], None] | None = None,
+    max_backoff_s: float = MAX_BACKOFF_S,
 ) -> None:
     """Keep a watch stream to `target` open until cancelled.
 
     Each connection sends `hello()` first, then whatever the callbacks put in the outbox;
     every received message goes to `on_update`. A broken stream is reopened after a backoff
-    that doubles up to MAX_BACKOFF_S and resets once a message arrived."""
+    that doubles up to `max_backoff_s` and resets once a message arrived."""
     backoff = INITIAL_BACKOFF_S
     while True:
         outbox = Outbox(hello())
@@ -72,4 +76,4 @@ async def watch_forever(
             if on_disconnected is not None:
                 on_disconnected()
         await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, MAX_BACKOFF_S)
+        backoff = min(backoff * 2, max_backoff_s)

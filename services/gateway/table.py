@@ -11,6 +11,11 @@ from slora.v1 import admin_pb2
 from slora.v1 import placement_pb2 as ppb
 
 UNSERVABLE_STATES = (admin_pb2.VERSION_STATE_FAILED, admin_pb2.VERSION_STATE_REGISTERED)
+# How long a worker of the previous table that a snapshot does not list stays a candidate (of
+# last resort). A restarted control plane sends its snapshot before its workers are back (they
+# reconnect within a heartbeat or two); without this, the gateway would have nowhere to send
+# requests meanwhile. A worker that really left fails fast, and the call moves on.
+CARRY_S = 10.0
 
 
 def canary_share(adapter_id: str, routing_key: str) -> float:
@@ -40,10 +45,19 @@ class RoutingTable:
     workers: dict[str, ppb.WorkerEndpoint] = field(default_factory=dict)
     keys: dict[str, ppb.KeyGrant] = field(default_factory=dict)
     updated_at: dict[str, float] = field(default_factory=dict)  # worker_id -> time.time()
+    # Workers of the previous table missing from the latest snapshot -> until when (monotonic)
+    # they stay candidates of last resort (CARRY_S).
+    carried: dict[str, tuple[ppb.WorkerEndpoint, float]] = field(default_factory=dict)
 
     def apply(self, update: ppb.RoutingUpdate) -> None:
-        """Apply a snapshot (replaces everything) or a delta."""
+        """Apply a snapshot (replaces everything but the workers it lacks, which are carried
+        for CARRY_S) or a delta."""
         if update.snapshot:
+            until = time.monotonic() + CARRY_S
+            listed = {w.worker_id for w in update.workers}
+            for w in self.workers.values():
+                if w.worker_id not in listed and w.up and not w.draining:
+                    self.carried[w.worker_id] = (w, until)
             self.adapters, self.workers, self.keys = {}, {}, {}
         for a in update.adapters:
             self.adapters[a.adapter_id] = a
@@ -53,8 +67,10 @@ class RoutingTable:
         for w in update.workers:
             self.workers[w.worker_id] = w
             self.updated_at[w.worker_id] = now
+            self.carried.pop(w.worker_id, None)
         for name in update.removed_workers:
             self.workers.pop(name, None)
+            self.carried.pop(name, None)
         for k in update.keys:
             self.keys[k.token_sha256] = k
         for name in update.removed_keys:
@@ -96,9 +112,11 @@ class RoutingTable:
 
     def candidates(self, adapter_id: str, version: str,
                    inflight: dict[str, int]) -> list[ppb.WorkerEndpoint]:
-        """Workers able to serve, best first: holders of the version, then by load (this
-        gateway's in-flight calls, then the load the worker reported). Draining workers never;
-        workers marked down only when none is up."""
+        """Workers able to serve, best first: those the control plane assigned the version,
+        then by this gateway's in-flight calls to each. Nothing a worker claims about itself
+        orders them (a compromised worker reporting load 0 would draw every call): its
+        share follows the assignment and how fast it really finishes calls. Draining
+        workers never; workers marked down only when none is up."""
         holders: set[str] = set()
         route = self.adapters.get(adapter_id)
         if route is not None:
@@ -108,7 +126,14 @@ class RoutingTable:
         serving = [w for w in self.workers.values() if not w.draining]
         # Workers whose heartbeats are late (marked down, their stream still open) come only
         # when no worker is up: on a starved host a try beats a certain UNAVAILABLE, and a
-        # dead one fails fast, so the next is tried.
-        live = [w for w in serving if w.up] or serving
+        # dead one fails fast, so the next is tried. Carried workers (a restarted control
+        # plane does not list them yet) come after those.
+        live = [w for w in serving if w.up] or serving or self._carried_now()
         return sorted(live, key=lambda w: (w.worker_id not in holders,
-                                           inflight.get(w.worker_id, 0), w.load, w.worker_id))
+                                           inflight.get(w.worker_id, 0), w.worker_id))
+
+    def _carried_now(self) -> list[ppb.WorkerEndpoint]:
+        now = time.monotonic()
+        for worker_id in [k for k, (_, until) in self.carried.items() if until <= now]:
+            del self.carried[worker_id]
+        return [w for w, _ in self.carried.values()]

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.hop_auth import GatewayOnlyInterceptor
+from services.common.identity import config_digest
 from services.common.metrics import metrics_host, serve_metrics
 from services.common.server import (
     bound_address,
@@ -25,9 +27,11 @@ from services.worker.disk_cache import DiskCache
 from services.worker.metrics import WorkerMetrics
 from services.worker.placement_client import PlacementClient, WorkerIdentity
 from services.worker.servicer import WorkerServicer
+from services.worker.startup import StartupReport, compile_cache_root
 from services.worker.vllm_metrics import VllmCollector, pinned_names, server_shape
 from slora.v1 import inference_pb2, inference_pb2_grpc
 from slora_core.config import EngineConfig, ModelConfig
+from slora_core.startup_profile import process_start_time
 from slora_core.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,10 @@ class WorkerOptions:
     capacity: int = 0          # versions to keep warm; 0 = planner default
     drain_grace_s: float = 30.0
     cluster_token: str = ""    # presented on the placement stream (SLORA_CLUSTER_TOKEN)
+    compile_cache_dir: Path | None = None  # compiled kernels; None: <cache_dir>/.compiled
+    # CUDA graphs captured while the worker already serves (eagerly where one is missing);
+    # False: all of them before it reports ready.
+    graphs_in_background: bool = True
 
 
 def advertised_address(listen: str, port: int) -> str:
@@ -76,6 +84,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
     finish running ones (at most `drain_grace_s`), exit 0. If the engine core dies: in-flight
     streams end UNAVAILABLE, health turns NOT_SERVING and the worker exits non-zero."""
     metrics = WorkerMetrics()
+    startup = StartupReport(metrics.registry, process_start_time() or time.time())
     stop = asyncio.Event()
     died: list[str] = []
 
@@ -85,9 +94,13 @@ async def serve_worker(opts: WorkerOptions) -> int:
 
     core = CoreClient(opts.model_dir, opts.engine, on_death=on_death,
                       on_step=lambda out: publish_state(metrics, out),
-                      on_started=metrics.queue_time.observe, step_delay_s=step_delay_from_env())
+                      on_started=metrics.queue_time.observe, step_delay_s=step_delay_from_env(),
+                      compile_cache_dir=compile_cache_root(opts.cache_dir, opts.compile_cache_dir),
+                      on_startup=startup.update, graphs_in_background=opts.graphs_in_background)
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, opts.model_dir)
-    await core.start()  # loads the model and, on CUDA, compiles kernels and captures graphs
+    startup.phase_done("process", startup.started)
+    await core.start()  # loads the model, compiles kernels, serves a warm-up request
+    server_since = time.time()
     if opts.metrics_port is not None:
         port = serve_metrics(opts.metrics_port, metrics.registry, metrics_host(opts.listen))
         log.info("metrics on :%d/metrics", port)
@@ -103,12 +116,15 @@ async def serve_worker(opts: WorkerOptions) -> int:
         opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
         [SERVICE], interceptors=GatewayOnlyInterceptor.from_env())  # gateways only (hop_auth)
     address = opts.advertise or advertised_address(opts.listen, handle.port)
-    identity = WorkerIdentity(opts.worker_id, address, opts.capacity, opts.model_dir.name)
+    identity = WorkerIdentity(opts.worker_id, address, opts.capacity, opts.model_dir.name,
+                              config_digest(opts.model_dir))
     placement = PlacementClient(opts.control_plane, identity, adapters, core, metrics,
                                 is_draining=lambda: servicer.draining,
                                 cluster_token=opts.cluster_token)
     watch = asyncio.create_task(placement.run())
     install_stop_handlers(stop.set)
+    assert core.ready is not None
+    startup.ready(core.ready, server_since)
     log.info("worker %s serving %s on %s (engine core pid %s)", opts.worker_id,
              opts.model_dir, address, core.pid)
     await stop.wait()

@@ -27,6 +27,7 @@ class WorkerIdentity:
     address: str
     capacity: int
     base_model: str
+    config_sha256: str = ""  # identity.config_digest of the model directory
 
 
 class PlacementClient:
@@ -59,7 +60,7 @@ class PlacementClient:
         i = self.identity
         return ppb.WorkerMessage(hello=ppb.WorkerHello(
             worker_id=i.worker_id, address=i.address, capacity=i.capacity,
-            base_model=i.base_model))
+            base_model=i.base_model, config_sha256=i.config_sha256))
 
     async def _on_update(self, update: ppb.PlacementUpdate, outbox: Outbox) -> None:
         if update.heartbeat_interval_ms > 0:

@@ -7,7 +7,7 @@ checks the bearer token of every call except health and reflection, enforces the
 and makes the caller's `Principal` available to the servicer through `current_principal()`.
 Gateways present the cluster token on PlacementService's routing stream; workers present their
 own credential on the placement stream (`worker_credentials.py`), whose worker id
-`current_worker_id()` gives.
+`current_worker()` gives.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from services.common.errors import PermissionDenied, Unauthenticated
 from services.control_plane.api.errors import database_unavailable, details_for, status_for
 from services.control_plane.domain.principal import ADMIN, Principal
 from services.control_plane.store.keys import KeyStore
-from services.control_plane.store.worker_credentials import WorkerCredentials
+from services.control_plane.store.worker_credentials import WorkerBinding, WorkerCredentials
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +41,16 @@ Guard = Callable[[grpc.aio.ServicerContext], contextlib.AbstractAsyncContextMana
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
     "slora_principal", default=None
 )
-_worker_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "slora_worker_id", default=None
+_worker: contextvars.ContextVar[WorkerBinding | None] = contextvars.ContextVar(
+    "slora_worker", default=None
 )
 
 
-def current_worker_id() -> str | None:
-    """The worker id the caller's credential is bound to, or None when the placement stream
-    was not authenticated by a worker credential (open, or the legacy cluster-token mode)."""
-    return _worker_id.get()
+def current_worker() -> WorkerBinding | None:
+    """The worker id and base model the caller's credential is bound to, or None when the
+    placement stream was not authenticated by a worker credential (open, or the legacy
+    cluster-token mode)."""
+    return _worker.get()
 
 
 def current_principal() -> Principal:
@@ -152,7 +153,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 return handler
             workers = self._workers
             if details.method == WORKER_METHOD and workers is not None:
-                return wrap_handler(handler, lambda _context: _worker(token, workers))
+                return wrap_handler(handler, lambda _context: _worker_guard(token, workers))
             return wrap_handler(handler, lambda _context: _cluster_member(token, expected))
         scope = self._scopes.get(details.method, ADMIN)
         return wrap_handler(handler, lambda _context: self._authenticated(token, scope))
@@ -171,13 +172,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 @contextlib.asynccontextmanager
-async def _worker(token: str, workers: WorkerCredentials) -> AsyncIterator[None]:
-    worker_id = await asyncio.to_thread(workers.authenticate, token)
-    reset = _worker_id.set(worker_id)
-    try:
-        yield
-    finally:
-        _worker_id.reset(reset)
+async def _worker_guard(token: str, workers: WorkerCredentials) -> AsyncIterator[None]:
+    binding = await asyncio.to_thread(workers.authenticate, token)
+    # No reset afterwards: each call runs in its own task, whose context copy dies with it;
+    # a reset from a streaming call closed early (finalized in another context) raised
+    # "ValueError: <Token> was created in a different Context" at ERROR.
+    _worker.set(binding)
+    yield
 
 
 @contextlib.asynccontextmanager

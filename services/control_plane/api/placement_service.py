@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common.errors import AlreadyExists, InvalidArgument, PermissionDenied
 from services.common.names import check_name, check_worker_id
 from services.common.versions import VersionKey, key_from_pb, key_to_pb
-from services.control_plane.api.interceptors import current_worker_id
+from services.control_plane.api.interceptors import current_worker
 from services.control_plane.api.routing_state import (
     RoutingState,
     WorkerView,
@@ -52,9 +52,6 @@ class HubConfig:
     poll_s: float = 0.2             # registry change detection
     heartbeat_s: float = 1.0        # asked of workers
     missed_heartbeats: int = 3      # then a worker is down
-    startup_grace_s: float = 3.0    # gateways get their first snapshot after this (see run)
-    # ... or, while no worker has connected yet, after this many times as long (_grace_over)
-    no_worker_grace_factor: float = 3.0
     popularity_window_s: float = 10.0
     planner: PlannerConfig = PlannerConfig()
 
@@ -64,7 +61,7 @@ class HubConfig:
         hb = float(env.get("SLORA_HEARTBEAT_S", cls.heartbeat_s))
         missed = int(env.get("SLORA_MISSED_HEARTBEATS", cls.missed_heartbeats))
         return cls(poll_s=float(env.get("SLORA_POLL_S", cls.poll_s)), heartbeat_s=hb,
-                   missed_heartbeats=missed, startup_grace_s=max(3.0, (missed + 1) * hb))
+                   missed_heartbeats=missed)
 
 
 @dataclass(eq=False)
@@ -84,7 +81,7 @@ class WorkerConn:
     requests: dict[VersionKey, int] = field(default_factory=dict)
     heartbeat: ppb.Heartbeat | None = None  # the latest
     bound: bool = False  # authenticated by a worker credential bound to worker_id
-    # Its first placement is a snapshot, sent once the registry has been read (see loaded).
+    # Its first placement is a snapshot, sent once the registry has been read (see ready).
     has_snapshot: bool = False
 
 
@@ -94,15 +91,20 @@ class GatewayConn:
     queue: asyncio.Queue[ppb.RoutingUpdate | None] = field(default_factory=asyncio.Queue)
     acked: int = 0
     # Deltas go only to gateways that have their snapshot: a delta applied before it (a
-    # gateway that connected during start-up grace) showed workers without keys or routes.
+    # gateway that connected before the registry was read) showed workers without keys or
+    # routes.
     has_snapshot: bool = False
 
 
 class PlacementHub:
     def __init__(self, sessions: sessionmaker[Session], config: HubConfig = HubConfig(),
                  evidence: EvidenceStore | None = None,
-                 credentials: WorkerCredentials | None = None) -> None:
+                 credentials: WorkerCredentials | None = None,
+                 base_models: Mapping[str, str] | None = None) -> None:
         self.sessions = sessions
+        # Base model name -> config digest (identity.config_digest) of what this control plane
+        # serves: a worker's hello must carry one of them (its credential's, when bound).
+        self.base_models = dict(base_models or {})
         # Revoking a worker's credential also ends its live stream (checked on registry change).
         self.credentials = credentials
         self.config = config
@@ -117,12 +119,14 @@ class PlacementHub:
         # Microseconds since the epoch: revisions keep rising across control-plane restarts.
         self._revision = time.time_ns() // 1000
         self._window: dict[VersionKey, int] = {}
-        self._started = time.monotonic()
-        self.ready = asyncio.Event()  # first catalog loaded and start-up grace over
         # The registry has been read once. Before that the catalog is empty: a worker that
         # reconnected to a restarted control plane in that moment got an empty snapshot and
         # forgot every version ("not known here" for requests its gateways still sent it).
-        self.loaded = False
+        # Gateways get their snapshot as soon as it is set, with no start-up grace: a gateway
+        # keeps the workers of its previous table that the snapshot does not list yet for a
+        # while (gateway/table.py), so a snapshot sent before the workers are back costs it
+        # nothing, and a control plane restarting often never leaves its routes stale.
+        self.ready = asyncio.Event()
 
     def next_revision(self) -> int:
         self._revision += 1
@@ -150,18 +154,18 @@ class PlacementHub:
                 if fp != last_fp:
                     self.catalog = await asyncio.to_thread(load_catalog, self.sessions)
                     last_fp = fp
-                    self.loaded = True
                     await self._drop_revoked()
+                    first = not self.ready.is_set()
+                    self.ready.set()
                     self.recompute()
+                    if first:
+                        self._snapshot_waiting_gateways()
             except Exception:
                 log.exception("placement: reading the registry failed; retrying")
             self._expire_workers()
             if time.monotonic() - last_pop >= self.config.popularity_window_s:
                 self._refresh_popularity(time.monotonic() - last_pop)
                 last_pop = time.monotonic()
-            if not self.ready.is_set() and self.loaded and self._grace_over():
-                self.ready.set()
-                self.recompute()
             await asyncio.sleep(self.config.poll_s)
 
     async def _drop_revoked(self) -> None:
@@ -172,17 +176,6 @@ class PlacementHub:
             if conn.bound and conn.worker_id not in active:
                 log.warning("worker %s: credential revoked; closing its stream", conn.worker_id)
                 conn.queue.put_nowait(None)
-
-    def _grace_over(self) -> bool:
-        # After a restart, workers need a moment to reconnect; a gateway that got a snapshot
-        # without them would have nowhere to send requests (it serves from its last table
-        # meanwhile). A slow host can stretch the moment past the grace, so while no worker
-        # is back it lasts longer; a cluster that really has none gets its snapshot then.
-        elapsed = time.monotonic() - self._started
-        if elapsed < self.config.startup_grace_s:
-            return False
-        return (any(w.up for w in self.workers.values())
-                or elapsed >= self.config.startup_grace_s * self.config.no_worker_grace_factor)
 
     def _expire_workers(self) -> None:
         limit = self.config.heartbeat_s * self.config.missed_heartbeats
@@ -236,7 +229,7 @@ class PlacementHub:
         return out
 
     def _push_placement(self, conn: WorkerConn, snapshot: bool) -> None:
-        if not self.loaded:
+        if not self.ready.is_set():
             return  # a worker hears nothing until the registry has been read
         desired = self._desired(conn.worker_id)
         snapshot = snapshot or not conn.has_snapshot
@@ -328,11 +321,10 @@ class PlacementHub:
     def disconnect_gateway(self, conn: GatewayConn) -> None:
         self.gateways.discard(conn)
 
-    async def wait_ready_then_snapshot(self, conn: GatewayConn) -> None:
-        """A gateway that connected during start-up grace gets its snapshot when it ends."""
-        if not self.ready.is_set():
-            await self.ready.wait()
-            if conn in self.gateways and not conn.has_snapshot:
+    def _snapshot_waiting_gateways(self) -> None:
+        """Gateways that connected before the registry was read get their snapshot now."""
+        for conn in self.gateways:
+            if not conn.has_snapshot:
                 conn.queue.put_nowait(self._routing_snapshot())
                 conn.has_snapshot = True
 
@@ -352,11 +344,12 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
         check_worker_id(hello.worker_id)
         if len(hello.address) > MAX_ADDRESS_CHARS:
             raise InvalidArgument(f"worker address is over {MAX_ADDRESS_CHARS} chars")
-        bound_id = current_worker_id()
-        if bound_id is not None and bound_id != hello.worker_id:
-            raise PermissionDenied(f"this credential belongs to worker {bound_id}, not "
-                                   f"{hello.worker_id}")
-        conn = self.hub.connect_worker(hello, bound=bound_id is not None)
+        binding = current_worker()
+        if binding is not None and binding.worker_id != hello.worker_id:
+            raise PermissionDenied(f"this credential belongs to worker {binding.worker_id}, "
+                                   f"not {hello.worker_id}")
+        check_base_model(hello, binding.base_model if binding else None, self.hub.base_models)
+        conn = self.hub.connect_worker(hello, bound=binding is not None)
         reader = asyncio.create_task(self._read_worker(request_iterator, conn))
         try:
             while (update := await conn.queue.get()) is not None:
@@ -385,14 +378,12 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
         if first.hello.gateway_id:
             check_name("gateway_id", first.hello.gateway_id)
         conn = self.hub.connect_gateway(first.hello.gateway_id)
-        tasks = [asyncio.create_task(self._read_gateway(request_iterator, conn)),
-                 asyncio.create_task(self.hub.wait_ready_then_snapshot(conn))]
+        reader = asyncio.create_task(self._read_gateway(request_iterator, conn))
         try:
             while (update := await conn.queue.get()) is not None:
                 yield update
         finally:
-            for t in tasks:
-                t.cancel()
+            reader.cancel()
             self.hub.disconnect_gateway(conn)
 
     async def _read_gateway(self, messages: AsyncIterator[ppb.GatewayMessage],
@@ -407,6 +398,28 @@ class PlacementServicer(ppb_grpc.PlacementServiceServicer):
             conn.queue.put_nowait(None)
 
 
+def check_base_model(hello: ppb.WorkerHello, bound: str | None,
+                     base_models: Mapping[str, str]) -> None:
+    """PermissionDenied unless the hello's config digest is the one of the base model its
+    credential is bound to (`bound`), or, for an unbound credential, one of those this control
+    plane serves. A control plane that knows no base model checks only that a bound model is
+    named in its configuration."""
+    if bound is not None:
+        expected = base_models.get(bound)
+        if expected is None and base_models:
+            raise PermissionDenied(f"this credential is bound to base model {bound!r}, which "
+                                   "this control plane does not serve")
+        if expected is not None and hello.config_sha256 != expected:
+            raise PermissionDenied(
+                f"this credential is bound to base model {bound!r} (config sha256 "
+                f"{expected[:12]}...); the worker announced {hello.config_sha256[:12] or 'none'}")
+        return
+    if base_models and hello.config_sha256 not in base_models.values():
+        raise PermissionDenied(f"the worker's base model (config sha256 "
+                               f"{hello.config_sha256[:12] or 'none'}) is none this control "
+                               f"plane serves ({', '.join(sorted(base_models))})")
+
+
 def _view(w: WorkerConn) -> WorkerView:
     return WorkerView(w.worker_id, w.address, w.up, w.load, w.draining, w.resident, w.heartbeat)
 
@@ -414,9 +427,12 @@ def _view(w: WorkerConn) -> WorkerView:
 def attach_placement(server: grpc.aio.Server, sessions: sessionmaker[Session],
                      config: HubConfig | None = None,
                      evidence: EvidenceStore | None = None,
-                     credentials: WorkerCredentials | None = None) -> PlacementHub:
+                     credentials: WorkerCredentials | None = None,
+                     base_models: Mapping[str, str] | None = None) -> PlacementHub:
     """Add PlacementService to `server`; run the returned hub's `run()` as a task. With
-    `credentials`, a revoked worker credential also closes that worker's live stream."""
-    hub = PlacementHub(sessions, config or HubConfig.from_env(), evidence, credentials)
+    `credentials`, a revoked worker credential also closes that worker's live stream;
+    `base_models` (name -> config digest) are the models workers may announce."""
+    hub = PlacementHub(sessions, config or HubConfig.from_env(), evidence, credentials,
+                       base_models)
     ppb_grpc.add_PlacementServiceServicer_to_server(PlacementServicer(hub), server)
     return hub

@@ -36,16 +36,14 @@ class RoutingState:
 
 def build_routing_state(catalog: Catalog, plan: Mapping[str, Mapping[VersionKey, str]],
                         workers: Sequence[WorkerView]) -> RoutingState:
-    """Routes from the registry; a version's workers are those assigned it by the plan or
-    reporting it warm (only workers that are up)."""
+    """Routes from the registry; a version's workers are those the plan assigns it (only
+    workers that are up). A worker's own claims of warmth are not counted: a compromised
+    worker reporting every version warm would otherwise draw their traffic."""
     up = {w.worker_id for w in workers if w.up}
     holders: dict[VersionKey, set[str]] = {}
     for worker_id, versions in plan.items():
         for key in versions:
             holders.setdefault(key, set()).add(worker_id)
-    for w in workers:
-        for key in w.resident:
-            holders.setdefault(key, set()).add(w.worker_id)
     state = RoutingState()
     for a in catalog.adapters:
         routed = [

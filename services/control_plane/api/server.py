@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
+from services.common.identity import config_digest
 from services.common.metrics import metrics_host, serve_metrics
 from services.common.server import SERVER_OPTIONS
 from services.common.tls import TlsConfig, add_port
@@ -137,7 +138,9 @@ async def serve(config: ControlPlaneConfig) -> None:
     plane = await build_server(config, sessions)
     # PlacementService (data plane <-> control plane); see services/control_plane/api/placement_service.py.
     hub = attach_placement(plane.server, sessions, evidence=plane.evidence,
-                           credentials=plane.credentials)
+                           credentials=plane.credentials,
+                           base_models={name: config_digest(path)
+                                        for name, path in config.base_models.items()})
     if config.metrics_port is not None:
         port = serve_metrics(config.metrics_port, rollout_registry(plane.evidence, plane.analyzer),
                              metrics_host(config.listen))

@@ -85,6 +85,9 @@ class WorkerCredential(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     created_by: Mapped[str] = mapped_column(String(ID_LENGTH))
     revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    # The base model (a control plane's --base-model name) the worker must serve: its hello
+    # must carry that model's config digest. None: any base model this control plane serves.
+    base_model: Mapped[str | None] = mapped_column(String(ID_LENGTH))
 
 
 class Adapter(Base):

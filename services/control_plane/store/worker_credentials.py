@@ -4,7 +4,8 @@ A credential is `slw_<secret>` with 32 random bytes of secret, minted for one wo
 operator (`slora worker-credential mint`, or `slora up` for its own workers). The database
 keeps the sha256 of the token bound to the id; minting again rotates it (the old token stops
 working), revoking ends it. The placement stream authenticates with it, and a worker may only
-say hello under the id its credential is bound to.
+say hello under the id its credential is bound to, and, when the credential names a base model,
+only with that model's config digest.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.common.errors import InvalidArgument, NotFound, Unauthenticated
-from services.common.names import check_worker_id, shown
+from services.common.names import check_name, check_worker_id, shown
 from services.control_plane.domain.principal import SYSTEM, Principal
 from services.control_plane.store.audit import record_event
 from services.control_plane.store.keys import hash_token
@@ -33,6 +34,16 @@ class WorkerCredentialRecord:
     created_at: dt.datetime
     created_by: str
     revoked_at: dt.datetime | None
+    base_model: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerBinding:
+    """What an authenticated worker credential allows: one worker id, and one base model
+    (None: any this control plane serves)."""
+
+    worker_id: str
+    base_model: str | None
 
 
 def new_worker_token() -> str:
@@ -45,11 +56,15 @@ class WorkerCredentials:
     def __init__(self, sessions: sessionmaker[Session]) -> None:
         self._sessions = sessions
 
-    def mint(self, worker_id: str, actor: Principal, token: str | None = None) -> str:
+    def mint(self, worker_id: str, actor: Principal, token: str | None = None,
+             base_model: str | None = None) -> str:
         """Bind a new token (random, or `token` when provisioned from outside, 32+ chars) to
-        `worker_id`, replacing any earlier one; returns the token (not stored, shown once)."""
+        `worker_id` and, when given, to `base_model` (a control plane's --base-model name),
+        replacing any earlier one; returns the token (not stored, shown once)."""
         actor.require_admin()
         check_worker_id(worker_id)
+        if base_model is not None:
+            check_name("base_model", base_model)
         token = token or new_worker_token()
         if len(token) < MIN_TOKEN_CHARS:
             raise InvalidArgument(f"a worker credential needs {MIN_TOKEN_CHARS}+ chars")
@@ -60,7 +75,9 @@ class WorkerCredentials:
                 s.add(row)
             row.token_sha256, row.revoked_at = hash_token(token), None
             row.created_at, row.created_by = utcnow(), actor.actor
-            record_event(s, actor, "mint_worker_credential", details={"worker_id": worker_id})
+            row.base_model = base_model
+            record_event(s, actor, "mint_worker_credential",
+                         details={"worker_id": worker_id, "base_model": base_model})
         return token
 
     def revoke(self, worker_id: str, actor: Principal) -> None:
@@ -77,17 +94,18 @@ class WorkerCredentials:
     def list(self) -> list[WorkerCredentialRecord]:
         with self._sessions() as s:
             rows = s.scalars(select(WorkerCredential).order_by(WorkerCredential.worker_id))
-            return [WorkerCredentialRecord(r.worker_id, r.created_at, r.created_by, r.revoked_at)
-                    for r in rows]
+            return [WorkerCredentialRecord(r.worker_id, r.created_at, r.created_by, r.revoked_at,
+                                           r.base_model) for r in rows]
 
     def active_worker_ids(self) -> set[str]:
         with self._sessions() as s:
             return set(s.scalars(select(WorkerCredential.worker_id)
                                  .where(WorkerCredential.revoked_at.is_(None))))
 
-    def authenticate(self, token: str) -> str:
-        """The worker id an active credential with this token is bound to; Unauthenticated
-        otherwise (the cluster token, an API key or a revoked credential included)."""
+    def authenticate(self, token: str) -> WorkerBinding:
+        """The worker id and base model an active credential with this token is bound to;
+        Unauthenticated otherwise (the cluster token, an API key or a revoked credential
+        included)."""
         if not token:
             raise Unauthenticated("the placement stream needs this worker's credential "
                                   "(SLORA_WORKER_CREDENTIAL; `slora worker-credential mint`)")
@@ -97,16 +115,18 @@ class WorkerCredentials:
         if row is None or row.revoked_at is not None:
             raise Unauthenticated("unknown or revoked worker credential (the cluster token alone "
                                   "does not make a process a worker)")
-        return row.worker_id
+        return WorkerBinding(row.worker_id, row.base_model)
 
 
-def mint_with_database(db_url: str, worker_id: str, token: str | None = None) -> str:
+def mint_with_database(db_url: str, worker_id: str, token: str | None = None,
+                       base_model: str | None = None) -> str:
     """Mint a credential for `worker_id` straight in the registry at `db_url` (migrated), as the
     system: for `slora up` and `slora worker-credential`, which run where the database is."""
     from services.control_plane.store.db import make_engine, make_session_factory
 
     engine = make_engine(db_url)
     try:
-        return WorkerCredentials(make_session_factory(engine)).mint(worker_id, SYSTEM, token)
+        return WorkerCredentials(make_session_factory(engine)).mint(worker_id, SYSTEM, token,
+                                                                    base_model)
     finally:
         engine.dispose()

@@ -60,7 +60,7 @@ def with_plane(tmp_path: Path, cluster_token: str | None,
                                     cluster_token=cluster_token, worker_auth=worker_auth)
         plane = await build_server(config, sessions)
         hub = attach_placement(plane.server, sessions,
-                               HubConfig(poll_s=0.05, startup_grace_s=0.0))
+                               HubConfig(poll_s=0.05))
         await plane.server.start()
         hub_task = asyncio.create_task(hub.run())
         try:

@@ -17,9 +17,11 @@ import grpc
 import pytest
 
 from services.common.cluster_token import cluster_metadata, new_cluster_token
+from services.common.identity import config_digest
 from services.common.server import start_server
 from services.control_plane.api.placement_service import HubConfig, attach_placement
 from services.control_plane.api.server import ControlPlane, ControlPlaneConfig, build_server
+from services.control_plane.domain.placement import PlannerConfig, WorkerSlot, plan
 from services.control_plane.domain.principal import SYSTEM
 from services.control_plane.store.db import make_engine, make_session_factory, upgrade
 from services.control_plane.store.publish import RegisterRequest
@@ -38,6 +40,8 @@ from tests.services.control_plane.cp_support import BASE, MAX_RANK, status_lost
 
 TOKEN = new_cluster_token()
 ADAPTER = ("sec/bot", "v1")
+DIGEST = [""]  # the base model's config digest, set when the control plane starts
+OTHER_MODEL = "0" * 64  # the config digest of a base model this control plane does not serve
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -64,14 +68,16 @@ class FakeWorker(pb_grpc.InferenceServiceServicer):
 
 async def watch(cp: str, worker_id: str, address: str, metadata: tuple[tuple[str, str], ...],
                 load: float, resident: list[tuple[str, str]],
-                connected: asyncio.Event | None = None) -> grpc.StatusCode | None:
+                connected: asyncio.Event | None = None,
+                config_sha256: str | None = None) -> grpc.StatusCode | None:
     """A worker's placement watch: hello, then heartbeats and acks until the stream ends; its
     code, or None when grpc lost it (cp_support.status_lost). Heartbeats start once the stream
     is accepted (its first update): a write in flight as the control plane refuses the hello
     is what loses a refusal's code."""
     outbox: asyncio.Queue[ppb.WorkerMessage] = asyncio.Queue()
     outbox.put_nowait(ppb.WorkerMessage(hello=ppb.WorkerHello(
-        worker_id=worker_id, address=address, capacity=4, base_model=BASE)))
+        worker_id=worker_id, address=address, capacity=4, base_model=BASE,
+        config_sha256=DIGEST[0] if config_sha256 is None else config_sha256)))
 
     async def messages() -> AsyncIterator[ppb.WorkerMessage]:
         while True:
@@ -102,12 +108,14 @@ async def watch(cp: str, worker_id: str, address: str, metadata: tuple[tuple[str
             beats.cancel()
 
 
-async def refusal(cp: str, worker_id: str, address: str, token: str) -> grpc.StatusCode | None:
+async def refusal(cp: str, worker_id: str, address: str, token: str,
+                  config_sha256: str | None = None) -> grpc.StatusCode | None:
     """The code an attacker's watch (load 0, every version warm) ends with; asked again when
     grpc lost it. The hello alone can still be in flight when the credential is refused."""
     for _ in range(3):
         code = await asyncio.wait_for(watch(cp, worker_id, address, cluster_metadata(token),
-                                            load=0.0, resident=[ADAPTER]), 10)
+                                            load=0.0, resident=[ADAPTER],
+                                            config_sha256=config_sha256), 10)
         if code is not None:
             return code
     return None
@@ -121,10 +129,10 @@ async def start_plane(db_url: str, base_model_dir: Path, adapter_root: Path) -> 
         cluster_token=TOKEN), sessions)
     # 25 missed heartbeats (5 s): a loaded host can stall the honest worker's heartbeats past
     # 0.6 s, and a worker marked down is replaced, not refused as a duplicate (ALREADY_EXISTS).
+    DIGEST[0] = config_digest(base_model_dir)
     hub = attach_placement(plane.server, sessions,
-                           HubConfig(poll_s=0.05, heartbeat_s=0.2, missed_heartbeats=25,
-                                     startup_grace_s=0.0),
-                           credentials=plane.credentials)
+                           HubConfig(poll_s=0.05, heartbeat_s=0.2, missed_heartbeats=25),
+                           credentials=plane.credentials, base_models={BASE: DIGEST[0]})
     await plane.server.start()
     plane.hub_task = asyncio.create_task(hub.run())  # type: ignore[attr-defined]
     return plane
@@ -163,15 +171,26 @@ async def until(predicate: object, seconds: float = 10.0) -> None:
     await asyncio.wait_for(poll(), seconds)
 
 
+def assigned_to_honest(other: str) -> bool:
+    """Whether the planner gives sec/bot to w-honest rather than to `other` beside it
+    (ids sort before w-honest, so a tie on everything else would favour them)."""
+    slots = [WorkerSlot("w-honest", 4), WorkerSlot(other, 4)]
+    return ADAPTER in plan([ADAPTER], slots, set(), PlannerConfig()).get("w-honest", {})
+
+
 async def scenario(db_url: str, base_model_dir: Path, adapter_root: Path) -> None:
     plane = await start_plane(db_url, base_model_dir, adapter_root)
     cp = f"127.0.0.1:{plane.port}"
     api_key = await asyncio.to_thread(publish, plane, adapter_root)
-    honest_credential = plane.credentials.mint("w-honest", SYSTEM)
+    honest_credential = plane.credentials.mint("w-honest", SYSTEM, base_model=BASE)
     other_credential = plane.credentials.mint("w-other", SYSTEM)
-    honest, evil = FakeWorker("w-honest"), FakeWorker("w-evil")
-    await honest.start()
-    await evil.start()
+    # A compromised worker: a valid credential (bound to the base model), an id the planner
+    # does not assign sec/bot to beside w-honest.
+    comp_id = next(f"w-comp-{i}" for i in range(100) if assigned_to_honest(f"w-comp-{i}"))
+    comp_credential = plane.credentials.mint(comp_id, SYSTEM, base_model=BASE)
+    honest, evil, comp = FakeWorker("w-honest"), FakeWorker("w-evil"), FakeWorker(comp_id)
+    for w in (honest, evil, comp):
+        await w.start()
     connected = asyncio.Event()
     honest_watch = asyncio.create_task(watch(
         cp, "w-honest", f"127.0.0.1:{honest.port}", cluster_metadata(honest_credential),
@@ -191,9 +210,20 @@ async def scenario(db_url: str, base_model_dir: Path, adapter_root: Path) -> Non
     for (worker_id, token), code in attempts.items():
         got = await refusal(cp, worker_id, evil_address, token)
         assert got == code, (worker_id, got)
+    # A credential bound to the base model, or an unbound one, with another model's config.
+    for worker_id, token in ((comp_id, comp_credential), ("w-other", other_credential)):
+        got = await refusal(cp, worker_id, evil_address, token, config_sha256=OTHER_MODEL)
+        assert got == grpc.StatusCode.PERMISSION_DENIED, (worker_id, got)
 
+    # The compromised worker joins with its valid credential and lies: load 0, every version
+    # warm. Traffic follows the control plane's assignment (sec/bot: w-honest), not claims.
+    comp_connected = asyncio.Event()
+    comp_watch = asyncio.create_task(watch(
+        cp, comp_id, f"127.0.0.1:{comp.port}", cluster_metadata(comp_credential),
+        load=0.0, resident=[ADAPTER], connected=comp_connected))
+    await asyncio.wait_for(comp_connected.wait(), 10)
     gateway, port, table, gateway_task = await start_gateway(cp)
-    await until(lambda: set(table.workers) == {"w-honest"})
+    await until(lambda: set(table.workers) == {"w-honest", comp_id})
     # The key reaches gateways with the control plane's next registry poll (every 0.2 s); a
     # gateway that connected before it gets it as a delta.
     await until(lambda: token_sha256(api_key) in table.keys)
@@ -205,7 +235,8 @@ async def scenario(db_url: str, base_model_dir: Path, adapter_root: Path) -> Non
             replies = [r async for r in stub.Generate(
                 request, metadata=cluster_metadata(api_key), timeout=10)]
             assert replies[-1].complete.served_by.worker_id == "w-honest"
-    assert (honest.calls, evil.calls) == (40, 0)
+    assert (honest.calls, evil.calls, comp.calls) == (40, 0, 0)
+    comp_watch.cancel()
 
     # Revocation closes the live stream (OK, or lost to a heartbeat in flight), and gateways
     # stop routing to the worker.
@@ -217,7 +248,7 @@ async def scenario(db_url: str, base_model_dir: Path, adapter_root: Path) -> Non
 
     gateway_task.cancel()
     plane.hub_task.cancel()  # type: ignore[attr-defined]
-    for server in (gateway, honest.server, evil.server):
+    for server in (gateway, honest.server, evil.server, comp.server):
         assert server is not None
         await server.stop(0)
     await plane.stop(0)

@@ -83,18 +83,19 @@ def test_explicit_versions_and_fallbacks():
     assert canary.fallback == "v1"  # a canary that cannot load falls back to stable
 
 
-def test_candidates_prefer_residency_then_load_and_skip_down_or_draining():
+def test_candidates_prefer_the_assignment_then_inflight_and_skip_down_or_draining():
     t = table()
-    assert [w.worker_id for w in t.candidates("sql", "v2", {})] == ["w1", "w3", "w2"]
-    assert [w.worker_id for w in t.candidates("sql", "v1", {"w2": 0})] == ["w2", "w3", "w1"]
-    assert [w.worker_id for w in t.candidates("", "", {"w3": 2})] == ["w2", "w1", "w3"]
+    # The load a worker reports (w3: 0.0, w1: 0.9) orders nothing: it is the worker's claim.
+    assert [w.worker_id for w in t.candidates("sql", "v2", {})] == ["w1", "w2", "w3"]
+    assert [w.worker_id for w in t.candidates("sql", "v1", {"w2": 3})] == ["w2", "w1", "w3"]
+    assert [w.worker_id for w in t.candidates("", "", {"w1": 2, "w2": 1})] == ["w3", "w2", "w1"]
 
 
 def test_workers_marked_down_are_tried_only_when_none_is_up():
     t = table()
     for w in ("w1", "w2", "w3"):
         t.workers[w].up = False  # heartbeats late on a starved host; streams still open
-    assert [w.worker_id for w in t.candidates("sql", "v1", {})] == ["w2", "w3", "w4", "w1"]
+    assert [w.worker_id for w in t.candidates("sql", "v1", {})] == ["w2", "w1", "w3", "w4"]
     t.workers["w3"].up = True
     assert [w.worker_id for w in t.candidates("sql", "v1", {})] == ["w3"]
     t.workers["w3"].draining = True  # draining ones never
