@@ -277,3 +277,76 @@ def test_feedback_reaches_the_served_version(hs: HttpStack, client: OpenAI) -> N
     assert unknown.status_code == 404
     out_of_range = httpx.post(url, json={"request_id": r.id, "score": 2}, headers=auth)
     assert out_of_range.status_code == 400 and "score" in out_of_range.json()["error"]["message"]
+
+
+def test_explicit_nulls_mean_defaults_and_chat_fills_the_context(client: OpenAI) -> None:
+    r = client.chat.completions.create(  # type: ignore[call-overload]
+        model="qv-r4", messages=CHAT, n=None, stream=None, logprobs=None, top_logprobs=None,
+        temperature=0, max_tokens=None, stop=None, presence_penalty=None, seed=None,
+        frequency_penalty=None, logit_bias=None, user=None, top_p=None, stream_options=None,
+        extra_body={"ignore_eos": True, "min_tokens": None, "top_k": None})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.prompt_tokens + r.usage.completion_tokens == 512
+    assert r.usage.completion_tokens > 64  # was cut at 64 without max_tokens
+
+
+def test_max_completion_tokens_on_both_endpoints(client: OpenAI) -> None:
+    c = client.completions.create(model="qv-r4", prompt=PROMPTS[0], temperature=0,
+                                  extra_body={"max_completion_tokens": 3, "ignore_eos": True})
+    chat = client.chat.completions.create(model="qv-r4", messages=CHAT, temperature=0,  # type: ignore[arg-type]
+                                          max_completion_tokens=3,
+                                          extra_body={"ignore_eos": True})
+    assert c.usage is not None and chat.usage is not None
+    assert c.usage.completion_tokens == chat.usage.completion_tokens == 3
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(client: OpenAI) -> None:
+    stream = client.completions.create(
+        model="attn-r8", prompt=PROMPTS[1], max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert len({c.usage.prompt_tokens for c in chunks if c.usage is not None}) == 1
+
+
+def test_logit_bias_and_min_p_reach_the_sampler(hs: HttpStack, client: OpenAI) -> None:
+    ref = grpc_greedy(hs, PROMPTS[0], "qv-r4", 6)
+    forced = ref.token_ids[0] + 1
+    r = client.completions.create(model="qv-r4", prompt=PROMPTS[0], max_tokens=6,
+                                  temperature=0, logprobs=0, logit_bias={str(forced): 100},
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == hs.texts([forced] * 6)  # type: ignore[union-attr]
+    # min_p 1 keeps only the most likely token: sampling at any temperature is greedy
+    sampled = client.completions.create(model="qv-r4", prompt=PROMPTS[0], max_tokens=6,
+                                        temperature=1.5, seed=3, extra_body={"min_p": 1.0})
+    assert sampled.choices[0].text == ref.text
+
+
+def test_best_of_keeps_the_most_likely_samples(client: OpenAI) -> None:
+    args = {"model": "attn-r8", "prompt": PROMPTS[2], "max_tokens": 5, "temperature": 1.0,
+            "seed": 11, "logprobs": 0}
+    every = client.completions.create(n=3, **args)  # type: ignore[call-overload]
+    scores = {c.text: sum(c.logprobs.token_logprobs) for c in every.choices}
+    best = client.completions.create(n=1, best_of=3, **args)  # type: ignore[call-overload]
+    assert [c.index for c in best.choices] == [0]
+    assert best.choices[0].text == max(scores, key=scores.__getitem__)
+    assert best.usage is not None and best.usage.completion_tokens == 15  # all 3 were run
+
+
+def test_echo_include_stop_str_and_named_messages(hs: HttpStack, client: OpenAI) -> None:
+    ref = grpc_greedy(hs, PROMPTS[0], "qv-r4", 8)
+    echoed = client.completions.create(model="qv-r4", prompt=PROMPTS[0], max_tokens=8,
+                                       temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + ref.text
+    stop = ref.text.strip()[-2:]
+    kept = client.completions.create(model="qv-r4", prompt=PROMPTS[0], max_tokens=8,
+                                     temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text.endswith(stop) and kept.choices[0].finish_reason == "stop"
+    named = client.chat.completions.create(model="qv-r4", max_tokens=2, messages=[  # type: ignore[list-item]
+        {"role": "system", "content": "Be brief.", "name": "rules"},
+        {"role": "user", "content": "Hi", "name": "alice"}])
+    assert named.choices[0].message.role == "assistant"
