@@ -1,7 +1,8 @@
-"""The GPU check script's smoke path on the CPU at toy sizes: both parts of bench/gpu_suite.sh
-run end to end (pytest shards, bench.gpu_numerics, one bench.gpu_suite shape) and every JSON
-the H200 run commits is written, with the commit it was given: each part leaves its summary
-and one tarball of everything else (the device returns a limited number of files)."""
+"""The GPU checks' smoke path on the CPU at toy sizes: both parts of bench.gpu_checks (the
+`gpu-tests` and `model-agreement` suites of `python -m bench`) run end to end (pytest shards,
+bench.gpu_numerics, one bench.gpu_suite shape) and every JSON the H200 run commits is written,
+with the commit it was given: each part leaves its summary and one tarball of everything else
+(the device returns a limited number of files)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,19 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~30 s: three processes at toy sizes
 def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
-    env = os.environ | {
-        "PYTHON": sys.executable, "OUT": str(tmp_path), "SLORA_COMMIT": "smoke-commit",
-        "DEVICE_ARGS": "--device cpu --tiny", "SHARDS": "1", "OMP_NUM_THREADS": "1",
-        "PYTEST_PATHS": "tests/slora_core/test_nonfinite_guard.py",
-        "NUMERICS_ARGS": "--dtypes float16", "SHAPES": "tiny-gqa",
-    }
-    res = subprocess.run(["bash", "bench/gpu_suite.sh", "A", "B"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = os.environ | {"SLORA_COMMIT": "smoke-commit", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "bench.gpu_checks", "A", "B", "--out", str(tmp_path),
+            "--device-args", "--device cpu --tiny", "--shards", "1",
+            "--pytest-paths", "tests/slora_core/test_nonfinite_guard.py",
+            "--numerics-args", "--dtypes float16", "--shapes", "tiny-gqa"]
+    res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "gpu-part-A-h200.json", "gpu-part-A.tgz", "gpu-part-B-h200.json", "gpu-part-B.tgz"]

@@ -1,6 +1,6 @@
-"""bench/tp_h200.sh in its CPU smoke mode (SMOKE=1: gloo, float32, tiny shapes; about 50 s on
-a busy 2-core host): every part runs and writes its JSON, TP=2 gives TP=1's tokens, and both
-give transformers + peft's greedy tokens."""
+"""The tensor-parallel suite in its CPU smoke form (`python -m bench tensor-parallel-smoke`: gloo,
+float32, tiny shapes; about 50 s on a busy 2-core host): every part runs and writes its JSON,
+TP=2 gives TP=1's tokens, and both give transformers + peft's greedy tokens."""
 
 from __future__ import annotations
 
@@ -10,18 +10,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tp_h200_script_smoke(tmp_path: Path) -> None:
-    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PY": sys.executable,
-           "SLORA_COMMIT": "test"}
-    res = subprocess.run(["bash", "bench/tp_h200.sh"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=400)
-    assert res.returncode == 0, res.stdout + res.stderr
-    run = json.loads((tmp_path / "tp-run-smoke.json").read_text())
+@pytest.mark.slow
+def test_tensor_parallel_suite_smoke(tmp_path: Path) -> None:
+    env = {**os.environ, "SLORA_COMMIT": "test"}
+    res = subprocess.run([sys.executable, "-m", "bench", "tensor-parallel-smoke", "--out",
+                          str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=400)
     logs = "".join((tmp_path / f"tp-{p}.log").read_text()[-3000:] for p in ("7b", "70b"))
-    assert {p: s["rc"] for p, s in run["parts"].items()} == {"7b": 0, "70b": 0}, logs
+    assert res.returncode == 0, res.stdout + res.stderr + logs
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert {s["step"]: s["rc"] for s in run["steps"]} == {"tp-7b": 0, "tp-70b": 0}, logs
+    assert run["commit"] == "test"
     check = json.loads((tmp_path / "tp-correctness-smoke.json").read_text())
     assert check["commit"] == "test"
     same = check["tp2_vs_tp1_eager"]

@@ -1,0 +1,181 @@
+"""The benchmark suites `python -m bench SUITE` runs, each named for what it measures.
+
+A suite is a tuple of steps; a step is one process (`python -m MODULE ARGS`, `{out}` replaced by
+the output folder) under its own time limit. Registering a suite is one line in SUITES:
+
+    "prefix-cache": (step("prefix-cache", 300, "bench.prefix_cache", "--out", OUT("prefix-cache")),),
+
+Steps given a `lane` run beside the other lanes (each lane's steps one after another; `in_lane`
+can pin a lane to one GPU); steps without one run first, one after another. Defaults are those of the H200 runs the results came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    limit_s: int
+    argv: tuple[str, ...]  # after `python -m`; "{out}" is the output folder
+    env: tuple[tuple[str, str], ...] = ()
+    lane: int | None = None  # the step runs in this lane, beside the other lanes
+    stop_signal: str = "TERM"  # sent at the limit (INT lets pytest write its XML first)
+
+
+def step(name: str, limit_s: int, module: str, *args: str, lane: int | None = None,
+         stop_signal: str = "TERM", **env: str) -> Step:
+    return Step(name, limit_s, (module, *args), tuple(env.items()), lane, stop_signal)
+
+
+def OUT(stem: str) -> str:  # noqa: N802 (reads as a path constant in the tables below)
+    """The result file `{out}/<stem>-h200.json`."""
+    return "{out}/" + stem + "-h200.json"
+
+
+def in_lane(lane: int, steps: tuple[Step, ...], gpu: int | None = None,
+            **env: str) -> tuple[Step, ...]:
+    """`steps` in lane `lane`, on GPU `gpu` alone if given (CUDA_VISIBLE_DEVICES)."""
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return tuple(dataclasses.replace(s, lane=lane, env=(*tuple(env.items()), *s.env))
+                 for s in steps)
+
+
+GPU_7B = ("--shape", "llama2-7b", "--device", "cuda", "--dtype", "float16")
+
+
+def adapter_vs_base(name: str, *flags: str, limit_s: int = 120, repeats: str = "3") -> Step:
+    """One rank-16 adapter against the base model in interleaved pairs, and the decode-step
+    floor (bench.serving overhead,floor); flags after the defaults win."""
+    return step(f"engine-{name}", limit_s, "bench.serving", *GPU_7B, "--scenarios",
+                "overhead,floor", "--requests", "100", "--overhead-repeats", repeats, *flags,
+                "--out", OUT(f"engine-speed-{name}"))
+
+
+def decode_floor(name: str, *flags: str) -> Step:
+    return step(f"floor-{name}", 90, "bench.serving", *GPU_7B, "--scenarios", "floor",
+                "--async-steps", *flags, "--out", OUT(f"engine-floor-{name}"))
+
+
+GRID_CASES = ("8x1x1,8x16x1,8x64x1,8x256x1,16x1x1,16x16x1,16x64x1,16x256x1,64x1x1,64x16x1,"
+              "64x64x1,64x256x1,16x16x16,16x64x64,16x256x256,64x16x16,64x256x256")
+SERVICE_7B = (*GPU_7B, "--num-pages", "2400", "--max-model-len", "256", "--concurrency",
+              "64,256", "--requests-per-stream", "2", "--new-tokens", "64", "--client-procs", "4",
+              "--http")
+PROFILE_CORE = (*GPU_7B, "--batch", "64", "--context", "512", "--adapters")
+SERVING_90GB = (*GPU_7B, "--arena-gb", "90")
+CHURN_2000 = (*GPU_7B, "--arena-gb", "32", "--many-adapters", "2000", "--churn-requests", "600")
+GPU_TESTS = ("bench.gpu_checks", "A", "--out", "{out}", "--shards", "6", "--numerics-args",
+             "--modes eager all_graphs all_graphs_async")
+# NVLink multicast stays off (the device notes: it can take the shared GPUs down).
+NO_NVLS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+TP_SHORT_7B = ("--engines", "tp2", "tp1_eager", "--requests", "32", "--max-output", "128",
+               "--collective-timeout", "30", "--stall-dump", "20")
+
+
+def tp(part: str, limit_s: int, *args: str, **env: str) -> Step:
+    """One tensor-parallel part (bench.tensor_parallel: its JSONs under {out}); SIGKILL follows
+    the limit's SIGTERM if NCCL keeps the process alive (the runner's grace period)."""
+    return Step(f"tp-{part}", limit_s, ("bench.tensor_parallel", "--part", part, "--out-dir",
+                                        "{out}", *args), tuple((NO_NVLS | env).items()))
+
+
+SUITES: dict[str, tuple[Step, ...]] = {
+    # ---- kernels ---------------------------------------------------------------------------
+    "kernels": (step("kernel-tests", 240, "pytest", "-q", "-p", "no:cacheprovider",
+                     "--durations=5", "tests/kernels", "tests/slora_core/test_ops.py"),
+                step("kernels", 320, "bench.kernels", "--out", OUT("kernels"))),
+    "lora-grid": (step("grid", 150, "bench.kernels_lora_grid", "--variants",
+                       "graph_capture_split,graph_short_list,exact,rows,graph_before,"
+                       "short_list_before", "--out", OUT("lora-grid")),),
+    "lora-grid-split": (step("grid-split", 150, "bench.kernels_lora_grid", "--cases", GRID_CASES,
+                             "--variants", "graph_capture_split,graph_short_list,graph_wave,"
+                             "short_list_wave", "--out", OUT("lora-grid-split")),),
+    "lora-one-adapter": (step("one-adapter", 150, "bench.lora_one_adapter", "--out",
+                              OUT("lora-one-adapter")),),
+    "lora-rows": (step("rows", 200, "bench.kernels_lora_rows", "--out", OUT("lora-rows")),),
+    "lora-tiles-sweep": (step("lora-sweep", 200, "bench.decode_sweep", "--parts", "lora",
+                              "--lora-cases", "16,64,64", "16,256,256", "16,64,1", "--out",
+                              OUT("decode-sweep-lora")),),
+    "attention-tiles-sweep": (step("sweep", 90, "bench.decode_sweep", "--parts",
+                                   "attention_wide", "--attn-wide", "128,4,2", "--out",
+                                   OUT("decode-sweep-wide")),),
+    "gemm-decode": (step("gemm", 120, "bench.gemm_decode", "--out", OUT("gemm-decode")),),
+    "merge-time": (step("merge-time", 120, "bench.merge_time", "--out", OUT("merge-time")),),
+    "lora-graph-split": (step("lora-graph-split", 200, "bench.lora_graph_split", "--out",
+                              OUT("lora-graph-split")),),
+    # ---- the engine ------------------------------------------------------------------------
+    "adapter-vs-base": (adapter_vs_base("async", "--async-steps"),),
+    "adapter-vs-base-sync": (adapter_vs_base("sync", "--no-async-steps"),),
+    "adapter-vs-base-merge": (adapter_vs_base("merge", "--async-steps", "--merge-sole-adapter",
+                                              "--scenarios", "overhead", repeats="5"),),
+    "adapter-vs-base-pdl": (adapter_vs_base("pdl", "--async-steps", "--lora-pdl"),
+                            adapter_vs_base("nopdl", "--async-steps", "--no-lora-pdl")),
+    "decode-floor": (adapter_vs_base("async", "--async-steps", "--scenarios", "floor"),),
+    "decode-floor-rows": (decode_floor("rows", "--lora-row-kernels"),
+                          decode_floor("tiles", "--no-lora-row-kernels")),
+    "gc-pauses": (step("gcpause", 150, "bench.serving", *GPU_7B, "--scenarios", "gcpause",
+                       "--requests", "100", "--overhead-repeats", "3", "--out",
+                       OUT("gc-pauses")),),
+    "core-profile": (step("core", 150, "bench.profile_core", *PROFILE_CORE, "--async-steps",
+                          "--out", OUT("profile-core-async")),),
+    "async-profile": (step("async", 240, "bench.profile_async", "--shape", "llama2-7b", "--out",
+                           OUT("profile-async")),),
+    "step-profile": (step("profile", 220, "bench.profile_gpu", "--shape", "llama2-7b", "--out",
+                          "{out}/profile.json"),),
+    "host-probe": (step("probe", 90, "bench.host_probe", "--out", OUT("host-probe")),),
+    # ---- serving ---------------------------------------------------------------------------
+    "engine-check": (step("engine-check", 100, "bench.gpu_engine_check", "--out",
+                          "{out}/engine-gpu-check.json"),),
+    "serving": (step("serving", 320, "bench.serving", *SERVING_90GB, "--scenarios",
+                     "overhead,scale,floor,peft32,reuse", "--hf", "--hf-max-time", "40",
+                     "--requests", "300", "--rate", "40", "--many-adapters", "2000",
+                     "--scale-caps", "64,256", "--out", OUT("serving")),),
+    "serving-vs-peft": (step("serving-b", 300, "bench.serving", *SERVING_90GB, "--scenarios",
+                             "peft32,reuse,overhead", "--hf", "--hf-max-time", "40",
+                             "--requests", "300", "--out", OUT("serving-b")),),
+    "cold-load": (step("cold", 90, "bench.cold_load", "--tmp", "/tmp", "--out",
+                       OUT("cold-load")),),
+    "churn": (step("churn", 200, "bench.serving", *CHURN_2000, "--scenarios", "churn",
+                   "--churn-rate", "50", "--churn-alphas", "1.0,0.5", "--out",
+                   OUT("churn-rate50")),),
+    "churn-tiers": (step("churn-tiers", 210, "bench.serving", *CHURN_2000, "--scenarios",
+                         "coldttft,churndisk,churn", "--churn-disk-requests", "200",
+                         "--churn-rate", "60", "--churn-disk-dir", "/tmp", "--out",
+                         OUT("churn")),),
+    "service-path": (step("service", 190, "bench.service_overhead", *SERVICE_7B, "--repeats", "2",
+                          "--gateway-procs", "4", "--client-channels", "8", "--out",
+                          OUT("service-overhead-7b-gw4")),),
+    "service-path-async": (step("service-async", 330, "bench.service_overhead", *SERVICE_7B,
+                                "--repeats", "3", "--async-steps", "--out",
+                                OUT("service-overhead-7b-async")),),
+    # ---- correctness on the GPU ------------------------------------------------------------
+    "numerics": (step("numerics", 330, "bench.gpu_numerics", "--budget-s", "300", "--out",
+                      OUT("gpu-numerics")),),
+    "gpu-tests": (step("gpu-tests", 330, *GPU_TESTS, "--limit-s", "290", OMP_NUM_THREADS="4"),),
+    "model-agreement": (step("model-agreement", 330, "bench.gpu_checks", "B", "--out", "{out}",
+                             "--limit-s", "290", OMP_NUM_THREADS="4"),),
+    # ---- tensor parallelism (2 GPUs) -------------------------------------------------------
+    "tensor-parallel": (tp("70b", 250), tp("7b", 280)),
+    "tensor-parallel-short": (tp("7b", 100, *TP_SHORT_7B, SLORA_TP_DEBUG="1"),
+                              tp("70b", 135, "--big-requests", "120", "--weight-sets", "1",
+                                 "--collective-timeout", "90", SLORA_TP_DEBUG="1")),
+    "tensor-parallel-smoke": (tp("7b", 200, "--smoke"), tp("70b", 200, "--smoke")),
+}
+
+# The last call of a session on 2 H200s: the host probe, then two lanes side by side, one GPU
+# each, in priority order (GPU 0: the GPU-only tests and numerics; GPU 1: kernels, cold loads,
+# model agreement, the service path, churn, one adapter vs base).
+SUITES["round"] = (
+    *SUITES["host-probe"],
+    *in_lane(0, (*SUITES["gpu-tests"], *SUITES["numerics"]), gpu=0, OMP_NUM_THREADS="8"),
+    *in_lane(1, (*SUITES["lora-grid"], *SUITES["cold-load"], *SUITES["model-agreement"],
+                 *SUITES["service-path"], *SUITES["churn-tiers"],
+                 adapter_vs_base("inline")), gpu=1, OMP_NUM_THREADS="8"),
+)
+# Both GPU check parts side by side on one GPU (each with a share of the host's cores).
+SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))

@@ -1,0 +1,61 @@
+"""`python -m bench SUITE`: every registered step names a module that exists, step names say
+which result they write, and the runner keeps its limits, its deadline and its record."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+import bench.__main__ as runner
+from bench.suites import SUITES, step
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_step_runs_a_module_that_exists() -> None:
+    for name, steps in SUITES.items():
+        assert steps, name
+        for s in steps:
+            module = s.argv[0]
+            if module == "pytest":
+                continue
+            path = ROOT / (module.replace(".", "/") + ".py")
+            assert path.is_file(), f"suite {name}, step {s.name}: no {path}"
+
+
+def test_a_suite_runs_its_steps_and_records_them(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    script = "import sys, time; print('hi'); time.sleep(float(sys.argv[1]))"
+    (tmp_path / "sleeper.py").write_text(script)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(SUITES, "probe", (
+        step("quick", 30, "sleeper", "0"),
+        step("stuck", 30, "sleeper", "60"),
+        step("left-out", 30, "sleeper", "0"),
+    ))
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    code = runner.main(["probe", "--out", str(out), "--limit", "stuck=1", "--skip", "left-out"])
+    assert time.monotonic() - t0 < 20  # the stuck step was stopped at its limit
+    assert code == 1
+    record = json.loads((out / "run.json").read_text())
+    assert [(s["step"], s["rc"]) for s in record["steps"]] == [("quick", 0), ("stuck", 124)]
+    assert record["commit"]
+    assert (out / "quick.log").read_text() == "hi\n"
+    assert "left-out skipped: named in --skip" in (out / "steps.log").read_text()
+
+
+def test_no_step_starts_past_the_deadline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(SUITES, "probe", (step("late", 30, "json.tool", "--help"),))
+    assert runner.main(["probe", "--out", str(tmp_path), "--budget-s", "40"]) == 0
+    assert "s left before the deadline" in (tmp_path / "steps.log").read_text()
+
+
+def test_an_unknown_suite_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        runner.main(["no-such-suite"])
+    assert "python -m bench --list" in capsys.readouterr().err
