@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from slora_core.scheduler import ScheduledSeq
 
 ROWS_PER_PASS = 256  # 256 x 128k vocab x 4 bytes = 128 MiB at most, per pass
 
@@ -52,4 +56,32 @@ def prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor
         for target, row in zip(targets[start:stop], rows, strict=True):
             pairs = tuple((int(row[1 + j]), row[1 + k + j]) for j in range(k))
             out.append(PromptLogprob(int(target), row[0], pairs))
+    return out
+
+
+def wants_prompt_logprobs(scheduled: Sequence[ScheduledSeq]) -> bool:
+    """Some sequence of the step asked for prompt logprobs and prefills part of its prompt."""
+    return any(s.seq.params.prompt_logprobs is not None
+               and s.seq.num_computed_tokens < len(s.seq.prompt_token_ids) for s in scheduled)
+
+
+def score_step(scheduled: Sequence[ScheduledSeq], query_starts: Sequence[int],
+               hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+               ) -> dict[str, tuple[int, list[PromptLogprob]]]:
+    """Per request id that asked for them: (the first prompt position scored, the logprobs of
+    the prompt tokens this step's prefill chunk predicts). `query_starts[i]` is the first row
+    of `scheduled[i]` in `hidden` (the step's flattened tokens)."""
+    out: dict[str, tuple[int, list[PromptLogprob]]] = {}
+    for i, item in enumerate(scheduled):
+        seq = item.seq
+        k = seq.params.prompt_logprobs
+        prompt = len(seq.prompt_token_ids)
+        start = seq.num_computed_tokens
+        if k is None or start >= prompt:
+            continue
+        end = min(start + item.num_new_tokens, prompt - 1)  # the last prompt row predicts output
+        targets = seq.prompt_token_ids[start + 1:end + 1]
+        row = int(query_starts[i])
+        scores = prompt_logprobs(hidden[row:row + len(targets)], compute_logits, targets, k)
+        out[seq.request_id] = (start + 1, scores)
     return out

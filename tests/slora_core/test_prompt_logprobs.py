@@ -41,3 +41,30 @@ def test_more_targets_than_rows_is_refused() -> None:
     head, hidden = _head()
     with pytest.raises(ValueError, match="41 targets but 40 hidden rows"):
         prompt_logprobs(hidden, head, [0] * 41, 0)
+
+
+def test_chunked_prefill_scores_every_prompt_token_once() -> None:
+    from slora_core.prompt_logprobs import score_step, wants_prompt_logprobs
+    from slora_core.sampling_params import SamplingParams
+    from slora_core.scheduler import ScheduledSeq
+    from slora_core.sequence import Sequence
+
+    head, hidden = _head()
+    prompt = torch.randint(0, 50, (23,)).tolist()
+    seq = Sequence("a", prompt, SamplingParams(prompt_logprobs=2))
+    other = Sequence("b", [1, 2, 3], SamplingParams())
+    full = torch.log_softmax(head(hidden[:23]).double(), dim=-1)
+    got = []
+    for start, n in ((0, 10), (10, 13)):  # two chunks; `other` decodes beside the second
+        seq.num_computed_tokens = start
+        step = [ScheduledSeq(other, 1), ScheduledSeq(seq, n)]
+        rows = torch.cat([torch.zeros(1, 16), hidden[start:start + n]])
+        assert wants_prompt_logprobs(step)
+        scored = score_step(step, [0, 1], rows, head)
+        assert set(scored) == {"a"} and scored["a"][0] == start + 1
+        got += scored["a"][1]
+    assert [p.token_id for p in got] == prompt[1:]
+    for i, p in enumerate(got):
+        assert abs(p.logprob - float(full[i, prompt[i + 1]])) < 1e-5 and len(p.top_logprobs) == 2
+    seq.num_computed_tokens = 23
+    assert not wants_prompt_logprobs([ScheduledSeq(seq, 1)])
