@@ -79,9 +79,9 @@ class RoutingWatcher:
             if report is not None:
                 outbox.put(ppb.GatewayMessage(report=report))
 
-    def _open(self, channel: grpc.aio.Channel, outbox: Outbox) -> grpc.aio.StreamStreamCall:
+    def _open(self, channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
         return ppb_grpc.PlacementServiceStub(channel).WatchRouting(
-            outbox.__aiter__(), metadata=cluster_metadata(self.cluster_token))
+            metadata=cluster_metadata(self.cluster_token))
 
     def _hello(self) -> ppb.GatewayMessage:
         return ppb.GatewayMessage(hello=ppb.GatewayHello(gateway_id=self.gateway_id))

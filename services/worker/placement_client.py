@@ -52,9 +52,9 @@ class PlacementClient:
         await watch_forever(self.target, self._open, self._hello, self._on_update,
                             on_connected=self._heartbeats)
 
-    def _open(self, channel: grpc.aio.Channel, outbox: Outbox) -> grpc.aio.StreamStreamCall:
+    def _open(self, channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
         return ppb_grpc.PlacementServiceStub(channel).WatchPlacement(
-            outbox.__aiter__(), metadata=worker_metadata(self.cluster_token))
+            metadata=worker_metadata(self.cluster_token))
 
     def _hello(self) -> ppb.WorkerMessage:
         i = self.identity
