@@ -9,10 +9,11 @@ kernels Triton compiled or found in its cache during each.
 
 Phases (the worker's, in order): `process` (the front process from its creation until it
 spawns the engine core: interpreter, imports, tokenizer), `core_spawn` (the engine-core process
-starting and importing torch), `weights` (checkpoint into device memory), `arena` (page arena, runner, graph buffers),
-`kernels` (the first eager steps: Triton compiles or loads the kernels they launch),
-`graph_capture` (one record a graph bucket, CUDA only), `warmup` (a request served end to end),
-`server` (the front's gRPC server and metrics endpoint).
+starting and importing torch), `weights` (checkpoint into device memory), `arena` (page arena,
+runner, graph buffers), `graph_capture` (one record a CUDA graph, CUDA only: before ready, or
+`background` ones captured between steps once the worker serves), `warmup` (a request served
+end to end: Triton compiles, or loads from its cache, the kernels its steps launch), `server`
+(the front's gRPC server and metrics endpoint).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from dataclasses import dataclass, field
 from slora_core.compile_cache import CompileStats
 
 # Phase names, in the order a worker meets them (format() and the metric keep this order).
-PHASES = ("process", "core_spawn", "weights", "arena", "kernels", "graph_capture", "warmup",
-          "server")
+PHASES = ("process", "core_spawn", "weights", "arena", "graph_capture", "warmup", "server")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,14 @@ class PhaseRecord:
 
 
 @dataclass
+class GraphLabel:
+    """What a `graph_capture` phase captured (StartupProfile.phase)."""
+
+    graphs: str = ""
+    bucket: int = 0
+
+
+@dataclass
 class StartupProfile:
     """Phase records of one start; `stats` (optional) attributes kernel compilations."""
 
@@ -56,18 +64,21 @@ class StartupProfile:
 
     @contextmanager
     def phase(self, name: str, graphs: str = "", bucket: int = 0,
-              background: bool = False) -> Iterator[None]:
-        """Time the block as phase `name` (recorded when the block ends, even by an error)."""
+              background: bool = False) -> Iterator[GraphLabel]:
+        """Time the block as phase `name` (recorded when the block ends, even by an error). The
+        block may set the graph set and bucket it turned out to capture on the label given."""
+        label = GraphLabel(graphs, bucket)
         before = self.stats.snapshot() if self.stats is not None else None
         t0 = self.clock()
         try:
-            yield
+            yield label
         finally:
             seconds = self.clock() - t0
             done = (self.stats.since(before) if self.stats is not None and before is not None
                     else CompileStats())
             self.records.append(PhaseRecord(name, seconds, done.compiled, done.cache_hits,
-                                            done.compile_s, graphs, bucket, background))
+                                            done.compile_s, label.graphs, label.bucket,
+                                            background))
 
     def add(self, name: str, seconds: float, **detail: object) -> None:
         """A phase timed elsewhere (e.g. by another process)."""
@@ -105,7 +116,7 @@ class StartupProfile:
                 extra += (f"  kernels compiled {compiled} "
                           f"({sum(r.compile_s for r in rs):.1f} s), from cache {hits}")
             lines.append(f"  {name:<14}{secs:8.2f} s{extra}")
-        lines.append(f"  {'ready after':<14}{self.total_s():8.2f} s")
+        lines.append(f"  {'phases total':<14}{self.total_s():8.2f} s")
         return "\n".join(lines)
 
 

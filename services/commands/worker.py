@@ -18,7 +18,8 @@ from slora_core.engine_args import add_engine_args
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="serve InferenceService.Generate over one engine")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--control-plane", required=True, help="control plane host:port")
+    p.add_argument("--control-plane", default="",
+                   help="control plane host:port (required unless --warm-cache-only)")
     p.add_argument("--listen", default="0.0.0.0:50061", help="host:port to serve on")
     p.add_argument("--advertise", default="", help="host:port gateways use (default: from --listen)")
     p.add_argument("--worker-id", default="", help="default: hostname-port")
@@ -27,6 +28,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.add_argument("--capacity", type=int, default=0, help="adapter versions to keep warm")
     p.add_argument("--cache-dir", default="", help="disk cache of adapters (default: temp dir)")
+    p.add_argument("--compile-cache-dir", default=os.environ.get("SLORA_COMPILE_CACHE_DIR", ""),
+                   help="compiled-kernel cache, one folder per GPU/driver/Triton/kernel-source "
+                        "key [SLORA_COMPILE_CACHE_DIR; default: CACHE_DIR/.compiled]")
+    p.add_argument("--graphs-before-ready", action="store_true",
+                   help="capture every CUDA graph before reporting ready (default: serve at "
+                        "once, eagerly where a graph is not captured yet, capturing between "
+                        "steps)")
+    p.add_argument("--warm-cache-only", action="store_true",
+                   help="fill the compiled-kernel cache (load, compile, capture), then exit")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
     p.set_defaults(func=run)
 
@@ -42,13 +52,21 @@ def run(args: argparse.Namespace) -> int:
     except CredentialFileError as e:
         raise SystemExit(f"worker: {e}") from None
     engine = engine_config_from_args(args)
+    if not args.warm_cache_only and not args.control_plane:
+        raise SystemExit("worker: --control-plane is required")
     port = args.listen.rsplit(":", 1)[-1]
     worker_id = args.worker_id or f"{socket.gethostname()}-{port}"
     cache = Path(args.cache_dir or Path(tempfile.gettempdir()) / f"slora-cache-{worker_id}")
+    compile_cache = Path(args.compile_cache_dir) if args.compile_cache_dir else None
+    if args.warm_cache_only:
+        from services.worker.startup import compile_cache_root, warm_cache_only
+
+        return warm_cache_only(Path(args.model), engine, compile_cache_root(cache, compile_cache))
     opts = WorkerOptions(
         model_dir=Path(args.model), control_plane=args.control_plane, listen=args.listen,
         worker_id=worker_id, engine=engine, cache_dir=cache, advertise=args.advertise,
         metrics_port=args.metrics_port, capacity=args.capacity, drain_grace_s=args.drain_grace,
-        cluster_token=args.cluster_token,
+        cluster_token=args.cluster_token, compile_cache_dir=compile_cache,
+        graphs_in_background=not args.graphs_before_ready,
     )
     return asyncio.run(serve_worker(opts))

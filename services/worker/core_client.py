@@ -74,13 +74,18 @@ class CoreClient:
                  on_death: Callable[[str], None] = lambda _why: None,
                  on_step: Callable[[m.StepOutput], None] = lambda _out: None,
                  on_started: Callable[[float], None] = lambda _queued_s: None,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, compile_cache_dir: Path | None = None,
+                 on_startup: Callable[[m.StartupUpdate], None] = lambda _update: None,
+                 graphs_in_background: bool = True) -> None:
         self.model_dir = model_dir
         self.config = config
+        self.compile_cache_dir = compile_cache_dir  # startup.compile_cache_root; None: none
+        self.graphs_in_background = graphs_in_background  # CoreSpec.graphs_in_background
         self.step_delay_s = step_delay_s  # test hook (debug_hooks.STEP_DELAY_ENV)
         self.on_death = on_death
         self.on_step = on_step
         self.on_started = on_started  # a request left the core's queue after so many seconds
+        self.on_startup = on_startup  # start-up work the core finished after Ready
         self.streams: dict[int, TokenStream] = {}
         self.state = m.EngineState()
         self.ready: m.Ready | None = None
@@ -108,7 +113,8 @@ class CoreClient:
         self._outputs.bind(f"ipc://{base / 'out'}")
         spec = CoreSpec(self.model_dir, self.config, f"ipc://{base / 'in'}",
                         f"ipc://{base / 'out'}", logging.getLevelName(log.getEffectiveLevel()),
-                        self.step_delay_s)
+                        self.step_delay_s, self.compile_cache_dir, spawned_at=time.time(),
+                        graphs_in_background=self.graphs_in_background)
         proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(spec, os.getpid()), name="slora-engine-core")
         proc.start()
@@ -189,6 +195,8 @@ class CoreClient:
                 self._dispatch(msg)
             elif isinstance(msg, m.CallResult):
                 self._answer(msg)
+            elif isinstance(msg, m.StartupUpdate):
+                self.on_startup(msg)
             else:
                 self.ready = msg
 

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from slora_core.sampling_params import SamplingParams
+from slora_core.startup_profile import PhaseRecord
 
 
 class SamplingMsg(msgspec.Struct, array_like=True, frozen=True):
@@ -124,6 +125,19 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     max_num_seqs: int
     max_model_len: int
     eos_token_ids: list[int]
+    # The core's start-up profile (services/worker/startup.py) and its compile cache's folder
+    # and state ("" without one).
+    startup: list[PhaseRecord] = []
+    compile_cache: str = ""
+    graphs_pending: int = 0  # CUDA graphs left to capture while serving (StartupUpdate)
+
+
+class StartupUpdate(msgspec.Struct, tag=True, array_like=True):
+    """Start-up work done after Ready (CUDA graphs captured between steps while the engine
+    already serves, eagerly where a graph is missing): its records, and the graphs left."""
+
+    records: list[PhaseRecord]
+    graphs_pending: int
 
 
 class CallResult(msgspec.Struct, tag=True, array_like=True):
@@ -135,7 +149,7 @@ class CallResult(msgspec.Struct, tag=True, array_like=True):
 
 
 ToCore = AddRequest | Abort | Call | Shutdown
-FromCore = StepOutput | CallResult | Ready
+FromCore = StepOutput | CallResult | Ready | StartupUpdate
 
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore)

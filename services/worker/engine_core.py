@@ -23,6 +23,7 @@ import zmq
 
 from services.worker import core_protocol as m
 from services.worker.errors import to_service_error
+from services.worker.startup import BackgroundGraphs, start_timed
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.outputs import ADAPTER_UNLOADABLE, DEADLINE, RequestOutput
@@ -50,6 +51,12 @@ class CoreSpec:
     output_address: str  # the front's PULL socket
     log_level: str = "INFO"
     step_delay_s: float = 0.0  # test hook: sleep after every step (debug_hooks.STEP_DELAY_ENV)
+    # The compiled-kernel cache's root (startup.compile_cache_root); None: Triton's default.
+    compile_cache_dir: Path | None = None
+    spawned_at: float = 0.0  # time.time() when the front spawned this process (profile)
+    # CUDA graphs captured between steps once the core serves (eagerly where a graph is
+    # missing); False: every graph before Ready.
+    graphs_in_background: bool = True
 
 
 def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
@@ -64,15 +71,19 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
     outputs = ctx.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 1000)
     outputs.connect(spec.output_address)
-    engine = LLMEngine.from_model_dir(spec.model_dir, spec.config, detokenize=False)
-    # CUDA: compile kernels and capture every graph before the first request (no-op on CPU).
-    engine.warmup(True)
+    # Weights, arena, a warm-up request (its kernels compiled or read from the compile cache);
+    # CUDA graphs before Ready, or queued for `graphs` to capture while serving.
+    engine, profile, cache = start_timed(spec.model_dir, spec.config, spec.compile_cache_dir,
+                                         spec.spawned_at, spec.graphs_in_background)
+    graphs = BackgroundGraphs.of(engine, profile.stats)
     freeze_startup_heap()
     outputs.send(m.encoder.encode(m.Ready(
         max_num_seqs=spec.config.max_num_seqs, max_model_len=engine.max_model_len,
-        eos_token_ids=list(engine.eos_token_ids))))
+        eos_token_ids=list(engine.eos_token_ids), startup=profile.records,
+        compile_cache=f"{cache.path} ({cache.state})" if cache is not None else "",
+        graphs_pending=graphs.pending if graphs is not None else 0)))
     try:
-        EngineCore(engine, outputs, parent_pid, spec.step_delay_s).run(inputs)
+        EngineCore(engine, outputs, parent_pid, spec.step_delay_s, graphs).run(inputs)
         engine.close()  # a clean stop: tensor-parallel ranks leave with it
     finally:
         inputs.close(linger=0)
@@ -84,8 +95,9 @@ class EngineCore:
     """The loop: drain inputs, run one step, send its outputs; commands between steps."""
 
     def __init__(self, engine: LLMEngine, outputs: zmq.Socket, parent_pid: int,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, graphs: BackgroundGraphs | None = None) -> None:
         self.engine = engine
+        self.graphs = graphs  # CUDA graphs still to capture, one a loop turn
         self.outputs = outputs
         self.parent_pid = parent_pid
         self.step_delay_s = step_delay_s
@@ -99,7 +111,9 @@ class EngineCore:
     def run(self, inputs: zmq.Socket) -> None:
         while True:
             busy = self.engine.has_unfinished()
-            timeout = 0 if busy else (BUSY_POLL_MS if self.commands.pending else IDLE_POLL_MS)
+            capturing = self.graphs is not None and self.graphs.pending > 0
+            timeout = 0 if busy or capturing else (
+                BUSY_POLL_MS if self.commands.pending else IDLE_POLL_MS)
             if inputs.poll(timeout) and not self._drain(inputs):
                 return
             for result in self.commands.done():
@@ -116,6 +130,16 @@ class EngineCore:
             elif time.monotonic() - self._active_at > KEEPALIVE_EVERY_S:
                 self.engine.keepalive()
                 self._active_at = time.monotonic()
+            if capturing:
+                self._capture_graph()
+
+    def _capture_graph(self) -> None:
+        """Capture one queued CUDA graph between steps (a step whose graph is not captured yet
+        runs eagerly: slower, never wrong) and tell the front."""
+        assert self.graphs is not None
+        record = self.graphs.capture_next()
+        update = m.StartupUpdate([record] if record is not None else [], self.graphs.pending)
+        self.outputs.send(m.encoder.encode(update))
 
     def _drain(self, inputs: zmq.Socket) -> bool:
         """Handle every message already waiting; False once asked to shut down."""
