@@ -1,7 +1,8 @@
-"""The README's service-path rows, generated from the result JSONs (never typed by hand).
+"""The performance tables, generated from the result JSONs (never typed by hand): every row in
+docs/performance.md's service-path block, and the few of them README.md shows as headlines.
 
-    python -m bench.readme_table          # rewrite the block between the markers in README.md
-    python -m bench.readme_table --check  # exit 1 when README.md differs from the JSONs
+    python -m bench.readme_table          # rewrite both blocks
+    python -m bench.readme_table --check  # exit 1 when either file differs from the JSONs
 """
 
 from __future__ import annotations
@@ -17,7 +18,22 @@ from slora_core.cuda_graphs import ROW_KERNELS_MAX_ROWS_PER_ADAPTER
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+PERFORMANCE, README = ROOT / "docs" / "performance.md", ROOT / "README.md"
 BEGIN, END = "<!-- service-table:begin -->", "<!-- service-table:end -->"
+HEAD_BEGIN, HEAD_END = "<!-- headline-table:begin -->", "<!-- headline-table:end -->"
+# README's headlines: the first generated row starting with each prefix and citing that JSON.
+HEADLINES = (
+    ("| one rank-16 adapter on every request vs base, merged", "engine-speed-merge-h200.json"),
+    ("| decode step, batch 64, context 512, 64 rank-16 adapters, LoRA in line",
+     "engine-speed-async-h200.json"),
+    ("| 2,000 adapters vs 5, alpha 1.0, 50 arrivals/s", "churn-rate50-h200.json"),
+    ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-h200.json"),
+    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-h200.json"),
+    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-h200.json"),
+    ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
+    ("| decode LoRA r16 B256 U256, graph replay", "lora-grid-h200.json"),
+    ("| decode LoRA r64 B256 U1, graph replay", "lora-grid-h200.json"),
+)
 PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway": "client -> gateway -> worker, gRPC",
          "http": "client -> gateway -> worker, HTTP (OpenAI SSE)"}
@@ -192,7 +208,19 @@ def grid_rows(result: dict[str, Any], source: str) -> list[str]:
 
 
 def table() -> str:
-    lines = [BEGIN, "| what | figure (median [min, max] over repeats) | target | JSON |",
+    return "\n".join([BEGIN, *rows(), END])
+
+
+def headline_table() -> str:
+    found = rows()
+    picked = [next((r for r in found if r.startswith(prefix) and f"`{name}`" in r), None)
+              for prefix, name in HEADLINES]
+    return "\n".join([HEAD_BEGIN, "| what | figure | target | JSON |", "| --- | --- | --- | --- |",
+                      *(r for r in picked if r is not None), HEAD_END])
+
+
+def rows() -> list[str]:
+    lines = ["| what | figure (median [min, max] over repeats) | target | JSON |",
              "| --- | --- | --- | --- |"]
     # The latest service run: the 4-process gateway's when present (it supersedes the one-
     # process run, measured before the gateway code changed).
@@ -252,30 +280,40 @@ def table() -> str:
             if name == "churn-rate50-4a1c7c8-h200.json":
                 churn = [row for row in churn if "alpha 0.5" in row]
             lines += churn if name != "churn-disk-h200.json" else churn[-1:]
-    for name, rows in (("cold-load-h200.json", cold_rows), ("lora-grid-h200.json", grid_rows)):
+    for name, make in (("cold-load-h200.json", cold_rows), ("lora-grid-h200.json", grid_rows)):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
-            lines += rows(result, f"`{path.name}` @ {result['commit'][:8]}")
-    return "\n".join([*lines, END])
+            lines += make(result, f"`{path.name}` @ {result['commit'][:8]}")
+    return lines
+
+
+def replace_block(text: str, begin: str, end: str, block: str) -> str | None:
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    return head + block + rest.split(end, 1)[1]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--readme", default=str(ROOT / "README.md"))
     args = ap.parse_args()
-    path = Path(args.readme)
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"{path}: no {BEGIN} ... {END} block", file=sys.stderr)
-        return 1
-    head, rest = text.split(BEGIN, 1)
-    new = head + table() + rest.split(END, 1)[1]
-    if args.check:
-        return int(new != text)
-    path.write_text(new)
-    return 0
+    stale = []
+    for path, begin, end, block in ((PERFORMANCE, BEGIN, END, table()),
+                                    (README, HEAD_BEGIN, HEAD_END, headline_table())):
+        text = path.read_text()
+        new = replace_block(text, begin, end, block)
+        if new is None:
+            print(f"{path}: no {begin} ... {end} block", file=sys.stderr)
+            return 1
+        if new != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print("stale: " + ", ".join(map(str, stale)), file=sys.stderr)
+    return int(args.check and bool(stale))
 
 
 if __name__ == "__main__":
