@@ -145,6 +145,8 @@ async def serve(config: ControlPlaneConfig) -> None:
         port = serve_metrics(config.metrics_port, rollout_registry(plane.evidence, plane.analyzer),
                              metrics_host(config.listen))
         log.info("metrics on :%d/metrics", port)
+    # Before the placement stream takes heartbeats: they are news from the stored checkpoint.
+    await asyncio.to_thread(plane.analyzer.restore_evidence)
     await plane.server.start()
     tasks = [asyncio.create_task(hub.run()), asyncio.create_task(plane.analyzer.run())]
     log.info("control plane listening on port %d", plane.port)

@@ -21,6 +21,9 @@ from services.common.versions import (
 )
 from slora.v1 import placement_pb2 as ppb
 
+# A worker's cumulative counters as last received: (its started_at_ms, {version: counters}).
+WorkerBase = tuple[int, dict[VersionKey, Evidence]]
+
 
 class EvidenceStore:
     """Totals per version since this control plane started. Thread-safe: the placement hub
@@ -56,6 +59,24 @@ class EvidenceStore:
             for c in report.versions:
                 key = (c.adapter_id, c.version)
                 self._totals.setdefault(key, Evidence()).add(routed_counters_from_pb(c))
+
+    def checkpoint(self) -> tuple[dict[VersionKey, Evidence], dict[str, WorkerBase]]:
+        """Copies of the totals and of each worker's last cumulative counters, taken together:
+        the window evidence the analyzer persists from the totals is exactly what the workers'
+        counters had reached (store/evidence_rows.py)."""
+        with self._lock:
+            totals = {k: v.copy() for k, v in self._totals.items()}
+            bases = {w: (started, {k: v.copy() for k, v in counters.items()})
+                     for w, (started, counters) in self._workers.items()}
+        return totals, bases
+
+    def restore(self, bases: dict[str, WorkerBase]) -> None:
+        """Take a previous process's checkpoint of the workers' counters: a worker's next
+        heartbeat (same start) is then news from there, not a baseline. Workers already heard
+        from keep what they sent."""
+        with self._lock:
+            for worker_id, base in bases.items():
+                self._workers.setdefault(worker_id, base)
 
     def total(self, key: VersionKey) -> Evidence:
         """A copy of the version's totals (empty when nothing was seen)."""

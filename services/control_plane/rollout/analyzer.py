@@ -1,10 +1,14 @@
 """The canary analyzer: every tick, judge each running canary that has a policy, and act.
 
 Per adapter, an analysis window belongs to one route revision. The window's start, the passing
-windows so far and the last decision live in the database (`canary_analyses`), so they survive
-a restart; the window's evidence is the difference between this process's evidence totals now
-and when it began watching the window (a restarted control plane, or one that did not open the
-window, starts counting when it first sees it).
+windows so far and the last decision live in the database (`canary_analyses`), and so does the
+window's evidence (`canary_evidence`): each tick adds what this process's evidence totals grew
+by since the previous tick, together with the workers' counters it was taken up to
+(`evidence_checkpoints`), in one transaction (store/evidence_rows.py). A control plane
+restarted mid-window resumes with the window's evidence and takes the workers' next heartbeats
+as news from the checkpoint, so it reaches the verdict it would have reached without the
+restart (less at most one tick of gateway reports). A control plane that did not open a window
+and started after it (a second control plane) counts from when it first sees it.
 
 Decisions go through the registry's normal route transaction, under the route etag read at the
 start of the tick: a rollback (the canary becomes ROLLED_BACK, traffic returns to stable), a
@@ -37,6 +41,12 @@ from services.control_plane.domain.canary_verdict import BREACH, PASS, WAIT, Ver
 from services.control_plane.domain.evidence import EvidenceStore
 from services.control_plane.domain.lifecycle import IllegalTransition
 from services.control_plane.domain.principal import ADMIN, Principal
+from services.control_plane.store.evidence_rows import (
+    add_to_window,
+    load_checkpoint,
+    load_window,
+    save_checkpoint,
+)
 from services.control_plane.store.models import Adapter, CanaryAnalysisRow, Route
 from services.control_plane.store.records import etag_of
 from services.control_plane.store.registry import Registry, Transition
@@ -70,7 +80,9 @@ class LiveWindow:
 
 
 @dataclass(frozen=True)
-class _Baseline:
+class _Seen:
+    """The evidence totals of a window's versions already added to its rows."""
+
     route_revision: int
     totals: dict[str, Evidence]
 
@@ -88,8 +100,9 @@ class Analyzer:
         # Replaced whole per key (atomic under the GIL): status readers in other threads see
         # either the old or the new value.
         self.live: dict[str, LiveWindow] = {}
-        self._baselines: dict[str, _Baseline] = {}
-
+        self._seen: dict[str, _Seen] = {}
+        self._restored = False
+        self.started_at = clock()  # windows opened before this are a predecessor's
     async def run(self) -> None:
         """Tick until cancelled; a failed tick (database away) is logged and retried."""
         while True:
@@ -99,33 +112,71 @@ class Analyzer:
                 log.exception("canary analysis tick failed; retrying")
             await asyncio.sleep(self.tick_s)
 
+    def restore_evidence(self) -> None:
+        """Take the workers' counters the stored windows were written up to (once; before the
+        placement stream takes heartbeats, so none is mistaken for a baseline)."""
+        if not self._restored:
+            with self.sessions() as s:
+                self.evidence.restore(load_checkpoint(s))
+            self._restored = True
+
     def tick(self) -> None:
+        self.restore_evidence()
         with self.sessions() as s:
             runs = load_runs(s)
+        windows = self._persist([r for r in runs if _window_open(r)])
         for run in runs:
-            self._analyze(run)
+            self._analyze(run, windows.get(run.adapter_id))
         running = {r.adapter_id for r in runs}
-        for adapter_id in set(self._baselines) - running:
-            del self._baselines[adapter_id]
+        for adapter_id in set(self._seen) - running:
+            del self._seen[adapter_id]
         for adapter_id in set(self.live) - running:
             del self.live[adapter_id]
 
+    def _persist(self, runs: list[CanaryRun]) -> dict[str, dict[str, Evidence]]:
+        """Add to each open window's rows what its versions' totals grew by since the last
+        tick, and save the workers' counters they were taken from, in one transaction;
+        returns each window's evidence by version."""
+        if not runs:
+            return {}
+        totals, bases = self.evidence.checkpoint()
+        seen: dict[str, _Seen] = {}
+        windows: dict[str, dict[str, Evidence]] = {}
+        with self.sessions.begin() as s:
+            for run in runs:
+                versions = (run.canary, run.stable)
+                now = {v: totals.get((run.adapter_id, v), Evidence()) for v in versions}
+                before = self._seen_before(run, now)
+                add_to_window(s, run.adapter_id, run.route_revision,
+                              {v: now[v].minus(before.totals[v]) for v in versions})
+                windows[run.adapter_id] = load_window(s, run.adapter_id, run.route_revision,
+                                                      versions)
+                seen[run.adapter_id] = _Seen(run.route_revision, now)
+            save_checkpoint(s, bases)
+        self._seen.update(seen)
+        return windows
+
+    def _seen_before(self, run: CanaryRun, now: dict[str, Evidence]) -> _Seen:
+        seen = self._seen.get(run.adapter_id)
+        if seen is not None and seen.route_revision == run.route_revision:
+            return seen
+        assert run.analysis is not None
+        if run.analysis.window_started_at < self.started_at:
+            # Opened before this process started (a restart): every total here is news since
+            # the checkpoint the window's rows were written with.
+            return _Seen(run.route_revision, {v: Evidence() for v in now})
+        # Opened by another control plane after this one started: what came before is not
+        # attributable to the window; count from now.
+        return _Seen(run.route_revision, now)
+
     # ---- one adapter --------------------------------------------------------------------
-    def _analyze(self, run: CanaryRun) -> None:
+    def _analyze(self, run: CanaryRun, window: dict[str, Evidence] | None) -> None:
         a = run.analysis
-        if a is None or a.route_revision != run.route_revision or a.canary_version != run.canary:
+        if a is None or window is None:
             passed = a.windows_passed if a is not None and a.canary_version == run.canary else 0
             self._open_window(run, passed)
             return
-        base = self._baselines.get(run.adapter_id)
-        if base is None or base.route_revision != run.route_revision:
-            # A window this process did not open (a restart, another control plane): its
-            # evidence so far is not here; count from now, keep the window's start.
-            self._baselines[run.adapter_id] = self._baseline(run)
-            return
         now = self.clock()
-        window = {v: self.evidence.total((run.adapter_id, v)).minus(base.totals[v])
-                  for v in (run.canary, run.stable)}
         elapsed = (now - a.window_started_at).total_seconds()
         verdict = judge(run.policy, window[run.canary], window[run.stable], elapsed)
         self.live[run.adapter_id] = LiveWindow(run, a.window_started_at, elapsed, window,
@@ -133,9 +184,10 @@ class Analyzer:
         if verdict.kind != WAIT:
             self._decide(run, a, verdict, window, elapsed, now)
 
-    def _baseline(self, run: CanaryRun, revision: int | None = None) -> _Baseline:
+    def _mark(self, run: CanaryRun, revision: int | None = None) -> None:
+        """A window this process opens starts from the totals as they are now."""
         totals = {v: self.evidence.total((run.adapter_id, v)) for v in (run.canary, run.stable)}
-        return _Baseline(revision or run.route_revision, totals)
+        self._seen[run.adapter_id] = _Seen(revision or run.route_revision, totals)
 
     def _open_window(self, run: CanaryRun, windows_passed: int) -> None:
         expected = run.analysis.revision if run.analysis else None
@@ -148,7 +200,7 @@ class Analyzer:
         except (StaleDataError, IntegrityError):
             log.info("%s: another analyzer opened the window first", run.adapter_id)
             return
-        self._baselines[run.adapter_id] = self._baseline(run)
+        self._mark(run)
 
     @staticmethod
     def _route_unchanged(s: Session, run: CanaryRun) -> bool:
@@ -212,7 +264,7 @@ class Analyzer:
         record = self.registry.change_route(run.adapter_id, etag_of(run.route_revision),
                                             ANALYZER, action, reason, run.canary, transition,
                                             args, hook=hook)
-        self._baselines[run.adapter_id] = self._baseline(run, record.route.revision)
+        self._mark(run, record.route.revision)
 
     def _record_pass(self, run: CanaryRun, a: AnalysisRecord, reason: str,
                      details: dict[str, Any], now: dt.datetime) -> None:
@@ -223,7 +275,14 @@ class Analyzer:
             row = open_window(s, run.adapter_id, run.canary, run.route_revision,
                               a.windows_passed + 1, a.revision, now)
             record_decision(row, "pass", run.canary, reason, details, now)
-        self._baselines[run.adapter_id] = self._baseline(run)
+        self._mark(run)
+
+
+def _window_open(run: CanaryRun) -> bool:
+    """The analysis row holds the window of the route's current revision and canary."""
+    a = run.analysis
+    return a is not None and a.route_revision == run.route_revision and \
+        a.canary_version == run.canary
 
 
 def _same(state: lifecycle.AdapterState) -> lifecycle.AdapterState:

@@ -225,3 +225,29 @@ class CanaryAnalysisRow(Base):
     revision: Mapped[int] = mapped_column(BigInteger, default=1)
 
     __mapper_args__ = {"version_id_col": revision}
+
+
+class CanaryEvidenceRow(Base):
+    """The evidence of one version within one analysis window (adapter, route revision),
+    accumulated by the analyzer each tick, so a restarted control plane resumes the window with
+    what it had seen instead of counting from zero (`store/evidence_rows.py`)."""
+
+    __tablename__ = "canary_evidence"
+
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.adapter_id"), primary_key=True)
+    route_revision: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class EvidenceCheckpointRow(Base):
+    """A worker's cumulative counters as of the evidence last written to `canary_evidence`:
+    a restarted control plane takes the worker's next heartbeat as news from there, not as a
+    baseline, so what the worker counted meanwhile is not lost."""
+
+    __tablename__ = "evidence_checkpoints"
+
+    worker_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    started_at_ms: Mapped[int] = mapped_column(BigInteger)
+    counters: Mapped[list[Any]] = mapped_column(JSON, default=list)
