@@ -44,10 +44,10 @@ def hf_run(model_dir: Path, adapter: Path | None, prompt: list[int], n: int, dty
 
 
 def engine_run(demo: Path, names: list[str], dtype: str, graphs: bool, mixed: bool,
-               async_steps: bool, lora_overlap: bool, n: int):
+               async_steps: bool, n: int):
     engine = LLMEngine.from_model_dir(demo / "model", EngineConfig(
         dtype=dtype, device="cuda", max_adapters_per_batch=16, cuda_graphs=graphs,
-        mixed_graphs=mixed, async_steps=async_steps, lora_overlap=lora_overlap))
+        mixed_graphs=mixed, async_steps=async_steps))
     for name in names:
         engine.register_adapter(name, demo / "adapters" / name)
     first: dict[str, torch.Tensor] = {}
@@ -89,15 +89,12 @@ def main() -> int:
             hf[(tuple(p), a)] = hf_run(demo / "model", demo / "adapters" / a if a else None, p,
                                        args.new_tokens, dtype)
     # eager; decode steps as graphs; every step as a graph (prefill steps padded to buckets);
-    # the same with asynchronous steps; eager and all graphs with LoRA on a second stream
-    modes = {"eager": (False, False, False, False), "cuda_graphs": (True, False, False, False),
-             "all_graphs": (True, True, False, False),
-             "all_graphs_async": (True, True, True, False),
-             "eager_lora_overlap": (False, False, False, True),
-             "all_graphs_lora_overlap": (True, True, False, True)}
-    for mode, (graphs, mixed, async_steps, overlap) in modes.items():
+    # the same with asynchronous steps
+    modes = {"eager": (False, False, False), "cuda_graphs": (True, False, False),
+             "all_graphs": (True, True, False), "all_graphs_async": (True, True, True)}
+    for mode, (graphs, mixed, async_steps) in modes.items():
         reqs, tokens, first = engine_run(demo, names, args.dtype, graphs, mixed, async_steps,
-                                         overlap, args.new_tokens)
+                                         args.new_tokens)
         exact, first_div_ok, rel = 0, 0, []
         for i, (p, a) in enumerate(reqs):
             ref, ref_logits, margins = hf[(tuple(p), a)]

@@ -80,15 +80,9 @@ PROMPT_LENGTHS = [1024, 17, 700, 333, 129, 64, 900, 512, 250, 1000, 40, 600, 128
 MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps": False},
          "all_graphs": {"async_steps": False},
          "all_graphs_async": {"async_steps": True},
-         # LoRA on a side stream for decode-sized steps (EngineConfig.lora_overlap; off by
-         # default, so asked for by name).
-         "all_graphs_lora_overlap": {"lora_overlap": True, "async_steps": False},
          # EngineConfig.merge_sole_adapter, over its own requests: MERGE_REQUESTS prompts all
          # on MERGE_ADAPTER (every module, rsLoRA scale), so most steps run merged.
-         "merge_sole_adapter": {"merge_sole_adapter": True},
-         # The LoRA expands' 16-bit dot (EngineConfig.lora_expand_dot_16bit, off by default:
-         # lora-grid-dot16-rejected-h200.json); not in DEFAULT_MODES.
-         "all_graphs_dot16": {"async_steps": False, "lora_expand_dot_16bit": True}}
+         "merge_sole_adapter": {"merge_sole_adapter": True}}
 DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async", "merge_sole_adapter")
 MERGE_ADAPTER = "rslora-all-r32"
 MERGE_REQUESTS = 6

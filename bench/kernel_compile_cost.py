@@ -76,8 +76,7 @@ def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
               "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False}, 4),
             (f"tile_expand_r{bound}", lora_expand._lora_expand_kernel,
              {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 256,
-              "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False,
-              "SPLIT_UNROLL": 1}, 4),
+              "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False}, 4),
         ]
     return out
 

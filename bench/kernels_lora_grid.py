@@ -10,24 +10,18 @@ case times, over inputs rotated past the L2:
 - `graph_short_list` (when the real tiles fit cdiv(B, 16)): the short list decode graphs also
   capture for one adapter on every row, split fixed from its capacity;
 - `exact`: the real tile list, split chosen on the host (an eager step);
-- `split_unroll4`: `graph_capture_split` with the expand reading the K splits' partial sums
-  four loads at a time;
 - `early_loads`: `graph_capture_split` with the expand loading its y and B tiles before it sums
   the K splits (`LoraTiles.early_loads`; launches of at most 16 tiles, the short lists among
   them, always do);
-- `short_list_rank_parts4`: `graph_short_list` with the shrink's rank tile shared by four
-  programs (`LoraTiles.shrink_rank_parts`; parts at least 16 wide, so fewer below rank 64);
 - `pdl` / `no_pdl` suffixes: the variant with the expand launched as a programmatic
   dependent of its shrink (`LoraTiles.pdl`, `RowTiles.pdl`) and without, whatever the
-  default (`graph_pdl`, `short_list_pdl`, `short_list_rank_parts4_pdl`, `rows_pdl`, ...);
+  default (`graph_pdl`, `short_list_pdl`, `rows_pdl`, ...);
 - `wide_split4` (U >= B/4): 512-wide expand and shrink tiles, K split at most 4;
 - `budget256` (r 64): split capped at 256 // rank tile (fewer partial sums to add);
-- `graph_dot16` / `short_list_dot16`: the full / short list with the expand's second product
-  in fp16 (`LoraTiles.expand_dot_16bit`);
-- `graph_wave` / `short_list_wave` (and `_dot16`): the K split of `LoraTiles.wave_split`
-  (launches of at most 16 tiles: one wave of tiles x splits, a power of two); the default
-  since 015e6a7, so today they repeat `graph_capture_split` / `graph_short_list` (and
-  `_dot16`), kept for the `grid-split` step that compared them;
+- `graph_wave` / `short_list_wave`: the K split of `LoraTiles.wave_split` (launches of at
+  most 16 tiles: one wave of tiles x splits, a power of two); the default since 015e6a7, so
+  today they repeat `graph_capture_split` / `graph_short_list`, kept for the `grid-split`
+  step that compared them;
 - `graph_before` / `short_list_before`: the tiles before 015e6a7 (tf32 expand dot, splits for
   four programs a multiprocessor everywhere), whatever the default;
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
@@ -69,16 +63,12 @@ VLLM_US = {(16, 64, 1): 7.6, (16, 256, 1): 11.0, (16, 256, 64): 35.5, (16, 256, 
            (64, 256, 256): 209.7, (8, 256, 1): 12.8}
 BUDGET = dataclasses.replace(DECODE_TILES, split_rank_budget=256)
 NO_BUCKETS = dataclasses.replace(DECODE_TILES, rank_buckets=False)
-UNROLL4 = dataclasses.replace(DECODE_TILES, split_unroll=4)
 EARLY = dataclasses.replace(DECODE_TILES, early_loads=True)
-RANK_PARTS4 = dataclasses.replace(DECODE_TILES, shrink_rank_parts=4)
 # Programmatic dependent launch on (`LoraTiles.pdl`) and off, whatever the default.
 PDL, NO_PDL = (dataclasses.replace(DECODE_TILES, pdl=on) for on in (True, False))
 ROWS_PDL, ROWS_NO_PDL = RowTiles(pdl=True), RowTiles(pdl=False)
-DOT16 = dataclasses.replace(DECODE_TILES, expand_dot_16bit=True)
 WAVE = dataclasses.replace(DECODE_TILES, wave_split=True)
-WAVE_DOT16 = dataclasses.replace(WAVE, expand_dot_16bit=True)
-BEFORE = dataclasses.replace(DECODE_TILES, wave_split=False, expand_dot_16bit=False)
+BEFORE = dataclasses.replace(DECODE_TILES, wave_split=False)
 # The best tiles at r16 B64 U64 in decode-sweep-lora-h200.json (16.1 vs 20.7 us): wider
 # expand and shrink tiles, the K split at most 4 (`wide_split4`).
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
@@ -137,16 +127,13 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
     out: dict[str, Variant] = {
         "graph_capture_split": (grph, rank, DECODE_TILES, capture),
         "exact": (exact, rank, DECODE_TILES, None),
-        "split_unroll4": (grph, rank, UNROLL4, capture),
         "early_loads": (grph, rank, EARLY, capture),
         "rows": (rows, rank, RowTiles(), None),
         "graph_pdl": (grph, rank, PDL, capture),
         "graph_no_pdl": (grph, rank, NO_PDL, capture),
         "rows_pdl": (rows, rank, ROWS_PDL, None),
         "rows_no_pdl": (rows, rank, ROWS_NO_PDL, None),
-        "graph_dot16": (grph, rank, DOT16, split(DOT16, b)),
         "graph_wave": (grph, rank, WAVE, split(WAVE, b)),
-        "graph_wave_dot16": (grph, rank, WAVE_DOT16, split(WAVE_DOT16, b)),
         "graph_before": (grph, rank, BEFORE, split(BEFORE, b))}
     if len(set(slots)) >= max(2, b // 4):
         out["wide_split4"] = (grph, rank, WIDE, min(4, capture))
@@ -154,16 +141,10 @@ def variants(slots: list[int], rank: int) -> dict[str, Variant]:
     if short < b and exact.num_tiles <= short:
         short_split = split(DECODE_TILES, short)
         out["graph_short_list"] = (padded_meta(slots, short), rank, DECODE_TILES, short_split)
-        out["short_list_rank_parts4"] = (padded_meta(slots, short), rank, RANK_PARTS4,
-                                         short_split)
         out["short_list_pdl"] = (padded_meta(slots, short), rank, PDL, short_split)
         out["short_list_no_pdl"] = (padded_meta(slots, short), rank, NO_PDL, short_split)
-        out["short_list_dot16"] = (padded_meta(slots, short), rank, DOT16, split(DOT16, short))
-        for name, t in (("wave", WAVE), ("wave_dot16", WAVE_DOT16), ("before", BEFORE)):
+        for name, t in (("wave", WAVE), ("before", BEFORE)):
             out[f"short_list_{name}"] = (padded_meta(slots, short), rank, t, split(t, short))
-        out["short_list_rank_parts4_pdl"] = (
-            padded_meta(slots, short), rank, dataclasses.replace(RANK_PARTS4, pdl=True),
-            short_split)
     if rank == 64:  # below rank 64 the budget allows every split anyway
         out["budget256"] = (grph, rank, BUDGET, min(capture, split_cap(BUDGET, kl.K, 64)))
     elif slots == sorted(slots):

@@ -3,9 +3,7 @@ which K split and tiles serve it best, on the short tile list decode graphs repl
 
 For each cell (rank, rows): the shrink's and the expand's device time apart (torch.profiler
 over eager launches: kernel durations, not launch gaps), then CUDA-graph replay times of the
-short list under K splits 8..64 (finer K tiles past 16 splits), with the expand summing the
-splits one or four at a time, with the shrink's rank tile shared by four programs, and with
-the expand launched as the shrink's programmatic dependent or not (`LoraTiles.pdl`) beside
+short list under K splits 8..64 (finer K tiles past 16 splits), and with the expand launched as the shrink's programmatic dependent or not (`LoraTiles.pdl`) beside
 split and column-tile variants. One 4096x4096 module, fp16, inputs rotated past the L2.
 
     python -m bench.lora_one_adapter --out bench/results/lora-one-adapter-h200.json
@@ -36,26 +34,13 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("default", DECODE_TILES, None),
     ("split8", DECODE_TILES, 8),
     ("split32_k128", dataclasses.replace(DECODE_TILES, shrink_block_k=128), 32),
-    ("split32_k128_unroll4", dataclasses.replace(DECODE_TILES, shrink_block_k=128,
-                                                 split_unroll=4), 32),
-    ("split64_k64_unroll4", dataclasses.replace(DECODE_TILES, shrink_block_k=64,
-                                                split_unroll=4), 64),
     ("default_warps8", dataclasses.replace(DECODE_TILES, num_warps=8), None),
     ("default_bn128", dataclasses.replace(DECODE_TILES, expand_block_n=128), None),
-    # The shrink's rank tile shared by four programs (LoraTiles.shrink_rank_parts), alone and
-    # with the expand's wider grid.
-    ("rank_parts4", dataclasses.replace(DECODE_TILES, shrink_rank_parts=4), None),
-    ("rank_parts4_bn128", dataclasses.replace(DECODE_TILES, shrink_rank_parts=4,
-                                              expand_block_n=128), None),
-    ("rank_parts4_split8", dataclasses.replace(DECODE_TILES, shrink_rank_parts=4), 8),
     # The expand launched as a programmatic dependent of the shrink (LoraTiles.pdl), on and
     # off whatever the default, alone and with the variants above that gained at rank 64.
     ("pdl", dataclasses.replace(DECODE_TILES, pdl=True), None),
     ("no_pdl", dataclasses.replace(DECODE_TILES, pdl=False), None),
     ("pdl_warps8", dataclasses.replace(DECODE_TILES, pdl=True, num_warps=8), None),
-    ("pdl_rank_parts4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_rank_parts=4), None),
-    ("pdl_rank_parts4_bn128", dataclasses.replace(DECODE_TILES, pdl=True, shrink_rank_parts=4,
-                                                  expand_block_n=128), None),
     # Fewer partial sums for the expand to re-read (r64 B256: 16 splits of 256 rows x 64
     # ranks, re-read by each of the 16 column tiles), or wider column tiles that re-read
     # them less often.
@@ -66,14 +51,6 @@ CONFIGS: tuple[tuple[str, LoraTiles, int | None], ...] = (
     ("pdl_k512_bn512_split4", dataclasses.replace(DECODE_TILES, pdl=True, shrink_block_k=512,
                                                   expand_block_n=512), 4),
     ("pdl_warps8_split8", dataclasses.replace(DECODE_TILES, pdl=True, num_warps=8), 8),
-    # The expand's second product in fp16 (LoraTiles.expand_dot_16bit: B stays 16-bit, the
-    # dot at the 16-bit rate), alone, with 8 K splits, and with 128-wide expand columns.
-    ("dot16", dataclasses.replace(DECODE_TILES, expand_dot_16bit=True), None),
-    ("dot16_split8", dataclasses.replace(DECODE_TILES, expand_dot_16bit=True), 8),
-    ("dot16_bn128", dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
-                                        expand_block_n=128), None),
-    ("dot16_bn512", dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
-                                        expand_block_n=512), None),
 )
 
 

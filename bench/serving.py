@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from bench.churn import scenario_churn, scenario_churndisk, scenario_coldttft
+from bench.distinct_adapters import scenario_distinct
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.run_record import commit_id
@@ -75,8 +76,6 @@ class Bench:
         kw.update(overrides)
         self.release()
         engine = self._last = LLMEngine(self.model, self.cfg, None, EngineConfig(**kw))
-        if getattr(a, "graph_lora_split_k", None) is not None:
-            engine.runner.fix_graph_lora_split(a.graph_lora_split_k)
         for i in range(num_adapters):
             rank = ranks[i % len(ranks)]
             if rank not in self._base_adapters:
@@ -377,7 +376,7 @@ def random_adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
 SCENARIOS = {"overhead": scenario_overhead, "gcpause": scenario_gcpause,
              "scale": scenario_scale, "reuse": scenario_reuse, "peft32": scenario_peft32,
              "floor": scenario_floor, "churn": scenario_churn, "churndisk": scenario_churndisk,
-             "coldttft": scenario_coldttft}
+             "coldttft": scenario_coldttft, "distinct": scenario_distinct}
 
 
 # The model allows 4096; 1100 fits the longest workload request and keeps graph block tables
@@ -404,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse-batch", type=int, default=64)
     p.add_argument("--overhead-repeats", type=int, default=5,
                    help="interleaved base / one-adapter pairs of 'overhead'")
+    p.add_argument("--distinct-batch", type=int, default=64,
+                   help="requests in one batch of 'distinct' (adapter i %% D)")
+    p.add_argument("--distinct-input", type=int, default=512)
+    p.add_argument("--distinct-output", type=int, default=256)
     p.add_argument("--churn-alphas", type=lambda s: tuple(float(x) for x in s.split(",")),
                    default=(1.0, 0.5), help="popularity skews of 'churn' (1.0 required)")
     p.add_argument("--churn-requests", type=int, default=1000,
@@ -416,9 +419,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="host tier of the disk variant of 'churn'")
     p.add_argument("--churn-disk-dir", default=None,
                    help="where 'churn' and 'coldttft' write adapter files (default: $TMPDIR)")
-    p.add_argument("--graph-lora-split-k", type=int, default=None,
-                   help="a fixed LoRA K split inside CUDA graphs, for split experiments "
-                        "(default: the kernels' choice)")
     p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows, pdl_supported
-from kernels.lora_expand import DOT_16BIT_DTYPES, lora_expand
+from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from kernels.lora_rows import RowTiles, rows_expand, rows_shrink
 from kernels.lora_shrink import lora_shrink
@@ -39,20 +39,10 @@ class LoraTiles:
     split_rank_budget: int | None = None
     # Segments of rank <= 16 (<= 32) run 16- (32-) wide rank tiles instead of the launch's.
     rank_buckets: bool = True
-    # The expand's K-split partial sums read 1 or 4 per step of its summing loop. 4 (the
-    # grid's `split_unroll4`, lora-grid-h200.json) was 1-5% faster at 64+ adapters and no
-    # faster or slower elsewhere, so 1 stays the default.
-    split_unroll: int = 1
     # The expand loads its y and B tiles before summing the K splits (their latency overlaps
     # the sum's), as the row kernels do. Decode launches of at most EARLY_LOADS_MAX_TILES
     # tiles always do (see there).
     early_loads: bool = False
-    # The shrink's rank tile shared by this many programs (each taking a 16-wide or wider part):
-    # more, smaller programs where few tiles leave most multiprocessors idle (one adapter on a
-    # decode batch at rank 64: 16 programs of 32 KB of A each). Timed on the H200 with PDL on
-    # (short lists, 4 parts): r64 B16 U1 7.8 -> 7.1 us, but r64 B64 U1 8.9 -> 10.9 and B256
-    # 14.1 -> 17.7, r16/r8 unchanged (lora-grid-pdl-dccb3ce-h200.json), so 1 (off).
-    shrink_rank_parts: int = 1
     # Programmatic dependent launch (Hopper+, compiled kernels only): the expand is launched
     # as a dependent of its shrink, which lets it start at once, so the expand's launch and
     # its table, y and B loads overlap the shrink; only its sum of the partial sums waits
@@ -64,16 +54,11 @@ class LoraTiles:
     # not in the grid, take it too; the engine runs include them)
     # (lora-grid-pdl-dccb3ce-h200.json, engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
     pdl: bool = True
-    # The expand's second product in the arena's 16-bit dtype, x @ A.T rounded to it first (as
-    # peft's 16-bit forward rounds lora_A's output, and as vLLM's expand casts its input),
-    # instead of B widened to float32 for a tf32 dot: half B's registers (a 256 x 64 tile is
-    # 64 KB as float32) and the 16-bit dot rate. float32 arenas keep the float32 dot. On the
-    # H200 unscaled, no cell of the grid lost (r64 B256 U1 short list 13.6 -> 13.0 us;
-    # lora-grid-split-h200.json @ 015e6a7), but fp16 then overflowed on massive activations;
-    # with the per-row scaling that keeps them finite it lost at rank 64 (r64 B16 U1 short
-    # list 8.0 -> 8.7, B64 U1 8.8 -> 9.5, B256 U256 105.1 -> 108.4; lora-grid-dot16-
-    # rejected-h200.json @ 0f38612), so off.
-    expand_dot_16bit: bool = False
+    # Measured on the H200 and taken out (each lost or gained nothing at the engine's cases):
+    # reading the K splits' sums four at a time in the expand (lora-grid-h200.json,
+    # `split_unroll4`), the shrink's rank tile shared by four programs (r64 B64 U1 8.9 ->
+    # 10.9 us, lora-grid-pdl-dccb3ce-h200.json), and the expand's second product as a 16-bit
+    # dot (r64 B16 U1 8.0 -> 8.7 us, lora-grid-dot16-rejected-h200.json @ 0f38612).
     # Two ways of adding the K splits before the expand, so that it reads one sum instead
     # of re-reading every split once per column tile, were timed on the H200 and lost, so
     # neither is kept: the shrink's last split summing the others into the first (an atomic
@@ -189,7 +174,6 @@ def add_lora_triton(
     split_k: int | None = None,
     tiles: LoraTiles | RowTiles | None = None,
     pdl: bool | None = None,
-    expand_dot_16bit: bool | None = None,
 ) -> None:
     """y += the multi-LoRA delta of x, as `add_lora_reference` defines it.
 
@@ -197,8 +181,7 @@ def add_lora_triton(
     launcher reads `ranks.max()`, a host sync that CUDA-graph capture forbids. `split_k` and
     `tiles` override the tuned choices (tests use them to reach every code path). A meta
     built for `ROW_BLOCK_M` runs the row kernels (`kernels.lora_rows`) over its token slots.
-    `pdl` overrides the tiles' programmatic dependent launch (used only where supported),
-    `expand_dot_16bit` their expand's 16-bit dot (used only with 16-bit arenas).
+    `pdl` overrides the tiles' programmatic dependent launch (used only where supported).
     """
     if len(module_ids) != len(out_slices):
         raise ValueError(f"{len(module_ids)} modules but {len(out_slices)} output slices")
@@ -236,18 +219,14 @@ def add_lora_triton(
                         block_n=tiles.wide_block_n if wide else tiles.block_n,
                         num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl)
             continue
-        rank_parts = min(tiles.shrink_rank_parts, block_r // 16)
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    rank_parts=rank_parts, launch_dependents=pdl)
+                    launch_dependents=pdl)
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets, split_unroll=tiles.split_unroll,
-                    early_loads=early_loads, pdl=pdl,
-                    dot_16bit=(tiles.expand_dot_16bit if expand_dot_16bit is None
-                               else expand_dot_16bit) and arena.dtype in DOT_16BIT_DTYPES)
+                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:

@@ -79,12 +79,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def check_tables(arena: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
-                 ranks: torch.Tensor, *, float32_x: bool = False) -> None:
+                 ranks: torch.Tensor) -> None:
     """Raise ValueError unless the arena and one layer's offset/rank tables fit the kernels.
-    The arena holds the activations' dtype; with `float32_x`, x may also be float32 (the
-    expand's output when the delta is summed apart from the base output, lora_overlap)."""
-    if arena.dim() != 1 or (arena.dtype != x.dtype
-                            and not (float32_x and x.dtype == torch.float32)):
+    The arena holds the activations' dtype."""
+    if arena.dim() != 1 or arena.dtype != x.dtype:
         raise ValueError(f"arena must be 1-D of dtype {x.dtype}, got {arena.dtype} "
                          f"{tuple(arena.shape)}")
     if offsets.dtype != torch.int64 or ranks.dtype != torch.int32:

@@ -39,20 +39,15 @@ from kernels.lora_meta import LoraMeta
 def _expand_rank_tiles(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr, DOT_16BIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EARLY_LOADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """y[rows, cols] += scale * (sum of buf's K splits)[:, :rank] @ B[cols, :rank].T. With
-    SPLIT_UNROLL 4 the partial sums are read four loads at a time (independent loads issued
-    before the adds), else one after another. With EARLY_LOADS the y tile and each B tile are
-    loaded before the K splits are summed, so their latency overlaps the sum's (as the row
-    kernels do, lora_rows._rows_expand_tiles). With USE_PDL only the sum waits for the
-    shrink (launched as its programmatic dependent, this may start while the shrink runs).
-    With DOT_16BIT the summed x @ A.T is rounded to B's 16-bit dtype and multiplied in it
-    (float32 accumulation), as peft's 16-bit forward rounds lora_A's output: B stays 16-bit
-    in registers and the dot runs at the 16-bit rate, instead of B widened to float32 for a
-    tf32 dot. In fp16, rows past 2**15 are scaled into range first (by powers of two, undone
-    after the dot), so sums past fp16's range stay finite as the float32 chain keeps them."""
+    EARLY_LOADS the y tile and each B tile are loaded before the K splits are summed, so their
+    latency overlaps the sum's (as the row kernels do, lora_rows._rows_expand_tiles). With
+    USE_PDL only the sum waits for the shrink (launched as its programmatic dependent, this may
+    start while the shrink runs). B is widened to float32 for the dot (tf32 on 16-bit arenas):
+    a 16-bit dot lost at rank 64 on the H200 (lora-grid-dot16-rejected-h200.json)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EARLY_LOADS:
         y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -67,36 +62,12 @@ def _expand_rank_tiles(
             b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
         h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         wait_for_producer(USE_PDL)
-        if SPLIT_UNROLL == 4:
-            parts = buf_rows[:, None] + offs_r[None, :]
-            for j in range(0, split_k, 4):
-                # Split j + i as a tensor, so the masks stay tensors whatever j's type.
-                js = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.int32) + j
-                p0 = tl.load(parts + j * stride_bs, mask=h_mask, other=0.0)
-                p1 = tl.load(parts + (j + 1) * stride_bs, mask=h_mask & (js + 1 < split_k),
-                             other=0.0)
-                p2 = tl.load(parts + (j + 2) * stride_bs, mask=h_mask & (js + 2 < split_k),
-                             other=0.0)
-                p3 = tl.load(parts + (j + 3) * stride_bs, mask=h_mask & (js + 3 < split_k),
-                             other=0.0)
-                h += (p0 + p1) + (p2 + p3)
-        else:
-            for j in range(split_k):
-                h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
-                             other=0.0)
+        for j in range(split_k):
+            h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
+                         other=0.0)
         if not EARLY_LOADS:
             b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        if DOT_16BIT and b_tile.dtype == tl.float16:
-            # fp16 tops out at 65504 while x @ A.T on massive activations passes it (bf16 has
-            # float32's range): a row whose sums reach past 2**15 is scaled by a power of two
-            # into range before the rounding and back after the dot, both exact.
-            shift = tl.maximum(tl.ceil(tl.log2(tl.max(tl.abs(h), axis=1))) - 15.0, 0.0)
-            acc += tl.dot((h * tl.exp2(-shift)[:, None]).to(tl.float16),
-                          b_tile) * tl.exp2(shift)[:, None]
-        elif DOT_16BIT:
-            acc += tl.dot(h.to(b_tile.dtype), b_tile)
-        else:
-            acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
+        acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
     if not EARLY_LOADS:
         y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
     tl.store(y_ptrs, (y_old.to(tl.float32) + acc * scale).to(y_ptrs.dtype.element_ty),
@@ -107,26 +78,22 @@ def _expand_rank_tiles(
 def _expand_bucketed(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr, DOT_16BIT: tl.constexpr,
+    BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr, EARLY_LOADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """`_expand_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`."""
     if RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16,
-                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL, DOT_16BIT)
+                           EARLY_LOADS, USE_PDL)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32,
-                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL, DOT_16BIT)
+                           EARLY_LOADS, USE_PDL)
     else:
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
-                           SPLIT_UNROLL, EARLY_LOADS, USE_PDL, DOT_16BIT)
-
-
-# Arena dtypes the expand's 16-bit dot takes (`lora_expand(dot_16bit=True)`).
-DOT_16BIT_DTYPES = (torch.float16, torch.bfloat16)
+                           EARLY_LOADS, USE_PDL)
 
 
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
@@ -140,8 +107,8 @@ def _lora_expand_kernel(
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, SPLIT_UNROLL: tl.constexpr,
-    EARLY_LOADS: tl.constexpr, USE_PDL: tl.constexpr, DOT_16BIT: tl.constexpr,
+    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, EARLY_LOADS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     mod_i = tl.program_id(1) // n_tiles
@@ -177,13 +144,13 @@ def _lora_expand_kernel(
         # every B row segment loads as 16-byte vectors.
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
-                         EARLY_LOADS, USE_PDL, DOT_16BIT)
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
+                         EARLY_LOADS, USE_PDL)
     else:
         _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
                          scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS, SPLIT_UNROLL,
-                         EARLY_LOADS, USE_PDL, DOT_16BIT)
+                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
+                         EARLY_LOADS, USE_PDL)
 
 
 def lora_expand(
@@ -203,22 +170,14 @@ def lora_expand(
     num_warps: int = 4,
     num_stages: int = 2,
     rank_buckets: bool = True,
-    split_unroll: int = 1,
     early_loads: bool = False,
     pdl: bool = False,
-    dot_16bit: bool = False,
 ) -> None:
-    """Add the expand of `buf` into y's column slices (see module docstring). `split_unroll`
-    (1 or 4): K splits' partial sums read per step of the summing loop; `early_loads`: the y
-    and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`): launched
-    as a programmatic dependent of the shrink before it, which must write nothing else this
-    reads (kernels.lora.LoraTiles.pdl). `dot_16bit` (16-bit arenas only): the delta's
-    second product in B's dtype, its input x @ A.T rounded to it (`_expand_rank_tiles`)."""
+    """Add the expand of `buf` into y's column slices (see module docstring). `early_loads`:
+    the y and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`):
+    launched as a programmatic dependent of the shrink before it, which must write nothing
+    else this reads (kernels.lora.LoraTiles.pdl)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
-    if split_unroll not in (1, 4):
-        raise ValueError(f"split_unroll must be 1 or 4, got {split_unroll}")
-    if dot_16bit and arena.dtype not in DOT_16BIT_DTYPES:
-        raise ValueError(f"a 16-bit expand dot needs a 16-bit arena, got {arena.dtype}")
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
@@ -240,8 +199,8 @@ def lora_expand(
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
-        GATHER_ROWS=meta.token_rows is not None, SPLIT_UNROLL=split_unroll,
-        EARLY_LOADS=early_loads, USE_PDL=pdl, DOT_16BIT=dot_16bit, num_warps=num_warps,
+        GATHER_ROWS=meta.token_rows is not None, EARLY_LOADS=early_loads, USE_PDL=pdl,
+        num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
     )
@@ -261,5 +220,5 @@ def _check_expand_inputs(
     if len(module_ids) > MAX_MODULES_PER_LAUNCH:
         raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules per launch, got {module_ids}")
     check_slices(y, module_ids, out_slices)
-    check_tables(arena, y, b_offsets, ranks, float32_x=True)
+    check_tables(arena, y, b_offsets, ranks)
     check_scales(scales, ranks)

@@ -283,7 +283,7 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
     if num_mods > MAX_MODULES_PER_LAUNCH:
         raise ValueError(f"1..{MAX_MODULES_PER_LAUNCH} modules per launch, got {module_ids}")
     check_slices(y, module_ids, out_slices)
-    check_tables(arena, y, b_offsets, ranks, float32_x=True)
+    check_tables(arena, y, b_offsets, ranks)
     check_scales(scales, ranks)
     _check_slots(token_slots, num_rows)
     if num_rows == 0:

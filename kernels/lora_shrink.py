@@ -36,15 +36,12 @@ from kernels.lora_meta import LoraMeta
 
 @triton.jit
 def _shrink_rank_tiles(
-    x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K, stride_xm, stride_xk, r_start,
+    x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K, stride_xm, stride_xk,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, R_STEP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """buf_rows[:, :rank] = x[tokens, k_lo:k_hi] @ A[:rank, k_lo:k_hi].T, rank tile by tile:
-    the BLOCK_R-wide tiles at r_start, r_start + R_STEP, ... below `rank` (0 and BLOCK_R for a
-    program that covers every rank; a rank part's offset and the launch's rank tile for one
-    of RANK_PARTS programs that share them)."""
-    for r0 in range(r_start, rank, R_STEP):
+    """buf_rows[:, :rank] = x[tokens, k_lo:k_hi] @ A[:rank, k_lo:k_hi].T, rank tile by tile."""
+    for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -68,41 +65,32 @@ def _shrink_rank_tiles(
 def _shrink_bucketed(
     x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K, stride_xm, stride_xk,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr, part, RANK_PARTS: tl.constexpr,
+    BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr,
 ):
     """`_shrink_rank_tiles` with the narrowest rank tile (16, 32 or BLOCK_R) that covers this
-    segment's rank, so a rank-8 adapter does not pay for the launch's 64-wide tile. With
-    RANK_PARTS > 1 the launch's rank tile is shared by that many programs, this one (`part`)
-    taking its BLOCK_R // RANK_PARTS ranks at part * that in each tile (no buckets: the parts
-    are already narrow)."""
-    if RANK_PARTS > 1:
+    segment's rank, so a rank-8 adapter does not pay for the launch's 64-wide tile."""
+    if RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
-                           stride_xm, stride_xk, part * (BLOCK_R // RANK_PARTS), DOT_PRECISION,
-                           BLOCK_M, BLOCK_R // RANK_PARTS, BLOCK_K, BLOCK_R)
-    elif RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
-        _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
-                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 16, BLOCK_K, 16)
+                           stride_xm, stride_xk, DOT_PRECISION, BLOCK_M, 16, BLOCK_K)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
-                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, 32, BLOCK_K, 32)
+                           stride_xm, stride_xk, DOT_PRECISION, BLOCK_M, 32, BLOCK_K)
     else:
         _shrink_rank_tiles(x_ptr, a_base, buf_rows, tokens, mask_m, rank, k_lo, k_hi, K,
-                           stride_xm, stride_xk, 0, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K,
-                           BLOCK_R)
+                           stride_xm, stride_xk, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K)
 
 
 @triton.jit
 def _shrink_item(
     x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
-    tile, mod_i, split, part, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk, table_stride,
+    tile, mod_i, split, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk, table_stride,
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr,
-    GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr,
+    GATHER_ROWS: tl.constexpr,
 ):
-    """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile` (rank
-    part `part` of RANK_PARTS)."""
+    """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile`."""
     seg = tl.load(tile_segs_ptr + tile)
     real = seg >= 0
     # Masked: an unused entry reads nothing (the segment arrays may even be empty).
@@ -124,13 +112,11 @@ def _shrink_item(
             # sizes are; `// 8 * 8` shows the compiler that alignment: 16-byte A loads.
             _shrink_bucketed(x_ptr, arena_ptr + a_off // 8 * 8, buf_rows, tokens, mask_m, rank,
                              k_lo, k_hi, K, stride_xm, stride_xk,
-                             DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS, part,
-                             RANK_PARTS)
+                             DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS)
         else:
             _shrink_bucketed(x_ptr, arena_ptr + a_off, buf_rows, tokens, mask_m, rank,
                              k_lo, k_hi, K, stride_xm, stride_xk,
-                             DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS, part,
-                             RANK_PARTS)
+                             DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS)
 
 
 # Values that change from step to step are runtime arguments that Triton must not specialize
@@ -143,23 +129,21 @@ def _lora_shrink_kernel(
     K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, RANK_PARTS: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     release_dependents(LAUNCH_DEPENDENTS)
-    # Work items (tile, module, K split, rank part), the parts and splits of one tile adjacent
-    # so they share its rows of x in the L2.
+    # Work items (tile, module, K split), the splits of one tile adjacent so they share its
+    # rows of x in the L2.
     k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k) * BLOCK_K
-    items = num_tiles * num_mods * split_k * RANK_PARTS
-    for w in range(tl.program_id(0), items, tl.num_programs(0)):
-        v = w // RANK_PARTS
+    items = num_tiles * num_mods * split_k
+    for v in range(tl.program_id(0), items, tl.num_programs(0)):
         _shrink_item(x_ptr, arena_ptr, buf_ptr, a_off_ptr, ranks_ptr,
                      seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr,
                      rows_ptr, v // split_k // num_mods, v // split_k % num_mods, v % split_k,
-                     w % RANK_PARTS, mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk,
+                     mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk,
                      table_stride, stride_bs, stride_bt, stride_bm,
                      MAX_RANK, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS,
-                     GATHER_ROWS, RANK_PARTS)
+                     GATHER_ROWS)
 
 
 def lora_shrink(
@@ -177,26 +161,19 @@ def lora_shrink(
     num_warps: int = 4,
     num_stages: int = 2,
     rank_buckets: bool = True,
-    rank_parts: int = 1,
     launch_dependents: bool = False,
 ) -> None:
     """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it.
-    `rank_parts` > 1 shares each `block_r`-wide rank tile among that many programs (a power
-    of two, parts at least 16 wide): more, smaller programs for launches of few tiles.
     `launch_dependents`: let an expand launched with `pdl` start while this runs."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
-    if (rank_parts < 1 or rank_parts & (rank_parts - 1) or block_r % rank_parts
-            or block_r // rank_parts < 16):
-        raise ValueError(f"rank_parts must be a power of two splitting the rank tile "
-                         f"{block_r} into parts of at least 16, got {rank_parts}")
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
     if meta.num_tiles == 0 or num_tokens == 0:
         return
     mods = tuple(module_ids) + (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
     if block_m != meta.block_m:
         raise ValueError(f"block_m {block_m} but the tile list was built for {meta.block_m}")
-    _lora_shrink_kernel[(meta.num_tiles * num_mods * split_k * rank_parts,)](
+    _lora_shrink_kernel[(meta.num_tiles * num_mods * split_k,)](
         x, arena, buf, a_offsets, ranks,
         meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
         meta.rows_or_slots(), mods[0], mods[1], mods[2], meta.num_tiles, num_mods, split_k,
@@ -204,8 +181,7 @@ def lora_shrink(
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
-        GATHER_ROWS=meta.token_rows is not None, RANK_PARTS=rank_parts,
-        LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps,
+        GATHER_ROWS=meta.token_rows is not None, LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps,
         num_stages=num_stages,
     )
 

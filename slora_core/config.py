@@ -172,79 +172,71 @@ class ModelConfig:
         return max(max(self.module_shape(m)) for m in LORA_MODULES)
 
 
+def knob(default: Any, help: str) -> Any:
+    """An EngineConfig field with its one description: `slora_core.engine_args` makes the
+    command-line flag, environment variable and help text of every field from these."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Limits of one engine. `block_size=None` picks the smallest power of two >= 16 whose page
-    holds the largest LoRA matrix that `max_rank` allows (DESIGN section 3)."""
+    """Limits of one engine; each field's `help` (knob) is its documentation, and every flag
+    `slora worker`, `slora batch` and the benchmarks take is generated from it. Fields that
+    pick a code path are the user's trades (start-up time and memory against step time), never
+    experiments: a path nothing ships is not a field (issue 36)."""
 
-    dtype: str = "float32"
-    device: str = "cpu"
-    num_pages: int = 256
-    block_size: int | None = None
-    max_rank: int = 64
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    # Distinct adapters one step may read; None: max_num_seqs (`adapter_cap`). A cap below the
-    # number of concurrent requests makes requests wait for adapter room under many-adapter
-    # traffic (H200, 2,000 adapters, 256 sequences: p99 TTFT 58x that of 5 adapters at a cap
-    # of 64, 1.4x at 256), and the LoRA kernels' time grows with the adapters a step reads
-    # but stays below the wait (r16 B256: 45 us at 256 adapters vs 11 us at one), so by
-    # default the batch is the only cap.
-    max_adapters_per_batch: int | None = None
-    # Longest prompt + output. None: the model's (ModelConfig.max_model_len, capped at a
-    # sliding window, which this engine serves as full attention); see resolve_max_model_len.
-    max_model_len: int | None = None
-    host_cache_bytes: int = 1 << 30
-    max_queue: int = 1024
-    # The two graph switches are a user's trade, not experiments: graphs cost capture time at
-    # start-up (every bucket and LoRA module set) and a memory pool, and save the host time of
-    # each step; off is also the fallback when a graph disagrees with the eager path (the GPU
-    # check runs eager, decode-graph and all-graph modes; bench/serving_h200.sh serves with
-    # --no-mixed-graphs when mixed graphs disagree with HF).
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA devices only)
-    # Steps with prefill tokens replay CUDA graphs too, inputs padded to token buckets (CUDA
-    # only, with cuda_graphs); otherwise they run eagerly, host-bound at 7B sizes.
-    mixed_graphs: bool = True
-    # Launch step N+1 before the host has step N's sampled ids (they feed N+1 on the device),
-    # so scheduling and output handling overlap the GPU. Outputs then come one step() call
-    # later. None (the default): on for a single CUDA device (`steps_async`), where it keeps
-    # the GPU busy through the host's work (a batch-64 decode step at 7B shapes: 10.75 vs
-    # 11.70 ms, bench/results/profile-async-h200.json); off on the CPU, where nothing
-    # runs beside the host, and with tensor parallelism, which does not support it.
-    async_steps: bool | None = None
-    # Decode-sized steps (at most LORA_OVERLAP_MAX_TOKENS tokens) run each layer's LoRA delta
-    # on a second CUDA stream beside the base GEMM, then add it (CUDA only; graphs capture
-    # the fork and join). Costs one add per LoRA layer; saves the LoRA launches' latency.
-    lora_overlap: bool = False
-    # Decode steps whose adapters own few rows each replay a third LoRA graph, the row
-    # kernels' (kernels/lora_rows.py: each token reads its adapter through its slot, no tile
-    # list); off: the 16-row tile kernels only. The batch-64 decode step with 64 adapters
-    # gains 0.5-0.8 ms with it (1.27-1.33x its floor vs 1.39x on the H200,
-    # bench/results/engine-floor-*-h200.json). Like every Triton kernel they compile at the
-    # first start (the warm-up captures them) and are read from Triton's cache after.
-    lora_row_kernels: bool = True
-    # Each LoRA expand is launched as a programmatic dependent of its shrink (Hopper and
-    # newer; elsewhere ignored): it starts while the shrink runs and waits only to read the
-    # shrink's sums (kernels.lora.LoraTiles.pdl). None: the kernels' default, on (H200, one
-    # adapter at batch 64: 0.951x vs 0.933x base; the decode step 1.259x vs 1.272x its floor,
-    # engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
-    lora_pdl: bool | None = None
-    # Each LoRA expand's second product in the weights' 16-bit dtype, x @ A.T rounded to it
-    # first, as peft's 16-bit forward rounds lora_A's output (kernels.lora.LoraTiles.
-    # expand_dot_16bit). None: the kernels' default, off (with the fp16 range scaling it lost
-    # at rank 64 on the H200: lora-grid-dot16-rejected-h200.json @ 0f38612).
-    lora_expand_dot_16bit: bool | None = None
-    # When every token of a run of steps reads one adapter, fold it into the base weights and
-    # run those steps as the base model (slora_core/lora_merge.py); any other step restores
-    # the weights first, bit for bit, from the adapter's factors and the few elements whose
-    # round trip is inexact (no copy of the weights). None: on for one CUDA device with 16-bit
-    # weights, where a merge is a few fused launches (H200, Llama-2-7B, one r16 adapter on
-    # every request: 0.991x base merged vs 0.953x unmerged in one run,
-    # engine-speed-merge-h200.json); off elsewhere. Single-device engines only.
-    merge_sole_adapter: bool | None = None
-    # Ranks of one engine (DESIGN section 5): LLMEngine.from_model_dir starts the other ranks
-    # (slora_core/tp); 1 is the single-device engine, untouched.
-    tensor_parallel_size: int = 1
+    dtype: str = knob("float32", "weights and KV cache dtype: float32, float16 or bfloat16")
+    device: str = knob("cpu", "torch device, e.g. cpu or cuda")
+    num_pages: int = knob(256, "page arena size in pages (KV blocks, cached prefixes and "
+                               "resident adapters share it)")
+    block_size: int | None = knob(None, "tokens per KV block (default: the smallest power of "
+                                        "two >= 16 whose page fits a LoRA matrix of max_rank)")
+    max_rank: int = knob(64, "largest adapter rank served")
+    max_num_seqs: int = knob(64, "sequences one step may run")
+    max_num_batched_tokens: int = knob(512, "tokens one step may compute (chunked prefill "
+                                            "budget)")
+    # A cap below the number of concurrent requests makes requests wait for adapter room under
+    # many-adapter traffic (H200, 2,000 adapters, 256 sequences: p99 TTFT 58x that of 5
+    # adapters at a cap of 64, 1.4x at 256), while the LoRA kernels' time grows with the
+    # adapters a step reads but stays below the wait, so by default the batch is the only cap.
+    max_adapters_per_batch: int | None = knob(
+        None, "distinct adapters one step may read (default: max_num_seqs)")
+    max_model_len: int | None = knob(
+        None, "longest prompt + output (default: the model's context length, capped at a "
+              "sliding window, which this engine serves as full attention)")
+    host_cache_bytes: int = knob(1 << 30, "host memory for parsed adapters, in bytes")
+    max_queue: int = knob(1024, "waiting requests past which new ones are refused as busy")
+    # Graphs cost capture time at start-up (every bucket and LoRA module set) and a memory
+    # pool, and save the host time of each step; off is also the fallback when a graph
+    # disagrees with the eager path.
+    cuda_graphs: bool = knob(True, "replay CUDA graphs for decode steps (CUDA only; with "
+                                   "tensor parallelism the ranks run eagerly)")
+    mixed_graphs: bool = knob(True, "replay CUDA graphs for steps with prefill tokens too, "
+                                    "padded to token buckets (with cuda_graphs)")
+    # A batch-64 decode step at 7B shapes: 10.75 vs 11.70 ms (profile-async-h200.json); on the
+    # CPU nothing runs beside the host, and tensor parallelism does not support it.
+    async_steps: bool | None = knob(
+        None, "launch each step before reading the previous one's tokens, which feed it on "
+              "the device (overlaps host work with the GPU; outputs come one step() later; "
+              "default: on for one CUDA device, off otherwise)")
+    # The batch-64 decode step with 64 adapters gains 0.5-0.8 ms (1.27-1.33x its floor vs
+    # 1.39x on the H200, engine-floor-*-h200.json).
+    lora_row_kernels: bool = knob(
+        True, "decode graphs run many-adapter LoRA one token row a program, a third LoRA "
+              "graph per bucket (kernels/lora_rows.py; off: 16-row tiles only)")
+    # H200, one adapter at batch 64: 0.951x vs 0.933x base (engine-speed-{pdl,nopdl}-dccb3ce).
+    lora_pdl: bool | None = knob(
+        None, "launch each LoRA expand as a programmatic dependent of its shrink, so it "
+              "overlaps it (Hopper+; default: the kernels', on)")
+    # H200, Llama-2-7B, one r16 adapter on every request: 0.991x base merged vs 0.953x
+    # unmerged in one run (engine-speed-merge-h200.json).
+    merge_sole_adapter: bool | None = knob(
+        None, "fold a batch's sole adapter into the base weights while it is the only one "
+              "(restored bit for bit when it stops being so; default: on for one CUDA device "
+              "with 16-bit weights; single-device engines only)")
+    tensor_parallel_size: int = knob(
+        1, "ranks (one GPU each) one engine is sharded over; rank 0 schedules "
+           "(slora_core/tp, started by slora_core.launch.start_engine)")
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

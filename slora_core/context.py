@@ -45,19 +45,9 @@ class StepContext:
     # Module ids (config.MODULE_INDEX) that some resident adapter targets; LoRA launches for
     # the others are skipped. None = all modules.
     lora_modules: frozenset[int] | None = None
-    # K split of the LoRA shrink, fixed for CUDA graphs by a benchmark
-    # (ModelRunner.fix_graph_lora_split);
-    # None = the launcher's choice from the step's tile count.
-    lora_split_k: int | None = None
     # EngineConfig.lora_pdl: each LoRA expand launched as a programmatic dependent of its
     # shrink (Hopper+); None = the kernels' default (kernels.lora.LoraTiles.pdl).
     lora_pdl: bool | None = None
-    # EngineConfig.lora_expand_dot_16bit: each LoRA expand's second product in the weights'
-    # 16-bit dtype; None = the kernels' default (kernels.lora.LoraTiles.expand_dot_16bit).
-    lora_expand_dot_16bit: bool | None = None
-    # Set for decode-sized steps when EngineConfig.lora_overlap is on: each LoRA layer runs
-    # its delta on this stream beside the base GEMM (see LoraLinear.forward).
-    lora_stream: torch.cuda.Stream | None = None
 
 
 _CONTEXT: StepContext | None = None

@@ -30,12 +30,8 @@ class ModelRunner(Protocol):
     model: LlamaForCausalLM
     arena: PageArena
     device: torch.device
-    graph_lora_split_k: int | None
     lora_row_kernels: bool
     lora_pdl: bool | None
-    lora_expand_dot_16bit: bool | None
-
-    def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None: ...
 
 
 # (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA and
@@ -280,9 +276,7 @@ class DecodeGraphs(_StepGraphs):
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
-            lora_split_k=r.graph_lora_split_k, lora_pdl=r.lora_pdl,
-            lora_expand_dot_16bit=r.lora_expand_dot_16bit,
-            lora_stream=r.lora_stream(b) if modules else None,
+            lora_pdl=r.lora_pdl,
         )
 
     def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
@@ -374,9 +368,7 @@ class MixedGraphs(_StepGraphs):
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=buf.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if modules else None, lora_modules=modules,
-            lora_split_k=r.graph_lora_split_k, lora_pdl=r.lora_pdl,
-            lora_expand_dot_16bit=r.lora_expand_dot_16bit,
-            lora_stream=r.lora_stream(t) if modules else None,
+            lora_pdl=r.lora_pdl,
         )
 
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:

@@ -20,37 +20,8 @@ from typing import Any, get_type_hints
 
 from slora_core.config import EngineConfig
 
-HELP: dict[str, str] = {
-    "dtype": "weights and KV cache dtype: float32, float16 or bfloat16",
-    "device": "torch device, e.g. cpu or cuda",
-    "num_pages": "page arena size in pages (KV blocks and resident adapters share it)",
-    "block_size": "tokens per KV block (default: the smallest that fits a LoRA matrix of "
-                  "max_rank)",
-    "max_rank": "largest adapter rank served",
-    "max_num_seqs": "sequences one step may run",
-    "max_num_batched_tokens": "tokens one step may compute (chunked prefill budget)",
-    "max_adapters_per_batch": "distinct adapters one step may read (default: max_num_seqs)",
-    "max_model_len": "longest prompt + output (default: the model's context length)",
-    "host_cache_bytes": "host memory for parsed adapters, in bytes",
-    "max_queue": "waiting requests past which new ones are refused as busy",
-    "cuda_graphs": "replay CUDA graphs for decode steps (CUDA only)",
-    "mixed_graphs": "replay CUDA graphs for steps with prefill tokens too (with cuda_graphs)",
-    "async_steps": "launch each step before reading the previous one's tokens (overlaps host "
-                   "work with the GPU; default: on for one CUDA device, off otherwise)",
-    "merge_sole_adapter": "fold a batch's sole adapter into the base weights while it is the "
-                          "only one (restored exactly when it stops being so; default: on for "
-                          "one CUDA device with 16-bit weights)",
-    "lora_overlap": "run decode steps' LoRA on a second CUDA stream beside the base GEMMs",
-    "lora_row_kernels": "decode graphs run many-adapter LoRA one token row a program (faster "
-                        "decode steps; off: 16-row tiles only)",
-    "lora_pdl": "launch each LoRA expand as a programmatic dependent of its shrink, so it "
-                "overlaps it (Hopper+; default: the kernels')",
-    "lora_expand_dot_16bit": "run each LoRA expand's second product in the weights' 16-bit "
-                             "dtype, its input rounded to it as peft's 16-bit forward does "
-                             "(default: the kernels')",
-    "tensor_parallel_size": "ranks (one GPU each) one engine is sharded over; rank 0 "
-                            "schedules (slora_core/tp)",
-}
+# One description a field, kept with the field itself (slora_core.config.knob).
+HELP: dict[str, str] = {f.name: f.metadata["help"] for f in fields(EngineConfig)}
 ENV_PREFIX = "SLORA_"
 
 

@@ -58,26 +58,9 @@ class LoraLinear(nn.Module):
         module_ids, out_slices = self._launch_modules(ctx.lora_modules)
         if not module_ids:
             return self.base(x)
-        x2 = x.reshape(-1, x.shape[-1])
-        side = ctx.lora_stream
-        if side is None:
-            y = self.base(x)
-            self._add_delta(y.view(-1, y.shape[-1]), x2, ctx, module_ids, out_slices)
-            return y
-        # Decode-sized steps: the base GEMM of M = batch rows leaves multiprocessors idle and
-        # the two small LoRA launches are latency-bound, so they run side by side. The delta
-        # goes to a float32 buffer and is added once, base + delta rounded to the model dtype
-        # in one step (the order the in-place expand keeps, and peft's for 16-bit models).
-        main = torch.cuda.current_stream(x.device)
-        delta = torch.empty((x2.shape[0], self.base.out_features), dtype=torch.float32,
-                            device=x.device)
-        side.wait_stream(main)  # x is ready
-        with torch.cuda.stream(side):
-            delta.zero_()
-            self._add_delta(delta, x2, ctx, module_ids, out_slices)
         y = self.base(x)
-        main.wait_stream(side)  # delta is ready; delta and x are freed on main after this
-        y.view(-1, y.shape[-1]).add_(delta)
+        self._add_delta(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), ctx, module_ids,
+                        out_slices)
         return y
 
     def _add_delta(self, y: torch.Tensor, x: torch.Tensor, ctx: StepContext,
@@ -89,8 +72,7 @@ class LoraLinear(nn.Module):
         ops.add_lora(
             y, x, t.arena, t.a_offsets[layer], t.b_offsets[layer], t.ranks[layer],
             t.scales[layer], module_ids, out_slices, ctx.lora, max_rank=t.max_rank or None,
-            split_k=ctx.lora_split_k, pdl=ctx.lora_pdl,
-            expand_dot_16bit=ctx.lora_expand_dot_16bit,
+            pdl=ctx.lora_pdl,
         )
 
 

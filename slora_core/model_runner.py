@@ -29,9 +29,6 @@ from slora_core.step_inputs import (
     unpack,
 )
 
-# Steps of at most this many tokens run LoRA beside the base GEMMs under lora_overlap.
-LORA_OVERLAP_MAX_TOKENS = 256
-
 
 class ModelRunner:
     """Runs the model on scheduled steps over a page arena (KV blocks and adapter pages)."""
@@ -39,26 +36,17 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, arena: PageArena, *,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
-                 mixed_graphs: bool = True, lora_overlap: bool = False,
-                 merge_sole_adapter: bool = False, lora_row_kernels: bool = False,
-                 lora_pdl: bool | None = None,
-                 lora_expand_dot_16bit: bool | None = None) -> None:
+                 mixed_graphs: bool = True, merge_sole_adapter: bool = False,
+                 lora_row_kernels: bool = False, lora_pdl: bool | None = None) -> None:
         self.model = model
         self.arena = arena
         # EngineConfig.lora_row_kernels: decode graphs' full LoRA list runs the row kernels.
         self.lora_row_kernels = lora_row_kernels
         # EngineConfig.lora_pdl: LoRA expands as programmatic dependents of their shrinks.
         self.lora_pdl = lora_pdl
-        # EngineConfig.lora_expand_dot_16bit: LoRA expands' second product in 16 bits.
-        self.lora_expand_dot_16bit = lora_expand_dot_16bit
         # EngineConfig.merge_sole_adapter: steps on one adapter run as the base model.
         self.merge = SoleAdapterMerge(model, arena) if merge_sole_adapter else None
-        # A fixed LoRA K split inside CUDA graphs (fix_graph_lora_split); None: the kernels'.
-        self.graph_lora_split_k: int | None = None
         self.device = arena.pages.device
-        # The second stream of EngineConfig.lora_overlap (CUDA only).
-        self._lora_stream = (torch.cuda.Stream(self.device)
-                             if lora_overlap and self.device.type == "cuda" else None)
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
         if use_cuda_graphs and self.device.type == "cuda":
@@ -84,28 +72,8 @@ class ModelRunner:
                    max_model_len=min(max_model_len, config.num_pages * block_size),
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs,
-                   lora_overlap=config.lora_overlap,
                    merge_sole_adapter=config.merges_sole_adapter,
-                   lora_row_kernels=config.lora_row_kernels, lora_pdl=config.lora_pdl,
-                   lora_expand_dot_16bit=config.lora_expand_dot_16bit)
-
-    def lora_stream(self, num_tokens: int) -> torch.cuda.Stream | None:
-        """The stream a step of `num_tokens` tokens runs its LoRA deltas on beside the base
-        GEMMs, or None (overlap off, or a prefill-sized step: there the base GEMMs fill the
-        GPU and the separate add would re-read a large output)."""
-        if self._lora_stream is None or num_tokens > LORA_OVERLAP_MAX_TOKENS:
-            return None
-        return self._lora_stream
-
-    def fix_graph_lora_split(self, split_k: int) -> None:
-        """For benchmarks (bench/serving.py --graph-lora-split-k): every CUDA graph's LoRA
-        shrink uses `split_k` instead of the kernels' choice. Call it before any capture:
-        a captured graph keeps the split it was captured with."""
-        if not 1 <= split_k <= 64:
-            raise ValueError(f"graph LoRA split_k must be in 1..64, got {split_k}")
-        if any(g is not None and g.graphs for g in (self.graphs, self.mixed)):
-            raise RuntimeError("CUDA graphs are captured already: fix the split before warmup")
-        self.graph_lora_split_k = split_k
+                   lora_row_kernels=config.lora_row_kernels, lora_pdl=config.lora_pdl)
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         """The step's input ids and context on the device (one copy for every array)."""
@@ -132,9 +100,7 @@ class ModelRunner:
             max_seq_len=shape.max_seq_len, logits_indices=logits_indices,
             kv_caches=self.arena.kv_caches, lora=lora,
             lora_tables=self.arena.tables if lora is not None else None,
-            lora_modules=self.arena.active_lora_modules,
-            lora_stream=self.lora_stream(int(input_ids.shape[0])) if lora is not None else None,
-            lora_pdl=self.lora_pdl, lora_expand_dot_16bit=self.lora_expand_dot_16bit,
+            lora_modules=self.arena.active_lora_modules, lora_pdl=self.lora_pdl,
         )
         return input_ids, ctx
 

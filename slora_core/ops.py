@@ -48,19 +48,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def add_lora(y: torch.Tensor, x: torch.Tensor, arena: torch.Tensor, a_offsets: torch.Tensor,
              b_offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
              module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...],
-             meta: LoraMeta, *, max_rank: int | None = None,
-             split_k: int | None = None, pdl: bool | None = None,
-             expand_dot_16bit: bool | None = None) -> None:
+             meta: LoraMeta, *, max_rank: int | None = None, pdl: bool | None = None) -> None:
     """y += the multi-LoRA delta (see `add_lora_reference`). On CUDA, `max_rank` (a bound on
     every rank in the tables) spares the kernels a host sync that CUDA graphs forbid; `pdl`
-    overrides the kernels' programmatic dependent launch (`kernels.lora.LoraTiles.pdl`),
-    `expand_dot_16bit` their expand's dot dtype (`LoraTiles.expand_dot_16bit`)."""
+    overrides the kernels' programmatic dependent launch (`kernels.lora.LoraTiles.pdl`)."""
     if _use_triton(x):
         from kernels.lora import add_lora_triton
 
         add_lora_triton(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
-                        out_slices, meta, max_rank=max_rank, split_k=split_k, pdl=pdl,
-                        expand_dot_16bit=expand_dot_16bit)
+                        out_slices, meta, max_rank=max_rank, pdl=pdl)
     else:
         add_lora_reference(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
                            out_slices, meta)

@@ -32,8 +32,7 @@ from tests.kernels.helpers import (
 
 QKV = (0, 1, 2)
 TILES = {"tiles": DECODE_TILES, "tiles_early_loads": dataclasses.replace(
-    DECODE_TILES, early_loads=True), "tiles_expand_dot_16bit": dataclasses.replace(
-    DECODE_TILES, expand_dot_16bit=True), "rows": RowTiles()}
+    DECODE_TILES, early_loads=True), "rows": RowTiles()}
 GPU_PDL = ON_GPU and pdl_supported(DEVICE)
 
 

@@ -11,7 +11,6 @@ import torch
 
 import kernels.lora
 from kernels.lora import DECODE_TILES, add_lora_triton, pick_split, split_cap
-from kernels.lora_expand import lora_expand
 from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 from kernels.lora_reference import add_lora_reference
 from kernels.lora_shrink import lora_shrink
@@ -31,16 +30,9 @@ OUT_SIZES = {0: 48, 1: 32, 2: 32}
 VARIANTS = {
     "default": DECODE_TILES,
     "no_rank_buckets": dataclasses.replace(DECODE_TILES, rank_buckets=False),
-    "split_unroll4": dataclasses.replace(DECODE_TILES, split_unroll=4),
     "early_loads": dataclasses.replace(DECODE_TILES, early_loads=True),
-    "early_loads_unroll4": dataclasses.replace(DECODE_TILES, early_loads=True, split_unroll=4),
-    "rank_parts4": dataclasses.replace(DECODE_TILES, shrink_rank_parts=4),
     "no_pdl": dataclasses.replace(DECODE_TILES, pdl=False),
     "no_pdl_early_loads": dataclasses.replace(DECODE_TILES, pdl=False, early_loads=True),
-    # float32 cases keep the float32 dot (the option applies to 16-bit arenas only).
-    "expand_dot_16bit": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True),
-    "expand_dot_16bit_early_loads": dataclasses.replace(DECODE_TILES, expand_dot_16bit=True,
-                                                        early_loads=True),
     "no_wave_split": dataclasses.replace(DECODE_TILES, wave_split=False),
 }
 
@@ -236,55 +228,3 @@ def test_grouped_tokens_keep_runs_and_no_row_list() -> None:
     assert split.token_rows is not None and split.token_rows.tolist() == [3, 1, 0, 2]
     assert split.seg_starts.tolist() == [1, 2] and split.seg_lens.tolist() == [1, 2]
     assert split.seg_slots.tolist() == [0, 2]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [1, 3, 4, 5, 16])
-def test_partial_sums_read_four_at_a_time(dtype: torch.dtype, split_k: int) -> None:
-    """The expand summing the K splits four loads at a time, split counts below, at, between
-    and above multiples of four, mixed ranks (16-, 32- and 64-wide rank tiles)."""
-    slots = sorted(i % 5 for i in range(20))
-    _check(slots, 5, [8, 16, 40, 64], dtype, seed=40 + split_k, capacity=24,
-           tiles=VARIANTS["split_unroll4"], in_features=1024, split_k=split_k)
-
-
-def test_a_16bit_expand_dot_on_a_float32_arena_is_refused() -> None:
-    gen = generator(3)
-    case = build_lora_case([0] * 4, 1, 64, {0: 16}, {(0, 0): 8}, torch.float32, gen,
-                           block_m=DECODE_BLOCK_M)
-    y = randn(4, 16, dtype=torch.float32, gen=gen)
-    buf = torch.zeros(1, 4, 1, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="16-bit arena"):
-        lora_expand(y, buf, case.arena, case.b_offsets, case.ranks, case.scales, (0,),
-                    ((0, 16),), case.meta, block_m=16, block_n=16, block_r=16, dot_16bit=True)
-
-
-def test_split_unroll_other_than_1_or_4_is_refused() -> None:
-    with pytest.raises(ValueError, match="split_unroll must be 1 or 4"):
-        _check([0, 0], 1, [8], torch.float32, seed=1, capacity=2,
-               tiles=dataclasses.replace(DECODE_TILES, split_unroll=2))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("parts", [2, 4])
-def test_shrink_rank_parts_above_the_rank_tile(dtype: torch.dtype, parts: int) -> None:
-    """The shrink's rank tile shared by 2 or 4 programs, with ranks below a part, between
-    parts and above the launch's 64-wide rank tile (rank 100 of a bound of 128: each part
-    loops to a second tile), K split three ways."""
-    slots = sorted(i % 4 for i in range(14))
-    _check(slots, 4, [8, 40, 64, 100], dtype, seed=70 + parts, capacity=16,
-           tiles=dataclasses.replace(DECODE_TILES, shrink_rank_parts=parts), max_rank=128,
-           in_features=768, split_k=3)
-
-
-def test_rank_parts_that_do_not_split_the_rank_tile_are_refused() -> None:
-    buf = torch.zeros(1, 4, 1, 64, device=DEVICE)
-    meta = LoraMeta.from_token_slots([0, 0, 0, 0], device=DEVICE, block_m=DECODE_BLOCK_M)
-    x = torch.zeros(4, 64, device=DEVICE)
-    arena = torch.zeros(64 * 64, device=DEVICE)
-    tables = torch.zeros(1, 1, dtype=torch.int64, device=DEVICE)
-    ranks = torch.ones(1, 1, dtype=torch.int32, device=DEVICE)
-    for parts in (3, 8):
-        with pytest.raises(ValueError, match="rank_parts"):
-            lora_shrink(buf, x, arena, tables, ranks, (0,), meta, block_m=DECODE_BLOCK_M,
-                        block_r=64, block_k=64, rank_parts=parts)

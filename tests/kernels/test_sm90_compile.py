@@ -1,7 +1,7 @@
 """The tile LoRA kernels compiled ahead of time for sm_90 (the H100/H200) on this CPU, with
 Triton's bundled ptxas: what the interpreter cannot catch (a global a kernel may not read, a
 type the compiler refuses) fails here, before a GPU run does. Both are compiled as decode
-graphs launch them (PDL, rows gathered or not; the expand's 16-bit dot too) at the engine's
+graphs launch them (PDL, rows gathered or not) at the engine's
 largest rank tile, in a child process (the kernels are compiled only when imported with
 TRITON_INTERPRET=0)."""
 
@@ -24,11 +24,10 @@ common = {"MAX_RANK": 64, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64,
           "RANK_BUCKETS": True, "GATHER_ROWS": sys.argv[2] == "1"}
 if sys.argv[1] == "shrink":
     out = compile_cost(lora_shrink._lora_shrink_kernel,
-                       {**common, "BLOCK_K": 256, "RANK_PARTS": 1, "LAUNCH_DEPENDENTS": True}, 4)
+                       {**common, "BLOCK_K": 256, "LAUNCH_DEPENDENTS": True}, 4)
 else:
     out = compile_cost(lora_expand._lora_expand_kernel,
-                       {**common, "BLOCK_N": 256, "SPLIT_UNROLL": 1, "EARLY_LOADS": True,
-                        "USE_PDL": True, "DOT_16BIT": sys.argv[3] == "1"}, 4)
+                       {**common, "BLOCK_N": 256, "EARLY_LOADS": True, "USE_PDL": True}, 4)
 ptx = out["ptx"]
 print(json.dumps({"mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
                   "pdl_wait": "griddepcontrol.wait" in ptx,
@@ -36,10 +35,9 @@ print(json.dumps({"mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
 """
 
 
-def _compile(kernel: str, gather_rows: bool, dot_16bit: bool = False) -> dict[str, object]:
+def _compile(kernel: str, gather_rows: bool) -> dict[str, object]:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", CHILD, kernel, str(int(gather_rows)),
-                           str(int(dot_16bit))], env=env,
+    done = subprocess.run([sys.executable, "-c", CHILD, kernel, str(int(gather_rows))], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -50,12 +48,10 @@ def test_shrink_compiles_for_sm90(gather_rows: bool) -> None:
     assert _compile("shrink", gather_rows)["pdl_launch"]
 
 
-@pytest.mark.parametrize(("gather_rows", "dot_16bit"), [(False, False), (True, False),
-                                                      (False, True)])
-def test_expand_compiles_for_sm90(gather_rows: bool, dot_16bit: bool) -> None:
-    """The expand's dot is tf32 on the float32 sums and B (m16n8k8), or with the 16-bit dot
-    an f16 one on the rounded sums and B as stored (m16n8k16)."""
-    out = _compile("expand", gather_rows, dot_16bit)
+@pytest.mark.parametrize("gather_rows", [False, True])
+def test_expand_compiles_for_sm90(gather_rows: bool) -> None:
+    """The expand's dot is tf32 on the float32 sums and B widened to float32 (m16n8k8)."""
+    out = _compile("expand", gather_rows)
     assert out["pdl_wait"]
     kinds = " ".join(out["mma"])  # type: ignore[arg-type]
-    assert ("f32.f16.f16.f32" in kinds) == dot_16bit and ("tf32" in kinds) != dot_16bit, kinds
+    assert "tf32" in kinds and "f32.f16.f16.f32" not in kinds, kinds
