@@ -73,11 +73,8 @@ MASSIVE_CHANNELS = ((5, 3), (77, 17), (100, 42))  # (hidden channel, intermediat
 MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps": False},
          "all_graphs": {"async_steps": False},
          "all_graphs_async": {"async_steps": True},
-         "all_graphs_one_seq": {"max_num_seqs": 1, "async_steps": False},
-         # The LoRA expands' second product in 16 bits (off by default until timed).
-         "all_graphs_dot16": {"async_steps": False, "lora_expand_dot_16bit": True}}
-# all_graphs_dot16 (the LoRA expands' 16-bit dot, off by default): asked by name.
-DEFAULT_MODES = tuple(m for m in MODES if m != "all_graphs_dot16")
+         "all_graphs_one_seq": {"max_num_seqs": 1, "async_steps": False}}
+DEFAULT_MODES = tuple(MODES)
 
 
 @torch.no_grad()
@@ -185,7 +182,7 @@ def check_guard(model_dir: Path, adapters: dict[str, Path], dtype: str, device: 
     def nan_row(scheduled: Any, patch: Any = None) -> torch.Tensor:
         logits = run(scheduled, patch)
         rows = [s.seq.request_id for s in scheduled if s.samples]
-        if forced in rows and len(engine._requests[forced].seq.output_token_ids) == 2:
+        if forced in rows and len(engine.requests.live[forced].seq.output_token_ids) == 2:
             logits = logits.clone()
             logits[rows.index(forced)] = float("nan")
         return logits

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.engine import LLMEngine
+from slora_core.launch import AnyEngine
 from slora_core.outputs import RequestOutput
 from slora_core.sampling_params import SamplingParams
 from slora_core.weights import load_model
@@ -193,7 +194,7 @@ def make_engine(model_dir: Path, dtype: str, device: str, adapters: dict[str, Pa
     return engine
 
 
-def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], str | None]],
+def run_engine(engine: AnyEngine, requests: list[tuple[str, list[int], str | None]],
                new_tokens: int, keep_logits: bool = True) -> EngineRun:
     """Greedy, EOS ignored; records each request's sampled rows of logits (cloned: graph
     replays return a static buffer)."""

@@ -31,7 +31,7 @@ def timed_steps(engine, n: int) -> list[dict[str, float]]:
         logits = engine.runner.run(sched.scheduled)
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        engine._sample(sched, logits, [s.seq for s in sched.scheduled if s.samples])
+        engine.loop.sample(sched, logits, [s.seq for s in sched.scheduled if s.samples])
         t4 = time.perf_counter()
         rows.append({"tokens": sched.num_tokens, "seqs": len(sched.scheduled),
                      "schedule_ms": (t1 - t0) * 1e3, "memory_ms": (t2 - t1) * 1e3,

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from bench.workload import BenchRequest
 from kernels.jit_stats import compiled_kernel_variants
-from slora_core.engine import LLMEngine
+from slora_core.launch import AnyEngine
 from slora_core.sampling_params import SamplingParams
 
 # A replay that makes no progress (no token out) for this long prints every thread's stack, and
@@ -24,7 +24,7 @@ from slora_core.sampling_params import SamplingParams
 STALL_DUMP_S = 20.0
 
 
-def warm(engine: LLMEngine, vocab: int, num_adapters: int) -> None:
+def warm(engine: AnyEngine, vocab: int, num_adapters: int) -> None:
     """Compile kernels and capture every decode graph before anything is timed: mixed batches
     (prefills of several lengths, short and long segments, decode, adapters and base), then
     reset stats."""
@@ -39,7 +39,7 @@ def warm(engine: LLMEngine, vocab: int, num_adapters: int) -> None:
     while engine.has_unfinished():
         engine.step()
     sync(engine)
-    engine.stats = type(engine.stats)()
+    engine.stats.reset()
 
 
 def unwrap_lora(model: torch.nn.Module) -> None:
@@ -84,7 +84,7 @@ class GcPauses:
                 "longest_pause_s": self.longest_s}
 
 
-def replay(engine: LLMEngine, requests: list[BenchRequest], label: str,
+def replay(engine: AnyEngine, requests: list[BenchRequest], label: str,
            slo_ttft: float = 6.0, greedy: bool = True) -> dict[str, Any]:
     """Feed requests at their arrival times, step until done; latency and throughput figures."""
     sync(engine)
@@ -198,6 +198,6 @@ def pct(x: np.ndarray) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(x, q)) for q in (50, 90, 99)} if x.size else {}
 
 
-def sync(engine: LLMEngine) -> None:
+def sync(engine: AnyEngine) -> None:
     if engine.arena.pages.is_cuda:
         torch.cuda.synchronize()

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from slora_core.page_pool import OutOfPages, PagePool, ResidentAdapter
 from slora_core.sequence import SeqStatus, Sequence
+from slora_core.stats import EngineStats
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,12 @@ PLACEHOLDER = -1  # an output token id sampled on the device, not yet read by th
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, pool: PagePool,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), stats: EngineStats | None = None) -> None:
         self.limits = limits
         self.pool = pool
         self.eos_token_ids = eos_token_ids
+        # Steps, tokens, preemptions and evictions, counted here as they happen.
+        self.stats = stats if stats is not None else EngineStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -93,6 +96,8 @@ class Scheduler:
             self._prefetch(out)
         # Group by adapter so each adapter's tokens form one contiguous LoRA segment.
         out.scheduled.sort(key=lambda s: (s.seq.adapter is None, s.adapter_slot))
+        self.stats.preemptions += len(out.preempted)
+        self.stats.adapter_evictions += len(out.evicted)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -189,7 +194,7 @@ class Scheduler:
         for seq in self._fair_order():
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
-            if not seq.adapter_ready:
+            if not seq.adapter_ready or not seq.grammar_ready:
                 continue
             new_adapter = seq.adapter is not None and seq.adapter not in adapters
             if new_adapter and len(adapters) >= self.limits.max_adapters_per_batch:
@@ -244,9 +249,21 @@ class Scheduler:
                     sampled: list[tuple[Sequence, int | None]]) -> list[str | None]:
         """Book a step that ran: every scheduled chunk counts as computed, then each sequence of
         `sampled` gets its token (see `append_token`). Returns their finish reasons in order."""
+        if scheduled:
+            self._count_step(scheduled)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         return [self.append_token(seq, token_id) for seq, token_id in sampled]
+
+    def _count_step(self, scheduled: list[ScheduledSeq]) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.last_tokens = sum(s.num_new_tokens for s in scheduled)
+        stats.tokens += stats.last_tokens
+        stats.last_distinct_adapters = len({s.seq.adapter for s in scheduled
+                                            if s.seq.adapter is not None})
+        stats.last_prefill_tokens = sum(s.num_new_tokens for s in scheduled
+                                        if s.num_new_tokens > 1)
 
     def append_token(self, seq: Sequence, token_id: int | None) -> str | None:
         """Give `seq` its sampled token; when a stop token, EOS, `max_new_tokens` or

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from slora_core.chat_template import ChatTemplateError, check_messages
 from slora_core.config import EngineConfig
-from slora_core.engine import LLMEngine
+from slora_core.launch import AnyEngine, start_engine
 from slora_core.engine_args import add_engine_args, engine_config_from_args
 from slora_core.sampling_params import SamplingParams
 from slora_core.tokenizer import Tokenizer
@@ -102,7 +102,7 @@ def render_chats(items: list[dict[str, Any]], model_dir: str) -> None:
             raise BatchInputError(f"line {item['line']}: {e}") from None
 
 
-def run_batch(engine: LLMEngine, items: list[dict[str, Any]], progress: bool) -> list[dict]:
+def run_batch(engine: AnyEngine, items: list[dict[str, Any]], progress: bool) -> list[dict]:
     """Run every item through the engine; returns one result dict per item, in order."""
     results: list[dict[str, Any]] = [
         {"token_ids": [], "text": "", "finish_reason": None} for _ in items
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # ConfigError (a ValueError): e.g. a max_model_len above the model's
         config = engine_config_from_args(
             args, max_queue=max(EngineConfig.max_queue, len(items)))
-        engine = LLMEngine.from_model_dir(args.model, config)
+        engine = start_engine(args.model, config)
         for name, path in adapters.items():
             engine.register_adapter(name, path)
         results = run_batch(engine, items, progress=not args.no_progress)

@@ -1,10 +1,14 @@
-"""`TPEngine`: an `LLMEngine` over one rank's shard. On rank 0 it is the engine (same
-add_request/step API): it schedules, samples, and records every arena and adapter-store change
-so the other ranks apply the same ones before the step that needs them. On the other ranks
-`serve()` applies rank 0's messages until it says stop."""
+"""`TPEngine`: an `LLMEngine` over one rank's shard, which it wraps. On rank 0 it is the engine
+(same add_request/step API): it schedules, samples, and records every arena and adapter-store
+change so the other ranks apply the same ones before the step that needs them. On the other
+ranks `serve()` applies rank 0's messages until it says stop. Every rank runs its steps
+eagerly: decode graphs with NCCL collectives inside them were measured once (faithful to HF,
+1.26x TP=1 at 26e3540, tp-correctness-h200.json) but not since the decode graphs changed, so
+they were taken out rather than turned on untested."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import time
@@ -14,11 +18,16 @@ from typing import Any
 
 from slora_core.adapter_cache import AdapterStore, HostAdapter
 from slora_core.adapters import LoraAdapter
+from slora_core.arena import PageArena
 from slora_core.config import ConfigError, EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.model import LlamaForCausalLM
+from slora_core.model_runner import ModelRunner
 from slora_core.outputs import RequestOutput
-from slora_core.scheduler import SchedulerOutput
+from slora_core.page_pool import PagePool
+from slora_core.sampling_params import SamplingParams
+from slora_core.scheduler import Scheduler, SchedulerOutput
+from slora_core.stats import EngineSnapshot, EngineStats
 from slora_core.tokenizer import Tokenizer
 from slora_core.tp.group import TPGroup
 from slora_core.tp.layers import parallelize_rows
@@ -55,72 +64,128 @@ class ShardedAdapterStore(AdapterStore):
         return super()._prepare(replace(adapter, weights=weights), image=image)
 
 
-class TPEngine(LLMEngine):
-    _is_tensor_parallel = True
-
+class TPEngine:
     def __init__(self, model: LlamaForCausalLM, shard: TPShard, group: TPGroup,
                  tokenizer: Tokenizer | None, config: EngineConfig, *,
                  detokenize: bool = True) -> None:
         """`model`: this rank's shard (`load_model_shard`)."""
         if config.async_steps:
             raise ConfigError("async_steps is not supported with tensor_parallel_size > 1")
-        # Decode graphs only (TPModelRunner): mixed-step graphs are not shared by the ranks yet.
-        config = replace(config, mixed_graphs=False)
-        super().__init__(model, shard.engine_config(), tokenizer, config, detokenize=detokenize)
-        self.shard, self.group = shard, group
+        config = replace(config, cuda_graphs=False, mixed_graphs=False)
+        model_config = shard.engine_config()
+        max_len = config.resolve_max_model_len(model_config)
+        runner = ModelRunner.build(model, model_config, config,
+                                   config.resolve_block_size(model_config), max_len)
         parallelize_rows(model, group)  # after the LoRA wrap: LoRA deltas join the sums
-        self.runner = self.tp_runner = TPModelRunner(self.runner, group)
-        self.adapters = ShardedAdapterStore(
+        self.tp_runner = TPModelRunner(runner, group)
+        store = ShardedAdapterStore(
             shard, max_rank=config.max_rank, dtype=config.torch_dtype,
-            page_numel=self.arena.page_numel, capacity_bytes=config.host_cache_bytes,
-            pin_memory=self.arena.pages.device.type == "cuda")
+            page_numel=runner.arena.page_numel, capacity_bytes=config.host_cache_bytes,
+            pin_memory=runner.arena.pages.device.type == "cuda")
+        self.engine = LLMEngine(model, model_config, tokenizer, config, detokenize=detokenize,
+                                runner=self.tp_runner, adapter_store=store, listener=self)
+        self.shard, self.group = shard, group
         self.worker_processes: list[Any] = []  # rank 0: the other ranks (see launch.py)
         self._closed = False
 
-    def _record(self, op: ArenaOp) -> None:
-        self.tp_runner.record(op)
+    # ---- the engine's API, rank 0 --------------------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.engine.runner
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    @property
+    def pool(self) -> PagePool:
+        return self.engine.pool
+
+    @property
+    def adapters(self) -> AdapterStore:
+        return self.engine.adapters
+
+    @property
+    def arena(self) -> PageArena:
+        return self.engine.arena
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    adapter: str | None = None, tenant: str = "",
+                    deadline_s: float | None = None) -> None:
+        self.engine.add_request(request_id, prompt, params, adapter, tenant, deadline_s)
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        return self.engine.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def request_ids(self) -> list[str]:
+        return self.engine.request_ids()
+
+    def request_started(self, request_id: str) -> bool:
+        return self.engine.request_started(request_id)
+
+    def state_snapshot(self) -> EngineSnapshot:
+        return self.engine.state_snapshot()
+
+    def warm_adapters(self) -> list[str]:
+        return self.engine.warm_adapters()
+
+    def load_adapter(self, name: str) -> None:
+        self.engine.load_adapter(name)
 
     def warmup(self, lora: bool | None = None) -> None:
-        """Rank 0: every rank captures the same graphs, in the same order (their warm-up
-        forwards and captures run collectives)."""
-        if self.runner.graphs is None:
-            return
-        sets = self._graph_module_sets(lora)
-        with self.tp_runner.ops_lock:
-            ops, self.tp_runner.pending_ops = self.tp_runner.pending_ops, []
-        self.tp_runner.send([*ops, ("capture", sets)])
-        self._capture_graphs(sets)
+        """Nothing to capture: the ranks run eagerly."""
 
     # ---- rank 0: record what the other ranks must repeat ----------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
                          *, preload: bool = True) -> None:
-        super().register_adapter(name, path, sha256, preload=preload)
-        self._record(("register", name, str(path), sha256))
+        self.engine.register_adapter(name, path, sha256, preload=preload)
+        self.tp_runner.record(("register", name, str(path), sha256))
 
     def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
-        super().add_adapter(name, adapter)
-        self._record(("add", name, adapter))
+        self.engine.add_adapter(name, adapter)
+        self.tp_runner.record(("add", name, adapter))
 
     def unregister_adapter(self, name: str) -> None:
         with self.tp_runner.ops_lock:
-            super().unregister_adapter(name)
-            self._record(("unregister", name))
+            self.engine.unregister_adapter(name)
+            self.tp_runner.record(("unregister", name))
 
-    def _apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        with self.tp_runner.ops_lock:
-            return self._apply_and_record(sched)
+    def changing(self) -> contextlib.AbstractContextManager[object]:
+        """ArenaListener: a step's arena changes and their records happen under the lock that
+        adapter-store changes from other threads take, so records keep their order."""
+        return self.tp_runner.ops_lock
 
-    def _apply_and_record(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        failed = super()._apply_memory_changes(sched)
+    def changed(self, sched: SchedulerOutput) -> None:
         for rec in sched.evicted:
-            self._record(("clear", rec.slot))
+            self.tp_runner.record(("clear", rec.slot))
         for rec in sched.new_adapters:
-            live = self.pool.resident(rec.key)
+            live = self.engine.pool.resident(rec.key)
             if live is not None and live.slot == rec.slot:
-                self._record(("write", rec.slot, list(rec.pages), str(rec.key)))
+                self.tp_runner.record(("write", rec.slot, list(rec.pages), str(rec.key)))
             else:  # failed to load: rank 0 cleared the slot
-                self._record(("clear", rec.slot))
-        return failed
+                self.tp_runner.record(("clear", rec.slot))
 
     def keepalive(self) -> None:
         """Rank 0, idle: an empty message. Ranks > 0 always have a receive posted for rank 0's
@@ -135,7 +200,7 @@ class TPEngine(LLMEngine):
         if self._closed:
             return
         self._closed = True
-        super().close()
+        self.engine.close()
         procs = self.worker_processes
         if self.group.size > 1 and all(p.is_alive() for p in procs):
             try:
@@ -187,28 +252,26 @@ class TPEngine(LLMEngine):
             # message started is waited for (on the compute stream, not the host).
             for op in msg.ops:
                 if op[0] == "write":
-                    self.copier.wait(op[1])
+                    self.engine.copier.wait(op[1])
             if msg.shape is not None and msg.flat is not None:
-                self.tp_runner.follow(msg.flat, msg.shape)
+                self.tp_runner.forward(msg.flat, msg.shape)
 
     def apply_op(self, op: ArenaOp) -> None:
-        kind = op[0]
+        kind, copier, store = op[0], self.engine.copier, self.engine.adapters
         if kind == "clear":
-            self.copier.clear(op[1])
+            copier.clear(op[1])
         elif kind == "write":
             _, slot, pages, name = op
-            host = self.adapters.get(name)
+            host = store.get(name)
             if host.layout.num_pages != len(pages):
                 raise RuntimeError(f"adapter {name!r} takes {host.layout.num_pages} pages on "
                                    f"rank {self.group.rank}, {len(pages)} on rank 0")
-            self.copier.write(slot, pages, host)
+            copier.write(slot, pages, host)
         elif kind == "register":
-            self.adapters.register(op[1], op[2], op[3])
+            store.register(op[1], op[2], op[3])
         elif kind == "add":
-            self.adapters.add_loaded(op[1], op[2])
+            store.add_loaded(op[1], op[2])
         elif kind == "unregister":
-            self.adapters.unregister(op[1])
-        elif kind == "capture":
-            self._capture_graphs(op[1])
+            store.unregister(op[1])
         else:
             raise ValueError(f"unknown arena op {kind!r}")

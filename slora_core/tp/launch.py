@@ -2,7 +2,7 @@
 1..N-1 are spawned processes that load their shards and follow rank 0's steps.
 
     engine = start_tp_engine(model_dir, EngineConfig(tensor_parallel_size=2))
-    ...  # add_request / step as with LLMEngine
+    ...  # add_request / step as with LLMEngine (slora_core.launch.start_engine picks)
     engine.close()
 """
 
@@ -33,18 +33,15 @@ log = logging.getLogger(__name__)
 
 def start_tp_engine(model_dir: str | Path | RandomWeights, config: EngineConfig, *,
                     detokenize: bool = True, timeout_s: float = 600.0,
-                    cuda_graphs: bool = False, stall_dump_s: float | None = None) -> TPEngine:
+                    stall_dump_s: float | None = None) -> TPEngine:
     """Rank 0's engine over `config.tensor_parallel_size` ranks (one GPU each on CUDA: rank r
     uses cuda:r). `model_dir` may be `RandomWeights` instead: every rank makes its shard of
     that random model on its device, and the engine has no tokenizer. A collective that waits
-    longer than `timeout_s` (a rank died) raises. Decode steps replay CUDA graphs only with
-    `cuda_graphs` (and config.cuda_graphs): graphs with NCCL collectives inside are built but
-    not yet checked on GPUs, so they stay off unless asked for (bench.tensor_parallel asks).
+    longer than `timeout_s` (a rank died) raises. The ranks run eagerly (no CUDA graphs).
     `stall_dump_s`: ranks > 0 print every thread's stack when one message from rank 0 takes
     that long (TPEngine.serve); they always print it on SIGUSR1. Set SLORA_TP_DEBUG=1 for a
     log line per adapter or arena message on every rank."""
     size = config.tensor_parallel_size
-    config = replace(config, cuda_graphs=config.cuda_graphs and cuda_graphs)
     # Refuse what TPEngine would refuse before any process starts.
     TPShard(_model_config(model_dir), 0, size)
     if config.async_steps:

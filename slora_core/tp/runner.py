@@ -26,7 +26,6 @@ from slora_core.step_inputs import (
     StepShape,
     TokenPatch,
     build_step_inputs,
-    inputs_from_arrays,
     pack_to_device,
     step_arrays,
 )
@@ -34,7 +33,7 @@ from slora_core.tp.group import TPGroup
 
 # An arena or adapter-store change, applied by every rank in rank 0's order:
 # ("clear", slot) | ("write", slot, pages, name) | ("register", name, path, sha256)
-# | ("add", name, LoraAdapter) | ("unregister", name) | ("capture", [LoRA module sets])
+# | ("add", name, LoraAdapter) | ("unregister", name)
 ArenaOp = tuple[Any, ...]
 
 _STOP, _OPS, _STEP = 1, 2, 4
@@ -53,14 +52,10 @@ class StepMessage:
 
 
 class TPModelRunner(ModelRunner):
-    """Decode steps replay CUDA graphs (NCCL collectives captured in them) when the engine's
-    config asks for graphs: every rank captures the same buckets in the same order (warm-up is
-    a message from rank 0, a bucket first met at a step is met by every rank at that step) and
-    replays the same one. Steps with prefill tokens run eagerly (no mixed-step graphs)."""
+    """Every step runs eagerly on every rank (no CUDA graphs: see slora_core.tp.engine)."""
 
     def __init__(self, runner: ModelRunner, group: TPGroup) -> None:
         super().__init__(runner.model, runner.arena, use_cuda_graphs=False)
-        self.graphs = runner.graphs  # built over the same model and arena, or None
         self.group = group
         self.pending_ops: list[ArenaOp] = []  # rank 0: changes not yet sent
         # The worker's engine core changes adapters from other threads; a change and its
@@ -87,8 +82,6 @@ class TPModelRunner(ModelRunner):
         flat = pack_to_device(arrays, self.device)
         self.send(ops, shape, flat)
         self.send_seconds.append(time.perf_counter() - start)
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)
         return self.forward(flat, shape)
 
     def send(self, ops: list[ArenaOp], shape: StepShape | None = None,
@@ -99,7 +92,7 @@ class TPModelRunner(ModelRunner):
         sizes = astuple(shape) if shape is not None else (0,) * (HEADER_LEN - 2)
         header = pack_to_device([np.array([flags, numel, *sizes], dtype=np.int64)],
                                 self.device)
-        if ops or stop:  # rare: adapter changes, captures, shutdown
+        if ops or stop:  # rare: adapter changes, shutdown
             log.debug("rank 0: sending %d ops %s%s", len(ops), [op[0] for op in ops][:16],
                       " and stop" if stop else "")
         self.group.broadcast_tensor(header)
@@ -120,17 +113,6 @@ class TPModelRunner(ModelRunner):
         flat = torch.empty(numel, dtype=torch.int64, device=self.device)
         return StepMessage(ops=ops, shape=StepShape(*sizes),
                            flat=self.group.broadcast_tensor(flat))
-
-    @torch.inference_mode()
-    def follow(self, flat: torch.Tensor, shape: StepShape) -> None:
-        """Rank > 0: run the step rank 0 sent, as rank 0 runs it (graph or eager)."""
-        if self.graphs is not None:
-            # The graphs fill their static buffers from host arrays: one small copy back.
-            inputs = inputs_from_arrays(flat.cpu().numpy(), shape)
-            if self.graphs.can_run(inputs):
-                self.graphs.run(inputs)
-                return
-        self.forward(flat, shape)
 
     @torch.inference_mode()
     def forward(self, flat: torch.Tensor, shape: StepShape) -> torch.Tensor:

@@ -213,13 +213,13 @@ def test_preempted_requests_are_not_expired_by_their_deadline(demo_dir, monkeypa
     request that never started expires (the engine's clock is 10 s per step here)."""
     import types
 
-    from slora_core import engine as engine_module
+    from slora_core import intake as intake_module
     from slora_core import scheduler as scheduler_module
 
     clock = [0.0]
     fake = types.SimpleNamespace(monotonic=lambda: clock[0])
     monkeypatch.setattr(scheduler_module, "time", fake)
-    monkeypatch.setattr(engine_module, "time", fake)
+    monkeypatch.setattr(intake_module, "time", fake)
     engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
         num_pages=6, block_size=16, max_rank=8, max_num_seqs=4))
     params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
@@ -404,56 +404,3 @@ def test_async_steps_give_the_same_outputs_as_synchronous_steps(demo_dir, adapte
         a_lp, s_lp = async_out[rid][3], sync_out[rid][3]
         assert [t for t, _ in a_lp] == [t for t, _ in s_lp], rid
         assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(a_lp, s_lp, strict=True)), rid
-
-
-def _lora_launch_kwargs(monkeypatch, engine: LLMEngine, adapter_names: list[str],
-                        key: str) -> tuple[set[object], set[object]]:
-    """The values of add_lora's keyword `key` in an eager prefill of two requests, and then in
-    the decode graphs' padded step of the same requests ("missing" where not passed)."""
-    from slora_core import lora as lora_module
-    from slora_core.cuda_graphs import DecodeGraphs
-    from slora_core.step_inputs import build_step_inputs
-
-    seen: list[object] = []
-    real = lora_module.ops.add_lora
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get(key, "missing"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(lora_module.ops, "add_lora", spy)
-    graphs = DecodeGraphs(engine.runner, 8, engine.config.max_model_len)
-    for i, name in enumerate(adapter_names):
-        engine.add_request(str(i), PROMPTS[i], SamplingParams(max_new_tokens=3), adapter=name)
-    engine.step()  # prefill, eager
-    eager = set(seen)
-    seen.clear()
-    sched = engine.scheduler.schedule()
-    inputs = build_step_inputs(sched.scheduled, engine.arena.block_size)
-    with torch.inference_mode():
-        graphs.run_padded_eager(inputs)
-    assert eager and seen, "no LoRA launch seen"
-    return eager, set(seen)
-
-
-def test_graph_lora_split_reaches_the_lora_launch(demo_dir, adapter_names, monkeypatch):
-    """A split fixed by a benchmark (ModelRunner.fix_graph_lora_split) is what the LoRA
-    launches of the graphs' padded steps use (the eager path keeps the launcher's choice);
-    out-of-range values are refused."""
-    engine = make_engine(demo_dir, adapter_names[:2])
-    with pytest.raises(ValueError, match="1..64"):
-        engine.runner.fix_graph_lora_split(0)
-    engine.runner.fix_graph_lora_split(3)
-    eager, graphs = _lora_launch_kwargs(monkeypatch, engine, adapter_names[:2], "split_k")
-    assert eager == {None} and graphs == {3}
-
-
-@pytest.mark.parametrize("dot_16bit", [None, True, False])
-def test_lora_expand_dot_16bit_reaches_every_lora_launch(demo_dir, adapter_names, monkeypatch,
-                                                        dot_16bit):
-    """EngineConfig.lora_expand_dot_16bit is what the eager and the graphs' LoRA launches
-    pass to the kernels (None: the kernels' default)."""
-    engine = make_engine(demo_dir, adapter_names[:2], lora_expand_dot_16bit=dot_16bit)
-    eager, graphs = _lora_launch_kwargs(monkeypatch, engine, adapter_names[:2],
-                                        "expand_dot_16bit")
-    assert eager == graphs == {dot_16bit}

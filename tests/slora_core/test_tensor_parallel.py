@@ -14,8 +14,10 @@ import torch
 
 from slora_core.config import ConfigError, EngineConfig, ModelConfig
 from slora_core.engine import LLMEngine
+from slora_core.launch import AnyEngine, start_engine
 from slora_core.sampling_params import SamplingParams
 from slora_core.tp import TPGroup, TPShard
+from slora_core.tp.engine import TPEngine
 from slora_core.tp.weights import load_model_shard
 from slora_core.weights import load_model
 
@@ -28,7 +30,7 @@ CONFIG: dict[str, Any] = dict(num_pages=16, block_size=32, max_rank=32, max_num_
 Steps = dict[str, list[tuple[int, float, list[tuple[int, float]]]]]
 
 
-def _run(engine: LLMEngine, demo: Path) -> Steps:
+def _run(engine: AnyEngine, demo: Path) -> Steps:
     for name in ADAPTERS:
         engine.register_adapter(name, demo / "adapters" / name)
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, top_logprobs=5)
@@ -50,13 +52,13 @@ def test_tp2_matches_tp1_with_eviction_and_preemption(demo_dir: Path) -> None:
     ref_engine = LLMEngine(load_model(model_dir, torch.float32, "cpu"),
                            ModelConfig.from_hf_dir(model_dir), None, EngineConfig(**CONFIG))
     ref = _run(ref_engine, demo_dir)
-    tp = LLMEngine.from_model_dir(model_dir, EngineConfig(tensor_parallel_size=2, **CONFIG),
-                                  detokenize=False)
+    tp = start_engine(model_dir, EngineConfig(tensor_parallel_size=2, **CONFIG),
+                      detokenize=False)
     try:
         got = _run(tp, demo_dir)
         stats = tp.stats
     finally:
-        tp.close()  # type: ignore[attr-defined]
+        tp.close()
     assert stats.preemptions > 0 and stats.adapter_evictions > 0, stats
     assert sorted(got) == sorted(ref)
     for rid, steps in ref.items():
@@ -117,7 +119,7 @@ def test_refusals(demo_dir: Path) -> None:
         TPShard(full, 0, 3)
     with pytest.raises(ConfigError, match="must be positive"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ConfigError, match="from_model_dir"):
+    with pytest.raises(ConfigError, match="start_engine"):
         LLMEngine(load_model(demo_dir / "model", torch.float32, "cpu"), full, None,
                   EngineConfig(tensor_parallel_size=2))
 
@@ -131,8 +133,8 @@ def test_tp4_replicated_kv_heads_match_tp1(demo_dir: Path) -> None:
     outs: list[dict[str, list[tuple[int, float]]]] = []
     logits: list[list[torch.Tensor]] = []
     for size in (1, 4):
-        engine = LLMEngine.from_model_dir(model_dir, EngineConfig(tensor_parallel_size=size,
-                                                                  **config), detokenize=False)
+        engine = start_engine(model_dir, EngineConfig(tensor_parallel_size=size, **config),
+                              detokenize=False)
         steps: list[torch.Tensor] = []
         logits.append(steps)
         engine.runner.run = _recording(engine.runner.run, steps)  # type: ignore[method-assign]
@@ -148,7 +150,7 @@ def test_tp4_replicated_kv_heads_match_tp1(demo_dir: Path) -> None:
                         (lp.token_id, lp.logprob) for lp in out.logprobs)
         finally:
             if size > 1:
-                engine.close()  # type: ignore[attr-defined]
+                engine.close()
         outs.append(got)
     ref, tp = outs
     assert len(logits[0]) == len(logits[1]) > 1
@@ -184,35 +186,9 @@ def test_rank_0_failure_stops_the_other_ranks(demo_dir: Path,
 
     monkeypatch.setattr(ctx, "Process", process)
     with pytest.raises(ConfigError, match="max_model_len"):
-        LLMEngine.from_model_dir(demo_dir / "model",
-                                 EngineConfig(tensor_parallel_size=2, max_model_len=10**6))
+        start_engine(demo_dir / "model",
+                     EngineConfig(tensor_parallel_size=2, max_model_len=10**6))
     assert len(started) == 1 and not started[0].is_alive()
-
-
-def test_step_buffer_gives_back_the_step_inputs() -> None:
-    """What a rank > 0 replaying CUDA graphs rebuilds from the broadcast buffer is the step
-    rank 0 built (with and without LoRA tokens)."""
-    import dataclasses
-
-    import numpy as np
-
-    from kernels.lora_meta import lora_segments
-    from slora_core.step_inputs import StepInputs, inputs_from_arrays, step_arrays
-
-    for slots in ([-1, -1, -1], [0, 0, 1, -1, 2, 2]):
-        n = len(slots)
-        token_slots = np.array(slots, dtype=np.int64)
-        starts, lens, seg_slots = lora_segments(token_slots)
-        step = StepInputs(
-            input_ids=np.arange(n) + 3, positions=np.arange(n) + 5,
-            slot_mapping=np.arange(n) * 3, token_slots=token_slots,
-            seq_lens=np.array([n - 1, 1]), query_starts=np.array([0, n - 1, n]),
-            block_tables=np.array([[1, 2, 3], [4, 0, 0]]), logits_indices=np.array([n - 2, n - 1]),
-            max_query_len=n - 1, seg_starts=starts, seg_lens=lens, seg_slots=seg_slots)
-        arrays, shape = step_arrays(step)
-        back = inputs_from_arrays(np.concatenate([a.reshape(-1) for a in arrays]), shape)
-        for f in dataclasses.fields(StepInputs):
-            assert np.array_equal(getattr(back, f.name), getattr(step, f.name)), f.name
 
 
 def test_a_failing_rank_reports_before_leaving_and_close_is_bounded(
@@ -221,14 +197,14 @@ def test_a_failing_rank_reports_before_leaving_and_close_is_bounded(
     rank 0 must not hide it) and exits; rank 0's close then ends without waiting for it."""
     import time
 
-    tp = LLMEngine.from_model_dir(demo_dir / "model",
-                                  EngineConfig(tensor_parallel_size=2, **CONFIG),
-                                  detokenize=False)
-    proc = tp.worker_processes[0]  # type: ignore[attr-defined]
-    tp.tp_runner.send([("no-such-op",)])  # type: ignore[attr-defined]
+    tp = start_engine(demo_dir / "model", EngineConfig(tensor_parallel_size=2, **CONFIG),
+                      detokenize=False)
+    assert isinstance(tp, TPEngine)
+    proc = tp.worker_processes[0]
+    tp.tp_runner.send([("no-such-op",)])
     proc.join(timeout=30)
     start = time.monotonic()
-    tp.close()  # type: ignore[attr-defined]
+    tp.close()
     assert time.monotonic() - start < 10
     assert proc.exitcode == 1
     err = capfd.readouterr().err

@@ -1,0 +1,190 @@
+"""One engine step: finished adapter reads, schedule, arena changes, forward, sample, stream.
+
+With asynchronous steps a step is launched before the previous step's sampled ids are read
+(the GPU works on it meanwhile), and the outputs a step returns are the previous step's.
+Sequences that step sampled carry a placeholder last token: the scheduler counts it, and its
+id reaches this step's inputs on the device (TokenPatch). A sequence found finished when the
+ids arrive computed one token too many; it is dropped before sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slora_core import step_checks
+from slora_core.adapter_tiers import AdapterTiers, unloadable
+from slora_core.intake import Request, Requests
+from slora_core.model_runner import ModelRunner
+from slora_core.outputs import (
+    ADAPTER_UNLOADABLE,
+    DEADLINE,
+    NONFINITE,
+    RequestOutput,
+    TokenLogprob,
+    nonfinite_logits_error,
+)
+from slora_core.sampler import PendingSample, SampledToken, Sampler
+from slora_core.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput
+from slora_core.sequence import Sequence
+
+
+@dataclass
+class Inflight:
+    """A step whose sampled ids are still on their way to the host (asynchronous steps): row i
+    of `pending` belongs to seqs[i], whose last output token is a placeholder until then."""
+
+    seqs: list[Sequence]
+    pending: PendingSample
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
+                 requests: Requests, tiers: AdapterTiers, eos_token_ids: tuple[int, ...],
+                 steps_async: bool) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.sampler = sampler
+        self.requests = requests
+        self.tiers = tiers
+        self.eos_token_ids = eos_token_ids
+        self.steps_async = steps_async
+        self.inflight: Inflight | None = None  # async steps: the sampled batch not yet read
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; the outputs of requests that made progress."""
+        inflight, self.inflight = self.inflight, None
+        outputs = self._finish_reads() if self.tiers.reading else []
+        sched = self.scheduler.schedule()
+        outputs += self.apply_memory_changes(sched)
+        outputs += [self._expire(seq) for seq in sched.expired]
+        if not sched.scheduled and inflight is None and self.tiers.reading and not outputs:
+            self.tiers.wait_for_read()  # nothing to run until a read lands
+        logits, sampling = None, []
+        if sched.scheduled:
+            self.tiers.wait_for_copies(sched)
+            if step_checks.ENABLED:  # after the waits: it reads the slots' table rows
+                step_checks.check_scheduled(sched.scheduled, self.tiers.pool, self.tiers.arena)
+            patch = None if inflight is None else self.runner.token_patch(
+                sched.scheduled, inflight.seqs, inflight.pending.tokens)
+            logits = self.runner.run(sched.scheduled, patch)
+            sampling = [s.seq for s in sched.scheduled if s.samples]
+        if inflight is not None:
+            outputs += self._complete(inflight)
+            logits, sampling = self._drop_finished(logits, sampling)
+        if not self.steps_async:
+            return outputs + self.sample(sched, logits, sampling)
+        self.inflight = self._sample_async(sched, logits, sampling)
+        return outputs
+
+    # ---- adapters ------------------------------------------------------------------------
+    def _finish_reads(self) -> list[RequestOutput]:
+        """Requests whose adapter finished loading in the background become schedulable, or
+        end with an error that says why (the file could not be parsed or validated, or the
+        request does not fit the arena with it); the other requests go on."""
+        outputs: list[RequestOutput] = []
+        for name, got in self.tiers.finished_reads():
+            waiting = [r for r in self.requests.live.values()
+                       if r.seq.adapter == name and not r.seq.adapter_ready]
+            if isinstance(got, Exception):
+                outputs += [self._fail(r, unloadable(name, got)) for r in waiting]
+                continue
+            pages = got.layout.num_pages
+            for req in waiting:
+                error = self.requests.fits_error(self.requests.pages_needed(req.seq, pages),
+                                                 with_adapter=True)
+                if error is not None:
+                    outputs.append(self._fail(req, error))
+                else:
+                    req.seq.adapter_pages, req.seq.adapter_ready = pages, True
+        return outputs
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        return self.requests.end(req, "error", error, ADAPTER_UNLOADABLE)
+
+    def apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        return self.tiers.apply(sched, lambda name, error: self._fail_adapter(name, sched, error))
+
+    def _fail_adapter(self, name: str, sched: SchedulerOutput, error: str) -> list[RequestOutput]:
+        """An adapter that can no longer be loaded fails its requests; the rest go on."""
+        victims = [r for r in self.requests.live.values() if r.seq.adapter == name]
+        sched.scheduled = [s for s in sched.scheduled if s.seq.adapter != name]
+        return [self._fail(req, unloadable(name, error)) for req in victims]
+
+    def _expire(self, seq: Sequence) -> RequestOutput:
+        return self.requests.end(self.requests.live[seq.request_id], "abort",
+                                 "deadline exceeded before the request was scheduled", DEADLINE)
+
+    # ---- sampling ------------------------------------------------------------------------
+    def _sampler_args(self, logits: torch.Tensor, sampling: list[Sequence]) -> tuple[Any, ...]:
+        reqs = [self.requests.live[s.request_id] for s in sampling]
+        return (logits, [s.params for s in sampling], [r.generator for r in reqs],
+                # Only the repetition penalty reads the history: skip the O(context) copy.
+                [s.token_ids() if s.params.repetition_penalty != 1.0 else () for s in sampling],
+                [len(s.output_token_ids) for s in sampling], self.eos_token_ids)
+
+    def sample(self, sched: SchedulerOutput, logits: torch.Tensor | None,
+               sampling: list[Sequence]) -> list[RequestOutput]:
+        """Sample the step's tokens, let the scheduler book the step, stream the tokens."""
+        tokens = (self.sampler.sample(*self._sampler_args(logits, sampling))
+                  if logits is not None and sampling else [])
+        ids = [t.token_id if t.finite else None for t in tokens]
+        reasons = self.scheduler.postprocess(sched.scheduled, list(zip(sampling, ids, strict=True)))
+        return [self._append_token(self.requests.live[seq.request_id], tok, reason)
+                for seq, tok, reason in zip(sampling, tokens, reasons, strict=True)]
+
+    def _sample_async(self, sched: SchedulerOutput, logits: torch.Tensor | None,
+                      sampling: list[Sequence]) -> Inflight | None:
+        """Launch the step's sampling; the scheduler books the step with placeholder tokens."""
+        pending = (self.sampler.sample_async(*self._sampler_args(logits, sampling))
+                   if logits is not None and sampling else None)
+        self.scheduler.postprocess(sched.scheduled, [(seq, PLACEHOLDER) for seq in sampling])
+        return Inflight(sampling, pending) if pending is not None else None
+
+    def _drop_finished(self, logits: torch.Tensor | None, sampling: list[Sequence]
+                       ) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Sequences finished after the step was launched (it computed one token too many for
+        them) are not sampled."""
+        keep = [i for i, s in enumerate(sampling) if self.requests.is_live(s)]
+        if len(keep) == len(sampling) or logits is None:
+            return logits, sampling
+        rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
+        return logits[rows], [sampling[i] for i in keep]
+
+    def _complete(self, inflight: Inflight) -> list[RequestOutput]:
+        """Read a launched step's sampled ids: fill the placeholders, stream, finish."""
+        outputs = []
+        for seq, tok in zip(inflight.seqs, inflight.pending.result(), strict=True):
+            if not self.requests.is_live(seq):
+                continue  # aborted or failed while the step ran
+            reason = self.scheduler.resolve(seq, tok.token_id if tok.finite else None)
+            outputs.append(self._append_token(self.requests.live[seq.request_id], tok, reason))
+        return outputs
+
+    def _append_token(self, req: Request, tok: SampledToken, reason: str | None
+                      ) -> RequestOutput:
+        """Stream a token the scheduler has appended; `reason`: it finished the request. A
+        stop string in the text finishes it too (as "stop", which wins over "length")."""
+        if not tok.finite:
+            # Logits with a NaN or inf end the request with an error: the id sampled from
+            # them is the argmax of garbage, so no token is emitted. Other rows are untouched.
+            return self.requests.end(req, "error",
+                                     nonfinite_logits_error(len(req.seq.output_token_ids)),
+                                     NONFINITE)
+        seq = req.seq
+        text = req.stream.append(tok.token_id)
+        out = RequestOutput(
+            request_id=seq.request_id, token_ids=[tok.token_id], text=text,
+            logprobs=[TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs)],
+            prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
+        )
+        if req.stream.stopped:  # only ever set once min_new_tokens were produced
+            if reason is None:
+                self.scheduler.finish(seq)
+            reason = "stop"
+        if reason is not None:
+            del self.requests.live[seq.request_id]
+            out.text += req.stream.flush()
+            out.finished, out.finish_reason = True, reason
+        return out
