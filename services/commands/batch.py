@@ -12,8 +12,8 @@ from tqdm import tqdm
 
 from slora_core.chat_template import ChatTemplateError, check_messages
 from slora_core.config import EngineConfig
-from slora_core.launch import AnyEngine, start_engine
 from slora_core.engine_args import add_engine_args, engine_config_from_args
+from slora_core.launch import AnyEngine, start_engine
 from slora_core.sampling_params import SamplingParams
 from slora_core.tokenizer import Tokenizer
 
