@@ -25,6 +25,32 @@ from slora_core.config import ModelConfig
 from slora_core.context import StepContext, step_context
 from slora_core.model import LlamaForCausalLM
 
+KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
+
+
+def _dtype(item: pytest.Item) -> Any:
+    return getattr(getattr(item, "callspec", None), "params", {}).get("dtype")
+
+
+def _dtype_twin(item: pytest.Item) -> tuple[Any, ...]:
+    """A parametrized case's identity less its dtype."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    rest = tuple(sorted((k, repr(v)) for k, v in params.items() if k != "dtype"))
+    return (item.path, getattr(item, "originalname", item.name), rest)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under the Triton interpreter a kernel case costs seconds, and each runs in float32 and
+    float16 (tests/kernels/helpers.py DTYPES). The default run keeps the float16 case, the
+    dtype GPUs serve; its float32 twin, the same kernel code at another width, is marked slow
+    (`pytest -m slow` runs it). A case without a float16 twin stays in the default run."""
+    kernels = [i for i in items if KERNEL_TESTS in i.path.parents]
+    with_fp16 = {_dtype_twin(i) for i in kernels if _dtype(i) is torch.float16}
+    for item in kernels:
+        if _dtype(item) is torch.float32 and _dtype_twin(item) in with_fp16:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -90,6 +90,7 @@ def wait_for_line(log: Path, proc: subprocess.Popen[bytes], text: str, timeout_s
         time.sleep(0.3)
 
 
+@pytest.mark.slow  # ~1 min; test_readme_examples runs `slora up` from a checkout by default
 def test_installed_wheel_runs_slora_up_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
     bin_dir = fresh_venv(tmp_path / "venv", wheel)
     run = tmp_path / "run"
