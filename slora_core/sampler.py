@@ -50,6 +50,28 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     return gen
 
 
+# Odd 64-bit constant (2**64 / golden ratio) spacing the positions' seeds.
+_SEED_STEP = 0x9E3779B97F4A7C15
+_U64 = 2**64
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's random draw at output `position`: the draws are a
+    function of (seed, position), not of a generator's running state, so a stream resumed
+    elsewhere after `n` tokens with `advance_seed(seed, n)` draws what it would have drawn
+    (docs/failover.md). splitmix64's finalizer over seed + position * step."""
+    x = (seed + position * _SEED_STEP) % _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % _U64
+    return x ^ (x >> 31)
+
+
+def advance_seed(seed: int, positions: int) -> int:
+    """The seed under which position p of a stream continued after `positions` tokens draws
+    what position p + positions of the original stream drew."""
+    return (seed + positions * _SEED_STEP) % _U64
+
+
 def token_mask(rows: Sequence[Sequence[int]], vocab_size: int,
                device: torch.device) -> torch.Tensor:
     """[B, V] bool, True where row b lists the token. Ids outside [0, V) are ignored, as HF does
@@ -246,7 +268,8 @@ class Sampler:
         scores = apply_grammar_mask(scores, grammar)
         chosen = scores.argmax(dim=-1)
         if not all(p.is_greedy for p in params):
-            sampled = self._sample_rows(_warp(scores, params), params, generators)
+            sampled = self._sample_rows(_warp(scores, params), params, generators,
+                                        num_generated)
             greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
             chosen = torch.where(greedy, chosen, sampled)
         return chosen, raw_logprobs, finite
@@ -273,7 +296,10 @@ class Sampler:
                                         [p.presence_penalty for p in params], counts)
 
     def _sample_rows(self, scores: torch.Tensor, params: Sequence[SamplingParams],
-                     generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+                     generators: Sequence[torch.Generator | None],
+                     positions: Sequence[int] | None = None) -> torch.Tensor:
+        """`positions[b]`: the output position row b samples (its tokens generated so far); a
+        seeded row's draw is then a function of (seed, position) alone (`position_seed`)."""
         probs = scores.softmax(dim=-1)
         q = torch.ones_like(probs)
         unseeded = [b for b, (p, g) in enumerate(zip(params, generators, strict=True))
@@ -284,6 +310,8 @@ class Sampler:
                                       ).exponential_(generator=gen)
         for b, (p, g) in enumerate(zip(params, generators, strict=True)):
             if g is not None and not p.is_greedy:
+                if p.seed is not None and positions is not None:
+                    g.manual_seed(position_seed(p.seed, positions[b]))
                 q[b].exponential_(generator=g)
         # exponential_ may return exactly 0 in float32; clamping keeps p/q finite at no
         # measurable cost to the distribution.

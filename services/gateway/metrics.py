@@ -15,6 +15,9 @@ class GatewayMetrics:
         self.retries = Counter("slora_gateway_retries",
                                "Calls retried on another worker before the first token",
                                registry=r)
+        self.resumed = Counter("slora_gateway_resumed",
+                               "Streams resumed on another worker after theirs failed "
+                               "mid-generation (docs/failover.md)", registry=r)
         self.fallbacks = Counter("slora_gateway_fallbacks",
                                  "Calls served by the fallback version", registry=r)
         self.revision = Gauge("slora_gateway_routing_revision",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -17,6 +18,7 @@ import grpc
 from services.common import errors as e
 from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate
+from services.common.resume import not_resumable, resumed_request
 from services.gateway.evidence import RoutedEvidence, Served, ServedLog, check_labels
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.siblings import Siblings
@@ -37,7 +39,13 @@ BUSY_RETRY_AFTER_MS = 1000
 
 
 class WorkerFailed(Exception):
-    """A worker failed before sending a token; the next one may be tried."""
+    """A worker failed in a way the next one may fix: before its first message, or mid-stream
+    for a request that can be resumed (`started`)."""
+
+    def __init__(self, error: e.ServiceError, started: bool) -> None:
+        super().__init__(error)
+        self.error = error
+        self.started = started
 
 
 def all_failed(failures: list[e.ServiceError]) -> e.ServiceError:
@@ -133,6 +141,8 @@ class RoutedCall:
         self.token = token
         self.timeout_s = timeout_s
         self.request_id = request.request_id or uuid.uuid4().hex
+        # A resumed stream's worker call gets what is left of the caller's deadline.
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.served_by: pb.ServedBy | None = None
         self.caller_tenant = ""  # whose request: the worker's scheduler shares steps by it
 
@@ -202,26 +212,35 @@ class RoutedCall:
         if not workers:
             raise e.Unavailable("no worker is available")
         failures: list[e.ServiceError] = []
+        emitted: list[int] = []  # the tokens the client has: a resumed stream goes on after them
         for attempt, worker in enumerate(workers):
             if attempt:
                 self.router.metrics.retries.inc()
+            call = resumed_request(upstream, emitted) if emitted else upstream
             try:
-                async for r in self._call(worker, upstream, is_fallback):
+                async for r in self._call(worker, call, is_fallback):
+                    if r.HasField("chunk"):
+                        emitted.extend(r.chunk.token_ids)
                     yield r
                 return
             except WorkerFailed as exc:
-                failures.append(exc.args[0])
-                log.info("worker %s failed before the first token: %s", worker.worker_id,
-                         failures[-1])
+                failures.append(exc.error)
+                if exc.started:
+                    self.router.metrics.resumed.inc()
+                log.info("worker %s failed %s: %s", worker.worker_id,
+                         f"after {len(emitted)} tokens; resuming the stream on the next worker"
+                         if exc.started else "before the first token", exc.error)
         raise all_failed(failures)
 
     async def _call(self, worker: ppb.WorkerEndpoint, upstream: pb.GenerateRequest,
                     is_fallback: bool) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream from one worker. Raises WorkerFailed when it fails before its first message,
-        a ServiceError for the caller otherwise."""
+        """Stream from one worker. Raises WorkerFailed when it fails (dies, drops the stream)
+        before its first message, or later when the request can be resumed elsewhere
+        (docs/failover.md); a ServiceError for the caller otherwise."""
         inflight = self.router.inflight
         call = DrainedCall(self.router.channels.stub(worker.address).Generate(
-            upstream, timeout=self.timeout_s, metadata=((TENANT_HEADER, self.caller_tenant),)))
+            upstream, timeout=None if self.deadline is None else self.deadline - time.monotonic(),
+            metadata=((TENANT_HEADER, self.caller_tenant),)))
         inflight[worker.worker_id] = inflight.get(worker.worker_id, 0) + 1
         started = False
         try:
@@ -240,8 +259,9 @@ class RoutedCall:
             err = e.error_from_rpc(exc)
             # A deterministic error (bad token ids, non-finite logits) would recur on every
             # worker: the client gets it now.
-            if not started and exc.code() in RETRY_CODES and not err.deterministic:
-                raise WorkerFailed(err) from None
+            if exc.code() in RETRY_CODES and not err.deterministic and (
+                    not started or not not_resumable(upstream)):
+                raise WorkerFailed(err, started) from None
             raise err from None
         finally:
             inflight[worker.worker_id] -= 1

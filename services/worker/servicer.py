@@ -33,6 +33,7 @@ from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient, TokenStream, error_of
 from services.worker.errors import to_service_error
 from services.worker.metrics import WorkerMetrics
+from services.worker.resume import resumed_params
 from services.worker.token_text import TokenText
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
@@ -90,6 +91,13 @@ class Detokenized:
         self.tokens = tokens
         self.completion_tokens = 0
         self.stopped = False
+
+    def replay(self, token_ids: list[int]) -> None:
+        """Take tokens the client already has (a resumed stream): their text is not sent again,
+        and what the detokenizer holds back after them comes out as it would have."""
+        for tok in token_ids:
+            self.text.append(tok)
+        self.completion_tokens += len(token_ids)
 
     async def next(self) -> tuple[Delta, m.Finish | None]:
         """The tokens that arrived since the last call (waiting for at least one, or the end)."""
@@ -206,6 +214,10 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             # Built before the engine gets the request: the detokenizer decodes the prompt's
             # tail, and what fails there must fail before anything is taken.
             stream = Detokenized(self.tokenizer, ids, params, TokenStream())
+            resume = list(request.resume_token_ids)  # a stream resumed here (resume.py)
+            check_token_ids(resume, self.vocab_size)
+            left = resumed_params(request, params, resume) if resume else params
+            stream.replay(resume)
         except Exception as exc:
             # Nothing is taken yet; a request that cannot be built here cannot be built on
             # any worker, so the gateway must not try the next one.
@@ -223,7 +235,11 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         try:
             # Inside the try: whatever fails from here on, the finally aborts what the core
             # holds for the request.
-            rid, tokens = self.core.add(ids, params, name, tenant=tenant,
+            if left is None:  # resumed with its budget spent: only the end was missing
+                yield self._complete("length", len(ids), stream.completion_tokens, key,
+                                     request.request_id)
+                return
+            rid, tokens = self.core.add(ids + resume, left, name, tenant=tenant,
                                         deadline_s=time_remaining)
             stream.tokens = tokens
             while True:
@@ -237,7 +253,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                         await asyncio.sleep(delay)
                     nonfinite = nonfinite or not all(map(math.isfinite, delta.logprobs))
                     chunk = chunk_of(delta, self.token_text)
-                    if first is None:
+                    if first is None and not resume:  # a resumed client has it
                         chunk = first_chunk(chunk, request, ids, self.tokenizer.decode)
                     first = first or time.monotonic()
                     yield pb.GenerateResponse(chunk=chunk)

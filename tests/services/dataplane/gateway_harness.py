@@ -81,8 +81,10 @@ class _Servicer(pb_grpc.InferenceServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                        ) -> AsyncIterator[pb.GenerateResponse]:
         self.worker.calls.append(request)
-        ctx = prompt_tokens(request)
-        for pos in range(request.sampling.max_new_tokens):
+        # A resumed stream (docs/failover.md): the tokens the client has, then the rest.
+        resume = list(request.resume_token_ids)
+        ctx = prompt_tokens(request) + resume
+        for pos in range(len(resume), request.sampling.max_new_tokens):
             err = self.worker.fail_with(request, pos)
             if err is not None:
                 await e.abort_with(context, err)

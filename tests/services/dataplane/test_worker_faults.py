@@ -1,5 +1,6 @@
 """The two-process worker under faults: the engine core killed mid-stream, the front killed,
-and many concurrent streams with cancels (nothing leaks in the engine core)."""
+and many concurrent streams with cancels (nothing leaks in the engine core); and a worker
+killed under 100 streams through a gateway, which resumes them on the other worker."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from devtools.demo_stack import Stack, StackConfig, wait_until_routable
 from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
 from services.worker.debug_hooks import STEP_DELAY_ENV
+from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
-from tests.services.dataplane.dp_support import request, scrape
+from tests.services.dataplane.dp_support import PROMPTS, request, scrape
 
 pytestmark = pytest.mark.timeout(240)
 CORE_PID = re.compile(r"engine core pid (\d+)")
@@ -136,3 +139,80 @@ def test_200_streams_with_cancels_leave_nothing_behind(demo_dir: Path, tmp_path:
         assert m["slora_requests_aborted_total"] == 100
     finally:
         worker.kill()
+
+
+STREAMS = 100
+FAILOVER_TOKENS = 48
+
+
+def failover_requests() -> list[pb.GenerateRequest]:
+    return [request(f"{PROMPTS[i % len(PROMPTS)]} and stream {i}", max_new_tokens=FAILOVER_TOKENS,
+                    ignore_eos=True, temperature=0) for i in range(STREAMS)]
+
+
+async def run_streams(gateway: str, token: str, on_first_tokens: asyncio.Event | None = None,
+                      ) -> list[tuple[list[int], str, str]]:
+    """Every failover request at once through the gateway: (tokens, text, error) each;
+    `on_first_tokens` is set once a third of the streams have their first chunk."""
+    md = (("authorization", f"Bearer {token}"),)
+    going = 0
+
+    async def one(stub: pb_grpc.InferenceServiceStub, req: pb.GenerateRequest,
+                  ) -> tuple[list[int], str, str]:
+        nonlocal going
+        tokens: list[int] = []
+        text = ""
+        try:
+            async for r in stub.Generate(req, metadata=md, timeout=240):
+                if r.HasField("chunk"):
+                    if not tokens:
+                        going += 1
+                        if on_first_tokens is not None and going >= STREAMS // 3:
+                            on_first_tokens.set()
+                    tokens += list(r.chunk.token_ids)
+                    text += r.chunk.text
+        except grpc.aio.AioRpcError as e:
+            return tokens, text, f"{e.code().name}: {e.details()}"
+        return tokens, text, ""
+
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        return await asyncio.gather(*(one(stub, r) for r in failover_requests()))
+
+
+@pytest.mark.slow
+def test_worker_killed_under_100_greedy_streams_loses_none(demo_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """kill -9 of one of two workers while 100 greedy streams run through the gateway: the
+    gateway resumes the broken streams on the other worker from the tokens their clients have
+    (docs/failover.md); at least 99 complete, each equal to its uninterrupted output."""
+    stack = Stack(StackConfig(demo_dir=demo_dir, state_dir=tmp_path, heartbeat_s=0.5,
+                              worker_args=("--num-pages", "1024", "--max-num-seqs", "64")))
+    try:
+        stack.start_control_plane()
+        for name in ("w1", "w2"):
+            # 10 ms steps (a test hook): the streams are surely mid-generation at the kill.
+            stack.start_worker(name, env={STEP_DELAY_ENV: "0.01"})
+        stack.start_gateway("g1")
+        gateway, token = stack.gateway_addresses["g1"], stack.admin_token
+        wait_until_routable(gateway, token, [])
+        reference = asyncio.run(run_streams(gateway, token))
+        assert all(not err and len(toks) == FAILOVER_TOKENS for toks, _, err in reference)
+
+        async def with_kill() -> list[tuple[list[int], str, str]]:
+            first = asyncio.Event()
+            streams = asyncio.create_task(run_streams(gateway, token, first))
+            await asyncio.wait_for(first.wait(), 120)
+            stack.workers["w1"].popen.kill()  # SIGKILL: its engine core dies with it
+            return await streams
+
+        faulted = asyncio.run(with_kill())
+        same = [i for i, (got, want) in enumerate(zip(faulted, reference, strict=True))
+                if not got[2] and got[0] == want[0] and got[1] == want[1]]
+        failed = [(i, faulted[i][2]) for i in range(STREAMS) if faulted[i][2]][:5]
+        assert len(same) >= STREAMS - 1, (len(same), failed)
+        resumed = stack.gateways["g1"].log_path.read_text().count(
+            "resuming the stream on the next worker")
+        assert resumed > 0, "no stream was resumed: the kill came too late to test anything"
+    finally:
+        stack.stop()

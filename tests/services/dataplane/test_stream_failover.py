@@ -1,0 +1,108 @@
+"""Stream failover on the gateway's routing path (gRPC and HTTP share it): a worker that fails
+mid-generation is replaced by the next one, which continues after the tokens the client already
+has (`resume_token_ids`), so the client's stream equals the uninterrupted one; requests that
+cannot resume exactly, and deterministic errors, end with the error instead. Scripted workers
+(gateway_harness.py) generate greedily from the whole context, as a model does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.common import errors as e
+from slora.v1 import inference_pb2 as pb
+from tests.services.dataplane.gateway_harness import (
+    expected_output,
+    run_call,
+    started,
+    stop_all,
+)
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def ids_request(max_new_tokens: int = 20, **extra: object) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT),
+                              sampling=pb.SamplingOptions(max_new_tokens=max_new_tokens),
+                              **extra)  # type: ignore[arg-type]
+
+
+def first_fails_at(position: int, error: e.ServiceError | None = None):  # type: ignore[no-untyped-def]
+    """A fail_with for the first worker called: fails at output `position`, once."""
+    def fail(request: pb.GenerateRequest, pos: int) -> e.ServiceError | None:
+        if pos == position and not request.resume_token_ids:
+            return error or e.Unavailable("Stream removed")
+        return None
+    return fail
+
+
+def test_a_stream_broken_mid_generation_is_resumed_on_the_next_worker() -> None:
+    async def scenario() -> None:
+        router, workers = await started("w1", "w2")
+        for w in workers:
+            w.fail_with = first_fails_at(7)
+        try:
+            out = await run_call(router, ids_request(20))
+            assert out.error is None, out.error
+            assert out.token_ids == expected_output(PROMPT, 20)
+            resumed = [c for w in workers for c in w.calls if c.resume_token_ids]
+            assert len(resumed) == 1
+            assert list(resumed[0].resume_token_ids) == expected_output(PROMPT, 7)
+            assert router.metrics.resumed._value.get() == 1
+        finally:
+            await stop_all(router, workers)
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_resumed_twice_still_equals_the_uninterrupted_one() -> None:
+    """Three workers, the first two failing at different points."""
+    async def scenario() -> None:
+        router, workers = await started("w1", "w2", "w3")
+        broken: dict[str, int] = {}
+
+        def fail(request: pb.GenerateRequest, pos: int) -> e.ServiceError | None:
+            # Each worker fails once, at a point after where its stream started.
+            name = next(w.worker_id for w in workers if w.calls and w.calls[-1] is request)
+            if name not in broken and len(broken) < 2 and pos >= len(request.resume_token_ids) + 3:
+                broken[name] = pos
+                return e.Internal("Received RST_STREAM with error code 2")
+            return None
+
+        for w in workers:
+            w.fail_with = fail
+        try:
+            out = await run_call(router, ids_request(16))
+            assert out.error is None, out.error
+            assert out.token_ids == expected_output(PROMPT, 16)
+            assert len(broken) == 2 and router.metrics.resumed._value.get() == 2
+        finally:
+            await stop_all(router, workers)
+
+    asyncio.run(scenario())
+
+
+def test_structured_output_and_deterministic_errors_are_not_resumed() -> None:
+    async def scenario() -> None:
+        router, workers = await started("w1", "w2")
+        try:
+            cases = [
+                (ids_request(10, structured_output=pb.StructuredOutput(regex="[a-z]+")),
+                 e.Unavailable("Stream removed"), grpc.StatusCode.UNAVAILABLE),
+                (ids_request(10), e.Internal("non-finite logits", deterministic=True),
+                 grpc.StatusCode.INTERNAL),
+            ]
+            for request, error, code in cases:
+                for w in workers:
+                    w.calls.clear()
+                    w.fail_with = first_fails_at(4, error)
+                out = await run_call(router, request)
+                assert out.error is not None and out.error.code == code, out.error
+                assert out.token_ids == expected_output(PROMPT, 4)
+                assert sum(len(w.calls) for w in workers) == 1
+            assert router.metrics.resumed._value.get() == 0
+        finally:
+            await stop_all(router, workers)
+
+    asyncio.run(scenario())
