@@ -161,6 +161,7 @@ def pg_url() -> Iterator[str]:
         drop_pg_schema(schema)
 
 
+@pytest.mark.slow  # ~1 min: every Compose service as a local process, on PostgreSQL
 def test_every_compose_service_runs_locally_and_serves_generate(pg_url: str, tmp_path: Path
                                                                ) -> None:
     services = compose()["services"]
