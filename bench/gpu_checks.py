@@ -47,6 +47,7 @@ PYTEST_PATHS = ["tests/kernels", "tests/slora_core/test_ops.py", "tests/slora_co
                 "tests/slora_core/test_graph_capture.py", "tests/slora_core/test_lora_merge.py"]
 SHAPES = ["llama2-7b", "llama3-8b"]
 LIMIT_EXIT = (124, 130, 137, -2, -9, -15)  # stopped at the limit
+EVERY_TEST = ("-m", "slow or not slow")  # the GPU run checks the slow set too
 
 
 def plan_shards(paths: list[str], shards: int) -> list[list[str]]:
@@ -60,7 +61,8 @@ def plan_shards(paths: list[str], shards: int) -> list[list[str]]:
             collected.extend(items)
 
     collected = items  # the plugin's method names its own argument `items` (pytest's hook spec)
-    pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider", *paths], plugins=[Collect()])
+    pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider", *EVERY_TEST, *paths],
+                plugins=[Collect()])
 
     def gpu_only(item: Any) -> bool:
         return any(w in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")
@@ -199,7 +201,7 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
         os.environ.setdefault("TRITON_INTERPRET", env["TRITON_INTERPRET"])
         for stale in glob.glob(f"{out}/gpu-pytest-*.xml"):
             os.remove(stale)
-        jobs = {f"pytest-{k}": [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        jobs = {f"pytest-{k}": [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EVERY_TEST,
                                 "--durations=10", f"--junitxml={out}/gpu-pytest-{k}.xml", *ids]
                 for k, ids in enumerate(plan_shards(a.pytest_paths, a.shards))}
         jobs["numerics"] = [py, "-m", "bench.gpu_numerics", *device_args,
