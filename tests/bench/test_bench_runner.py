@@ -59,3 +59,16 @@ def test_an_unknown_suite_is_refused(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         runner.main(["no-such-suite"])
     assert "python -m bench --list" in capsys.readouterr().err
+
+
+def test_lanes_run_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "sleeper.py").write_text("import sys, time; time.sleep(float(sys.argv[1]))")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(SUITES, "probe", (step("a", 30, "sleeper", "2", lane=0),
+                                          step("b", 30, "sleeper", "2", lane=1)))
+    t0 = time.monotonic()
+    assert runner.main(["probe", "--out", str(tmp_path / "out")]) == 0
+    steps = json.loads((tmp_path / "out" / "run.json").read_text())["steps"]
+    # Both lanes took ~2 s each; one after the other would be 4 s at the least.
+    assert {s["step"] for s in steps} == {"a", "b"}
+    assert time.monotonic() - t0 < sum(s["seconds"] for s in steps)
