@@ -26,6 +26,7 @@ from slora_core.model import LlamaForCausalLM
 from slora_core.model_runner import ModelRunner
 from slora_core.outputs import RequestOutput
 from slora_core.page_pool import PagePool
+from slora_core.prompt_logprobs import PromptLogprob
 from slora_core.sampler import Sampler
 from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
@@ -162,6 +163,11 @@ class LLMEngine:
     def request_ids(self) -> list[str]:
         """Requests queued or running."""
         return list(self.requests.live)
+
+    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[PromptLogprob]]]:
+        """Prompt logprobs scored since the last call (requests with `prompt_logprobs`), by
+        request id: (the first prompt position scored, its logprobs)."""
+        return self.runner.take_prompt_scores()
 
     def request_started(self, request_id: str) -> bool:
         """The request was scheduled at least once (it left the waiting queue)."""

@@ -15,6 +15,7 @@ from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
 from slora_core.lora import wrap_lora
 from slora_core.lora_merge import SoleAdapterMerge
 from slora_core.model import LlamaForCausalLM
+from slora_core.prompt_logprobs import PromptLogprob, score_step, wants_prompt_logprobs
 from slora_core.scheduler import ScheduledSeq
 from slora_core.sequence import Sequence
 from slora_core.step_inputs import (
@@ -47,6 +48,8 @@ class ModelRunner:
         # EngineConfig.merge_sole_adapter: steps on one adapter run as the base model.
         self.merge = SoleAdapterMerge(model, arena) if merge_sole_adapter else None
         self.device = arena.pages.device
+        # Prompt logprobs scored by the steps since the last take (prompt_logprobs.score_step).
+        self.prompt_scores: dict[str, tuple[int, list[PromptLogprob]]] = {}
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
         if use_cuda_graphs and self.device.type == "cuda":
@@ -118,9 +121,11 @@ class ModelRunner:
         inputs = build_step_inputs(scheduled, self.arena.block_size)
         if self.merge is not None:
             inputs = self.merge.route(inputs)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        # A step that scores prompt tokens needs every row's hidden state: eager.
+        scoring = wants_prompt_logprobs(scheduled)
+        if self.graphs is not None and not scoring and self.graphs.can_run(inputs):
             return self.graphs.run(inputs, patch)
-        if self.mixed is not None and self.mixed.can_run(inputs):
+        if self.mixed is not None and not scoring and self.mixed.can_run(inputs):
             return self.mixed.run(inputs, patch)
         input_ids, ctx = self.build_context(inputs)
         if step_checks.ENABLED:
@@ -128,4 +133,12 @@ class ModelRunner:
         apply_patch(input_ids, patch)
         with step_context(ctx):
             hidden = self.model(input_ids, ctx.positions)
+            if scoring:
+                self.prompt_scores.update(score_step(
+                    scheduled, inputs.query_starts.tolist(), hidden, self.model.compute_logits))
             return self.model.compute_logits(hidden[ctx.logits_indices])
+
+    def take_prompt_scores(self) -> dict[str, tuple[int, list[PromptLogprob]]]:
+        """Prompt logprobs scored since the last call, by request id: (first position, ...)."""
+        scores, self.prompt_scores = self.prompt_scores, {}
+        return scores

@@ -120,8 +120,8 @@ class StepLoop:
     def _sampler_args(self, logits: torch.Tensor, sampling: list[Sequence]) -> tuple[Any, ...]:
         reqs = [self.requests.live[s.request_id] for s in sampling]
         return (logits, [s.params for s in sampling], [r.generator for r in reqs],
-                # Only the repetition penalty reads the history: skip the O(context) copy.
-                [s.token_ids() if s.params.repetition_penalty != 1.0 else () for s in sampling],
+                # Only the penalties read the history: skip the O(context) copy otherwise.
+                [s.token_ids() if s.params.needs_history else () for s in sampling],
                 [len(s.output_token_ids) for s in sampling], self.eos_token_ids)
 
     def sample(self, sched: SchedulerOutput, logits: torch.Tensor | None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -103,13 +104,21 @@ def chat_prompt_ids(tokenizer: Tokenizer, request: pb.GenerateRequest) -> list[i
 
 
 def first_chunk(chunk: pb.Chunk, request: pb.GenerateRequest, prompt_ids: Sequence[int],
-                decode: Callable[[Sequence[int]], str]) -> pb.Chunk:
-    """`chunk` with what a call's first chunk carries: the prompt's length, and its text when
-    `return_prompt_text` (echo)."""
+                decode: Callable[[Sequence[int]], str],
+                scores: Sequence[tuple[int, float, Sequence[tuple[int, float]]]] = (),
+                text_of: Callable[[int], tuple[str, bytes]] | None = None) -> pb.Chunk:
+    """`chunk` with what a call's first chunk carries: the prompt's length, its text when
+    `return_prompt_text` (echo), and its tokens' logprobs when `prompt_logprobs` was asked
+    (`scores`: positions 1, 2, ...; the first token, which nothing predicts, gets NaN)."""
     chunk.prompt_tokens = len(prompt_ids)
     if request.return_prompt_text:
         chunk.prompt_text = request.text if request.WhichOneof("input") == "text" else (
             decode(prompt_ids))
+    if request.sampling.HasField("prompt_logprobs") and text_of is not None and prompt_ids:
+        ids = [prompt_ids[0], *(t for t, _, _ in scores)]
+        lps = [math.nan, *(lp for _, lp, _ in scores)]
+        tops: list[Sequence[tuple[int, float]]] = [(), *(top for _, _, top in scores)]
+        chunk.prompt_logprobs.extend(token_logprobs(text_of, ids, lps, tops))
     return chunk
 
 

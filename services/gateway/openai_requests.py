@@ -124,6 +124,8 @@ class Plan:
     echo: bool = False
     prompt_logprobs: int | None = None
     prompts: list[str | None] = field(default_factory=list)  # text prompts, for echo
+    # echo with max_tokens 0: the workers generate one token, which the response leaves out
+    drop_generated: bool = False
     # Internal field names -> what this caller sent (for the errors the workers raise).
     names: dict[str, str] = field(default_factory=dict)
 
@@ -290,7 +292,7 @@ def completion_plan(req: CompletionRequest, base_model: str, request_id: str) ->
     if limit == 0 and not echo:
         raise FieldError(_max_tokens_name(req), f"{_max_tokens_name(req)} must be at least 1 "
                          "(0 only with echo, for the prompt's logprobs)")
-    sampling = _sampling(req, COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else limit,
+    sampling = _sampling(req, COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else limit or 1,
                          req.logprobs)
     if echo and req.logprobs is not None and not sampling.HasField("prompt_logprobs"):
         sampling.prompt_logprobs = req.logprobs  # echo + logprobs: the prompt's too
@@ -298,7 +300,7 @@ def completion_plan(req: CompletionRequest, base_model: str, request_id: str) ->
     return Plan(calls, req.logprobs, n, best_of, echo,
                 sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
                 [x if isinstance(x, str) else None for x in prompts],
-                _names(req, "logprobs", "prompt"))
+                names=_names(req, "logprobs", "prompt"), drop_generated=limit == 0)
 
 
 def chat_plan(req: ChatCompletionRequest, base_model: str, request_id: str) -> Plan:

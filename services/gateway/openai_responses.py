@@ -164,11 +164,12 @@ class ChoiceState:
         return sum(lp.logprob for lp in self.logprobs)
 
 
-def usage_json(choices: list[ChoiceState], per_prompt: int) -> dict[str, int]:
+def usage_json(choices: list[ChoiceState], per_prompt: int, generated: bool = True,
+               ) -> dict[str, int]:
     """OpenAI counts a prompt once however many samples it had."""
     prompt = sum(_prompt_tokens(c) for c in choices if c.index % per_prompt == 0)
     completion = sum(c.complete.usage.completion_tokens if c.complete is not None
-                     else c.completion_tokens for c in choices)
+                     else c.completion_tokens for c in choices) if generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -202,6 +203,7 @@ class Shape:
     prompt_logprobs: bool = False
     n: int = 1
     best_of: int = 1
+    drop_generated: bool = False  # echo with max_tokens 0: the prompt alone
 
 
 def best(choices: list[ChoiceState], n: int, best_of: int) -> list[ChoiceState]:
@@ -219,8 +221,8 @@ def best(choices: list[ChoiceState], n: int, best_of: int) -> list[ChoiceState]:
 
 
 def _completion_choice(c: ChoiceState, shape: Shape, prompt: str | None) -> dict[str, Any]:
-    text = "".join(c.text)
-    lps = list(c.logprobs)
+    text = "" if shape.drop_generated else "".join(c.text)
+    lps = [] if shape.drop_generated else list(c.logprobs)
     offset = 0
     if shape.echo:
         echoed = prompt if prompt is not None else c.prompt_text
@@ -255,7 +257,7 @@ def prompt_logprobs_json(lps: list[pb.TokenLogprob]) -> list[dict[str, Any] | No
 def full_body(h: Header, choices: list[ChoiceState], shape: Shape,
               prompts: list[str | None]) -> dict[str, Any]:
     """A non-streaming response."""
-    usage = usage_json(choices, shape.best_of)
+    usage = usage_json(choices, shape.best_of, not shape.drop_generated)
     out = []
     for c in best(choices, shape.n, shape.best_of):
         assert c.complete is not None
@@ -268,7 +270,8 @@ def full_body(h: Header, choices: list[ChoiceState], shape: Shape,
         else:
             prompt = prompts[prompt_index] if prompt_index < len(prompts) else None
             choice = _completion_choice(c, shape, prompt)
-        choice["finish_reason"] = c.complete.finish_reason
+        choice["finish_reason"] = ("length" if shape.drop_generated and h.kind == "completion"
+                                   else c.complete.finish_reason)
         out.append(choice)
     return {**h.fields(stream=False), "choices": out, "usage": usage}
 
@@ -302,8 +305,8 @@ class StreamEvents:
         kind = self.header.kind
         choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": None}
         if r.HasField("chunk"):
-            text = r.chunk.text
-            lps = list(r.chunk.logprobs)
+            text = "" if self.shape.drop_generated else r.chunk.text
+            lps = [] if self.shape.drop_generated else list(r.chunk.logprobs)
             if kind == "completion" and self.shape.echo and not c.started:
                 text, lps = self._echo(c, text, lps)
             if self.with_logprobs:
@@ -312,7 +315,8 @@ class StreamEvents:
                 choice["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs)
             c.offset += sum(len(lp.token) for lp in lps) if self.with_logprobs else len(text)
         else:
-            choice["finish_reason"] = r.complete.finish_reason
+            choice["finish_reason"] = ("length" if self.shape.drop_generated
+                                       else r.complete.finish_reason)
             text = ""
         if kind == "chat":
             delta: dict[str, Any] = {} if r.HasField("complete") else {"content": text}

@@ -38,13 +38,15 @@ STOP_TIMEOUT_S = 10.0
 class TokenStream:
     """One request's tokens as they arrive from the core; `finish` is set once, last."""
 
-    __slots__ = ("token_ids", "logprobs", "top", "finish", "submitted", "event")
+    __slots__ = ("token_ids", "logprobs", "top", "finish", "submitted", "event", "prompt")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
         self.finish: m.Finish | None = None
+        # Prompt logprobs (positions 1, 2, ...): (token id, logprob, top alternatives).
+        self.prompt: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.submitted = time.monotonic()
         self.event = asyncio.Event()
 
@@ -58,6 +60,13 @@ class TokenStream:
 
 def sampling_msg(p: SamplingParams) -> m.SamplingMsg:
     return m.SamplingMsg.of(p)
+
+
+def add_prompt_scores(s: TokenStream, scores: m.PromptScores) -> None:
+    """Append the positions `s` lacks (a preempted request prefills, and scores, again)."""
+    skip = len(s.prompt) + 1 - scores.start
+    for j in range(max(0, skip), len(scores.token_ids)):
+        s.prompt.append((scores.token_ids[j], scores.logprobs[j], scores.top[j]))
 
 
 def error_of(code: str, message: str, adapter_error: bool = False) -> e.ServiceError:
@@ -213,6 +222,10 @@ class CoreClient:
             if tops is not None:
                 s.top.append(tops[i])
             woken.add(rid)
+        for scores in out.prompt:
+            s = streams.get(scores.rid)
+            if s is not None:
+                add_prompt_scores(s, scores)
         if out.started:
             now = time.monotonic()
             for rid in out.started:

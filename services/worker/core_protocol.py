@@ -106,6 +106,17 @@ class EngineState(msgspec.Struct, array_like=True):
     warm_adapters: list[str] | None = None
 
 
+class PromptScores(msgspec.Struct, array_like=True):
+    """The logprobs of one request's prompt tokens at positions start, start + 1, ... (with
+    their top alternatives), as a prefill chunk computed them."""
+
+    rid: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+
 class StepOutput(msgspec.Struct, tag=True, array_like=True):
     """Everything one engine step produced. Token i belongs to request `rids[i]` (a request
     appears once per new token, in order); `logprobs[i]` is its log-probability; `top[i]` its
@@ -119,6 +130,7 @@ class StepOutput(msgspec.Struct, tag=True, array_like=True):
     finished: list[Finish]
     started: list[int]
     state: EngineState
+    prompt: list[PromptScores] = []  # prompt logprobs this step computed (prefill chunks)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

@@ -214,10 +214,11 @@ class EngineCore:
             if out.finished:
                 self._unstarted.discard(rid)
                 finished.append(finish_of(rid, out))
+        prompt = prompt_scores(self.engine)
         started = [r for r in self._unstarted if self.engine.request_started(str(r))]
         self._unstarted.difference_update(started)
         return m.StepOutput(rids, token_ids, logprobs, tops if any_top else None, finished,
-                            started, self._state())
+                            started, self._state(), prompt)
 
     def _state(self) -> m.EngineState:
         # vars(): a shallow view of the snapshot (asdict would deep-copy its lists every step).
@@ -232,6 +233,16 @@ class EngineCore:
         now = m.EngineState(**vars(self.engine.state_snapshot()))
         stale = time.monotonic() - self._warm_at >= WARM_EVERY_S
         return stale or now != self._last_state
+
+
+def prompt_scores(engine: object) -> list[m.PromptScores]:
+    """The prompt logprobs the engine's last step scored (engines without them: none)."""
+    take = getattr(engine, "take_prompt_logprobs", None)
+    if take is None:
+        return []
+    return [m.PromptScores(int(rid), start, [p.token_id for p in ps], [p.logprob for p in ps],
+                           [list(p.top_logprobs) for p in ps])
+            for rid, (start, ps) in take().items()]
 
 
 # The status code of each way the engine ends a request with an error (others: INTERNAL).

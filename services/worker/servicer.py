@@ -254,7 +254,8 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                     nonfinite = nonfinite or not all(map(math.isfinite, delta.logprobs))
                     chunk = chunk_of(delta, self.token_text)
                     if first is None and not resume:  # a resumed client has it
-                        chunk = first_chunk(chunk, request, ids, self.tokenizer.decode)
+                        chunk = first_chunk(chunk, request, ids, self.tokenizer.decode,
+                                            stream.tokens.prompt, self.token_text.of)
                     first = first or time.monotonic()
                     yield pb.GenerateResponse(chunk=chunk)
                 if finish is not None:

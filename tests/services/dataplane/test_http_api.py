@@ -350,3 +350,32 @@ def test_echo_include_stop_str_and_named_messages(hs: HttpStack, client: OpenAI)
         {"role": "system", "content": "Be brief.", "name": "rules"},
         {"role": "user", "content": "Hi", "name": "alice"}])
     assert named.choices[0].message.role == "assistant"
+
+
+def test_echo_with_logprobs_returns_the_prompts_logprobs(hs: HttpStack, client: OpenAI) -> None:
+    ids = grpc_greedy(hs, PROMPTS[1], "qv-r4", 1)  # for the prompt's length
+    prompt_len = ids.complete.usage.prompt_tokens  # type: ignore[union-attr]
+    r = client.completions.create(model="qv-r4", prompt=PROMPTS[1], max_tokens=0, echo=True,
+                                  logprobs=2, extra_body={"prompt_logprobs": 2})
+    choice = r.choices[0]
+    lps = choice.logprobs
+    assert choice.text == PROMPTS[1] and r.usage is not None and r.usage.completion_tokens == 0
+    assert lps is not None and lps.token_logprobs is not None and lps.top_logprobs is not None
+    assert len(lps.token_logprobs) == prompt_len and lps.token_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in lps.token_logprobs[1:])
+    # two alternatives each (fewer where two tokens read the same text: a dict by text)
+    assert all(1 <= len(top) <= 2 for top in lps.top_logprobs[1:])
+    assert max(len(top) for top in lps.top_logprobs[1:]) == 2
+    assert lps.text_offset is not None and lps.text_offset[0] == 0
+    assert "".join(lps.tokens or []).endswith(PROMPTS[1])  # the BOS token's text first
+    extra = choice.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert extra[0] is None and len(extra) == prompt_len
+    for entry, lp in zip(extra[1:], lps.token_logprobs[1:], strict=True):
+        assert any(abs(v["logprob"] - lp) < 1e-9 for v in entry.values())
+    # with a generated token: the prompt's logprobs, then the token's
+    more = client.completions.create(model="qv-r4", prompt=PROMPTS[1], max_tokens=2, echo=True,
+                                     logprobs=0, temperature=0)
+    more_lps = more.choices[0].logprobs.token_logprobs  # type: ignore[union-attr]
+    assert more_lps is not None and len(more_lps) == prompt_len + 2
+    assert all(abs(a - b) < 1e-6 for a, b in zip(more_lps[1:prompt_len],  # type: ignore[operator]
+                                                   lps.token_logprobs[1:], strict=True))

@@ -94,3 +94,71 @@ def find_totals(data: object) -> dict[str, int]:
             if found:
                 return found
     return {}
+
+
+MC_TASK = """task: slora_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+MC_DOCS = [
+    {"question": "The quick brown fox jumps over the", "choices": [" lazy dog", " moon", " city"],
+     "answer": 0},
+    {"question": "Once upon a time in the", "choices": [" city", " festival of music", " fox"],
+     "answer": 0},
+    {"question": "Music from the festival", "choices": [" was loud", " is quick", " brown"],
+     "answer": 1},
+]
+
+
+def hf_loglikelihood(demo_dir: Path, adapter: str, context: list[int],
+                     continuation: list[int]) -> float:
+    """log P(continuation | context) from transformers + peft, fp32."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo_dir / "model", torch_dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, demo_dir / "adapters" / adapter).eval()
+    ids = context + continuation
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return sum(float(logprobs[len(context) - 1 + i, t]) for i, t in enumerate(continuation))
+
+
+def test_lm_eval_local_completions_multiple_choice_equals_transformers_peft(
+        hs: HttpStack, demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lm_eval
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    (tmp_path / "slora_mc.yaml").write_text(MC_TASK.format(data=data))
+    monkeypatch.setenv("OPENAI_API_KEY", hs.token)
+    args = {"model": "qv-r4", "base_url": f"{hs.url}/completions",
+            "tokenizer": str(demo_dir / "model"), "tokenizer_backend": "huggingface",
+            "num_concurrent": 1, "max_retries": 1}
+    out = lm_eval.simple_evaluate(
+        model="local-completions", model_args=args, tasks=["slora_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True, batch_size=1)
+    assert out is not None and "acc,none" in out["results"]["slora_mc"]
+    lm = LocalCompletionsAPI(**args)  # the same tokenization lm-eval used
+    samples = out["samples"]["slora_mc"]
+    assert len(samples) == len(MC_DOCS)
+    for sample in samples:
+        for (context, continuation), resp in zip(sample["arguments"], sample["resps"],
+                                                 strict=True):
+            ctx_ids, cont_ids = lm._encode_pair(context, continuation)
+            want = hf_loglikelihood(demo_dir, "qv-r4", ctx_ids, cont_ids)
+            got = float(resp[0][0])
+            assert abs(got - want) < 1e-3, (context, continuation, got, want)
