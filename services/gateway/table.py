@@ -56,7 +56,9 @@ class RoutingTable:
             until = time.monotonic() + CARRY_S
             listed = {w.worker_id for w in update.workers}
             for w in self.workers.values():
-                if w.worker_id not in listed and w.up and not w.draining:
+                # Marked down too: a control plane about to die often marks its workers down
+                # first (their heartbeats wait on a starved host), and they are still there.
+                if w.worker_id not in listed and not w.draining:
                     self.carried[w.worker_id] = (w, until)
             self.adapters, self.workers, self.keys = {}, {}, {}
         for a in update.adapters:

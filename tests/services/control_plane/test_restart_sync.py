@@ -56,8 +56,9 @@ def endpoint(worker_id: str, up: bool = True) -> ppb.WorkerEndpoint:
 def test_gateway_table_carries_workers_a_new_snapshot_lacks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     table = RoutingTable()
+    # w2 marked down by the dying control plane (late heartbeats): carried all the same.
     table.apply(ppb.RoutingUpdate(revision=1, snapshot=True,
-                                  workers=[endpoint("w1"), endpoint("w2")]))
+                                  workers=[endpoint("w1"), endpoint("w2", up=False)]))
     # The restarted control plane's snapshot comes before its workers are back.
     table.apply(ppb.RoutingUpdate(revision=2, snapshot=True))
     assert table.workers == {}
