@@ -236,6 +236,9 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             # Inside the try: whatever fails from here on, the finally aborts what the core
             # holds for the request.
             if left is None:  # resumed with its budget spent: only the end was missing
+                held = stream.text.flush()  # text the detokenizer still held back
+                if held:
+                    yield pb.GenerateResponse(chunk=pb.Chunk(text=held))
                 yield self._complete("length", len(ids), stream.completion_tokens, key,
                                      request.request_id)
                 return

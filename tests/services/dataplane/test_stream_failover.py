@@ -7,17 +7,23 @@ cannot resume exactly, and deterministic errors, end with the error instead. Scr
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
+import pytest
 
 from services.common import errors as e
 from slora.v1 import inference_pb2 as pb
+from slora_core.detokenizer import TextStream
+from slora_core.tokenizer import Tokenizer
+from tests.services.dataplane.dp_support import PROMPTS, generate, request
 from tests.services.dataplane.gateway_harness import (
     expected_output,
     run_call,
     started,
     stop_all,
 )
+from tests.services.dataplane.test_worker_faults import start_worker
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -106,3 +112,32 @@ def test_structured_output_and_deterministic_errors_are_not_resumed() -> None:
             await stop_all(router, workers)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow  # a worker process: ~15 s on a 2-core CPU
+def test_a_worker_resumes_greedy_and_seeded_streams_exactly(demo_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """The worker's side: the same request with `resume_token_ids` = the first n tokens of its
+    uninterrupted output gives the rest of that output, token for token and character for
+    character (text held back by the detokenizer included), and usage of the whole stream."""
+    worker, address, _, _ = start_worker(demo_dir, tmp_path)
+    tokenizer = Tokenizer.from_dir(demo_dir / "model")
+    try:
+        for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "top_p": 0.9, "seed": 7}):
+            whole = generate(address, request(max_new_tokens=24, ignore_eos=True, **sampling))
+            assert whole.error is None and len(whole.token_ids) == 24
+            for n in (1, 9, 23, 24):
+                req = request(max_new_tokens=24, ignore_eos=True, **sampling)
+                req.resume_token_ids[:] = whole.token_ids[:n]
+                rest = generate(address, req)
+                assert rest.error is None, rest.details
+                assert rest.token_ids == whole.token_ids[n:], (sampling, n)
+                # What the first worker had released after n tokens, then the rest.
+                text = TextStream(tokenizer, tokenizer.encode(PROMPTS[0]))
+                sent = "".join(text.append(t) for t in whole.token_ids[:n])
+                assert sent + rest.text == whole.text, (sampling, n)
+                assert rest.complete is not None
+                assert rest.complete.usage.completion_tokens == 24
+                assert rest.complete.usage.prompt_tokens == whole.complete.usage.prompt_tokens
+    finally:
+        worker.kill()
