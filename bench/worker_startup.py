@@ -42,6 +42,8 @@ DTYPES = {"tiny": "float32", "llama2-7b": "float16"}
 POLL_S = 0.25
 # Kept from each start's wait for stopping its worker (SIGTERM, drain, exit).
 STOP_MARGIN_S = 20.0
+# Kept for each start still to come (a tiny model's start, or a 7B warm one, fits).
+RESERVE_S = 45.0
 
 
 def write_model(root: Path, name: str, device: str) -> Path:
@@ -55,8 +57,9 @@ def write_model(root: Path, name: str, device: str) -> Path:
     return assets.model_dir
 
 
-def first_token(address: str) -> bool:
-    """One Generate of one token; True when a token came back."""
+def first_token(address: str) -> bool | str:
+    """One Generate of one token: True when a token came back, False when the worker does not
+    serve yet (UNAVAILABLE), else what went wrong."""
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 4, 5, 6]),
                              sampling=pb.SamplingOptions(max_new_tokens=1, temperature=0.0))
     with grpc.insecure_channel(address) as channel:
@@ -64,9 +67,11 @@ def first_token(address: str) -> bool:
             for r in pb_grpc.InferenceServiceStub(channel).Generate(req, timeout=30):
                 if r.HasField("chunk") and r.chunk.token_ids:
                     return True
-        except grpc.RpcError:
-            return False
-    return False
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                return False
+            return f"{e.code().name}: {e.details()}"
+    return "the stream ended without a token"
 
 
 def scrape_startup(port: int) -> dict[str, Any]:
@@ -98,8 +103,9 @@ def scrape_startup(port: int) -> dict[str, Any]:
 
 def start_once(model_dir: Path, dtype: str, args: argparse.Namespace, cache_dir: Path,
                log_dir: Path, name: str, timeout_s: float) -> dict[str, Any]:
-    """Start a worker, wait for its first token (at most `timeout_s`), read its profile, stop
-    it. Seconds are from just before the process was started."""
+    """Start a worker, wait for its first token and then for its background graphs (at most
+    `timeout_s` in all, the graphs at most --graphs-wait-s), read its profile, stop it.
+    Seconds are from just before the process was started."""
     address, metrics = f"127.0.0.1:{free_port()}", free_port()
     argv = slora_argv("worker", "--model", str(model_dir), "--control-plane",
                       f"127.0.0.1:{free_port()}", "--listen", address, "--worker-id", name,
@@ -111,21 +117,24 @@ def start_once(model_dir: Path, dtype: str, args: argparse.Namespace, cache_dir:
     t0 = time.monotonic()
     child = start_child(name, argv, log_dir)
     try:
-        return _wait_first_token(child, address, metrics, t0, timeout_s)
+        return _wait_first_token(child, address, metrics, t0, timeout_s, args.graphs_wait_s)
     finally:
         child.stop(timeout_s=30)
 
 
 def _wait_first_token(child: Child, address: str, metrics: int, t0: float,
-                      timeout_s: float) -> dict[str, Any]:
+                      timeout_s: float, graphs_wait_s: float) -> dict[str, Any]:
     while time.monotonic() - t0 < timeout_s:
         if not child.alive:
             return {"served": False, "exit_code": child.popen.returncode,
                     "log_tail": child.log_tail(3000)}
-        if first_token(address):
+        got = first_token(address)
+        if isinstance(got, str):
+            return {"served": False, "error": got, "log_tail": child.log_tail(3000)}
+        if got:
             took = time.monotonic() - t0
             row = {"served": True, "first_token_s": round(took, 3)}
-            row |= _wait_graphs(metrics, t0, timeout_s)
+            row |= _wait_graphs(metrics, t0, min(timeout_s, took + graphs_wait_s))
             return row
         time.sleep(POLL_S)
     return {"served": False, "timed_out_after_s": timeout_s, "log_tail": child.log_tail(3000)}
@@ -144,10 +153,26 @@ def _wait_graphs(metrics: int, t0: float, timeout_s: float) -> dict[str, Any]:
         time.sleep(POLL_S)
 
 
-def run_model(name: str, root: Path, args: argparse.Namespace, deadline: float
+class Budget:
+    """The run's time: each start gets at most --timeout-s, and never so much that the starts
+    after it lose their RESERVE_S or the run passes its deadline."""
+
+    def __init__(self, seconds: float, starts: int) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.starts_left = starts
+
+    def next_start(self, timeout_s: float) -> float:
+        """Seconds the next start may take (<= 0: none left)."""
+        self.starts_left -= 1
+        left = (self.deadline - time.monotonic() - STOP_MARGIN_S
+                - RESERVE_S * self.starts_left)
+        return min(timeout_s, left)
+
+
+def run_model(name: str, root: Path, args: argparse.Namespace, budget: Budget
               ) -> dict[str, Any]:
-    """Write the model, then start a worker on it twice: cold, then warm. Each start waits at
-    most --timeout-s, and never past `deadline` (time.monotonic), less a margin to stop."""
+    """Write the model, then start a worker on it twice: cold, then warm, each within its
+    share of the budget."""
     t0 = time.monotonic()
     model_dir = write_model(root, name, args.device)
     row: dict[str, Any] = {"dtype": DTYPES[name], "write_model_s": round(time.monotonic() - t0, 1)}
@@ -156,12 +181,12 @@ def run_model(name: str, root: Path, args: argparse.Namespace, deadline: float
     for kind in ("cold", "warm"):
         if kind == "cold" and not args.keep_page_cache:
             drop_file_cache(model_dir)
-        left = deadline - time.monotonic() - STOP_MARGIN_S
+        left = budget.next_start(args.timeout_s)
         if left <= 0:
             row[kind] = {"served": False, "skipped": "the run's --budget-s was spent"}
             continue
         row[kind] = start_once(model_dir, DTYPES[name], args, cache, root / "logs",
-                               f"{name}-{kind}", min(args.timeout_s, left))
+                               f"{name}-{kind}", left)
         print(f"{name} {kind}: {summary(row[kind])}", flush=True)
     targets = TARGETS_S.get(name)
     if targets:
@@ -189,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-pages", type=int, default=2048,
                     help="arena pages (16-token blocks at 7B shapes: 32k tokens of KV)")
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per start")
+    ap.add_argument("--graphs-wait-s", type=float, default=150.0,
+                    help="per start: how long after its first token to wait for its graphs")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="the whole run: starts are cut to fit (the device allows 600 s)")
     ap.add_argument("--keep-page-cache", action="store_true",
@@ -201,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.device, args.models, args.num_pages, args.max_num_seqs = "cpu", "tiny", 64, 4
-        args.timeout_s, args.budget_s = min(args.timeout_s, 120.0), min(args.budget_s, 300.0)
+        args.timeout_s, args.budget_s = min(args.timeout_s, 150.0), min(args.budget_s, 360.0)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = set(models) - set(DTYPES)
     if unknown:
@@ -211,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "max_num_seqs": args.max_num_seqs, "num_pages": args.num_pages,
         "graphs_before_ready": args.graphs_before_ready,
         "cpus": os.cpu_count(), "models": {}}
-    deadline = time.monotonic() + args.budget_s
+    budget = Budget(args.budget_s, 2 * len(models))
     with tempfile.TemporaryDirectory(prefix="slora-startup-") as tmp:
         for name in models:
-            result["models"][name] = run_model(name, Path(tmp), args, deadline)
+            result["models"][name] = run_model(name, Path(tmp), args, budget)
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1))
     served = all(r[k].get("served") for r in result["models"].values() for k in ("cold", "warm"))

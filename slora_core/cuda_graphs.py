@@ -57,6 +57,7 @@ class _StepGraphs:
     buckets: list[int]
     layout: BufferLayout
     buf: GraphBuffers[torch.Tensor]
+    kind = "graphs"  # the graph set's name in reports (label)
 
     # `pool`: a torch.cuda.graph_pool_handle() (a private torch type) or None off CUDA.
     def __init__(self, runner: ModelRunner, pool: Any) -> None:
@@ -65,6 +66,7 @@ class _StepGraphs:
         self.logits: dict[GraphKey, torch.Tensor] = {}
         self.contexts: dict[GraphKey, StepContext] = {}  # captured graphs read these
         self.pool = pool
+        self.deferred: list[GraphKey] = []  # queued by defer, for capture_deferred
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         raise NotImplementedError
@@ -88,6 +90,13 @@ class _StepGraphs:
             hidden = model(self.buf.input_ids[:bucket], ctx.positions)
             return model.compute_logits(hidden[ctx.logits_indices])
 
+    def missing(self, modules: frozenset[int]) -> list[GraphKey]:
+        """The graphs of one LoRA module set not captured yet, largest bucket first (smaller
+        ones reuse its memory pool). An empty set: the base-model (no LoRA) graphs."""
+        return [(bucket, modules, tiles) for bucket in reversed(self.buckets)
+                for tiles in (self._tile_caps(bucket) if modules else [0])
+                if (bucket, modules, tiles) not in self.graphs]
+
     def capture_all(self, modules: frozenset[int]) -> None:
         """Capture every bucket for one LoRA module set now (start-up), so no request waits for
         a capture later. An empty set captures the base-model (no LoRA) graphs."""
@@ -98,10 +107,32 @@ class _StepGraphs:
             # starts, logits rows and LoRA tiles up to its token count, past a smaller bucket's
             # rows, and KV slots of pages reused since. Issue 15's illegal memory access.
             self.reset_buffers()
-            for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
-                for tiles in self._tile_caps(bucket) if modules else [0]:
-                    if (bucket, modules, tiles) not in self.graphs:
-                        self._capture(bucket, modules, tiles)
+            for key in self.missing(modules):
+                self._capture(*key)
+
+    def defer(self, modules: frozenset[int]) -> list[GraphKey]:
+        """Queue the graphs `capture_all(modules)` would capture, in its order, for
+        `capture_deferred` to take one at a time between steps; meanwhile a step whose graph
+        is queued runs the padded step eagerly (the inputs the replay would read, as
+        `run_padded_eager`) instead of capturing it on the spot. Returns the keys queued."""
+        keys = [k for k in self.missing(modules) if k not in self.deferred]
+        self.deferred += keys
+        return keys
+
+    def capture_deferred(self, key: GraphKey) -> None:
+        """Capture a queued graph now (between steps) and take it off the queue."""
+        if key not in self.graphs:
+            with torch.inference_mode():
+                self.reset_buffers()  # the last step's inputs: see capture_all
+                self._capture(*key)
+        self.deferred.remove(key)  # after the capture: should it fail, its steps stay eager
+
+    def label(self, key: GraphKey) -> str:
+        """The graph set a key belongs to, for reports: "decode" or "mixed", "+lora" with the
+        LoRA tile list ("rows" for the row kernels', else its capacity)."""
+        if not key[1]:
+            return self.kind
+        return f"{self.kind}+lora:{'rows' if key[2] == ROW_GRAPH else key[2]}"
 
     def _capture(self, bucket: int, modules: frozenset[int], tiles: int) -> None:
         key = (bucket, modules, tiles)
@@ -125,6 +156,8 @@ class _StepGraphs:
     def run(self, inputs: StepInputs, patch: TokenPatch | None = None) -> torch.Tensor:
         key = self.prepare(inputs, patch)
         if key not in self.graphs:
+            if key in self.deferred:  # captured between steps later: run it eagerly now
+                return self._forward(key[0], self._context(*key))[: inputs.logits_indices.size]
             # A bucket or module set not captured at start-up: capture it now. Its warm-up runs
             # read this step's inputs (already in the buffers), so the KV rows they write are
             # the ones the replay writes; stale inputs could overwrite pages reused since.
@@ -206,6 +239,8 @@ class DecodeGraphs(_StepGraphs):
     `lora_row_kernels` a third graph runs the row kernels, for steps whose adapters own few
     rows each (ROW_KERNELS_MAX_ROWS_PER_ADAPTER): every row reads its own adapter through its
     slot, base and padding rows the spare row's rank 0."""
+
+    kind = "decode"
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
         dev = runner.device
@@ -318,6 +353,8 @@ class MixedGraphs(_StepGraphs):
     are garbage that nothing reads) and sequences are padded to `max_num_seqs` with zero
     queries. Attention runs the general (prefill) kernel and LoRA 64-row tiles, whose grids are
     sized for the bucket's worst case; unused programs exit at once."""
+
+    kind = "mixed"
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, decode_graphs: DecodeGraphs | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
 from slora_core.adapter_tiers import AdapterTiers, ArenaListener
@@ -34,6 +35,9 @@ from slora_core.stats import EngineSnapshot, EngineStats
 from slora_core.step_loop import StepLoop
 from slora_core.tokenizer import Tokenizer
 from slora_core.weights import load_model
+
+if TYPE_CHECKING:
+    from slora_core.cuda_graphs import DecodeGraphs, GraphKey, MixedGraphs
 
 
 class LLMEngine:
@@ -77,6 +81,8 @@ class LLMEngine:
         self.requests = Requests(model_config, config, tokenizer,
                                  detokenize and tokenizer is not None, self.scheduler)
         self.detokenize = self.requests.detokenize
+        # Graphs warmup(background=True) queued, in capture order (capture_next_graph).
+        self._graph_queue: list[tuple[DecodeGraphs | MixedGraphs, GraphKey]] = []
         self.loop = StepLoop(self.scheduler, self.runner, self.sampler, self.requests,
                              self.tiers, self.eos_token_ids, config.steps_async)
 
@@ -90,12 +96,14 @@ class LLMEngine:
         return cls(model, model_config, Tokenizer.from_dir(model_dir), config,
                    detokenize=detokenize)
 
-    def warmup(self, lora: bool | None = None) -> None:
+    def warmup(self, lora: bool | None = None, *, background: bool = False) -> None:
         """Capture the CUDA graphs of every decode batch bucket and every mixed-step token
         bucket (CUDA only; a no-op on CPU): the base-model graphs, and with `lora` (by default:
         when adapters are registered) the LoRA graphs for the modules the registered adapters
         target (all modules when none is parsed yet). A later adapter that targets other
-        modules gets its graphs on first use."""
+        modules gets its graphs on first use. With `background` nothing is captured now: the
+        graphs are queued, steps whose graph is queued run eagerly, and `capture_next_graph`
+        captures them one at a time (between steps: a server's loop does so while serving)."""
         if self.runner.graphs is None:
             return
         sets: list[frozenset[int]] = [frozenset()]
@@ -103,9 +111,27 @@ class LLMEngine:
             sets.append(self.adapters.target_module_ids()
                         or frozenset(range(len(LORA_MODULES))))
         for modules in sets:
-            self.runner.graphs.capture_all(modules)
-            if self.runner.mixed is not None:
-                self.runner.mixed.capture_all(modules)
+            for graphs in (self.runner.graphs, self.runner.mixed):
+                if graphs is None:
+                    continue
+                if background:
+                    self._graph_queue += [(graphs, key) for key in graphs.defer(modules)]
+                else:
+                    graphs.capture_all(modules)
+
+    def graphs_pending(self) -> int:
+        """CUDA graphs queued by warmup(background=True) and not captured yet."""
+        return len(self._graph_queue)
+
+    def capture_next_graph(self) -> tuple[str, int] | None:
+        """Capture the next graph queued by warmup(background=True) now (call it between
+        steps); its graph set (`label`) and bucket, or None when none is queued."""
+        if not self._graph_queue:
+            return None
+        graphs, key = self._graph_queue[0]
+        graphs.capture_deferred(key)
+        self._graph_queue.pop(0)
+        return graphs.label(key), key[0]
 
     # ---- adapters --------------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,

@@ -25,7 +25,7 @@ from services.worker import core_protocol as m
 from services.worker.errors import to_service_error
 from services.worker.startup import BackgroundGraphs, start_timed
 from slora_core.config import EngineConfig
-from slora_core.engine import LLMEngine
+from slora_core.launch import AnyEngine
 from slora_core.outputs import ADAPTER_UNLOADABLE, DEADLINE, RequestOutput
 from slora_core.process import die_with_parent, freeze_startup_heap, share_cpu_threads
 
@@ -94,7 +94,7 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
 class EngineCore:
     """The loop: drain inputs, run one step, send its outputs; commands between steps."""
 
-    def __init__(self, engine: LLMEngine, outputs: zmq.Socket, parent_pid: int,
+    def __init__(self, engine: AnyEngine, outputs: zmq.Socket, parent_pid: int,
                  step_delay_s: float = 0.0, graphs: BackgroundGraphs | None = None) -> None:
         self.engine = engine
         self.graphs = graphs  # CUDA graphs still to capture, one a loop turn
@@ -264,7 +264,7 @@ class Commands:
     """Adapter commands from the front. Parsing an adapter's files runs on a thread of this
     process (the host tier has its own lock), so a load overlaps engine steps."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: AnyEngine) -> None:
         self.engine = engine
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="adapter-load")
         self._done: queue.SimpleQueue[m.CallResult] = queue.SimpleQueue()

@@ -1,0 +1,107 @@
+"""Graphs captured while serving, on the CPU: with every graph queued (warmup(background=True))
+steps run the padded step eagerly and give the tokens of an engine without graphs; the queue is
+taken one graph at a time, largest bucket first, each timed as a background `graph_capture`
+record. torch's capture calls are faked on the CPU (as tests/slora_core/test_graph_capture.py
+does); the H200 run (bench/worker_startup.py) captures for real."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.startup import BackgroundGraphs
+from slora_core.config import EngineConfig
+from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
+from slora_core.engine import LLMEngine
+from slora_core.sampling_params import SamplingParams
+
+SEQS, TOKENS = 4, 32
+
+
+def engine_with_graphs(demo_dir: Path, graphs: bool) -> LLMEngine:
+    """A CPU engine with the adapters registered; with `graphs`, decode and mixed-step graph
+    sets attached as a CUDA engine builds them (nothing captured)."""
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        max_num_seqs=SEQS, max_num_batched_tokens=TOKENS, cuda_graphs=False))
+    for adapter in sorted(p.name for p in (demo_dir / "adapters").iterdir()):
+        engine.register_adapter(adapter, demo_dir / "adapters" / adapter)
+    if graphs:
+        runner = engine.runner
+        runner.graphs = DecodeGraphs(runner, SEQS, engine.max_model_len)
+        runner.mixed = MixedGraphs(runner, SEQS, TOKENS, engine.max_model_len, runner.graphs)
+    return engine
+
+
+def serve(engine: LLMEngine, demo_dir: Path) -> dict[str, list[int]]:
+    """Greedy tokens of a batch mixing the base model and adapters, prefill and decode."""
+    adapters = [None, *sorted(p.name for p in (demo_dir / "adapters").iterdir())][:SEQS]
+    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    for i, adapter in enumerate(adapters):
+        engine.add_request(f"r{i}", [3 + i, 9, 27, 81 % 500, 5 + 2 * i][: 3 + i], params,
+                           adapter=adapter)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return tokens
+
+
+def test_queued_graphs_serve_eagerly_with_the_same_tokens(demo_dir: Path) -> None:
+    expected = serve(engine_with_graphs(demo_dir, graphs=False), demo_dir)
+    engine = engine_with_graphs(demo_dir, graphs=True)
+    engine.warmup(True, background=True)
+    decode, mixed = engine.runner.graphs, engine.runner.mixed
+    assert decode is not None and mixed is not None
+    queued = engine.graphs_pending()
+    # Base and LoRA graphs of every bucket the limits allow, and no other.
+    assert queued == len(decode.deferred) + len(mixed.deferred) > 0
+    assert {k[0] for k in decode.deferred} == set(decode.buckets) == {1, 2, 4}
+    assert {k[0] for k in mixed.deferred} == set(mixed.buckets) == {16, 32}
+    assert serve(engine, demo_dir) == expected
+    # Served without capturing on the spot: the queue is untouched.
+    assert not decode.graphs and not mixed.graphs and engine.graphs_pending() == queued
+
+
+@contextmanager
+def fake_capture(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """torch.cuda's capture calls as no-ops: the CPU runs the captured forward eagerly."""
+
+    @contextmanager
+    def graph(*_args: object, **_kwargs: object) -> Iterator[None]:
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    yield
+
+
+def test_queue_is_captured_one_graph_at_a_time(demo_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engine_with_graphs(demo_dir, graphs=True)
+    engine.warmup(True, background=True)
+    queued = engine.graphs_pending()
+    graphs = BackgroundGraphs.of(engine, stats=None)
+    assert graphs is not None and graphs.pending == queued
+    records = []
+    with fake_capture(monkeypatch):
+        while graphs.pending:
+            records.append(graphs.capture_next())
+            assert graphs.pending == queued - len(records)
+    assert engine.capture_next_graph() is None and BackgroundGraphs.of(engine, None) is None
+    assert all(r.name == "graph_capture" and r.background and r.seconds > 0 for r in records)
+    labels = [(r.graphs, r.bucket) for r in records]
+    # Base graphs first, then LoRA (decode then mixed-step graphs each), each set largest
+    # bucket first (its pool serves the smaller ones); LoRA decode graphs once per tile list.
+    assert labels[:5] == [("decode", 4), ("decode", 2), ("decode", 1), ("mixed", 32),
+                          ("mixed", 16)]
+    assert labels[5:8] == [("decode+lora:4", 4), ("decode+lora:1", 4), ("decode+lora:rows", 4)]
+    assert labels[-2:] == [("mixed+lora:5", 32), ("mixed+lora:5", 16)]
+    assert len(set(labels)) == len(labels) == queued
+    decode, mixed = engine.runner.graphs, engine.runner.mixed
+    assert decode is not None and mixed is not None
+    assert len(decode.graphs) + len(mixed.graphs) == queued
