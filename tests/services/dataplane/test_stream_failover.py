@@ -7,6 +7,7 @@ cannot resume exactly, and deterministic errors, end with the error instead. Scr
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import grpc
@@ -141,3 +142,43 @@ def test_a_worker_resumes_greedy_and_seeded_streams_exactly(demo_dir: Path,
                 assert rest.complete.usage.prompt_tokens == whole.complete.usage.prompt_tokens
     finally:
         worker.kill()
+
+
+def test_the_http_api_resumes_on_the_same_routing_path() -> None:
+    """/v1/completions (streamed and not) through the real HttpApi over the same Router: the
+    broken worker's stream is resumed and the text equals the uninterrupted one."""
+    import httpx
+
+    from services.gateway.http_api import HttpApi
+    from tests.services.dataplane.gateway_harness import TOKEN
+
+    async def scenario() -> None:
+        router, workers = await started("w1", "w2")
+        for w in workers:
+            w.fail_with = first_fails_at(6)
+        app = HttpApi(router, router.metrics, "base", env={}).app()
+        want = "".join(f"<{t}>" for t in expected_output(PROMPT, 12))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://gw") as client:
+                for stream in (False, True):
+                    for w in workers:
+                        w.calls.clear()
+                    r = await client.post("/v1/completions", headers={
+                        "authorization": f"Bearer {TOKEN}"}, json={
+                        "model": "base", "prompt": PROMPT, "max_tokens": 12,
+                        "temperature": 0, "stream": stream})
+                    assert r.status_code == 200, r.text
+                    if stream:
+                        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                                  if line.startswith("data: {")]
+                        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+                    else:
+                        text = r.json()["choices"][0]["text"]
+                    assert text == want, stream
+                    assert sum(1 for w in workers for c in w.calls if c.resume_token_ids) == 1
+            assert router.metrics.resumed._value.get() == 2
+        finally:
+            await stop_all(router, workers)
+
+    asyncio.run(scenario())
