@@ -137,8 +137,15 @@ class EngineCore:
         """Capture one queued CUDA graph between steps (a step whose graph is not captured yet
         runs eagerly: slower, never wrong) and tell the front."""
         assert self.graphs is not None
-        record = self.graphs.capture_next()
-        update = m.StartupUpdate([record] if record is not None else [], self.graphs.pending)
+        try:
+            records = [self.graphs.capture_next()]
+        except Exception:
+            # Serving goes on: the graphs left stay queued, so their steps keep running
+            # eagerly (slower, never wrong); none is tried again.
+            log.exception("CUDA graph capture failed; %d graphs stay eager",
+                          self.graphs.engine.graphs_pending())
+            self.graphs.failed, records = True, []
+        update = m.StartupUpdate(records, self.graphs.engine.graphs_pending())
         self.outputs.send(m.encoder.encode(update))
 
     def _drain(self, inputs: zmq.Socket) -> bool:

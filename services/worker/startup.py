@@ -148,6 +148,7 @@ class BackgroundGraphs:
     def __init__(self, engine: LLMEngine, stats: CompileStats | None) -> None:
         self.engine = engine
         self.stats = stats
+        self.failed = False  # a capture raised: the rest stay queued, their steps eager
 
     @classmethod
     def of(cls, engine: AnyEngine, stats: CompileStats | None) -> BackgroundGraphs | None:
@@ -160,7 +161,8 @@ class BackgroundGraphs:
 
     @property
     def pending(self) -> int:
-        return self.engine.graphs_pending()
+        """Graphs left to capture (0 once a capture failed: none is tried again)."""
+        return 0 if self.failed else self.engine.graphs_pending()
 
     def capture_next(self, background: bool = True) -> PhaseRecord:
         """Capture the next queued graph now."""

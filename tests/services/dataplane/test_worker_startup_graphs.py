@@ -80,6 +80,7 @@ def fake_capture(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+@pytest.mark.slow
 def test_queue_is_captured_one_graph_at_a_time(demo_dir: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     engine = engine_with_graphs(demo_dir, graphs=True)
@@ -105,3 +106,42 @@ def test_queue_is_captured_one_graph_at_a_time(demo_dir: Path,
     decode, mixed = engine.runner.graphs, engine.runner.mixed
     assert decode is not None and mixed is not None
     assert len(decode.graphs) + len(mixed.graphs) == queued
+
+
+def test_a_failed_capture_leaves_the_rest_eager(demo_dir: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine-core loop's capture raises (as an out-of-memory capture would): the core
+    tells the front how many graphs are left, tries no other, and serves on eagerly."""
+    import zmq
+
+    from services.worker import core_protocol as m
+    from services.worker.engine_core import EngineCore
+
+    expected = serve(engine_with_graphs(demo_dir, graphs=False), demo_dir)
+    engine = engine_with_graphs(demo_dir, graphs=True)
+    engine.warmup(True, background=True)
+    queued = engine.graphs_pending()
+    graphs = BackgroundGraphs.of(engine, stats=None)
+    assert graphs is not None
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(torch.cuda, "graph", broken)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://startup-test")
+    push.connect("inproc://startup-test")
+    try:
+        EngineCore(engine, push, parent_pid=0, graphs=graphs)._capture_graph()
+        update = m.from_core_decoder.decode(pull.recv())
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+    assert isinstance(update, m.StartupUpdate)
+    assert update.records == [] and update.graphs_pending == queued
+    assert graphs.failed and graphs.pending == 0  # the loop stops capturing
+    assert serve(engine, demo_dir) == expected
