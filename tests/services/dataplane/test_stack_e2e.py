@@ -267,12 +267,12 @@ def test_killing_one_of_two_workers(running: Running) -> None:
         time.sleep(3)
     after = [r for t, r in load.started if t > killed_at]
     assert len(after) >= 8
-    # A request sent after the kill must complete, on the other worker; of those sent before,
-    # only the ones cut mid-stream on the killed worker may fail.
+    # A request sent after the kill must complete, on the other worker; those cut mid-stream
+    # on the killed worker are resumed on the other (docs/failover.md): none fails.
     assert all(r.error is None and r.complete.served_by.worker_id == "w2" for r in after), \
         [(r.error, r.details) for r in after if r.error is not None]
     failed = [r for r in load.results if r.error is not None]
-    assert all(r.chunks > 0 for r in failed), [(r.error, r.details) for r in failed]
+    assert not failed, [(r.error, r.details) for r in failed]
     table = routing_snapshot(stack.cp_address, stack.cluster_token)
     assert "w1" not in table.workers
     for adapter in ADAPTERS:
