@@ -6,7 +6,7 @@ does); the H200 run (bench/worker_startup.py) captures for real."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,8 +36,10 @@ def engine_with_graphs(demo_dir: Path, graphs: bool) -> LLMEngine:
     return engine
 
 
-def serve(engine: LLMEngine, demo_dir: Path) -> dict[str, list[int]]:
-    """Greedy tokens of a batch mixing the base model and adapters, prefill and decode."""
+def serve(engine: LLMEngine, demo_dir: Path,
+          between: Callable[[], object] = lambda: None) -> dict[str, list[int]]:
+    """Greedy tokens of a batch mixing the base model and adapters, prefill and decode;
+    `between` runs after every step."""
     adapters = [None, *sorted(p.name for p in (demo_dir / "adapters").iterdir())][:SEQS]
     params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
     for i, adapter in enumerate(adapters):
@@ -47,6 +49,7 @@ def serve(engine: LLMEngine, demo_dir: Path) -> dict[str, list[int]]:
     while engine.has_unfinished():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        between()
     return tokens
 
 
@@ -145,3 +148,32 @@ def test_a_failed_capture_leaves_the_rest_eager(demo_dir: Path,
     assert update.records == [] and update.graphs_pending == queued
     assert graphs.failed and graphs.pending == 0  # the loop stops capturing
     assert serve(engine, demo_dir) == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_captured_while_serving_on_the_gpu(demo_dir: Path) -> None:
+    """On a GPU (asynchronous steps): an engine that serves while its graphs are queued, then
+    captures them one between each two steps of a running batch, then replays them, gives the
+    tokens of an engine whose graphs were all captured first."""
+
+    def cuda_engine() -> LLMEngine:
+        engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+            device="cuda", max_num_seqs=SEQS, max_num_batched_tokens=TOKENS))
+        for adapter in sorted(p.name for p in (demo_dir / "adapters").iterdir()):
+            engine.register_adapter(adapter, demo_dir / "adapters" / adapter)
+        return engine
+
+    first = cuda_engine()
+    first.warmup(True)
+    expected = serve(first, demo_dir)
+    later = cuda_engine()
+    later.warmup(True, background=True)
+    queued = later.graphs_pending()
+    assert queued > 0
+    assert serve(later, demo_dir) == expected  # every step eager
+    captured = []
+    while later.graphs_pending():
+        assert serve(later, demo_dir, lambda: captured.append(later.capture_next_graph())) \
+            == expected
+    assert len([c for c in captured if c is not None]) == queued
+    assert serve(later, demo_dir) == expected  # every step a replay
