@@ -379,3 +379,23 @@ def test_echo_with_logprobs_returns_the_prompts_logprobs(hs: HttpStack, client: 
     assert more_lps is not None and len(more_lps) == prompt_len + 2
     assert all(abs(a - b) < 1e-6 for a, b in zip(more_lps[1:prompt_len],  # type: ignore[operator]
                                                    lps.token_logprobs[1:], strict=True))
+
+
+def test_the_workers_metrics_carry_vllms_router_families(hs: HttpStack, client: OpenAI) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model="qv-r4", prompt=PROMPTS[0], max_tokens=2)
+    text = httpx.get(f"http://127.0.0.1:{hs.worker_metrics}/metrics", timeout=5).text
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                 "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                 "vllm:num_gpu_loaded_lora_adapters", "vllm:max_gpu_lora_adapters"):
+        assert len(families[name]) == 1 and families[name][0].labels == {}, name
+    info = families["vllm:lora_requests_info"][0].labels
+    assert set(info) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+    assert int(info["max_lora"]) >= 1
+    cache = families["vllm:cache_config_info"][0].labels
+    assert int(cache["num_gpu_blocks"]) == 128 and int(cache["block_size"]) > 0
+    assert families["vllm:lora_adapter_loaded"]  # the adapter just served is warm
+    assert any(s.name == "vllm:time_to_first_token_seconds_count" and s.value >= 1
+               for s in families["vllm:time_to_first_token_seconds"])
