@@ -141,7 +141,7 @@ SUITES: dict[str, tuple[Step, ...]] = {
                              "--requests", "300", "--out", OUT("serving-b")),),
     "cold-load": (step("cold", 90, "bench.cold_load", "--tmp", "/tmp", "--out",
                        OUT("cold-load")),),
-    "worker-startup": (step("worker-startup", 590, "bench.worker_startup", "--budget-s", "540",
+    "worker-startup": (step("worker-startup", 570, "bench.worker_startup", "--budget-s", "510",
                             "--out", OUT("worker-startup")),),
     "churn": (step("churn", 200, "bench.serving", *CHURN_2000, "--scenarios", "churn",
                    "--churn-rate", "50", "--churn-alphas", "1.0,0.5", "--out",

@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per start")
     ap.add_argument("--graphs-wait-s", type=float, default=150.0,
                     help="per start: how long after its first token to wait for its graphs")
-    ap.add_argument("--budget-s", type=float, default=540.0,
+    ap.add_argument("--budget-s", type=float, default=510.0,
                     help="the whole run: starts are cut to fit (the device allows 600 s)")
     ap.add_argument("--keep-page-cache", action="store_true",
                     help="do not drop the model files from the page cache before cold starts")
