@@ -102,6 +102,7 @@ def test_streamed_completion_with_usage_equals_grpc(hs: HttpStack, client: OpenA
     assert chunks[-1].choices[0].finish_reason == ref.complete.finish_reason  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # HTTP = gRPC (default) and gRPC = slora batch (test_stack_e2e) imply it
 def test_completions_equal_slora_batch(hs: HttpStack, client: OpenAI, demo_dir: Path,
                                        tmp_path: Path) -> None:
     items = [{"prompt": p, "max_new_tokens": 7, "temperature": 0,
@@ -279,6 +280,7 @@ def test_feedback_reaches_the_served_version(hs: HttpStack, client: OpenAI) -> N
     assert out_of_range.status_code == 400 and "score" in out_of_range.json()["error"]["message"]
 
 
+@pytest.mark.slow  # fills a 512-token context; nulls: test_openai_convert
 def test_explicit_nulls_mean_defaults_and_chat_fills_the_context(client: OpenAI) -> None:
     r = client.chat.completions.create(  # type: ignore[call-overload]
         model="qv-r4", messages=CHAT, n=None, stream=None, logprobs=None, top_logprobs=None,

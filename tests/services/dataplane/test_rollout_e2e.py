@@ -277,6 +277,7 @@ def test_feedback_errors(running: Running) -> None:
         assert code(ok) == grpc.StatusCode.ALREADY_EXISTS
 
 
+@pytest.mark.slow  # every canary step and a restart; the rollback e2e stays default
 def test_healthy_canary_walks_its_steps_across_a_restart_and_is_promoted(
         running: Running) -> None:
     admin, stack = running.admin, running.stack

@@ -281,6 +281,7 @@ def test_killing_one_of_two_workers(running: Running) -> None:
         assert list(stable.worker_ids) == ["w2"], (adapter, stable)
 
 
+@pytest.mark.slow  # restart under load; test_clean_restarts covers restarts by default
 def test_control_plane_restart_without_failed_requests(running: Running) -> None:
     stack = running.stack
     with Load(running.gateway(), running.token, threads=3) as load:
