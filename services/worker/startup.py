@@ -46,13 +46,20 @@ def compile_cache_root(cache_dir: Path, compile_cache_dir: Path | None = None) -
     return compile_cache_dir if compile_cache_dir is not None else cache_dir / COMPILED_SUBDIR
 
 
-def open_compile_cache(root: Path, config: EngineConfig) -> tuple[CompileCache, CompileStats]:
+def open_compile_cache(root: Path, config: EngineConfig
+                       ) -> tuple[CompileCache | None, CompileStats]:
     """Open and activate the compile cache of this process's device under `root`, and start
-    counting the kernels Triton compiles or finds (CompileStats)."""
-    cache = CompileCache.open(root, config.device)
-    cache.activate()
+    counting the kernels Triton compiles or finds (CompileStats). A root this process cannot
+    write (a read-only image layer, a file in the way) is no reason not to serve: the worker
+    warns and Triton keeps its default cache (None)."""
     stats = CompileStats()
     stats.install()
+    try:
+        cache = CompileCache.open(root, config.device)
+        cache.activate()
+    except OSError as e:
+        log.warning("compile cache %s unusable (%s): Triton's default cache instead", root, e)
+        return None, stats
     log.info("compile cache %s (%s): %s", cache.path, cache.key.device, cache.state)
     return cache, stats
 
@@ -182,7 +189,8 @@ def warm_cache_only(model_dir: Path, config: EngineConfig, compile_cache_dir: Pa
     by them."""
     engine, profile, cache = start_timed(model_dir, config, compile_cache_dir)
     engine.close()
-    assert cache is not None
+    if cache is None:
+        return 1  # the warning says why
     compiled, hits, _ = profile.compile_totals()
     log.info("compile cache %s filled: %d kernels compiled, %d found", cache.path, compiled, hits)
     return 0

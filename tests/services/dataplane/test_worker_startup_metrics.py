@@ -4,12 +4,16 @@ sends, built by hand)."""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
+from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from services.worker import core_protocol as m
-from services.worker.startup import StartupReport
+from services.worker.startup import StartupReport, open_compile_cache
 from slora_core.startup_profile import PhaseRecord
 
 
@@ -62,3 +66,31 @@ def test_ready_and_update_messages_cross_the_socket_encoding() -> None:
     rec = PhaseRecord("graph_capture", 0.5, 1, 2, 0.25, "decode", 8, True)
     for msg in (m.Ready(1, 2, [3], [rec], "c", 4), m.StartupUpdate([rec], 0)):
         assert m.from_core_decoder.decode(m.encoder.encode(msg)) == msg
+
+
+def test_an_unusable_cache_root_is_not_fatal(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A root that cannot be created (a file in the way, as a read-only layer would refuse
+    it): no cache, a warning, Triton's default cache left alone; a usable root activates."""
+    from triton import knobs
+
+    from slora_core.config import EngineConfig
+
+    monkeypatch.setattr(knobs.compilation, "listener", None)  # put back after the test
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    before = os.environ.get("TRITON_CACHE_DIR")
+    with caplog.at_level(logging.WARNING):
+        cache, stats = open_compile_cache(blocker / "compiled", EngineConfig())
+    assert cache is None and stats.compiled == 0 and "unusable" in caplog.text
+    assert os.environ.get("TRITON_CACHE_DIR") == before
+    try:
+        cache, _ = open_compile_cache(tmp_path / "compiled", EngineConfig())
+        assert cache is not None and cache.state == "cold"
+        assert os.environ["TRITON_CACHE_DIR"] == str(cache.triton_dir)
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = before
