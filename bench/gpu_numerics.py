@@ -175,7 +175,9 @@ def check_guard(model_dir: Path, adapters: dict[str, Path], dtype: str, device: 
     engine = make_engine(model_dir, dtype, device, adapters, **mode)
     good = engine.adapters.get(next(iter(adapters))).adapter
     weights = {k: dataclasses.replace(w, scale=1e38) for k, w in good.weights.items()}
-    engine.add_adapter("poison", dataclasses.replace(good, weights=weights))
+    # Other content, so another identity (the engine knows adapters by their digest).
+    engine.add_adapter("poison", dataclasses.replace(good, weights=weights,
+                                                     sha256=f"{good.sha256}-poison"))
     forced = requests[3][0]
     run = engine.runner.run
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from slora_core.adapters import LoraAdapter, load_adapter
+from slora_core.adapters import LoraAdapter, digest_adapter_dir, load_adapter
 from slora_core.arena import AdapterLayout, plan_adapter_layout
 from slora_core.config import MODULE_INDEX, ModelConfig
 
@@ -24,9 +24,12 @@ class UnknownAdapterError(KeyError):
 
 @dataclass(frozen=True)
 class AdapterSpec:
+    """A registration: a name for the adapter whose content digest is `sha256`, and where its
+    files are."""
+
     name: str
     path: str
-    sha256: str | None = None
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,13 @@ class HostAdapter:
 
 
 class AdapterStore:
-    """Registered adapters and the host-memory LRU tier (bounded by `capacity_bytes`)."""
+    """Registered adapters and the host-memory LRU tier (bounded by `capacity_bytes`).
+
+    An adapter is identified by its content digest (sha256 of its config and weights, as
+    `digest_adapter_dir` computes it), never by its name: a name maps to a digest, and host
+    copies are kept by digest, so a name registered again with other content can never reach
+    the old content's host copy, arena pages or cached KV (all keyed by the digest). A name's
+    files are read and checked against its digest before anything is served under it."""
 
     def __init__(
         self,
@@ -64,56 +73,112 @@ class AdapterStore:
         self.page_numel = page_numel
         self.capacity_bytes = capacity_bytes
         self.pin_memory = pin_memory
-        self._specs: dict[str, AdapterSpec] = {}
-        self._cache: OrderedDict[str, HostAdapter] = OrderedDict()
-        self._in_memory: dict[str, HostAdapter] = {}  # no files behind them: never evicted
+        self._specs: dict[str, AdapterSpec] = {}  # name -> its registration (files)
+        self._names: dict[str, str] = {}  # name -> digest, files and in-memory alike
+        self._files: dict[str, AdapterSpec] = {}  # digest -> a registration to read it from
+        self._verified: set[str] = set()  # names whose files were read and matched
+        self._cache: OrderedDict[str, HostAdapter] = OrderedDict()  # digest -> host copy
+        self._in_memory: dict[str, HostAdapter] = {}  # digest -> no files: never evicted
         self._bytes = 0
         self._lock = threading.Lock()
-        # One lock per adapter being read: a second caller waits for the first's read instead
+        # One lock per digest being read: a second caller waits for the first's read instead
         # of parsing the same files again (the worker's load command and a request that came
         # meanwhile both ask for a new version).
         self._reading: dict[str, threading.Lock] = {}
         self.loads = 0
 
-    def register(self, name: str, path: str | Path, sha256: str | None = None) -> None:
+    def register(self, name: str, path: str | Path, sha256: str | None = None) -> str:
+        """Name the adapter in `path`; returns its digest: `sha256` as given (checked when the
+        files are read: a mismatch is refused then, nothing kept), or computed from the files
+        now. Raises AdapterFormatError when the files cannot be read."""
         if not name:
             raise ValueError("adapter name must be non-empty")
-        self._specs[name] = AdapterSpec(name=name, path=str(path), sha256=sha256)
-
-    def add_loaded(self, name: str, adapter: LoraAdapter) -> None:
-        """Register an adapter built in memory (benchmarks, tests); kept in host memory."""
-        if not name:
-            raise ValueError("adapter name must be non-empty")
-        self._in_memory[name] = self._prepare(adapter)
-
-    def unregister(self, name: str) -> None:
-        self._specs.pop(name, None)
-        self._in_memory.pop(name, None)
+        digest = sha256.strip().lower() if sha256 else digest_adapter_dir(path)
+        spec = AdapterSpec(name=name, path=str(path), sha256=digest)
         with self._lock:
-            self._reading.pop(name, None)
-            host = self._cache.pop(name, None)
+            self._drop_name(name)
+            self._specs[name], self._names[name] = spec, digest
+            self._files.setdefault(digest, spec)
+        return digest
+
+    def add_loaded(self, name: str, adapter: LoraAdapter) -> str:
+        """Register an adapter built in memory (benchmarks, tests, tensors pushed by a
+        training loop), kept in host memory under its `sha256`; returns it."""
+        if not name:
+            raise ValueError("adapter name must be non-empty")
+        host = self._prepare(adapter)
+        with self._lock:
+            self._drop_name(name)
+            self._in_memory[adapter.sha256] = host
+            self._names[name] = adapter.sha256
+        return adapter.sha256
+
+    def unregister(self, name: str) -> str | None:
+        """Forget a name; returns the digest it named (its content stays until `forget`)."""
+        with self._lock:
+            return self._drop_name(name)
+
+    def _drop_name(self, name: str) -> str | None:
+        self._specs.pop(name, None)
+        self._verified.discard(name)
+        return self._names.pop(name, None)
+
+    def forget(self, digest: str) -> None:
+        """Drop everything kept for content no name serves any more: its host copy and where
+        its files were."""
+        with self._lock:
+            if digest in self._names.values():
+                return
+            self._in_memory.pop(digest, None)
+            self._files.pop(digest, None)
+            self._reading.pop(digest, None)
+            host = self._cache.pop(digest, None)
             if host is not None:
                 self._bytes -= host.nbytes
 
+    def digest_of(self, name: str) -> str:
+        """The digest a registered name serves now. Raises UnknownAdapterError."""
+        try:
+            return self._names[name]
+        except KeyError:
+            raise UnknownAdapterError(name) from None
+
     def is_registered(self, name: str) -> bool:
-        return name in self._specs or name in self._in_memory
+        return name in self._names
 
     def is_cached(self, name: str) -> bool:
-        return name in self._cache
+        """The name's content is in host memory, checked against the name's files."""
+        digest = self._names.get(name)
+        return digest is not None and (digest in self._in_memory or (
+            name in self._verified and digest in self._cache))
 
     def peek(self, name: str) -> HostAdapter | None:
-        """The adapter if it is in host memory (touched in the LRU), else None: never reads
-        the disk."""
-        if name in self._in_memory:
-            return self._in_memory[name]
+        """The adapter if it is in host memory (touched in the LRU) and checked against the
+        name's files, else None: never reads the disk."""
+        digest = self._names.get(name)
+        if digest is None:
+            return None
+        if digest in self._in_memory:
+            return self._in_memory[digest]
+        if name not in self._verified:
+            return None
+        return self._peek_digest(digest)
+
+    def _peek_digest(self, digest: str) -> HostAdapter | None:
+        if digest in self._in_memory:
+            return self._in_memory[digest]
         with self._lock:
-            host = self._cache.get(name)
+            host = self._cache.get(digest)
             if host is not None:
-                self._cache.move_to_end(name)
+                self._cache.move_to_end(digest)
             return host
 
     def names(self) -> list[str]:
-        return [*self._specs, *self._in_memory]
+        return list(self._names)
+
+    def names_digests(self) -> set[str]:
+        """The digests some name serves now."""
+        return set(self._names.values())
 
     def target_module_ids(self) -> frozenset[int]:
         """Module ids (config.MODULE_INDEX) targeted by the adapters parsed so far."""
@@ -123,28 +188,62 @@ class AdapterStore:
                          for (_, module), entry in host.layout.entries.items() if entry[0] > 0)
 
     def get(self, name: str) -> HostAdapter:
-        """The adapter in host memory, loading and validating it from disk on a miss.
-        Raises UnknownAdapterError or an AdapterError that names the problem."""
+        """The adapter a name serves, in host memory: read from the name's files and checked
+        against its digest the first time, from the host tier after. Raises
+        UnknownAdapterError or an AdapterError that names the problem (a digest mismatch
+        among them)."""
         host = self.peek(name)
         if host is not None:
             return host
+        spec = self._specs.get(name)
+        if spec is None:
+            raise UnknownAdapterError(name)
+        return self._read(spec, name)
+
+    def get_for(self, name: str, digest: str) -> HostAdapter:
+        """`get(name)` while the name still serves `digest`, else `get_digest(digest)`: a
+        request keeps the content it was queued with."""
+        if self._names.get(name) == digest:
+            return self.get(name)
+        return self.get_digest(digest)
+
+    def get_digest(self, digest: str) -> HostAdapter:
+        """The adapter with this content, in host memory, read from a registration's files on
+        a miss (a running request's adapter after its name moved on, a rank > 0's copy).
+        Raises UnknownAdapterError or an AdapterError."""
+        host = self._peek_digest(digest)
+        if host is not None:
+            return host
+        spec = self._files.get(digest)
+        if spec is None:
+            raise UnknownAdapterError(digest)
+        return self._read(spec, None)
+
+    def _read(self, spec: AdapterSpec, name: str | None) -> HostAdapter:
+        """Read `spec`'s files (checked against its digest) into the host tier; with `name`,
+        the name counts as checked after."""
+        digest = spec.sha256
         with self._lock:
-            reading = self._reading.setdefault(name, threading.Lock())
+            reading = self._reading.setdefault(digest, threading.Lock())
         with reading:
-            host = self.peek(name)  # read by the caller this one waited for
+            # Read by the caller this one waited for?
+            host = self.peek(name) if name is not None else self._peek_digest(digest)
             if host is not None:
                 return host
-            spec = self._specs.get(name)
-            if spec is None:
-                raise UnknownAdapterError(name)
             host = self._load(spec)
             with self._lock:
-                self._cache[name] = host
+                self._reading.pop(digest, None)
+                if name is not None and self._specs.get(name) is spec:
+                    self._verified.add(name)
+                kept = self._cache.get(digest)
+                if kept is not None:  # the content is in already (another name's read)
+                    self._cache.move_to_end(digest)
+                    return kept
+                self._cache[digest] = host
                 self._bytes += host.nbytes
                 while self._bytes > self.capacity_bytes and len(self._cache) > 1:
                     _, old = self._cache.popitem(last=False)
                     self._bytes -= old.nbytes
-                self._reading.pop(name, None)
         return host
 
     def _load(self, spec: AdapterSpec) -> HostAdapter:

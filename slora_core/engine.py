@@ -14,9 +14,12 @@ step. A tensor-parallel engine (`slora_core.tp.engine.TPEngine`) wraps one of th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
 from slora_core.adapter_tiers import AdapterTiers, ArenaListener
@@ -75,7 +78,8 @@ class LLMEngine:
             page_numel=self.arena.page_numel, capacity_bytes=config.host_cache_bytes,
             pin_memory=self.arena.pages.device.type == "cuda",
         )
-        self.tiers = AdapterTiers(self.adapters, self.pool, self.arena, self.stats, listener)
+        self.tiers = AdapterTiers(self.adapters, self.pool, self.arena, self.stats, listener,
+                                  in_use=self._in_use)
         self.copier = self.tiers.copier
         self.sampler = Sampler()
         self.requests = Requests(model_config, config, tokenizer,
@@ -135,14 +139,28 @@ class LLMEngine:
 
     # ---- adapters --------------------------------------------------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
-                         *, preload: bool = True) -> None:
-        """Register an adapter by name. With `preload`, parse and validate it now (raising an
-        AdapterError that names the problem) and keep it in host memory."""
-        self.tiers.register(name, path, sha256, preload)
+                         *, preload: bool = True) -> str:
+        """Name the adapter in `path`; returns its content digest (`sha256`, checked against
+        the files when they are read, or computed from them now). The adapter is known by
+        that digest: registering a name again with other content serves the new content to
+        new requests while requests already queued finish on the old. With `preload`, parse
+        and validate it now (raising an AdapterError that names the problem, a digest
+        mismatch among them, and keeping nothing) and keep it in host memory."""
+        return self.tiers.register(name, path, sha256, preload)
 
-    def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
-        """Register an adapter already parsed or built in memory (kept in host memory)."""
-        self.tiers.add(name, adapter)
+    def add_adapter(self, name: str, adapter: LoraAdapter) -> str:
+        """Register an adapter already parsed or built in memory (kept in host memory), known
+        by its `sha256`."""
+        return self.tiers.add(name, adapter)
+
+    def register_adapter_tensors(self, name: str, state_dict: Mapping[str, torch.Tensor],
+                                 config: Mapping[str, Any] | Any,
+                                 sha256: str | None = None) -> str:
+        """Register a PEFT LoRA state dict (`get_peft_model_state_dict`) and its config (a dict
+        or peft LoraConfig) without a disk, e.g. a training loop's new weights every few
+        steps; validated as a directory would be. Returns the content digest, the one
+        `save_pretrained` files of the same tensors and config (sorted keys) would have."""
+        return self.add_adapter(name, self.tiers.parse_tensors(name, state_dict, config, sha256))
 
     def load_adapter(self, name: str) -> None:
         """Parse and validate a registered adapter into host memory (or touch it in the host
@@ -151,9 +169,12 @@ class LLMEngine:
         self.adapters.get(name)
 
     def unregister_adapter(self, name: str) -> None:
-        """Forget an adapter's registration and host copy; requests already using it go on
-        with the pages they hold."""
-        self.adapters.unregister(name)
+        """Forget an adapter's name, and its content's host copy and idle arena pages unless
+        another name serves it; requests already using it finish on it."""
+        self.tiers.unregister(name)
+
+    def _in_use(self, digest: str) -> bool:
+        return any(r.seq.adapter == digest for r in self.requests.live.values())
 
     def warm_adapters(self) -> list[str]:
         """Registered adapters held in host memory or in arena pages."""
@@ -172,14 +193,16 @@ class LLMEngine:
         leaves the engine unchanged."""
         ids = self.requests.tokenize(prompt)
         self.requests.check(request_id, ids, params)
-        host, pages = self.tiers.host_pages(adapter) if adapter else (None, 0)
+        # The content the name serves now is what this request runs on, to its end.
+        digest, host, pages = self.tiers.resolve(adapter) if adapter else (None, None, 0)
         # An adapter in no tier yet: the request waits (adapter_ready False) while a thread
         # reads it, and its pages are checked then (StepLoop._finish_reads).
-        ready = not adapter or host is not None
-        self.requests.add(request_id, ids, params, adapter=adapter, adapter_pages=pages,
-                          adapter_ready=ready, tenant=tenant, deadline_s=deadline_s)
-        if not ready:
-            self.tiers.start_read(str(adapter))
+        ready = digest is None or host is not None
+        self.requests.add(request_id, ids, params, adapter=digest, adapter_name=adapter or None,
+                          adapter_pages=pages, adapter_ready=ready, tenant=tenant,
+                          deadline_s=deadline_s)
+        if digest is not None and not ready:
+            self.tiers.start_read(str(adapter), digest)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; None if it is unknown or already done."""
@@ -229,8 +252,8 @@ class LLMEngine:
             kv_pages=pool.num_kv_pages, adapter_pages=pool.num_adapter_pages,
             free_pages=pool.num_free, adapter_loads=self.stats.adapter_loads,
             adapter_evictions=self.stats.adapter_evictions, steps=self.stats.steps,
-            running_adapters=sorted({str(s.adapter) for s in sched.running if s.adapter}),
-            waiting_adapters=sorted({str(s.adapter) for s in sched.waiting if s.adapter}),
+            running_adapters=sorted({s.adapter_name for s in sched.running if s.adapter_name}),
+            waiting_adapters=sorted({s.adapter_name for s in sched.waiting if s.adapter_name}),
             adapter_merges=merge.merges if merge is not None else 0,
             merged_steps=merge.merged_steps if merge is not None else 0,
         )

@@ -96,12 +96,13 @@ class Requests:
                 f"{self.config.num_pages}")
 
     def add(self, request_id: str, ids: list[int], params: SamplingParams, *,
-            adapter: str | None, adapter_pages: int, adapter_ready: bool, tenant: str,
-            deadline_s: float | None) -> Sequence:
-        """Queue a checked request (see `check`); RequestError if it can never fit."""
+            adapter: str | None, adapter_name: str | None, adapter_pages: int,
+            adapter_ready: bool, tenant: str, deadline_s: float | None) -> Sequence:
+        """Queue a checked request (see `check`) on the adapter whose digest is `adapter`;
+        RequestError if it can never fit."""
         now = time.monotonic()
         seq = Sequence(request_id, ids, params, adapter=adapter or None,
-                       adapter_pages=adapter_pages, adapter_ready=adapter_ready, tenant=tenant,
+                       adapter_name=adapter_name, adapter_pages=adapter_pages, adapter_ready=adapter_ready, tenant=tenant,
                        arrival=now, deadline=None if deadline_s is None else now + deadline_s)
         error = self.fits_error(self.pages_needed(seq, adapter_pages))
         if error is not None:

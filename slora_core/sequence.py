@@ -20,9 +20,11 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    adapter: Hashable | None = None  # adapter pool key; None = base model
+    adapter: Hashable | None = None  # adapter pool key (its content digest); None = base model
+    adapter_name: str | None = None  # the name the request asked for (what outputs report)
     adapter_pages: int = 0  # arena pages the adapter needs once resident
     adapter_ready: bool = True  # False while its weights are still loading into host memory
+    grammar_ready: bool = True  # False while its structured-output grammar compiles
     tenant: str = ""
     arrival: float = 0.0
     deadline: float | None = None  # time.monotonic() by which it must have started, or dropped

@@ -55,6 +55,7 @@ class StepLoop:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; the outputs of requests that made progress."""
         inflight, self.inflight = self.inflight, None
+        self.tiers.sweep()
         outputs = self._finish_reads() if self.tiers.reading else []
         sched = self.scheduler.schedule()
         outputs += self.apply_memory_changes(sched)
@@ -84,11 +85,11 @@ class StepLoop:
         end with an error that says why (the file could not be parsed or validated, or the
         request does not fit the arena with it); the other requests go on."""
         outputs: list[RequestOutput] = []
-        for name, got in self.tiers.finished_reads():
+        for digest, got in self.tiers.finished_reads():
             waiting = [r for r in self.requests.live.values()
-                       if r.seq.adapter == name and not r.seq.adapter_ready]
+                       if r.seq.adapter == digest and not r.seq.adapter_ready]
             if isinstance(got, Exception):
-                outputs += [self._fail(r, unloadable(name, got)) for r in waiting]
+                outputs += [self._fail(r, unloadable(r.seq.adapter_name, got)) for r in waiting]
                 continue
             pages = got.layout.num_pages
             for req in waiting:
@@ -104,13 +105,15 @@ class StepLoop:
         return self.requests.end(req, "error", error, ADAPTER_UNLOADABLE)
 
     def apply_memory_changes(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        return self.tiers.apply(sched, lambda name, error: self._fail_adapter(name, sched, error))
+        return self.tiers.apply(sched,
+                                lambda digest, error: self._fail_adapter(digest, sched, error))
 
-    def _fail_adapter(self, name: str, sched: SchedulerOutput, error: str) -> list[RequestOutput]:
+    def _fail_adapter(self, digest: str, sched: SchedulerOutput, error: str
+                      ) -> list[RequestOutput]:
         """An adapter that can no longer be loaded fails its requests; the rest go on."""
-        victims = [r for r in self.requests.live.values() if r.seq.adapter == name]
-        sched.scheduled = [s for s in sched.scheduled if s.seq.adapter != name]
-        return [self._fail(req, unloadable(name, error)) for req in victims]
+        victims = [r for r in self.requests.live.values() if r.seq.adapter == digest]
+        sched.scheduled = [s for s in sched.scheduled if s.seq.adapter != digest]
+        return [self._fail(req, unloadable(req.seq.adapter_name, error)) for req in victims]
 
     def _expire(self, seq: Sequence) -> RequestOutput:
         return self.requests.end(self.requests.live[seq.request_id], "abort",

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from slora_core.adapters.errors import AdapterFormatError
 
@@ -59,6 +64,33 @@ def read_adapter_files(path: str | os.PathLike[str]) -> AdapterFiles:
             )
         raise AdapterFormatError(f"{weights_path} not found")
     return AdapterFiles(root, _read(config_path), _read(weights_path))
+
+
+def adapter_files_from_tensors(state_dict: Mapping[str, torch.Tensor],
+                               config: Mapping[str, Any] | Any, name: str) -> AdapterFiles:
+    """The files `save_pretrained` would write for a PEFT LoRA state dict (as
+    `get_peft_model_state_dict` returns it) and its config (a dict or a peft LoraConfig), as
+    bytes: the same parser and the same digest as an adapter directory, without a disk. The
+    config is written with sorted keys, so one state dict and config give one digest."""
+    from safetensors.torch import save
+
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    # peft's to_dict leaves sets (target_modules) and enums; JSON takes lists and values.
+    text = json.dumps(raw, sort_keys=True, default=_jsonable)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    try:
+        weights = save(tensors)
+    except (ValueError, TypeError) as e:
+        raise AdapterFormatError(f"adapter {name!r}: tensors cannot be serialized: {e}") from None
+    return AdapterFiles(Path(f"<tensors:{name}>"), text.encode("utf-8"), weights)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    if hasattr(value, "value"):  # an enum
+        return value.value
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def digest_adapter_dir(path: str | os.PathLike[str]) -> str:

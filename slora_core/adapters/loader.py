@@ -9,7 +9,12 @@ from typing import Any
 import torch
 
 from slora_core.adapters.errors import AdapterFormatError, AdapterIncompatibleError
-from slora_core.adapters.files import CONFIG_FILE, WEIGHTS_FILE, read_adapter_files
+from slora_core.adapters.files import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterFiles,
+    read_adapter_files,
+)
 from slora_core.adapters.peft_config import parse_peft_config
 from slora_core.adapters.targets import TargetSpec, resolve_targets
 from slora_core.adapters.tensors import (
@@ -73,9 +78,22 @@ def load_adapter(
     fp32/fp16/bf16, sha256 different from `expected_sha256`) or AdapterIncompatibleError (does
     not fit `model_config`, rank above `max_rank`, unsupported PEFT feature).
     """
+    return parse_adapter(read_adapter_files(path), model_config, max_rank=max_rank, dtype=dtype,
+                         expected_sha256=expected_sha256)
+
+
+def parse_adapter(
+    files: AdapterFiles,
+    model_config: ModelConfig,
+    *,
+    max_rank: int,
+    dtype: torch.dtype = torch.float32,
+    expected_sha256: str | None = None,
+) -> LoraAdapter:
+    """`load_adapter` on files already read (from disk, or serialized from tensors in memory:
+    `adapter_files_from_tensors`)."""
     if dtype not in ACCEPTED_DTYPES:
         raise ValueError(f"dtype must be one of {ACCEPTED_DTYPES}, got {dtype}")
-    files = read_adapter_files(path)
     sha256 = files.sha256
     if expected_sha256 is not None and sha256 != expected_sha256.strip().lower():
         raise AdapterFormatError(

@@ -12,9 +12,12 @@ import contextlib
 import faulthandler
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from slora_core.adapter_cache import AdapterStore, HostAdapter
 from slora_core.adapters import LoraAdapter
@@ -48,13 +51,17 @@ class ShardedAdapterStore(AdapterStore):
         # random adapters) share one shard: id(weights) -> (weights, its host shard).
         self._shared: dict[int, tuple[Any, HostAdapter]] = {}
 
-    def add_loaded(self, name: str, adapter: LoraAdapter) -> None:
+    def add_loaded(self, name: str, adapter: LoraAdapter) -> str:
         hit = self._shared.get(id(adapter.weights))
         if hit is None or hit[0] is not adapter.weights:
-            super().add_loaded(name, adapter)
-            self._shared[id(adapter.weights)] = (adapter.weights, self._in_memory[name])
-        else:
-            self._in_memory[name] = replace(hit[1], adapter=adapter)
+            digest = super().add_loaded(name, adapter)
+            self._shared[id(adapter.weights)] = (adapter.weights, self._in_memory[digest])
+            return digest
+        with self._lock:
+            self._drop_name(name)
+            self._in_memory[adapter.sha256] = replace(hit[1], adapter=adapter)
+            self._names[name] = adapter.sha256
+        return adapter.sha256
 
     def _prepare(self, adapter: LoraAdapter, image: bool = False) -> HostAdapter:
         weights = {}
@@ -159,13 +166,24 @@ class TPEngine:
 
     # ---- rank 0: record what the other ranks must repeat ----------------------------------
     def register_adapter(self, name: str, path: str | Path, sha256: str | None = None,
-                         *, preload: bool = True) -> None:
-        self.engine.register_adapter(name, path, sha256, preload=preload)
-        self.tp_runner.record(("register", name, str(path), sha256))
+                         *, preload: bool = True) -> str:
+        with self.tp_runner.ops_lock:
+            digest = self.engine.register_adapter(name, path, sha256, preload=preload)
+            self.tp_runner.record(("register", name, str(path), digest))
+        return digest
 
-    def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
-        self.engine.add_adapter(name, adapter)
-        self.tp_runner.record(("add", name, adapter))
+    def add_adapter(self, name: str, adapter: LoraAdapter) -> str:
+        with self.tp_runner.ops_lock:
+            digest = self.engine.add_adapter(name, adapter)
+            self.tp_runner.record(("add", name, adapter))
+        return digest
+
+    def register_adapter_tensors(self, name: str, state_dict: Mapping[str, torch.Tensor],
+                                 config: Mapping[str, Any] | Any,
+                                 sha256: str | None = None) -> str:
+        """See LLMEngine.register_adapter_tensors; the other ranks get the parsed adapter."""
+        return self.add_adapter(
+            name, self.engine.tiers.parse_tensors(name, state_dict, config, sha256))
 
     def unregister_adapter(self, name: str) -> None:
         with self.tp_runner.ops_lock:
@@ -176,6 +194,10 @@ class TPEngine:
         """ArenaListener: a step's arena changes and their records happen under the lock that
         adapter-store changes from other threads take, so records keep their order."""
         return self.tp_runner.ops_lock
+
+    def forgot(self, digest: str) -> None:
+        """ArenaListener: content no name serves and no request reads; the ranks drop it."""
+        self.tp_runner.record(("forget", digest))
 
     def changed(self, sched: SchedulerOutput) -> None:
         for rec in sched.evicted:
@@ -261,10 +283,10 @@ class TPEngine:
         if kind == "clear":
             copier.clear(op[1])
         elif kind == "write":
-            _, slot, pages, name = op
-            host = store.get(name)
+            _, slot, pages, digest = op
+            host = store.get_digest(digest)
             if host.layout.num_pages != len(pages):
-                raise RuntimeError(f"adapter {name!r} takes {host.layout.num_pages} pages on "
+                raise RuntimeError(f"adapter {digest!r} takes {host.layout.num_pages} pages on "
                                    f"rank {self.group.rank}, {len(pages)} on rank 0")
             copier.write(slot, pages, host)
         elif kind == "register":
@@ -273,5 +295,7 @@ class TPEngine:
             store.add_loaded(op[1], op[2])
         elif kind == "unregister":
             store.unregister(op[1])
+        elif kind == "forget":
+            store.forget(op[1])
         else:
             raise ValueError(f"unknown arena op {kind!r}")

@@ -32,8 +32,8 @@ from slora_core.step_inputs import (
 from slora_core.tp.group import TPGroup
 
 # An arena or adapter-store change, applied by every rank in rank 0's order:
-# ("clear", slot) | ("write", slot, pages, name) | ("register", name, path, sha256)
-# | ("add", name, LoraAdapter) | ("unregister", name)
+# ("clear", slot) | ("write", slot, pages, digest) | ("register", name, path, digest)
+# | ("add", name, LoraAdapter) | ("unregister", name) | ("forget", digest)
 ArenaOp = tuple[Any, ...]
 
 _STOP, _OPS, _STEP = 1, 2, 4

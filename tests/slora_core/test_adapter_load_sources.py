@@ -33,25 +33,26 @@ def _wait_cached(engine: LLMEngine, name: str) -> None:
 
 
 def test_loads_counted_by_source(demo_dir: Path) -> None:
-    adapter_dir = sorted((demo_dir / "adapters").iterdir())[0]
+    # Three adapters of other content (the engine knows adapters by their digest).
+    x_dir, y_dir, z_dir = sorted((demo_dir / "adapters").iterdir())[:3]
     # A host tier of 1 byte keeps only the most recently read adapter.
     engine = LLMEngine.from_model_dir(demo_dir / "model",
                                       EngineConfig(num_pages=64, host_cache_bytes=1))
-    engine.register_adapter("x", adapter_dir, preload=False)
-    engine.register_adapter("y", adapter_dir, preload=False)
+    engine.register_adapter("x", x_dir, preload=False)
+    engine.register_adapter("y", y_dir, preload=False)
+    engine.register_adapter("z", z_dir, preload=False)
     _serve(engine, "x", "1")  # read in the background, still in the host tier when copied
     st = engine.stats
     assert (st.adapter_loads, st.adapter_host_hits, st.adapter_disk_loads,
             st.adapter_background_reads) == (1, 1, 0, 1)
     engine.add_request("2", [5], SamplingParams(max_new_tokens=1), adapter="y")
     _wait_cached(engine, "y")
-    engine.unregister_adapter("y")  # gone from the host tier before its pages are filled
-    engine.register_adapter("y", adapter_dir, preload=False)
+    engine.load_adapter("z")  # y leaves the host tier before its pages are filled
     while engine.has_unfinished():
         engine.step()
     assert (st.adapter_loads, st.adapter_host_hits, st.adapter_disk_loads,
             st.adapter_background_reads) == (2, 1, 1, 2)
-    assert engine.adapters.loads == 3  # x and y in the background, y again in its step
+    assert engine.adapters.loads == 4  # x, y in the background, z, y again in its step
 
 
 def test_a_slow_disk_read_does_not_stall_running_requests(demo_dir: Path) -> None:
@@ -109,7 +110,9 @@ def test_a_bad_file_read_in_the_background_fails_only_its_requests(
     else:
         weights.unlink()
     engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(num_pages=64))
-    engine.register_adapter("bad", bad, preload=False)  # not read yet: registration succeeds
+    # With its digest given (as the worker registers), nothing is read yet: registration
+    # succeeds (without one the engine hashes the files at once, and that read would fail).
+    engine.register_adapter("bad", bad, "0" * 64, preload=False)
     engine.add_request("b1", [5, 6], GREEDY, adapter="bad")
     engine.add_request("b2", [7], GREEDY, adapter="bad")
     engine.add_request("ok", [5, 6], GREEDY)

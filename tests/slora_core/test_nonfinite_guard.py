@@ -53,7 +53,9 @@ def _poisoned(engine: LLMEngine, source: str) -> None:
     good = engine.adapters.get(source).adapter
     weights = {k: dataclasses.replace(w, b=(w.b * 1e37).contiguous())
                for k, w in good.weights.items()}
-    engine.add_adapter("poison", dataclasses.replace(good, weights=weights))
+    # Other content, so another identity (the engine knows adapters by their digest).
+    engine.add_adapter("poison", dataclasses.replace(good, weights=weights,
+                                                     sha256=f"{good.sha256}-poison"))
 
 
 def _run(demo_dir: Path, names: list[str], poison: bool, **kw) -> dict[str, list[RequestOutput]]:

@@ -4,6 +4,7 @@ captures after steps have run no longer read the last step's inputs."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -28,13 +29,26 @@ def _adapter_dirs(demo_dir: Path) -> list[Path]:
     return sorted((demo_dir / "adapters").iterdir())
 
 
+def _own_copy(src: Path, root: Path, name: str) -> Path:
+    """`src`'s weights under a config of `name`'s own (its `revision`): distinct content, so a
+    distinct adapter (the engine knows adapters by content digest, not by name)."""
+    path = root / name
+    if not path.exists():
+        path.mkdir(parents=True)
+        config = json.loads((src / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**config, "revision": name}))
+        (path / "adapter_model.safetensors").symlink_to(src / "adapter_model.safetensors")
+    return path
+
+
 def _churn_engine(demo_dir: Path, num_names: int, **kw) -> LLMEngine:
-    """The demo model with `num_names` adapters registered as files (names cycle over the demo
-    adapters), none preloaded."""
+    """The demo model with `num_names` distinct adapters registered as files (their weights
+    cycle over the demo adapters'), none preloaded."""
     engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(**kw))
     dirs = _adapter_dirs(demo_dir)
     for i in range(num_names):
-        engine.register_adapter(f"a{i}", dirs[i % len(dirs)], preload=False)
+        own = _own_copy(dirs[i % len(dirs)], demo_dir / "distinct-adapters", f"a{i}")
+        engine.register_adapter(f"a{i}", own, preload=False)
     return engine
 
 
@@ -102,7 +116,7 @@ def test_checks_catch_a_page_owned_twice_and_a_foreign_slot(demo_dir, checks_on)
         check_scheduled(sched.scheduled, engine.pool, engine.arena)
     x.block_table[0] = saved
     # Slot of a0 pointed at a1's pages (what a table row of an evicted adapter would read).
-    s0, s1 = (engine.pool.resident(k).slot for k in ("a0", "a1"))
+    s0, s1 = (engine.pool.resident(engine.adapters.digest_of(k)).slot for k in ("a0", "a1"))
     tables = engine.arena.tables
     tables.a_offsets[:, s0] = tables.a_offsets[:, s1]
     tables.ranks[:, s0] = tables.ranks[:, s1]
