@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import os
 import uuid
@@ -94,6 +95,7 @@ class HttpApi:
                           methods=["GET"])
         app.add_api_route("/v1/feedback", route("feedback", self._feedback), methods=["POST"])
         app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/version", _version, methods=["GET"])  # vLLM's, for tools
         app.add_api_route("/metrics", self._prometheus, methods=["GET"])
         app.add_exception_handler(HTTPException, _http_exception)
         return app
@@ -276,6 +278,14 @@ def _ignored(response: Response, ignored: list[str]) -> Response:
     if ignored:
         response.headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
     return response
+
+
+async def _version() -> Response:
+    try:
+        version = importlib.metadata.version("slora")
+    except importlib.metadata.PackageNotFoundError:  # a checkout run without installing
+        version = "unknown"
+    return JSONResponse({"version": version})
 
 
 async def _json(request: Request) -> Any:

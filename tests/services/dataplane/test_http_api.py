@@ -401,3 +401,17 @@ def test_the_workers_metrics_carry_vllms_router_families(hs: HttpStack, client: 
     assert families["vllm:lora_adapter_loaded"]  # the adapter just served is warm
     assert any(s.name == "vllm:time_to_first_token_seconds_count" and s.value >= 1
                for s in families["vllm:time_to_first_token_seconds"])
+
+
+def test_frequency_penalty_changes_greedy_output_and_version_answers(hs: HttpStack,
+                                                                    client: OpenAI) -> None:
+    args = {"model": "qv-r4", "prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0,
+            "logprobs": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(**args)  # type: ignore[call-overload]
+    tokens = plain.choices[0].logprobs.tokens
+    assert len(set(tokens)) < len(tokens)  # greedy repeats itself on the demo model
+    penalised = client.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **args)  # type: ignore[call-overload]
+    assert penalised.choices[0].text != plain.choices[0].text
+    again = client.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **args)  # type: ignore[call-overload]
+    assert again.choices[0].text == penalised.choices[0].text  # still deterministic
+    assert httpx.get(hs.url.removesuffix("/v1") + "/version").json()["version"]
