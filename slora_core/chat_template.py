@@ -128,7 +128,9 @@ def check_messages(messages: object) -> list[dict[str, str]]:
                 raise ChatTemplateError(f"messages[{i}].{key} must be a string")
         if not msg["role"]:
             raise ChatTemplateError(f"messages[{i}].role is empty")
-        bad = sorted(k for k, v in msg.items() if not isinstance(v, str))
+        # tool_calls: an assistant turn's calls (a list of objects), as transformers takes them.
+        bad = sorted(k for k, v in msg.items()
+                     if not isinstance(v, str) and not (k == "tool_calls" and isinstance(v, list)))
         if bad:
             raise ChatTemplateError(f"messages[{i}]: fields {bad} must be strings")
         out.append(msg)

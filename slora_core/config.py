@@ -206,6 +206,9 @@ class EngineConfig:
               "sliding window, which this engine serves as full attention)")
     host_cache_bytes: int = knob(1 << 30, "host memory for parsed adapters, in bytes")
     max_queue: int = knob(1024, "waiting requests past which new ones are refused as busy")
+    grammar_compile_timeout_s: float = knob(
+        10.0, "seconds a structured-output grammar may take to compile (off the step loop) "
+              "before its request is refused as INVALID_ARGUMENT")
     # Graphs cost capture time at start-up (every bucket and LoRA module set) and a memory
     # pool, and save the host time of each step; off is also the fallback when a graph
     # disagrees with the eager path.
@@ -248,6 +251,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError(f"grammar_compile_timeout_s must be positive, got "
+                              f"{self.grammar_compile_timeout_s}")
         if self.merge_sole_adapter and self.tensor_parallel_size > 1:
             raise ConfigError("merge_sole_adapter needs tensor_parallel_size 1 (each rank "
                               "holds a shard of the weights a merge would change)")

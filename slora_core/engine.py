@@ -36,6 +36,8 @@ from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from slora_core.stats import EngineSnapshot, EngineStats
 from slora_core.step_loop import StepLoop
+from slora_core.structured.requests import grammars_for
+from slora_core.structured.spec import StructuredOutput
 from slora_core.tokenizer import Tokenizer
 from slora_core.weights import load_model
 
@@ -89,6 +91,9 @@ class LLMEngine:
         self._graph_queue: list[tuple[DecodeGraphs | MixedGraphs, GraphKey]] = []
         self.loop = StepLoop(self.scheduler, self.runner, self.sampler, self.requests,
                              self.tiers, self.eos_token_ids, config.steps_async)
+        self.loop.grammars = grammars_for(tokenizer, model_config.vocab_size, self.eos_token_ids,
+                                          config.grammar_compile_timeout_s,
+                                          self.arena.pages.device.type == "cuda")
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, *,
@@ -184,23 +189,33 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
         adapter: str | None = None, tenant: str = "", deadline_s: float | None = None,
+        structured: StructuredOutput | None = None,
     ) -> None:
         """Queue a request. `tenant`: waiting requests are admitted fairly across tenants (the
         one with the fewest running goes first). `deadline_s`: if it has not been scheduled
         within that many seconds it is dropped unrun (finish_reason "abort", error "deadline
-        exceeded"); once scheduled it runs to the end, preempted or not. Raises
+        exceeded"); once scheduled it runs to the end, preempted or not. `structured`: the
+        output follows that grammar; the request waits unscheduled while it compiles (off the
+        step loop), and ends with an error (error_kind GRAMMAR_ERROR) if it is refused or too
+        slow to compile. Raises
         RequestError, UnknownAdapterError, an AdapterError, or QueueFullError; a refused request
         leaves the engine unchanged."""
         ids = self.requests.tokenize(prompt)
         self.requests.check(request_id, ids, params)
+        grammars = self.loop.grammars
+        if structured is not None and grammars is None:
+            raise RequestError("structured output needs an engine with a tokenizer")
         # The content the name serves now is what this request runs on, to its end.
         digest, host, pages = self.tiers.resolve(adapter) if adapter else (None, None, 0)
         # An adapter in no tier yet: the request waits (adapter_ready False) while a thread
         # reads it, and its pages are checked then (StepLoop._finish_reads).
         ready = digest is None or host is not None
-        self.requests.add(request_id, ids, params, adapter=digest, adapter_name=adapter or None,
-                          adapter_pages=pages, adapter_ready=ready, tenant=tenant,
-                          deadline_s=deadline_s)
+        seq = self.requests.add(request_id, ids, params, adapter=digest,
+                                adapter_name=adapter or None, adapter_pages=pages,
+                                adapter_ready=ready, tenant=tenant, deadline_s=deadline_s)
+        if structured is not None and grammars is not None:
+            seq.grammar_ready = False  # scheduled once its grammar compiled (StepLoop)
+            grammars.submit(request_id, structured)
         if digest is not None and not ready:
             self.tiers.start_read(str(adapter), digest)
 
@@ -263,8 +278,11 @@ class LLMEngine:
         single-device engine does nothing."""
 
     def close(self) -> None:
-        """Release what the engine holds beyond its own memory: its disk-reading threads."""
+        """Release what the engine holds beyond its own memory: its disk-reading and
+        grammar-compiling threads."""
         self.tiers.close()
+        if self.loop.grammars is not None:
+            self.loop.grammars.close()
 
 
 __all__ = ["ConfigError", "EngineSnapshot", "EngineStats", "LLMEngine", "QueueFullError",

@@ -34,7 +34,8 @@ def flag_name(field: str) -> str:
 
 
 def _converter(kind: Any) -> Callable[[str], Any]:
-    """str -> value for a field annotated `kind` (bool, bool | None, int, int | None or str)."""
+    """str -> value for a field annotated `kind` (bool, bool | None, int, int | None, float or
+    str)."""
     if kind is bool:
         def to_bool(text: str) -> bool:
             value = text.strip().lower()
@@ -47,6 +48,8 @@ def _converter(kind: Any) -> Callable[[str], Any]:
         return lambda text: None if text.strip().lower() in ("", "none") else as_bool(text)
     if kind is int:
         return int
+    if kind is float:
+        return float
     if kind == int | None:
         return lambda text: None if text.strip().lower() in ("", "none") else int(text)
     return str

@@ -28,6 +28,9 @@ from slora_core.outputs import (
 from slora_core.sampler import PendingSample, SampledToken, Sampler
 from slora_core.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput
 from slora_core.sequence import Sequence
+from slora_core.structured.requests import GRAMMAR_ERROR, GrammarRequests
+
+GRAMMAR_WAIT_S = 0.01  # how long an idle step waits for a grammar to compile
 
 
 @dataclass
@@ -51,17 +54,23 @@ class StepLoop:
         self.eos_token_ids = eos_token_ids
         self.steps_async = steps_async
         self.inflight: Inflight | None = None  # async steps: the sampled batch not yet read
+        self.grammars: GrammarRequests | None = None  # structured output (engine sets it)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; the outputs of requests that made progress."""
         inflight, self.inflight = self.inflight, None
         self.tiers.sweep()
         outputs = self._finish_reads() if self.tiers.reading else []
+        if self.grammars is not None and self.grammars.active:
+            outputs += self._grammar_changes()
         sched = self.scheduler.schedule()
         outputs += self.apply_memory_changes(sched)
         outputs += [self._expire(seq) for seq in sched.expired]
         if not sched.scheduled and inflight is None and self.tiers.reading and not outputs:
             self.tiers.wait_for_read()  # nothing to run until a read lands
+        elif not sched.scheduled and inflight is None and not outputs and (
+                self.grammars is not None and self.grammars.has_pending):
+            self.grammars.wait(GRAMMAR_WAIT_S)  # nothing to run until a grammar compiles
         logits, sampling = None, []
         if sched.scheduled:
             self.tiers.wait_for_copies(sched)
@@ -119,13 +128,25 @@ class StepLoop:
         return self.requests.end(self.requests.live[seq.request_id], "abort",
                                  "deadline exceeded before the request was scheduled", DEADLINE)
 
+    # ---- structured output -----------------------------------------------------------------
+    def _grammar_changes(self) -> list[RequestOutput]:
+        """Requests whose grammar compiled may be scheduled; refused ones end now."""
+        assert self.grammars is not None
+        live = self.requests.live
+        self.grammars.retain(live)
+        return [self.requests.end(live[rid], "error", error, GRAMMAR_ERROR)
+                for rid, error in self.grammars.admit(live)]
+
     # ---- sampling ------------------------------------------------------------------------
     def _sampler_args(self, logits: torch.Tensor, sampling: list[Sequence]) -> tuple[Any, ...]:
         reqs = [self.requests.live[s.request_id] for s in sampling]
         return (logits, [s.params for s in sampling], [r.generator for r in reqs],
                 # Only the penalties read the history: skip the O(context) copy otherwise.
                 [s.token_ids() if s.params.needs_history else () for s in sampling],
-                [len(s.output_token_ids) for s in sampling], self.eos_token_ids)
+                [len(s.output_token_ids) for s in sampling], self.eos_token_ids,
+                # The constrained rows' allowed tokens (filled while the forward runs).
+                self.grammars.mask([s.request_id for s in sampling])
+                if self.grammars is not None and self.grammars.active else None)
 
     def sample(self, sched: SchedulerOutput, logits: torch.Tensor | None,
                sampling: list[Sequence]) -> list[RequestOutput]:
@@ -176,13 +197,17 @@ class StepLoop:
                                      nonfinite_logits_error(len(req.seq.output_token_ids)),
                                      NONFINITE)
         seq = req.seq
+        grammar = (self.grammars.after_token(seq.request_id, tok.token_id)
+                   if self.grammars is not None and self.grammars.active else None)
+        if grammar is not None and grammar != "stop":
+            return self.requests.end(req, "error", grammar, GRAMMAR_ERROR)
         text = req.stream.append(tok.token_id)
         out = RequestOutput(
             request_id=seq.request_id, token_ids=[tok.token_id], text=text,
             logprobs=[TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs)],
             prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
         )
-        if req.stream.stopped:  # only ever set once min_new_tokens were produced
+        if req.stream.stopped or grammar == "stop":  # stopped: after min_new_tokens only
             if reason is None:
                 self.scheduler.finish(seq)
             reason = "stop"

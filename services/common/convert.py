@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf import json_format
 
 from services.common import errors as e
+from services.common.structured import template_tool_calls, template_tools
 from slora.v1 import inference_pb2 as pb
 from slora_core.sampling_params import SamplingParams
 
@@ -59,13 +60,18 @@ def fit_to_prompt(params: SamplingParams, s: pb.SamplingOptions, prompt_tokens: 
     return params
 
 
-def chat_messages(request: pb.GenerateRequest) -> list[dict[str, str]]:
-    """The chat as the template sees it (a message's `name` only when set)."""
+def chat_messages(request: pb.GenerateRequest) -> list[dict[str, Any]]:
+    """The chat as the template sees it (a message's `name`, tool calls and tool call id only
+    when set)."""
     out = []
     for msg in request.messages:
-        m = {"role": msg.role, "content": msg.content}
+        m: dict[str, Any] = {"role": msg.role, "content": msg.content}
         if msg.name:
             m["name"] = msg.name
+        if msg.tool_calls_json:
+            m["tool_calls"] = template_tool_calls(msg.tool_calls_json)
+        if msg.tool_call_id:
+            m["tool_call_id"] = msg.tool_call_id
         out.append(m)
     return out
 
@@ -78,6 +84,8 @@ def chat_options(request: pb.GenerateRequest) -> tuple[bool, dict[str, Any]]:
               if request.HasField("chat_template_kwargs") else {})
     for reserved in ("messages", "add_generation_prompt"):
         kwargs.pop(reserved, None)
+    if request.tools_json:
+        kwargs["tools"] = template_tools(request.tools_json)
     return add, kwargs
 
 

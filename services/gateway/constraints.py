@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from services.common import errors as e
+from services.common.structured import to_pb
+from slora.v1 import inference_pb2 as pb
 from slora_core.structured.spec import StructuredOutput, StructuredOutputError
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -115,3 +117,13 @@ def fields_of(req: Any) -> dict[str, Any]:
     """`FIELDS` of a parsed request, declared or carried as extra fields."""
     extra = getattr(req, "model_extra", None) or {}
     return {name: getattr(req, name, extra.get(name)) for name in FIELDS}
+
+
+def apply_constraint(req: Any, calls: list[pb.GenerateRequest]) -> StructuredOutput | None:
+    """Set the request's constraint (if any) on every call of its plan; returns it."""
+    spec = constraint_of(fields_of(req))
+    if spec is not None:
+        msg = to_pb(spec)
+        for call in calls:
+            call.structured_output.CopyFrom(msg)
+    return spec

@@ -156,7 +156,8 @@ class HttpApi:
         headers = {SERVED_BY_HEADER: served_header(served, self.base_model)}
         choices = [ChoiceState(i) for i in range(len(plan.calls))]
         shape = Shape(plan.top_logprobs is not None, plan.echo, plan.prompt_logprobs is not None,
-                      plan.n, plan.best_of, drop_generated=plan.drop_generated)
+                      plan.n, plan.best_of, drop_generated=plan.drop_generated,
+                      tools=plan.tools)
         if req.stream:
             opts = req.stream_options
             usage = bool(opts and opts.include_usage)

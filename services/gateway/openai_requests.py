@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.common import errors as e
 from services.common.limits import DEFAULT_LIMITS
+from services.gateway.constraints import apply_constraint
+from services.gateway.tool_calls import ToolPlan, plan_chat
 from slora.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,14 @@ class _Common(BaseModel):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     prompt_logprobs: int | None = Field(default=None, ge=-1)
+    # Structured output (services/gateway/constraints.py checks them)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None  # accepted; the backend is the server's choice
     # slora's own
     adapter_version: str | None = None
     routing_key: str | None = None
@@ -128,6 +138,7 @@ class Plan:
     drop_generated: bool = False
     # Internal field names -> what this caller sent (for the errors the workers raise).
     names: dict[str, str] = field(default_factory=dict)
+    tools: ToolPlan | None = None  # chat tools: how the output becomes tool_calls
 
 
 def parse(model: type[_Common], body: Any) -> tuple[Any, list[str]]:
@@ -297,6 +308,7 @@ def completion_plan(req: CompletionRequest, base_model: str, request_id: str) ->
     if echo and req.logprobs is not None and not sampling.HasField("prompt_logprobs"):
         sampling.prompt_logprobs = req.logprobs  # echo + logprobs: the prompt's too
     calls = _calls(req, inputs, base_model, sampling, request_id, best_of)
+    apply_constraint(req, calls)
     return Plan(calls, req.logprobs, n, best_of, echo,
                 sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
                 [x if isinstance(x, str) else None for x in prompts],
@@ -334,8 +346,10 @@ def chat_plan(req: ChatCompletionRequest, base_model: str, request_id: str) -> P
     if limit == 0:
         raise FieldError(_max_tokens_name(req), f"{_max_tokens_name(req)} must be at least 1")
     sampling = _sampling(req, limit, top)
+    tools = plan_chat(req, chat)
     calls = _calls(req, [chat], base_model, sampling, request_id, best_of)
-    return Plan(calls, top, n, best_of, names=_names(req, "top_logprobs", "messages"))
+    return Plan(calls, top, n, best_of, names=_names(req, "top_logprobs", "messages"),
+                tools=tools)
 
 
 def _message(index: int, m: ChatMessage) -> pb.ChatMessage:

@@ -18,6 +18,7 @@ import grpc
 import msgspec
 
 from services.common import errors as e
+from services.gateway.tool_calls import ToolCallStream, ToolPlan, message_of, stream_deltas
 from slora.v1 import inference_pb2 as pb
 
 Kind = Literal["completion", "chat"]
@@ -203,6 +204,7 @@ class Shape:
     prompt_logprobs: bool = False
     n: int = 1
     best_of: int = 1
+    tools: ToolPlan | None = None  # chat tools: the output is parsed into tool_calls
     drop_generated: bool = False  # echo with max_tokens 0: the prompt alone
 
 
@@ -262,16 +264,17 @@ def full_body(h: Header, choices: list[ChoiceState], shape: Shape,
     for c in best(choices, shape.n, shape.best_of):
         assert c.complete is not None
         prompt_index = c.index // shape.n
+        reason = c.complete.finish_reason
         if h.kind == "chat":
+            message, reason = message_of("".join(c.text), reason, shape.tools)
             choice: dict[str, Any] = {
-                "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+                "index": c.index, "message": message,
                 "logprobs": _chat_logprobs(c.logprobs) if shape.with_logprobs else None}
         else:
             prompt = prompts[prompt_index] if prompt_index < len(prompts) else None
             choice = _completion_choice(c, shape, prompt)
         choice["finish_reason"] = ("length" if shape.drop_generated and h.kind == "completion"
-                                   else c.complete.finish_reason)
+                                   else reason)
         out.append(choice)
     return {**h.fields(stream=False), "choices": out, "usage": usage}
 
@@ -299,10 +302,13 @@ class StreamEvents:
         head = _encoder.encode(h.fields(stream=True))  # b'{...}': reopened for "choices"
         self._prefix = b"data: " + head[:-1] + b',"choices":['
         self._suffix = (b'],"usage":null}' if include_usage else b"]}") + b"\n\n"
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def chunk(self, c: ChoiceState, r: pb.GenerateResponse) -> bytes:
         """The event of one message of choice `c` (already added to `c`)."""
         kind = self.header.kind
+        if kind == "chat" and self.shape.tools is not None:
+            return self._tool_chunk(c, r)
         choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": None}
         if r.HasField("chunk"):
             text = "" if self.shape.drop_generated else r.chunk.text
@@ -331,6 +337,23 @@ class StreamEvents:
             usage = usage_json([c], 1)
             return encoded + b'],"usage":' + _encoder.encode(usage) + b"}\n\n"
         return encoded + self._suffix
+
+    def _tool_chunk(self, c: ChoiceState, r: pb.GenerateResponse) -> bytes:
+        """A chat choice under tools: its text may be held and sent at the end as tool-call
+        deltas (services/gateway/tool_calls.py); logprobs are not sent under tools."""
+        assert self.shape.tools is not None
+        stream = self._tool_streams.setdefault(c.index, ToolCallStream(self.shape.tools))
+        done = r.HasField("complete")
+        out = b""
+        for delta, reason in stream_deltas(stream, None if done else r.chunk.text,
+                                           r.complete.finish_reason if done else None):
+            if not c.started:
+                delta = {"role": "assistant", **delta}
+            c.started = True
+            choice = {"index": c.index, "logprobs": None, "finish_reason": reason,
+                      "delta": delta}
+            out += self._prefix + _encoder.encode(choice) + self._suffix
+        return out
 
     def _echo(self, c: ChoiceState, text: str, lps: list[pb.TokenLogprob],
               ) -> tuple[str, list[pb.TokenLogprob]]:

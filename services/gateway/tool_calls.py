@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.common import errors as e
+from services.common.structured import to_pb
+from services.gateway.constraints import constraint_of, fields_of
+from slora.v1 import inference_pb2 as pb
 from slora_core.structured.spec import StructuredOutput, StructuredOutputError
 
 MAX_TOOLS = 128
@@ -241,3 +244,40 @@ class ToolCallStream:
         deltas: list[dict[str, Any]] = [{"content": content}] if content else []
         deltas += [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(calls)]
         return deltas, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def plan_chat(req: Any, chat: pb.GenerateRequest) -> ToolPlan | None:
+    """Tools and structured output of a chat request, set on its (one) GenerateRequest: the
+    tools for the template, the tool turns of the history, the constraint (a response_format
+    and a required or named tool choice are exclusive). Raises ToolError/ConstraintError."""
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    spec = constraint_of(fields_of(req))
+    if plan is not None and plan.constraint is not None:
+        if spec is not None:
+            raise ToolError("tool_choice", f"a {plan.mode} tool choice constrains the output; "
+                            "it cannot be combined with response_format or structured_outputs")
+        spec = plan.constraint
+    if spec is not None:
+        chat.structured_output.CopyFrom(to_pb(spec))
+    if plan is not None:
+        chat.tools_json = plan.tools_json
+    for i, (m, msg) in enumerate(zip(req.messages, chat.messages, strict=True)):
+        extra = m.model_extra or {}
+        if extra.get("tool_calls"):
+            if not isinstance(extra["tool_calls"], list):
+                raise ToolError(f"messages[{i}].tool_calls", "must be a list")
+            msg.tool_calls_json = json.dumps(extra["tool_calls"])
+        if extra.get("tool_call_id") is not None:
+            msg.tool_call_id = str(extra["tool_call_id"])
+    return plan
+
+
+def stream_deltas(stream: ToolCallStream, text: str | None, finish_reason: str | None
+                  ) -> list[tuple[dict[str, Any], str | None]]:
+    """The (delta, finish_reason) events a streamed chat choice under tools sends for one
+    message of its call: a chunk's `text`, or the end with `finish_reason`."""
+    if finish_reason is None:
+        delta = stream.feed(text or "")
+        return [] if delta is None else [(delta, None)]
+    deltas, reason = stream.finish(finish_reason)
+    return [(d, None) for d in deltas] + [({}, reason)]

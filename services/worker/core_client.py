@@ -25,11 +25,13 @@ import zmq
 import zmq.asyncio
 
 from services.common import errors as e
+from services.common.structured import to_wire
 from services.worker import core_protocol as m
 from services.worker.engine_core import CoreSpec, run_engine_core
 from services.worker.errors import QUEUE_RETRY_AFTER_MS
 from slora_core.config import EngineConfig
 from slora_core.sampling_params import SamplingParams
+from slora_core.structured.spec import StructuredOutput
 
 log = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
@@ -160,7 +162,8 @@ class CoreClient:
 
     # ---- requests and commands ----------------------------------------------------------
     def add(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None,
-            tenant: str = "", deadline_s: float | None = None) -> tuple[int, TokenStream]:
+            tenant: str = "", deadline_s: float | None = None,
+            structured: StructuredOutput | None = None) -> tuple[int, TokenStream]:
         """Queue a request in the core; its tokens arrive on the returned stream."""
         if self.dead is not None:
             raise e.Unavailable(self.dead)
@@ -168,7 +171,7 @@ class CoreClient:
         stream = TokenStream()
         self.streams[rid] = stream
         self._send(m.AddRequest(rid, prompt_token_ids, sampling_msg(params), adapter, tenant,
-                                deadline_s))
+                                deadline_s, structured=to_wire(structured)))
         return rid, stream
 
     def abort(self, rid: int) -> bool:

@@ -55,6 +55,8 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     adapter: str | None = None
     tenant: str = ""
     deadline_s: float | None = None
+    # Constrained decoding: (kind, value) of a slora_core StructuredOutput; None: none.
+    structured: tuple[str, str] | None = None
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

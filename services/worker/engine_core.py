@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from services.common.structured import from_wire
 from services.worker import core_protocol as m
 from services.worker.errors import to_service_error
 from services.worker.startup import BackgroundGraphs, start_timed
@@ -28,6 +29,7 @@ from slora_core.config import EngineConfig
 from slora_core.launch import AnyEngine
 from slora_core.outputs import ADAPTER_UNLOADABLE, DEADLINE, RequestOutput
 from slora_core.process import die_with_parent, freeze_startup_heap, share_cpu_threads
+from slora_core.structured.requests import GRAMMAR_ERROR
 
 log = logging.getLogger(__name__)
 # How long an idle core waits for input before it looks at background work and its parent.
@@ -172,7 +174,8 @@ class EngineCore:
             params = msg.sampling.params()
             self.engine.add_request(str(msg.rid), msg.prompt_token_ids, params,
                                     adapter=msg.adapter, tenant=msg.tenant,
-                                    deadline_s=msg.deadline_s)
+                                    deadline_s=msg.deadline_s,
+                                    structured=from_wire(msg.structured))
         except Exception as exc:
             err = to_service_error(exc)
             self._failed.append(m.Finish(msg.rid, "error", str(err), err.code.name,
@@ -253,7 +256,8 @@ def prompt_scores(engine: object) -> list[m.PromptScores]:
 
 
 # The status code of each way the engine ends a request with an error (others: INTERNAL).
-CODE_OF_KIND = {ADAPTER_UNLOADABLE: "FAILED_PRECONDITION", DEADLINE: "DEADLINE_EXCEEDED"}
+CODE_OF_KIND = {ADAPTER_UNLOADABLE: "FAILED_PRECONDITION", DEADLINE: "DEADLINE_EXCEEDED",
+                GRAMMAR_ERROR: "INVALID_ARGUMENT"}
 
 
 def finish_of(rid: int, out: RequestOutput) -> m.Finish:

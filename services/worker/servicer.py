@@ -27,6 +27,7 @@ from services.common.convert import (
 )
 from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate, check_token_ids
+from services.common.structured import from_pb
 from services.common.versions import VersionKey
 from services.worker import core_protocol as m
 from services.worker.adapters import AdapterManager
@@ -207,6 +208,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         try:
             check_generate(request)  # caps on stops, prompt bytes, names: before tokenizing
             params = SamplingParams(**sampling_kwargs(request.sampling))
+            structured = from_pb(request.structured_output)  # checked here; compiled in the core
             ids = await self._prompt_ids(request)
             check_token_ids(ids, self.vocab_size)
             params = fit_to_prompt(params, request.sampling, len(ids), self._max_model_len(),
@@ -243,7 +245,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                                      request.request_id)
                 return
             rid, tokens = self.core.add(ids + resume, left, name, tenant=tenant,
-                                        deadline_s=time_remaining)
+                                        deadline_s=time_remaining, structured=structured)
             stream.tokens = tokens
             while True:
                 delta, finish = await stream.next()

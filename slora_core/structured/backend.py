@@ -192,7 +192,7 @@ def _closed(schema: Any) -> Any:
         return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(
                 value, dict):

@@ -91,15 +91,17 @@ class GrammarCompiler:
     its backend on the pool, when the first grammar (or `prepare`) asks for it."""
 
     def __init__(self, backend: GrammarBackend | Callable[[], GrammarBackend],
-                 limits: CompileLimits | None = None, identity: str | None = None) -> None:
+                 limits: CompileLimits | None = None,
+                 identity: str | Callable[[], str] | None = None) -> None:
+        self._identity: str | Callable[[], str]
         if isinstance(backend, GrammarBackend):
             self._backend: GrammarBackend | None = backend
             self._make_backend: Callable[[], GrammarBackend] | None = None
-            self.identity = backend.identity
+            self._identity = backend.identity
         else:
             if identity is None:
                 raise ValueError("a backend factory needs the tokenizer identity")
-            self._backend, self._make_backend, self.identity = None, backend, identity
+            self._backend, self._make_backend, self._identity = None, backend, identity
         self._backend_lock = threading.Lock()
         self.limits = limits or CompileLimits()
         self.stats = CompileStats()
@@ -133,6 +135,13 @@ class GrammarCompiler:
             self.stats.timeouts += 1
             raise StructuredOutputError(
                 f"{spec.kind} did not compile within {self.limits.timeout_s:g} s") from None
+
+    @property
+    def identity(self) -> str:
+        """The tokenizer's identity (a function giving it is called once, on first use)."""
+        if not isinstance(self._identity, str):
+            self._identity = self._identity()
+        return self._identity
 
     @property
     def backend(self) -> GrammarBackend:

@@ -14,13 +14,18 @@ stepping meanwhile.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
+from typing import Any
 
-from slora_core.structured.backend import GrammarBackend, Matcher
+from slora_core.structured.backend import GrammarBackend, Matcher, tokenizer_identity
 from slora_core.structured.bitmask import GrammarMask, new_bitmask
 from slora_core.structured.compiler import CompileLimits, GrammarCompiler, PendingGrammar
 from slora_core.structured.spec import StructuredOutput, StructuredOutputError
+
+# RequestOutput.error_kind of a request whose grammar was refused or did not compile in time
+# (the service maps it to INVALID_ARGUMENT: the request, not the server, is at fault).
+GRAMMAR_ERROR = "grammar"
 
 
 class GrammarRequests:
@@ -28,7 +33,7 @@ class GrammarRequests:
 
     def __init__(self, backend: GrammarBackend | Callable[[], GrammarBackend], vocab_size: int,
                  limits: CompileLimits | None = None, pin_memory: bool = False,
-                 identity: str | None = None) -> None:
+                 identity: str | Callable[[], str] | None = None) -> None:
         """`backend`: see GrammarCompiler (a factory needs `identity`)."""
         self.compiler = GrammarCompiler(backend, limits, identity)
         self.vocab_size = vocab_size
@@ -46,6 +51,11 @@ class GrammarRequests:
     @property
     def has_pending(self) -> bool:
         return bool(self._pending)
+
+    @property
+    def active(self) -> bool:
+        """Some request has a grammar (compiling or in use): the engine has work here."""
+        return bool(self._pending or self._matchers)
 
     def is_pending(self, request_id: str) -> bool:
         return request_id in self._pending
@@ -71,6 +81,32 @@ class GrammarRequests:
             del self._pending[rid]
             self._submitted.pop(rid, None)
         return ready, failed
+
+    def admit(self, live: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """`poll`, for an engine whose `live` requests (id -> object with `.seq`) wait with
+        `seq.grammar_ready` False: ready ones may now be scheduled; returns the failed ones
+        (id, error) still live, for the engine to end."""
+        ready, failed = self.poll()
+        for rid in ready:
+            if rid in live:
+                live[rid].seq.grammar_ready = True
+        return [(rid, error) for rid, error in failed if rid in live]
+
+    def retain(self, live: Mapping[str, Any]) -> None:
+        """Forget the grammar state of requests no longer live (finished, aborted)."""
+        for rid in [r for r in self._matchers if r not in live]:
+            del self._matchers[rid]
+        for rid in [r for r in self._pending if r not in live]:
+            self.release(rid)
+
+    def after_token(self, request_id: str, token_id: int) -> str | None:
+        """Advance by a sampled token. None: go on; "stop": the grammar is complete (the
+        request ends); otherwise the error that ends it (a token the mask forbade)."""
+        if request_id not in self._matchers:
+            return None
+        if not self.accept(request_id, token_id):
+            return f"token {token_id} broke the request's grammar"
+        return "stop" if self.is_terminated(request_id) else None
 
     def wait(self, timeout_s: float) -> None:
         """Block until a pending compile finishes or `timeout_s` passes (an idle engine)."""
@@ -110,3 +146,16 @@ class GrammarRequests:
 
     def close(self) -> None:
         self.compiler.close()
+
+
+def grammars_for(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...],
+                 timeout_s: float, pin_memory: bool) -> GrammarRequests | None:
+    """An engine's grammar state over its `slora_core.tokenizer.Tokenizer` (None without one:
+    grammars need the vocabulary's text). Nothing is imported or built until a request asks."""
+    if tokenizer is None:
+        return None
+    backend = tokenizer.backend
+    stops = tuple(stop_token_ids)
+    return GrammarRequests(lambda: GrammarBackend(backend, vocab_size, stops), vocab_size,
+                           CompileLimits(timeout_s=timeout_s), pin_memory,
+                           lambda: tokenizer_identity(backend, vocab_size, stops))

@@ -31,6 +31,7 @@ from slora_core.page_pool import PagePool
 from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler, SchedulerOutput
 from slora_core.stats import EngineSnapshot, EngineStats
+from slora_core.structured.spec import StructuredOutput
 from slora_core.tokenizer import Tokenizer
 from slora_core.tp.group import TPGroup
 from slora_core.tp.layers import parallelize_rows
@@ -134,8 +135,10 @@ class TPEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     adapter: str | None = None, tenant: str = "",
-                    deadline_s: float | None = None) -> None:
-        self.engine.add_request(request_id, prompt, params, adapter, tenant, deadline_s)
+                    deadline_s: float | None = None,
+                    structured: StructuredOutput | None = None) -> None:
+        self.engine.add_request(request_id, prompt, params, adapter, tenant, deadline_s,
+                                structured)
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()
