@@ -112,7 +112,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(default=None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
@@ -317,10 +316,6 @@ def completion_plan(req: CompletionRequest, base_model: str, request_id: str) ->
 
 def chat_plan(req: ChatCompletionRequest, base_model: str, request_id: str) -> Plan:
     _check_common(req)
-    if req.tools or req.tool_choice not in (None, "none"):
-        raise FieldError("tools", "tools are not supported")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise FieldError("response_format", "response_format other than text is not supported")
     if req.top_logprobs is not None and not req.logprobs:
         raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
     if req.top_logprobs is not None and req.top_logprobs > MAX_LOGPROBS:
