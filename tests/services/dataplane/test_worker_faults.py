@@ -106,6 +106,7 @@ def test_front_killed_takes_the_engine_core_with_it(demo_dir: Path, tmp_path: Pa
             os.kill(core_pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # stress; a cancel freeing its pages: test_stack_e2e, test_http_errors
 def test_200_streams_with_cancels_leave_nothing_behind(demo_dir: Path, tmp_path: Path) -> None:
     worker, address, metrics, _ = start_worker(demo_dir, tmp_path, "--max-num-seqs", "64",
                                                "--num-pages", "256")
