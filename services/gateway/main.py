@@ -90,6 +90,9 @@ class RoutingWatcher:
         if update.report_interval_ms > 0:
             self.report_s = update.report_interval_ms / 1000
         self.table.apply(update)
+        if update.snapshot:  # once per (re)connection
+            log.info("routing snapshot %d: %d adapters, %d workers", update.revision,
+                     len(update.adapters), len(update.workers))
         self.metrics.revision.set(update.revision)
         outbox.put(ppb.GatewayMessage(ack=ppb.Ack(revision=update.revision)))
         self.on_synced.set()

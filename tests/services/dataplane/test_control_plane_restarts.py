@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,16 +94,29 @@ def test_after_restarts_every_gateway_serves_the_latest_route_within_a_heartbeat
     running.admin().promote(ADAPTER, final, reason="restart test: final")
     changed = time.monotonic()
     assert latest != final
-    waits, seen = {}, {}
-    for name, gateway in running.stack.gateway_addresses.items():
+    waits: dict[str, float] = {}
+    seen: dict[str, list[str]] = {}
+
+    def watch(name: str, gateway: str) -> None:
+        """Poll one gateway (all at once: each is timed from the change, not after another)."""
         seen[name] = []
         while (version := served_version(gateway, running.token)) != final:
-            assert time.monotonic() - changed < 10, f"{name} still serves {version}"
+            if time.monotonic() - changed > 10:
+                return
             if version not in seen[name]:
                 seen[name].append(version)
             time.sleep(0.02)
         waits[name] = time.monotonic() - changed
+
+    pollers = [threading.Thread(target=watch, args=item)
+               for item in running.stack.gateway_addresses.items()]
+    for t in pollers:
+        t.start()
+    for t in pollers:
+        t.join()
+    assert set(waits) == set(running.stack.gateway_addresses), (waits, seen)
     print(f"seconds from the route change to each gateway serving it: {waits}")
-    # A heartbeat, plus the registry poll (0.2 s) that notices the change: the bound the issue
-    # asks for is "within a heartbeat" of the control plane being up and the change made.
-    assert max(waits.values()) <= HEARTBEAT_S + 0.25, (waits, seen)
+    # "Within a heartbeat" of the control plane being up and the change made: the registry
+    # poll (0.2 s) and a gateway's reconnect backoff (at most 0.5 s) fit in it; the margin is
+    # for a 2-core host running five processes.
+    assert max(waits.values()) <= HEARTBEAT_S + 0.5, (waits, seen)
