@@ -423,9 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)
     # num_pages comes from --arena-gb, max_rank from each scenario's adapters.
+    # Prefix caching off unless asked (--prefix-caching): these scenarios replay the same
+    # requests in repeats (overhead's base / adapter pairs) and compare compute paths, which
+    # cached prompts would hide; bench.prefix_cache measures the cache.
     add_engine_args(p, skip=("num_pages", "max_rank", "max_queue"), defaults={
         "dtype": "float16", "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": MAX_MODEL_LEN})
+        "max_num_seqs": 256, "max_num_batched_tokens": 4096, "max_model_len": MAX_MODEL_LEN,
+        "prefix_caching": False})
     args = p.parse_args(argv)
     if args.overhead_repeats < 1:
         p.error(f"--overhead-repeats must be 1 or more, got {args.overhead_repeats}")

@@ -20,6 +20,7 @@ from slora_core.adapters.loader import parse_adapter
 from slora_core.arena import PageArena
 from slora_core.outputs import RequestOutput
 from slora_core.page_pool import PagePool
+from slora_core.prefix_cache import lora_identity
 from slora_core.scheduler import SchedulerOutput
 from slora_core.stats import EngineStats
 
@@ -114,6 +115,7 @@ class AdapterTiers:
             self._orphans.add(digest)
             return
         self.store.forget(digest)
+        self.pool.forget_identity(lora_identity(digest))  # its cached KV: never read again
         if self.listener is not None:
             self.listener.forgot(digest)
         rec = self.pool.resident(digest)

@@ -237,6 +237,13 @@ class EngineConfig:
         None, "fold a batch's sole adapter into the base weights while it is the only one "
               "(restored bit for bit when it stops being so; default: on for one CUDA device "
               "with 16-bit weights; single-device engines only)")
+    # Off is the user's trade of a little host time (a sha256 per page) for nothing cached;
+    # tests and benchmarks compare the two.
+    prefix_caching: bool = knob(
+        True, "keep full KV pages cached by content (the prefix's tokens and the base model or "
+              "adapter content that computed them) and reuse the longest cached prefix of a new "
+              "request instead of computing it; cold cached pages are evicted like idle "
+              "adapters (slora_core/page_pool.py)")
     tensor_parallel_size: int = knob(
         1, "ranks (one GPU each) one engine is sharded over; rank 0 schedules "
            "(slora_core/tp, started by slora_core.launch.start_engine)")

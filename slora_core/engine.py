@@ -72,7 +72,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.scheduler = Scheduler(
             SchedulerLimits(block_size, config.max_num_seqs, config.max_num_batched_tokens,
-                            config.adapter_cap, max_model_len=config.max_model_len),
+                            config.adapter_cap, max_model_len=config.max_model_len,
+                            prefix_caching=config.prefix_caching),
             self.pool, self.eos_token_ids, self.stats,
         )
         self.adapters = adapter_store or AdapterStore(

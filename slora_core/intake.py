@@ -12,6 +12,7 @@ import torch
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.detokenizer import TextStream
 from slora_core.outputs import RequestOutput
+from slora_core.prefix_cache import base_identity, lora_identity, model_digest
 from slora_core.sampler import make_generator
 from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler
@@ -52,6 +53,7 @@ class Requests:
         self.detokenize = detokenize
         self.scheduler = scheduler
         self.live: dict[str, Request] = {}
+        self.base_identity = base_identity(model_digest(model_config, config.torch_dtype))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -107,6 +109,8 @@ class Requests:
         error = self.fits_error(self.pages_needed(seq, adapter_pages))
         if error is not None:
             raise RequestError(error)
+        if self.config.prefix_caching:  # what computes its KV: cached pages are this content's
+            seq.cache_identity = lora_identity(adapter) if adapter else self.base_identity
         decoder = self.tokenizer if self.detokenize and self.tokenizer is not None else _NoText()
         stream = TextStream(decoder, ids, params.stop, min_tokens=params.min_new_tokens)
         self.live[request_id] = Request(seq, stream, make_generator(params, self.config.device))
@@ -133,5 +137,5 @@ def final_output(req: Request, reason: str) -> RequestOutput:
     return RequestOutput(
         request_id=seq.request_id, text=req.stream.flush() if reason != "error" else "",
         finished=True, finish_reason=reason, prompt_tokens=len(seq.prompt_token_ids),
-        completion_tokens=len(seq.output_token_ids),
+        completion_tokens=len(seq.output_token_ids), cached_tokens=seq.num_cached_tokens,
     )

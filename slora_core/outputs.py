@@ -26,6 +26,9 @@ class RequestOutput:
     error_kind: str = ""  # with `error`: ADAPTER_UNLOADABLE, DEADLINE or NONFINITE
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache instead of being computed (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens), as found when the request was first scheduled.
+    cached_tokens: int = 0
 
 
 # Why a request ended with an error (`RequestOutput.error_kind`); servers map each to a status

@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from slora_core.page_pool import OutOfPages, PagePool, ResidentAdapter
+from slora_core.prefix_cache import block_hash
 from slora_core.sequence import SeqStatus, Sequence
 from slora_core.stats import EngineStats
 
@@ -21,6 +22,9 @@ class SchedulerLimits:
     max_adapters_per_batch: int
     prefetch_depth: int = 8  # waiting requests whose adapters are loaded ahead into free pages
     max_model_len: int | None = None  # a sequence this long finishes ("length"); None: no cap
+    # Full KV pages are cached by content (slora_core.prefix_cache) and a sequence admitted
+    # takes its longest cached prefix instead of computing it.
+    prefix_caching: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
+        prefix_evictions = self.pool.prefix_evictions
         now = time.monotonic() if now is None else now
         self._expire_waiting(out, now)
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
@@ -98,6 +103,7 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: (s.seq.adapter is None, s.adapter_slot))
         self.stats.preemptions += len(out.preempted)
         self.stats.adapter_evictions += len(out.evicted)
+        self.stats.prefix_evictions += self.pool.prefix_evictions - prefix_evictions
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -148,8 +154,9 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
+        self.pool.free(seq.block_table)  # cached pages stay, cold, for the next prefix hit
         seq.block_table = []
+        seq.num_registered_blocks = 0
         if seq.adapter is not None and self.pool.is_resident(seq.adapter):
             self.pool.release_adapter(seq.adapter)
 
@@ -199,14 +206,18 @@ class Scheduler:
             new_adapter = seq.adapter is not None and seq.adapter not in adapters
             if new_adapter and len(adapters) >= self.limits.max_adapters_per_batch:
                 continue  # grouping: let requests for adapters already in the batch go first
-            n = min(seq.num_uncomputed, budget)
-            blocks = self.blocks_for(n)
+            hits = self._cached_prefix(seq)
+            cached = len(hits) * self.limits.block_size
+            n = min(seq.num_tokens - cached, budget)
+            blocks = self.blocks_for(cached + n) - len(hits)
+            # Cold hits stop being reclaimable once taken: count them as pages needed.
+            need = blocks + self.pool.num_cold(hits)
             if seq.adapter is not None:
-                if not self.pool.can_admit_adapter(seq.adapter, seq.adapter_pages, blocks):
+                if not self.pool.can_admit_adapter(seq.adapter, seq.adapter_pages, need):
                     break  # first come, first served on memory: do not starve big requests
-            elif not self.pool.can_allocate(blocks):
+            elif not self.pool.can_allocate(need):
                 break
-            self._admit(seq, n, blocks, out)
+            self._admit(seq, n, blocks, hits, out)
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
             admitted.append(seq)
@@ -231,7 +242,16 @@ class Scheduler:
             out.evicted.extend(evicted)
             out.new_adapters.append(rec)
 
-    def _admit(self, seq: Sequence, n: int, blocks: int, out: SchedulerOutput) -> None:
+    def _admit(self, seq: Sequence, n: int, blocks: int, hits: list[int],
+               out: SchedulerOutput) -> None:
+        # The hits first: taken, they cannot be evicted for the adapter or the new pages.
+        self.pool.take_cached(hits)
+        cached = len(hits) * self.limits.block_size
+        if self.limits.prefix_caching and seq.cache_identity is not None:
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += cached
+        if seq.first_scheduled is None:
+            seq.num_cached_tokens = cached
         if seq.adapter is not None:
             rec, is_new, evicted = self.pool.acquire_adapter(seq.adapter, seq.adapter_pages)
             out.evicted.extend(evicted)
@@ -239,7 +259,9 @@ class Scheduler:
                 out.new_adapters.append(rec)
         pages, evicted = self.pool.allocate(blocks)
         out.evicted.extend(evicted)
-        seq.block_table = pages
+        seq.block_table = hits + pages
+        seq.num_computed_tokens = cached
+        seq.num_registered_blocks = len(hits)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, n, self._slot(seq)))
@@ -253,7 +275,44 @@ class Scheduler:
             self._count_step(scheduled)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+            if self.limits.prefix_caching and item.seq.status is SeqStatus.RUNNING:
+                self._register_full_blocks(item.seq)
         return [self.append_token(seq, token_id) for seq, token_id in sampled]
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The pool's pages for the longest cached run of `seq`'s full pages, leaving at least
+        its last token to compute (its logits are sampled). None for a sequence that has
+        computed tokens already, or wants prompt logprobs (those are computed, not cached)."""
+        if (not self.limits.prefix_caching or seq.cache_identity is None
+                or seq.num_computed_tokens or seq.params.prompt_logprobs is not None):
+            return []
+        full = (seq.num_tokens - 1) // self.limits.block_size
+        return self.pool.match(self._block_hashes(seq, full)) if full else []
+
+    def _block_hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        """The content hashes of `seq`'s first `n` full pages (fewer if a token there is still
+        a placeholder), extended as the sequence grows and kept on it."""
+        hashes, bs = seq.block_hashes, self.limits.block_size
+        assert seq.cache_identity is not None
+        while len(hashes) < n:
+            i = len(hashes)
+            tokens = seq.token_slice(i * bs, (i + 1) * bs)
+            if PLACEHOLDER in tokens:
+                break
+            hashes.append(block_hash(hashes[-1] if hashes else b"", seq.cache_identity, tokens))
+        return hashes[:n]
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the pool every page `seq` has filled (all its tokens computed) since the
+        last step, under its content hash."""
+        full = seq.num_computed_tokens // self.limits.block_size
+        if full <= seq.num_registered_blocks or seq.cache_identity is None:
+            return
+        hashes = self._block_hashes(seq, full)
+        for i in range(seq.num_registered_blocks, len(hashes)):
+            self.pool.register(seq.block_table[i], hashes[i], seq.cache_identity)
+        seq.num_registered_blocks = len(hashes)
 
     def _count_step(self, scheduled: list[ScheduledSeq]) -> None:
         stats = self.stats

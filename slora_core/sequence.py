@@ -34,6 +34,13 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
     first_scheduled: float | None = None  # when the scheduler first admitted it
+    # Prefix caching (slora_core.prefix_cache): what computed this sequence's KV (None: not
+    # cached), its full pages' content hashes as far as computed, how many of its pages are
+    # registered in the pool, and the prompt tokens found cached when it was first admitted.
+    cache_identity: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,11 @@ class EngineStats:
     # 0 for a decode-only step.
     last_tokens: int = 0
     last_prefill_tokens: int = 0
+    # Prefix caching, in tokens as vLLM's vllm:prefix_cache_queries / _hits count them: the
+    # tokens of sequences admitted, and those of them found cached (not computed).
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_evictions: int = 0  # cold prefix pages evicted (adapter_evictions: adapters)
 
     def reset(self) -> None:
         """Every counter back to zero (a benchmark's window starts)."""

@@ -75,9 +75,13 @@ def check_scheduled(scheduled: list[ScheduledSeq], pool: PagePool, arena: PageAr
         table = np.asarray(seq.block_table, dtype=np.int64)
         _in_range(where, f"block table of {seq.request_id}", table, 0, arena.num_pages)
         for p in seq.block_table:
-            if p in free or p in adapter_pages or p in owner:
+            # A cached prefix page is shared by the sequences that reuse it (read only), never
+            # cold (held by no one) while a scheduled sequence reads it.
+            shared = p in owner and p in pool._hash_of
+            if p in free or p in adapter_pages or p in pool._cold or (p in owner and not shared):
                 other = ("free" if p in free else f"adapter {adapter_pages[p]!r}"
-                         if p in adapter_pages else f"request {owner[p]}")
+                         if p in adapter_pages else "cold (cached, held by no one)"
+                         if p in pool._cold else f"request {owner[p]}")
                 _fail(where, f"page {p} of request {seq.request_id} is {other}")
             owner[p] = seq.request_id
         end = seq.num_computed_tokens + item.num_new_tokens

@@ -206,6 +206,7 @@ class StepLoop:
             request_id=seq.request_id, token_ids=[tok.token_id], text=text,
             logprobs=[TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs)],
             prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
+            cached_tokens=seq.num_cached_tokens,
         )
         if req.stream.stopped or grammar == "stop":  # stopped: after min_new_tokens only
             if reason is None:
