@@ -139,6 +139,8 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "serving-vs-peft": (step("serving-b", 300, "bench.serving", *SERVING_90GB, "--scenarios",
                              "peft32,reuse,overhead", "--hf", "--hf-max-time", "40",
                              "--requests", "300", "--out", OUT("serving-b")),),
+    "prefix-cache": (step("prefix-cache", 400, "bench.prefix_cache", "--out",
+                          OUT("prefix-cache")),),
     "cold-load": (step("cold", 90, "bench.cold_load", "--tmp", "/tmp", "--out",
                        OUT("cold-load")),),
     "worker-startup": (step("worker-startup", 570, "bench.worker_startup", "--budget-s", "510",
