@@ -31,8 +31,10 @@ CLUSTER_TOKEN = "slc_" + "t" * 40
 class Subscriber:
     """One watch stream (gateway or worker side) counting the updates it got."""
 
-    def __init__(self, address: str, kind: str, credential: str = "") -> None:
+    def __init__(self, address: str, kind: str, credential: str = "",
+                 worker_id: str = "w1") -> None:
         self.address, self.kind, self.credential = address, kind, credential
+        self.worker_id = worker_id
         self.updates = 0
 
     def open(self, channel: Any) -> Any:
@@ -44,7 +46,8 @@ class Subscriber:
     def hello(self) -> Any:
         if self.kind == "gateway":
             return ppb.GatewayMessage(hello=ppb.GatewayHello(gateway_id="g1"))
-        return ppb.WorkerMessage(hello=ppb.WorkerHello(worker_id="w1", address="127.0.0.1:1"))
+        return ppb.WorkerMessage(hello=ppb.WorkerHello(worker_id=self.worker_id,
+                                                       address="127.0.0.1:1"))
 
     async def on_update(self, update: Any, outbox: Outbox) -> None:
         self.updates += 1
@@ -68,6 +71,8 @@ async def scenario(db_url: str, address: str, errors: list[str]) -> None:
     engine = make_engine(db_url)
     sessions = make_session_factory(engine)
     credential = WorkerCredentials(sessions).mint("w1", SYSTEM)
+    early_credentials = [WorkerCredentials(sessions).mint(f"early-{i}", SYSTEM)
+                         for i in range(3)]
     subscribers = [Subscriber(address, "gateway"), Subscriber(address, "worker", credential)]
     watches = [s.run() for s in subscribers]
     try:
@@ -85,6 +90,22 @@ async def scenario(db_url: str, address: str, errors: list[str]) -> None:
             # Alternately a graceful stop and an abrupt one.
             await plane.server.stop(0.5 if restart % 2 else None)
             await asyncio.sleep(0.1)
+        # Placement clients that close early, while the control plane stays up.
+        plane = await build_server(ControlPlaneConfig(
+            db_url=db_url, listen=address, cluster_token=CLUSTER_TOKEN), sessions)
+        hub = attach_placement(plane.server, sessions, HubConfig(poll_s=0.02))
+        await plane.server.start()
+        hub_task = asyncio.create_task(hub.run())
+        for i in range(3):
+            early = Subscriber(address, "worker", early_credentials[i], f"early-{i}")
+            task = early.run()
+            while not early.updates:
+                await asyncio.sleep(0.02)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(0.1)
+        hub_task.cancel()
+        await plane.server.stop(None)
         gc.collect()  # abandoned tasks and generators report when collected
         await asyncio.sleep(0.1)
     finally:
@@ -104,4 +125,6 @@ def test_restarts_leave_no_error_in_the_subscribers_or_the_control_plane(
     bad = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not bad and not errors, (bad, errors)
     # The streams really were cut and reopened (else the test proves nothing).
-    assert sum("worker w1 connected" in r.getMessage() for r in caplog.records) == 4
+    assert sum("worker w1 connected" in r.getMessage() for r in caplog.records) >= 4
+    assert sum("worker early-" in r.getMessage() and "disconnected" in r.getMessage()
+               for r in caplog.records) == 3
