@@ -6,7 +6,10 @@ Why both: the window rows alone would lose what workers counted between the last
 restart (a restarted control plane takes a worker's first heartbeat as a baseline); with the
 checkpoint, that heartbeat is diffed against the counters the window rows already hold, so the
 window misses nothing a worker counted. Gateway reports are deltas: those received after the
-last write (at most one analyzer tick) die with the process.
+last write (at most one analyzer tick) die with the process. Two control planes on one
+database each add what they received to the same window rows (workers and gateways report to
+one of them at a time); a worker that moves from one to the other between checkpoints can have
+an interval counted twice after a restart: exact only with one control plane.
 """
 
 from __future__ import annotations
@@ -85,9 +88,8 @@ def add_to_window(session: Session, adapter_id: str, route_revision: int,
 
 
 def save_checkpoint(session: Session, bases: Mapping[str, WorkerBase]) -> None:
-    """Replace the stored worker counters with `bases`."""
-    session.execute(delete(EvidenceCheckpointRow).where(
-        EvidenceCheckpointRow.worker_id.not_in(list(bases))))
+    """Store the counters of the workers in `bases`; rows of other workers stay (another
+    control plane on the same database may hold them)."""
     for worker_id, (started_at_ms, counters) in bases.items():
         row = session.get(EvidenceCheckpointRow, worker_id)
         if row is None:
