@@ -38,3 +38,17 @@ def resumed_params(request: pb.GenerateRequest, params: SamplingParams,
     seed = None if params.seed is None else advance_seed(params.seed, n)
     return dataclasses.replace(params, max_new_tokens=params.max_new_tokens - n,
                                min_new_tokens=max(0, params.min_new_tokens - n), seed=seed)
+
+
+def resumed_end(resume: list[int], params: SamplingParams, eos_token_ids: list[int],
+                stopped: bool) -> str | None:
+    """The finish reason of a stream whose resumed tokens already end it (its first worker
+    finished, but the end never reached the gateway): a stop string (`stopped`), a stop token
+    or end-of-sequence token last, or the budget spent; None when it goes on."""
+    if not resume:
+        return None
+    last = resume[-1]
+    if stopped or last in params.stop_token_ids or (
+            not params.ignore_eos and last in eos_token_ids):
+        return "stop"
+    return "length" if len(resume) >= params.max_new_tokens else None

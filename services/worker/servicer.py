@@ -34,7 +34,7 @@ from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient, TokenStream, error_of
 from services.worker.errors import to_service_error
 from services.worker.metrics import WorkerMetrics
-from services.worker.resume import resumed_params
+from services.worker.resume import resumed_end, resumed_params
 from services.worker.token_text import TokenText
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
@@ -99,6 +99,12 @@ class Detokenized:
         for tok in token_ids:
             self.text.append(tok)
         self.completion_tokens += len(token_ids)
+        self.stopped = self.text.stopped  # the first worker matched a stop string at the end
+
+    def end_text(self) -> str:
+        """The text a stream that ends now still sends (as `next` would at its end)."""
+        stop = self.text.stop_string if self.stopped and self.include_stop else ""
+        return stop + self.text.flush()
 
     async def next(self) -> tuple[Delta, m.Finish | None]:
         """The tokens that arrived since the last call (waiting for at least one, or the end)."""
@@ -220,6 +226,8 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             check_token_ids(resume, self.vocab_size)
             left = resumed_params(request, params, resume) if resume else params
             stream.replay(resume)
+            # The first worker had finished, only its end never arrived.
+            end = resumed_end(resume, params, self._eos_token_ids(), stream.stopped)
         except Exception as exc:
             # Nothing is taken yet; a request that cannot be built here cannot be built on
             # any worker, so the gateway must not try the next one.
@@ -237,11 +245,11 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         try:
             # Inside the try: whatever fails from here on, the finally aborts what the core
             # holds for the request.
-            if left is None:  # resumed with its budget spent: only the end was missing
-                held = stream.text.flush()  # text the detokenizer still held back
+            if end is not None or left is None:  # resumed past its end: send just the end
+                held = stream.end_text()  # text the detokenizer still held back
                 if held:
                     yield pb.GenerateResponse(chunk=pb.Chunk(text=held))
-                yield self._complete("length", len(ids), stream.completion_tokens, key,
+                yield self._complete(end or "length", len(ids), stream.completion_tokens, key,
                                      request.request_id)
                 return
             rid, tokens = self.core.add(ids + resume, left, name, tenant=tenant,
@@ -273,6 +281,10 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             # pages now (a no-op for a request the core already finished).
             if rid is not None and self.core.abort(rid) and not stream.stopped:
                 self.metrics.aborts.inc()
+
+    def _eos_token_ids(self) -> list[int]:
+        ready = getattr(self.core, "ready", None)  # test doubles may lack it
+        return list(ready.eos_token_ids) if ready is not None else []
 
     def _max_model_len(self) -> int:
         ready = getattr(self.core, "ready", None)  # test doubles may lack it

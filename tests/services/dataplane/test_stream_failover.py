@@ -14,8 +14,10 @@ import grpc
 import pytest
 
 from services.common import errors as e
+from services.worker.resume import resumed_end
 from slora.v1 import inference_pb2 as pb
 from slora_core.detokenizer import TextStream
+from slora_core.sampling_params import SamplingParams
 from slora_core.tokenizer import Tokenizer
 from tests.services.dataplane.dp_support import PROMPTS, generate, request
 from tests.services.dataplane.gateway_harness import (
@@ -140,8 +142,35 @@ def test_a_worker_resumes_greedy_and_seeded_streams_exactly(demo_dir: Path,
                 assert rest.complete is not None
                 assert rest.complete.usage.completion_tokens == 24
                 assert rest.complete.usage.prompt_tokens == whole.complete.usage.prompt_tokens
+        # A stream that had matched its stop string (cut there) when its end was lost: the
+        # resumed call only ends it, with the text it held back and finish_reason "stop".
+        whole = generate(address, request(max_new_tokens=24, ignore_eos=True, temperature=0))
+        stop = whole.text[12:15]
+        cut = generate(address, request(max_new_tokens=24, ignore_eos=True, temperature=0,
+                                         stop=[stop]))
+        assert cut.complete is not None and cut.complete.finish_reason == "stop"
+        req = request(max_new_tokens=24, ignore_eos=True, temperature=0, stop=[stop])
+        req.resume_token_ids[:] = cut.token_ids
+        rest = generate(address, req)
+        assert rest.error is None and rest.token_ids == [], rest.details
+        assert rest.complete is not None and rest.complete.finish_reason == "stop"
+        text = TextStream(tokenizer, tokenizer.encode(PROMPTS[0]), (stop,))
+        sent = "".join(text.append(t) for t in cut.token_ids)
+        assert sent + rest.text == cut.text
     finally:
         worker.kill()
+
+
+def test_resumed_tokens_that_already_end_the_stream() -> None:
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(9,))
+    assert resumed_end([], params, [2], stopped=False) is None
+    assert resumed_end([5, 6], params, [2], stopped=False) is None
+    assert resumed_end([5, 2], params, [2], stopped=False) == "stop"  # end of sequence
+    assert resumed_end([5, 9], params, [2], stopped=False) == "stop"  # a stop token
+    assert resumed_end([5, 6], params, [2], stopped=True) == "stop"  # a stop string
+    assert resumed_end([5] * 8, params, [2], stopped=False) == "length"
+    ignoring = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert resumed_end([5, 2], ignoring, [2], stopped=False) is None
 
 
 def test_the_http_api_resumes_on_the_same_routing_path() -> None:
