@@ -163,6 +163,9 @@ class RoutedCall:
         grant = router.authenticate(self.token)
         self.caller_tenant = grant.tenant
         check_generate(request)
+        if request.resume_token_ids:
+            raise e.InvalidArgument("resume_token_ids is set by gateways only (a stream they "
+                                    "resume on another worker)")
         adapter_id = request.adapter.adapter_id
         if adapter_id:
             asked = request.adapter.version if request.adapter.HasField("version") else None

@@ -92,6 +92,19 @@ def test_a_stream_resumed_twice_still_equals_the_uninterrupted_one() -> None:
     asyncio.run(scenario())
 
 
+def test_clients_cannot_send_resume_token_ids() -> None:
+    async def scenario() -> None:
+        router, workers = await started("w1")
+        try:
+            out = await run_call(router, ids_request(4, resume_token_ids=[1, 2]))
+            assert out.error is not None and out.error.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert not workers[0].calls
+        finally:
+            await stop_all(router, workers)
+
+    asyncio.run(scenario())
+
+
 def test_structured_output_and_deterministic_errors_are_not_resumed() -> None:
     async def scenario() -> None:
         router, workers = await started("w1", "w2")
