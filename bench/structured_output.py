@@ -139,9 +139,17 @@ def workload(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
         name, schema = schemas[i // 2 % len(schemas)]
         out.append({"id": f"r{i}", "prompt": rng.integers(3, vocab,
                                                          args.prompt_tokens).tolist(),
-                    "adapter": adapter, "schema_name": name if i % 2 == 0 else None,
+                    "prompt_tokens": args.prompt_tokens, "vocab": vocab, "adapter": adapter, "schema_name": name if i % 2 == 0 else None,
                     "schema": schema if i % 2 == 0 else None})
     return out
+
+
+def fresh_prompts(reqs: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
+    """`reqs` with new random prompts of the same lengths: no arm reuses another's prefix
+    cache, so neither is handed the other's prefills."""
+    rng = np.random.default_rng(10_000 + seed)
+    return [{**r, "prompt": rng.integers(3, r["vocab"], r["prompt_tokens"]).tolist()}
+            for r in reqs]
 
 
 def run_arm(engine: LLMEngine, reqs: list[dict[str, Any]], streams: int, max_tokens: int,
@@ -227,9 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     run_arm(engine, reqs[: args.streams], args.streams, args.max_tokens, None, "warm")
     arms: list[dict[str, Any]] = []
     for rep in range(args.repeats):
-        mixed = run_arm(engine, reqs, args.streams, args.max_tokens, None, f"m{rep}")
+        mixed = run_arm(engine, fresh_prompts(reqs, 2 * rep), args.streams, args.max_tokens,
+                        None, f"m{rep}")
         lengths = {k: len(v) for k, v in mixed["outputs"].items()}
-        free = run_arm(engine, reqs, args.streams, args.max_tokens, lengths, f"f{rep}")
+        free = run_arm(engine, fresh_prompts(reqs, 2 * rep + 1), args.streams, args.max_tokens,
+                       lengths, f"f{rep}")
         checked = check_outputs(reqs, mixed["outputs"], tokenizer, eos)
         arms.append({"repeat": rep, "mixed_tokens_per_s": mixed["tokens_per_s"],
                      "unconstrained_tokens_per_s": free["tokens_per_s"],

@@ -129,6 +129,9 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "step-profile": (step("profile", 220, "bench.profile_gpu", "--shape", "llama2-7b", "--out",
                           "{out}/profile.json"),),
     "host-probe": (step("probe", 90, "bench.host_probe", "--out", OUT("host-probe")),),
+    "structured-output": (step("structured-output", 500, "bench.structured_output", *GPU_7B,
+                               "--streams", "64", "--requests", "512", "--out",
+                               OUT("structured-output")),),
     # ---- serving ---------------------------------------------------------------------------
     "engine-check": (step("engine-check", 100, "bench.gpu_engine_check", "--out",
                           "{out}/engine-gpu-check.json"),),

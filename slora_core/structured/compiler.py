@@ -175,9 +175,10 @@ class GrammarCompiler:
         return self._inflight.get(key)
 
     def _compile(self, key: tuple[str, str], spec: StructuredOutput) -> Grammar:
-        start = time.perf_counter()
         try:
-            grammar = self.backend.compile(spec)  # builds the backend on first use
+            backend = self.backend  # built on first use: not part of this grammar's time
+            start = time.perf_counter()
+            grammar = backend.compile(spec)
         except StructuredOutputError as e:
             with self._lock:
                 self.stats.errors += 1
