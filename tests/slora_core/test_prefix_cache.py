@@ -5,7 +5,9 @@ names), and eviction under pressure never frees a page a running request reads."
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -315,3 +317,52 @@ def test_requests_sharing_running_pages_and_preempted_ones_read_them_again(
     assert all(got[f"r{i}"][2] == 32 for i in range(3))
     assert engine.stats.preemptions > 0
     assert engine.stats.prefix_cache_hits > 3 * 32  # re-admissions hit too
+
+
+@pytest.mark.slow
+def test_asynchronous_steps_and_the_sole_adapter_merge_with_the_cache(
+        demo_dir: Path, tmp_path: Path) -> None:
+    """The cache under asynchronous steps (placeholders in flight while pages are registered)
+    and under the sole-adapter merge (one adapter's turns merged into the base weights): the
+    tokens of an engine without either, and cached tokens found."""
+    # A weaker qv-r4 (lora_alpha / 8, as trained adapters' deltas are small): the merge keeps
+    # few exact values, so it is not refused.
+    weak = tmp_path / "weak"
+    shutil.copytree(demo_dir / "adapters" / "qv-r4", weak)
+    cfg = json.loads((weak / "adapter_config.json").read_text())
+    (weak / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 1}))
+    ref_engine = _engine(demo_dir, False)
+    ref_engine.register_adapter("qv-r4", weak)
+    ref = _waves(ref_engine, _chat_waves())
+    for kw in ({"async_steps": True}, {"merge_sole_adapter": True}):
+        engine = _engine(demo_dir, True, **kw)
+        engine.register_adapter("qv-r4", weak)
+        waves = _chat_waves()
+        if "merge_sole_adapter" in kw:  # every step on one adapter, so the merge happens
+            waves = [[r for r in wave if r[2] == "qv-r4"] for wave in waves]
+        got = _waves(engine, waves)
+        for rid, (ids, _, cached) in got.items():
+            assert ids == ref[rid][0], (kw, rid)
+            assert cached == (0 if rid.startswith("t1") else 32), (kw, rid)
+        merge = engine.runner.merge
+        assert merge is None or merge.merged_steps > 0, kw
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_read_the_pages_rank_0_caches(demo_dir: Path) -> None:
+    """TP=2 (gloo): rank 0 schedules the hits, every rank reads its shard of the cached pages;
+    the tokens of a TP=1 engine without the cache."""
+    from slora_core.launch import start_engine
+
+    ref = _waves(_engine(demo_dir, False), _chat_waves())
+    tp = start_engine(demo_dir / "model", EngineConfig(
+        num_pages=64, block_size=16, max_rank=16, tensor_parallel_size=2), detokenize=False)
+    try:
+        for name in ("all-r16", "qv-r4", "attn-r8", "ko-r6"):
+            tp.register_adapter(name, demo_dir / "adapters" / name)
+        got = _waves(tp, _chat_waves())  # type: ignore[arg-type]
+    finally:
+        tp.close()
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
+    assert all(got[f"t2-{i}"][2] == 32 for i in range(4))
+    assert tp.stats.prefix_cache_hits == 8 * 32
