@@ -1,6 +1,7 @@
-"""A control plane restarted every 1-2 s while the route changes: once it stays up, every
-gateway serves the latest route within a heartbeat (gateways get a full snapshot as soon as
-their routing stream opens; no start-up grace holds it back)."""
+"""A control plane restarted again 1-2 s after each start while the route changes (SQLite and
+PostgreSQL): once it stays up, every gateway serves the latest route within a heartbeat
+(gateways get a full snapshot as soon as their routing stream opens; no start-up grace holds
+it back). A start itself takes 3-7 s on a 2-core CI host."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ from devtools.demo_stack import (
 )
 from services.control_plane.api.client import AdminClient
 from slora_core.adapters import digest_adapter_dir
+from tests.services.control_plane.cp_support import (
+    create_pg_schema,
+    drop_pg_schema,
+    start_postgres,
+)
 from tests.services.dataplane.dp_support import generate, request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -49,10 +55,17 @@ class Running:
         self.stack.start_control_plane()
 
 
-@pytest.fixture(scope="module")
-def running(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+@pytest.fixture(scope="module", params=("sqlite", "postgresql"))
+def running(request: pytest.FixtureRequest, demo_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
     state = tmp_path_factory.mktemp("restarts")
-    stack = Stack(StackConfig(demo_dir=demo_dir, state_dir=state, heartbeat_s=HEARTBEAT_S))
+    schema, db_url = "", ""
+    if request.param == "postgresql":
+        if not start_postgres():
+            pytest.skip("PostgreSQL on 127.0.0.1:5432 is not reachable")
+        schema, db_url = create_pg_schema()
+    stack = Stack(StackConfig(demo_dir=demo_dir, state_dir=state, heartbeat_s=HEARTBEAT_S,
+                              db_url=db_url))
     try:
         stack.start_control_plane()
         stack.start_worker("w1")
@@ -69,6 +82,8 @@ def running(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield Running(stack, token)
     finally:
         stack.stop()
+        if schema:
+            drop_pg_schema(schema)
 
 
 def served_version(gateway: str, token: str) -> str:
