@@ -106,6 +106,7 @@ class GrammarBackend:
                    if i not in self.stop_token_ids and any(c < 0x20 for c in b)}
         self._keep = keep_mask(vocab_size, banned)
         self._keep_json = keep_mask(vocab_size, banned | control)
+        self.utf8 = Utf8Guard(info.decoded_vocab, vocab_size)
 
     @property
     def bitmask_width(self) -> int:
@@ -178,11 +179,11 @@ class GrammarBackend:
     def matcher(self, grammar: Grammar) -> Matcher:
         keep = self._keep_json if grammar.is_json else self._keep
         if grammar.backend == "xgrammar":
-            return _XgrammarMatcher(grammar.compiled, keep)
+            return _XgrammarMatcher(grammar.compiled, keep, self.utf8)
         import llguidance
 
         return _LlguidanceMatcher(llguidance.LLMatcher(self._llguidance_tokenizer(),
-                                                       grammar.compiled), keep)
+                                                       grammar.compiled), keep, self.utf8)
 
 
 def _closed(schema: Any) -> Any:
@@ -240,30 +241,63 @@ def keep_mask(vocab_size: int, banned: set[int]) -> torch.Tensor:
                         dtype=torch.int32)
 
 
+# UTF-8 lead bytes whose next byte has a narrower range than 0x80-0xBF (RFC 3629): E0 and F0
+# (no overlong forms), ED (no surrogates), F4 (nothing past U+10FFFF).
+NEXT_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+class Utf8Guard:
+    """Keeps grammar outputs valid UTF-8 across tokens. xgrammar 0.2.9 lets a string continue
+    a lone ED lead byte with A0-BF (a surrogate: three U+FFFD once decoded, so a maxLength
+    string came out longer than its limit); after a token ending in one of NEXT_BYTE's leads,
+    tokens starting with a continuation byte outside that lead's range are cleared."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int) -> None:
+        self.last_byte = [b[-1] if b else -1 for b in decoded_vocab]
+        self.after: dict[int, torch.Tensor] = {}
+        for lead, (low, high) in NEXT_BYTE.items():
+            bad = {i for i, b in enumerate(decoded_vocab)
+                   if b and 0x80 <= b[0] <= 0xBF and not low <= b[0] <= high}
+            self.after[lead] = keep_mask(vocab_size, bad)
+
+    def lead_after(self, token_id: int) -> int | None:
+        """The restricting lead byte a token leaves open at the end of the output, if any."""
+        last = self.last_byte[token_id] if token_id < len(self.last_byte) else -1
+        return last if last in NEXT_BYTE else None
+
+
 class _XgrammarMatcher:
-    def __init__(self, compiled: Any, keep: torch.Tensor) -> None:
+    def __init__(self, compiled: Any, keep: torch.Tensor, utf8: Utf8Guard) -> None:
         import xgrammar as xgr
 
         self._m = xgr.GrammarMatcher(compiled)
         self._keep = keep
+        self._utf8 = utf8
+        self._lead: int | None = None
 
     def accept(self, token_id: int) -> bool:
+        self._lead = self._utf8.lead_after(token_id)
         return bool(self._m.accept_token(token_id))
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
         bitmask[row] &= self._keep
+        if self._lead is not None:
+            bitmask[row] &= self._utf8.after[self._lead]
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
 
 class _LlguidanceMatcher:
-    def __init__(self, matcher: Any, keep: torch.Tensor) -> None:
+    def __init__(self, matcher: Any, keep: torch.Tensor, utf8: Utf8Guard) -> None:
         self._m = matcher
         self._keep = keep
+        self._utf8 = utf8
+        self._lead: int | None = None
 
     def accept(self, token_id: int) -> bool:
+        self._lead = self._utf8.lead_after(token_id)
         return bool(self._m.consume_token(token_id))
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -271,6 +305,8 @@ class _LlguidanceMatcher:
 
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
         bitmask[row] &= self._keep
+        if self._lead is not None:
+            bitmask[row] &= self._utf8.after[self._lead]
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())

@@ -230,3 +230,22 @@ def test_whole_corpus_random_walks_validate(backend: GrammarBackend, tokenizer: 
     """Random logits (any model) under each schema's grammar: every output parses and
     validates; allOf goes to llguidance, which enforces it (xgrammar reads it as "any")."""
     _corpus_walk(backend, tokenizer, list(CORPUS), seed)
+
+
+def test_no_surrogate_after_an_ed_lead_byte(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
+    """xgrammar lets a string continue ED with A0-BF (a UTF-16 surrogate, three U+FFFD once
+    decoded); the guard clears those tokens, and keeps ED 80-9F (U+D000-U+D7FF)."""
+    from bench.structured_output import _bytes_to_unicode
+
+    char = _bytes_to_unicode()
+    ids = {b: tokenizer.token_to_id(char[b]) for b in (0xED, 0x80, 0x9F, 0xA0, 0xAE, 0xBF)}
+    grammars = GrammarRequests(backend, VOCAB)
+    grammars.submit("s", StructuredOutput.json_schema({"type": "string", "maxLength": 10}))
+    _ready(grammars)
+    for token in tokenizer.encode('"', add_special_tokens=False) + [ids[0xED]]:
+        assert grammars.accept("s", token)
+    mask = grammars.mask(["s"])
+    assert mask is not None
+    allowed = allowed_tokens(mask.bitmask, VOCAB)[0]
+    assert allowed[ids[0x80]] and allowed[ids[0x9F]]
+    assert not any(allowed[ids[b]] for b in (0xA0, 0xAE, 0xBF))

@@ -24,6 +24,9 @@ from tests.services.dataplane.dp_support import generate, request
 from tests.services.dataplane.http_support import ADAPTERS, HttpStack, http_stack
 
 pytestmark = pytest.mark.timeout(600)
+# The default suite keeps the SDK parse on the base model, the bad inputs and gRPC; the rest
+# (adapters over HTTP, LangChain, the corpus slice, vLLM's spellings, tools) runs with -m slow.
+SLOW = pytest.mark.slow
 CORPUS = json.loads((Path(__file__).resolve().parents[2] / "data" / "json_schemas.json"
                      ).read_text())
 MODELS = (BASE_MODEL, ADAPTERS[0])
@@ -66,7 +69,7 @@ def _post(hs: HttpStack, body: dict[str, Any]) -> httpx.Response:
                       headers={"authorization": f"Bearer {hs.token}"})
 
 
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", [BASE_MODEL, pytest.param(ADAPTERS[0], marks=SLOW)])
 def test_openai_parse_with_a_pydantic_model(client: OpenAI, model: str) -> None:
     done = client.chat.completions.parse(model=model, messages=CHAT, response_format=Ticket,
                                          max_tokens=200, temperature=1.0, seed=3)
@@ -77,6 +80,7 @@ def test_openai_parse_with_a_pydantic_model(client: OpenAI, model: str) -> None:
 
 # json_mode asks for any JSON object (the schema reaches no grammar): a random model need not
 # close it within max_tokens, so it is left out here (json_object is tested below).
+@SLOW
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(hs: HttpStack, client: OpenAI, method: str) -> None:
     from langchain_openai import ChatOpenAI
@@ -87,6 +91,7 @@ def test_langchain_with_structured_output(hs: HttpStack, client: OpenAI, method:
     assert isinstance(result, Ticket)
 
 
+@SLOW
 @pytest.mark.parametrize("model", MODELS)
 def test_corpus_subset_validates_over_http(hs: HttpStack, model: str) -> None:
     """A fast slice of the corpus (the whole corpus runs on the engine: test_structured_engine)."""
@@ -101,6 +106,7 @@ def test_corpus_subset_validates_over_http(hs: HttpStack, model: str) -> None:
         jsonschema.validate(json.loads(content), schema)
 
 
+@SLOW
 @pytest.mark.parametrize(("extra", "check"), [
     ({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
     ({"structured_outputs": {"regex": r"[a-c]{3}-\d{2}"}},
@@ -150,6 +156,7 @@ def test_bad_constraints_are_400s_and_the_worker_keeps_serving(
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+@SLOW
 def test_tool_choice_required_and_named(client: OpenAI) -> None:
     done = client.chat.completions.create(model=ADAPTERS[0], messages=CHAT, max_tokens=200,
                                           tools=[WEATHER], tool_choice="required", seed=2)
@@ -174,6 +181,7 @@ def test_tool_choice_required_and_named(client: OpenAI) -> None:
     assert follow.choices[0].finish_reason in ("stop", "length")
 
 
+@SLOW
 def test_tool_calls_stream_as_deltas(client: OpenAI) -> None:
     stream = client.chat.completions.create(model=ADAPTERS[0], messages=CHAT, max_tokens=200,
                                             tools=[WEATHER], tool_choice="required", stream=True)
