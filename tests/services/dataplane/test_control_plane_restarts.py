@@ -131,6 +131,12 @@ def test_after_restarts_every_gateway_serves_the_latest_route_within_a_heartbeat
         t.join()
     assert set(waits) == set(running.stack.gateway_addresses), (waits, seen)
     print(f"seconds from the route change to each gateway serving it: {waits}")
+    # Nobody logged an ERROR across the restarts (abandoned watch tasks and generators did,
+    # on every restart, in gateways and workers).
+    for child in (*running.stack.gateways.values(), *running.stack.workers.values()):
+        errors = [line for line in child.log_path.read_text().splitlines()
+                  if " ERROR " in line or "Traceback" in line]
+        assert not errors, (child.log_path.name, errors[:5])
     # "Within a heartbeat" of the control plane being up and the change made: the registry
     # poll (0.2 s) and a gateway's reconnect backoff (at most 0.5 s) fit in it; the margin is
     # for a 2-core host running five processes.
