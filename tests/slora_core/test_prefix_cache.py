@@ -366,3 +366,54 @@ def test_tensor_parallel_ranks_read_the_pages_rank_0_caches(demo_dir: Path) -> N
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
     assert all(got[f"t2-{i}"][2] == 32 for i in range(4))
     assert tp.stats.prefix_cache_hits == 8 * 32
+
+
+@pytest.mark.slow
+def test_graph_padded_steps_over_cached_prefixes_give_the_eager_logits(demo_dir: Path) -> None:
+    """The inputs CUDA graphs replay (mixed steps padded to a token bucket, decode steps to a
+    batch bucket) for sequences that start from cached pages (the first computed position
+    past a shared prefix, block tables sharing pages) give the eager step's logits."""
+    import torch
+
+    from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
+    from slora_core.step_inputs import build_step_inputs
+
+    engine = _engine(demo_dir, True, max_num_batched_tokens=64, max_num_seqs=8)
+    runner = engine.runner
+    mixed = MixedGraphs(runner, 8, 64, engine.config.max_model_len)
+    decode = DecodeGraphs(runner, 8, engine.config.max_model_len)
+    run = runner.run
+    checked: list[str] = []
+
+    def both(scheduled, patch=None):  # type: ignore[no-untyped-def]
+        logits = run(scheduled, patch)
+        inputs = build_step_inputs(scheduled, runner.arena.block_size)
+        cached = any(s.seq.num_cached_tokens for s in scheduled)
+        for name, graphs in (("mixed", mixed), ("decode", decode)):
+            if cached and graphs.can_run(inputs) and (name == "decode") == (
+                    inputs.max_query_len == 1):
+                with torch.inference_mode():
+                    padded = graphs.run_padded_eager(inputs)
+                torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-5)
+                checked.append(name)
+        return logits
+
+    runner.run = both  # type: ignore[method-assign]
+    got = _waves(engine, _chat_waves())
+    assert "mixed" in checked and "decode" in checked
+    assert got["t2-1"][2] == 32
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_on_the_gpu_with_graphs_the_cache_gives_the_tokens_without_it(
+        demo_dir: Path, dtype: str) -> None:
+    """CUDA, decode and mixed-step graphs, asynchronous steps (the defaults there): shared
+    prefixes over the base model and three adapters give the tokens of the engine without the
+    cache, logprobs within 16-bit rounding."""
+    got, ref = (_waves(_engine(demo_dir, caching, device="cuda", dtype=dtype), _chat_waves())
+                for caching in (True, False))
+    for rid, (ids, lps, _) in ref.items():
+        assert got[rid][0] == ids, rid
+        assert got[rid][1] == pytest.approx(lps, abs=0.05), rid
+    assert all(got[f"t2-{i}"][2] == 32 for i in range(4))
