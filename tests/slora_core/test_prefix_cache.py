@@ -259,6 +259,7 @@ def test_contents_never_share_pages(demo_dir: Path) -> None:
     assert got["v2"][0] == ref["v2"][0]  # the second version's own tokens
 
 
+@pytest.mark.slow
 def test_eviction_under_pressure_never_frees_a_page_a_running_request_reads(
         demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A small arena, shared prefixes over four contents, requests arriving over time: every
