@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.run_record import commit_id
 from bench.suites import SUITES, Step
 
 GRACE_S = 10  # after the limit's signal, SIGKILL (NCCL can keep a process from dying)
@@ -102,17 +103,6 @@ class Runner:
             t.start()
         for t in threads:
             t.join()
-
-
-def commit() -> str:
-    found = os.environ.get("SLORA_COMMIT")
-    if found:
-        return found
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def gpus() -> list[str]:
@@ -189,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         paths.append(install_wheels(Path(a.wheels), out))
     paths.append(os.environ.get("PYTHONPATH", ""))
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, paths)),
-                        "PYTHONUNBUFFERED": "1", "SLORA_COMMIT": commit()}
+                        "PYTHONUNBUFFERED": "1", "SLORA_COMMIT": commit_id()}
     env.setdefault("TRITON_INTERPRET", "0")
     runner = Runner(out, a.budget_s, set(filter(None, a.skip.split(","))),
                     {k: int(v) for k, v in pairs(a.limit, "--limit").items()},
