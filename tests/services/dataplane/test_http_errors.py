@@ -88,7 +88,8 @@ def chat(**fields: Any) -> dict[str, Any]:
      "is the base model"),
     ("/completions", completion(top_p=1.5), "top_p", "top_p"),
     ("/completions", {"prompt": "x"}, "model", "model: Field required"),
-    ("/chat/completions", chat(tools=[{"type": "function"}]), "tools", "tools are not supported"),
+    ("/chat/completions", chat(tools=[{"type": "function"}]), "tools[0].function",
+     "needs a name"),
     ("/chat/completions", chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]), "messages[0].content",
      "only text content parts"),
