@@ -61,6 +61,7 @@ from bench.run_record import commit_id
 from slora_core.adapter_cache import AdapterStore
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.page_pool import PagePool
+from slora_core.prefix_cache import base_identity, lora_identity
 from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler, SchedulerLimits
 from slora_core.sequence import Sequence
@@ -137,12 +138,16 @@ def simulate_churn(cfg: EngineConfig, block: int, num_pages: int,
     engine's counts come out the same (eager and graph modes; asynchronous steps add a step)."""
     pool = PagePool(num_pages, num_slots=num_pages)
     sched = Scheduler(SchedulerLimits(block, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                      cfg.adapter_cap,
-                                      max_model_len=cfg.max_model_len), pool, (-1,))
+                                      cfg.adapter_cap, max_model_len=cfg.max_model_len,
+                                      prefix_caching=cfg.prefix_caching), pool, (-1,))
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     for rid, prompt, adapter in requests:
+        # The engine's prefix cache too: a preempted request finds its own pages again (the
+        # adapters are distinct content, so their names stand for their digests here).
+        identity = lora_identity(adapter) if adapter else base_identity("simulated")
         sched.add(Sequence(rid, prompt, params, adapter=adapter,
-                           adapter_pages=pages[adapter] if adapter else 0))
+                           adapter_pages=pages[adapter] if adapter else 0,
+                           cache_identity=identity if cfg.prefix_caching else None))
     counts = {"steps": 0, "preemptions": 0, "adapter_loads": 0, "adapter_evictions": 0}
     while sched.has_work() and counts["steps"] < 10 * len(requests) * new_tokens:
         out = sched.schedule(now=0.0)
