@@ -170,22 +170,6 @@ def step_arrays(inputs: StepInputs) -> tuple[list[np.ndarray], StepShape]:
     return arrays, shape
 
 
-def inputs_from_arrays(flat: np.ndarray, shape: StepShape) -> StepInputs:
-    """The StepInputs whose `step_arrays` were packed into `flat` (the inverse, for a
-    tensor-parallel rank that replays CUDA graphs, which fill their buffers from host arrays)."""
-    parts = unpack(flat, shape.array_shapes())
-    ids, positions, slot_mapping, logits_indices, seq_lens, query_starts, tables = parts[:7]
-    empty = np.zeros(0, dtype=np.int64)
-    token_slots, seg_starts, seg_lens, seg_slots = (
-        parts[7:11] if shape.num_segments else
-        [np.full(shape.num_tokens, -1, dtype=np.int64), empty, empty, empty])
-    return StepInputs(
-        input_ids=ids, positions=positions, slot_mapping=slot_mapping, token_slots=token_slots,
-        seq_lens=seq_lens, query_starts=query_starts, block_tables=tables,
-        logits_indices=logits_indices, max_query_len=shape.max_query_len,
-        seg_starts=seg_starts, seg_lens=seg_lens, seg_slots=seg_slots)
-
-
 @dataclass(frozen=True)
 class TokenPatch:
     """Input ids the host does not know yet: token `dst[i]` of the step is `src[rows[i]]`, an id
