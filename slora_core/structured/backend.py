@@ -179,7 +179,7 @@ class GrammarBackend:
     def matcher(self, grammar: Grammar) -> Matcher:
         keep = self._keep_json if grammar.is_json else self._keep
         if grammar.backend == "xgrammar":
-            return _XgrammarMatcher(grammar.compiled, keep, self.utf8)
+            return XgrammarMatcher(grammar.compiled, keep, self.utf8)
         import llguidance
 
         return _LlguidanceMatcher(llguidance.LLMatcher(self._llguidance_tokenizer(),
@@ -266,11 +266,14 @@ class Utf8Guard:
         return last if last in NEXT_BYTE else None
 
 
-class _XgrammarMatcher:
+class XgrammarMatcher:
+    """`raw`: the xgrammar matcher, which GrammarRequests fills in batches (its threads);
+    `finish_row` then applies what this module adds to the mask."""
+
     def __init__(self, compiled: Any, keep: torch.Tensor, utf8: Utf8Guard) -> None:
         import xgrammar as xgr
 
-        self._m = xgr.GrammarMatcher(compiled)
+        self._m = self.raw = xgr.GrammarMatcher(compiled)
         self._keep = keep
         self._utf8 = utf8
         self._lead: int | None = None
@@ -281,6 +284,9 @@ class _XgrammarMatcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+        self.finish_row(bitmask, row)
+
+    def finish_row(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row] &= self._keep
         if self._lead is not None:
             bitmask[row] &= self._utf8.after[self._lead]

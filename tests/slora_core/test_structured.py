@@ -249,3 +249,19 @@ def test_no_surrogate_after_an_ed_lead_byte(backend: GrammarBackend, tokenizer: 
     allowed = allowed_tokens(mask.bitmask, VOCAB)[0]
     assert allowed[ids[0x80]] and allowed[ids[0x9F]]
     assert not any(allowed[ids[b]] for b in (0xA0, 0xAE, 0xBF))
+
+
+def test_batched_fill_equals_one_row_at_a_time(backend: GrammarBackend) -> None:
+    names = list(CORPUS)[:6]
+    batched, single = GrammarRequests(backend, VOCAB), GrammarRequests(backend, VOCAB)
+    for grammars in (batched, single):
+        for name in names:
+            grammars.submit(name, StructuredOutput.json_schema(CORPUS[name]))
+        _ready(grammars)
+    ids = ["free", *names]
+    mask = batched.mask(ids)
+    assert mask is not None and mask.rows == tuple(range(1, len(ids)))
+    for j, name in enumerate(names):
+        row = torch.empty(1, mask.bitmask.shape[1], dtype=torch.int32)
+        single._matchers[name].fill(row, 0)
+        assert torch.equal(mask.bitmask[j], row[0]), name
