@@ -206,6 +206,10 @@ class LLMEngine:
         grammars = self.loop.grammars
         if structured is not None and grammars is None:
             raise RequestError("structured output needs an engine with a tokenizer")
+        if structured is not None and params.min_new_tokens:
+            # Its end-of-sequence mask could leave a complete grammar no token at all.
+            raise RequestError("min_new_tokens cannot be combined with structured output: "
+                               "the grammar decides where the output ends")
         # The content the name serves now is what this request runs on, to its end.
         digest, host, pages = self.tiers.resolve(adapter) if adapter else (None, None, 0)
         # An adapter in no tier yet: the request waits (adapter_ready False) while a thread

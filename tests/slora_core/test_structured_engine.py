@@ -168,6 +168,13 @@ def test_slow_grammar_times_out_while_others_step(demo_dir: Path) -> None:
         engine.close()
 
 
+def test_min_new_tokens_with_a_grammar_is_refused(engine: LLMEngine) -> None:
+    with pytest.raises(ValueError, match="min_new_tokens cannot be combined"):
+        engine.add_request("min", PROMPT, SamplingParams(min_new_tokens=3),
+                           structured=StructuredOutput.choice(["a"]))
+    assert "min" not in engine.request_ids()
+
+
 def test_engine_without_tokenizer_refuses_grammars(engine: LLMEngine) -> None:
     model = build_random_model(engine.model_config, torch.float32, "cpu")
     bare = LLMEngine(model, engine.model_config, None, EngineConfig(num_pages=64))
