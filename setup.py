@@ -18,7 +18,7 @@ MIGRATIONS = {
     "services.control_plane.migrations.versions": "migrations/versions",
 }
 PACKAGES = find_namespace_packages(
-    where=str(HERE), include=["slora*", "slora_core*", "kernels*", "services*", "devtools*"]
+    where=str(HERE), include=["slora*", "slora_core*", "slora_kernels*", "services*", "devtools*"]
 ) + list(MIGRATIONS)
 
 

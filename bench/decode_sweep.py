@@ -29,10 +29,10 @@ from bench import kernels_attention as attn
 from bench import kernels_lora as kl
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record
-from kernels.lora import DECODE_TILES, add_lora_triton
-from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
-from kernels.paged_attention import DEFAULT_TILES
 from slora_core import ops
+from slora_kernels.lora import DECODE_TILES, add_lora_triton
+from slora_kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
+from slora_kernels.paged_attention import DEFAULT_TILES
 
 ATTN_SHAPES = (("llama2-7b", 64, 512), ("llama3-8b", 64, 512))
 LORA_CASES = ((16, 64), (16, 256), (64, 64), (64, 256))  # (rank, rows), one adapter

@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from bench.run_record import run_record  # noqa: E402
-from kernels import lora_expand, lora_rows, lora_shrink  # noqa: E402
+from slora_kernels import lora_expand, lora_rows, lora_shrink  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 F16, F32, I64, I32 = "*fp16", "*fp32", "*i64", "*i32"

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import triton
 
-import kernels.lora as kernels_lora
+import slora_kernels.lora as kernels_lora
 from bench import kernels_attention as attn
 from bench import kernels_lora as lora
 from bench import kernels_timing as timing
 from bench.kernels_timing import copy_bandwidth_gbs
-from kernels.lora import DECODE_TILES, PREFILL_TILES, LoraTiles
-from kernels.paged_attention import DEFAULT_TILES, AttentionTiles
+from slora_kernels.lora import DECODE_TILES, PREFILL_TILES, LoraTiles
+from slora_kernels.paged_attention import DEFAULT_TILES, AttentionTiles
 
 DECODE_BATCHES: tuple[int, ...] = (1, 16, 64, 256)
 RANKS: tuple[int, ...] = (8, 16, 64)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from bench.kernels_timing import DEVICE, graph_time_us, rotation_count
-from kernels.paged_attention import DEFAULT_TILES, AttentionTiles, paged_attention_triton
+from slora_kernels.paged_attention import DEFAULT_TILES, AttentionTiles, paged_attention_triton
 
 HEAD_DIM = 128
 DTYPE = torch.float16

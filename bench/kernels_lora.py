@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.kernels_timing import DEVICE, graph_time_us, rotation_count
-from kernels.lora import LoraTiles, add_lora_triton
-from kernels.lora_meta import LoraMeta
+from slora_kernels.lora import LoraTiles, add_lora_triton
+from slora_kernels.lora_meta import LoraMeta
 
 K = N = 4096
 DTYPE = torch.float16

@@ -26,7 +26,7 @@ case times, over inputs rotated past the L2:
   four programs a multiprocessor everywhere), whatever the default;
 - `maxrank64` / `maxrank64_no_buckets` (r < 64, grouped): launches bounded at the engine's
   max rank 64, with and without rank-bucketed tiles;
-- `rows` / `rows_maxrank64`: the row kernels (`kernels.lora_rows`: each token reads its own
+- `rows` / `rows_maxrank64`: the row kernels (`slora_kernels.lora_rows`: each token reads its own
   adapter through its slot, no tile list; K split fixed from B), at the case's rank and bounded
   at the engine's max rank 64;
 - `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
@@ -50,9 +50,16 @@ from bench import kernels_lora as kl
 from bench import kernels_timing as timing
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record, save_rows
-from kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split, rank_block, split_cap
-from kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta
-from kernels.lora_rows import RowTiles
+from slora_kernels.lora import (
+    DECODE_TILES,
+    LoraTiles,
+    add_lora_triton,
+    pick_split,
+    rank_block,
+    split_cap,
+)
+from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta
+from slora_kernels.lora_rows import RowTiles
 
 RANKS: tuple[int, ...] = (8, 16, 64)
 BATCHES: tuple[int, ...] = (1, 16, 64, 256)

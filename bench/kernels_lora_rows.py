@@ -2,7 +2,7 @@
 
 For each case (rank, B rows, U adapters, the launch's rank bound) it times, by CUDA-graph
 replay over inputs rotated past the L2 (one 4096x4096 module, fp16): the tile kernels as
-decode graphs run them (`graph_capture_split`), and the row kernels (`kernels.lora_rows`) for
+decode graphs run them (`graph_capture_split`), and the row kernels (`slora_kernels.lora_rows`) for
 a list of RowTiles choices (CONFIGS: register tiles, expand columns and sub-tiles, warps);
 each beside the bytes floor and with its error against float64 torch. It also times a pair of empty Triton launches: the
 least any two-launch LoRA can take in a graph.
@@ -25,9 +25,9 @@ from bench import kernels_timing as timing
 from bench.kernels_lora_grid import call, padded_meta, rel_err_f64
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record, save_rows
-from kernels.lora import DECODE_TILES, pick_split_k
-from kernels.lora_meta import ROW_BLOCK_M, LoraMeta
-from kernels.lora_rows import RowTiles
+from slora_kernels.lora import DECODE_TILES, pick_split_k
+from slora_kernels.lora_meta import ROW_BLOCK_M, LoraMeta
+from slora_kernels.lora_rows import RowTiles
 
 # (rank, rows, adapters, the launch's rank bound): the engine's decode case (64 requests on 64
 # adapters, bound 64), the floor case (B256 U256 r16) and their neighbours.

@@ -21,8 +21,8 @@ import torch
 
 from bench.kernels_lora import DEVICE, N, build_layers, decode_slots, floor_bytes
 from bench.kernels_timing import copy_bandwidth_gbs, graph_time_us
-from kernels.lora import add_lora_triton, pick_split_k
-from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
+from slora_kernels.lora import add_lora_triton, pick_split_k
+from slora_kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 
 RANK = 16
 SPLITS = (1, 2, 4, 8, 16)

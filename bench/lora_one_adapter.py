@@ -24,8 +24,8 @@ from bench import kernels_timing as timing
 from bench.kernels_lora_grid import VLLM_US, call, padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record, save_rows
-from kernels.lora import DECODE_TILES, LoraTiles, pick_split_k
-from kernels.lora_meta import DECODE_BLOCK_M
+from slora_kernels.lora import DECODE_TILES, LoraTiles, pick_split_k
+from slora_kernels.lora_meta import DECODE_BLOCK_M
 
 CELLS: tuple[tuple[int, int], ...] = ((16, 64), (16, 256), (8, 256), (64, 16), (64, 64),
                                       (64, 256))

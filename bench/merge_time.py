@@ -1,4 +1,4 @@
-"""The sole-adapter merge's device time at Llama-2-7B shapes (kernels.weight_merge), by part.
+"""The sole-adapter merge's device time at Llama-2-7B shapes (slora_kernels.weight_merge), by part.
 
 One adapter over every module slice of 32 layers (attention only, as bench.serving's, or all
 seven modules), rank 16 or 64, deltas 1% or 10% the spread of the weights (fp16): the merge
@@ -23,7 +23,7 @@ import torch
 
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs
 from bench.run_record import run_record, save_rows
-from kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta, warm_up
+from slora_kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta, warm_up
 
 HIDDEN, INTER, LAYERS = 4096, 11008, 32
 ATTN = ((HIDDEN, HIDDEN),) * 4  # q, k, v, o: (rows, in_features)

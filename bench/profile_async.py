@@ -123,7 +123,7 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def _frames(ev: Any) -> list[str]:
-    return [f for f in (ev.stack or []) if "slora" in f or "kernels/" in f][:4]
+    return [f for f in (ev.stack or []) if "slora" in f or "slora_kernels/" in f][:4]
 
 
 def gpu_ops(prof: Any, per: int) -> dict[str, dict[str, float]]:

@@ -20,9 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.run_record import run_record
 from bench.serving import Bench
-from kernels.jit_stats import compiled_kernel_variants
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
+from slora_kernels.jit_stats import compiled_kernel_variants
 
 FAMILIES = (
     ("lora_shrink", ("_lora_shrink",)), ("lora_expand", ("_lora_expand",)),

@@ -14,9 +14,9 @@ import torch
 from tqdm import tqdm
 
 from bench.workload import BenchRequest
-from kernels.jit_stats import compiled_kernel_variants
 from slora_core.launch import AnyEngine
 from slora_core.sampling_params import SamplingParams
+from slora_kernels.jit_stats import compiled_kernel_variants
 
 # A replay that makes no progress (no token out) for this long prints every thread's stack, and
 # again each period after: where a stalled run waits (a Triton compile, a CUDA sync, a lock).

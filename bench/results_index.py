@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 INDEX = RESULTS / "INDEX.md"
-SOURCES = ("bench", "slora_core", "kernels", "services", "devtools")
+SOURCES = ("bench", "slora_core", "slora_kernels", "services", "devtools")
 NAME = re.compile(r"[\w.{},*-]+\.(?:json|log|png)")
 
 

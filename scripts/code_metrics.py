@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("slora_core", "kernels", "services", "bench")
+PACKAGES = ("slora_core", "slora_kernels", "services", "bench")
 GRAPH_PACKAGES = (*PACKAGES, "devtools")
 
 

@@ -10,7 +10,7 @@ binary built for something else.
 Triton's own cache keys already cover a kernel's source and Triton's version; the folder key
 adds what they leave out or what an operator may change under a running deployment: the GPU
 model and compute capability, the NVIDIA driver, torch's CUDA runtime, torch, Python, and the
-source of every file in `kernels/` (a launcher change that picks other constexprs, too). A
+source of every file in `slora_kernels/` (a launcher change that picks other constexprs, too). A
 change of any of them is a new folder, so a stale binary is never found; a folder whose
 manifest is unreadable or names another key is emptied and rebuilt.
 """
@@ -40,7 +40,7 @@ TRITON_SUBDIR = "triton"
 KEEP_OTHER_KEYS = 3
 # Bump when the folder layout or the manifest's meaning changes.
 LAYOUT_VERSION = 1
-KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS_DIR = Path(__file__).resolve().parent.parent / "slora_kernels"
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class CacheKey:
     triton: str
     torch: str
     python: str
-    kernels: str   # sha256 of kernels/*.py (kernel_source_digest)
+    kernels: str   # sha256 of slora_kernels/*.py (kernel_source_digest)
     layout: int = LAYOUT_VERSION
 
     def digest(self) -> str:

@@ -226,7 +226,7 @@ class EngineConfig:
     # 1.39x on the H200, engine-floor-*-h200.json).
     lora_row_kernels: bool = knob(
         True, "decode graphs run many-adapter LoRA one token row a program, a third LoRA "
-              "graph per bucket (kernels/lora_rows.py; off: 16-row tiles only)")
+              "graph per bucket (slora_kernels/lora_rows.py; off: 16-row tiles only)")
     # H200, one adapter at batch 64: 0.951x vs 0.933x base (engine-speed-{pdl,nopdl}-dccb3ce).
     lora_pdl: bool | None = knob(
         None, "launch each LoRA expand as a programmatic dependent of its shrink, so it "

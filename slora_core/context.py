@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.lora_meta import LoraMeta
+from slora_kernels.lora_meta import LoraMeta
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class StepContext:
     # the others are skipped. None = all modules.
     lora_modules: frozenset[int] | None = None
     # EngineConfig.lora_pdl: each LoRA expand launched as a programmatic dependent of its
-    # shrink (Hopper+); None = the kernels' default (kernels.lora.LoraTiles.pdl).
+    # shrink (Hopper+); None = the kernels' default (slora_kernels.lora.LoraTiles.pdl).
     lora_pdl: bool | None = None
 
 

@@ -14,13 +14,13 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
 from slora_core.graph_buffers import BufferLayout, GraphBuffers
 from slora_core.model import LlamaForCausalLM
 from slora_core.step_inputs import StepInputs, TokenPatch, apply_patch
+from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 
 
 class ModelRunner(Protocol):

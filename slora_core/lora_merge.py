@@ -21,7 +21,7 @@ MAX_EXCEPTION_FRACTION of the merged elements (deltas as large as the weights) i
 the weights as they were, and not retried soon.
 
 On a GPU with 16-bit weights one Triton launch a module slice checks the round trip, one adds
-the delta and one takes it out (kernels.weight_merge: each reads the weights once and computes
+the delta and one takes it out (slora_kernels.weight_merge: each reads the weights once and computes
 the delta's tile in registers); elsewhere torch's float32 (float64 for float32 weights)
 passes over chunks of CHUNK_ROWS rows do the same arithmetic.
 
@@ -47,11 +47,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kernels import weight_merge
 from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.lora import LoraLinear
 from slora_core.step_inputs import StepInputs
+from slora_kernels import weight_merge
 
 # Steps in a row on one sole adapter before it is merged (the first wait; see the docstring).
 # Short: a burst's first steps are its prefills, the costliest ones unmerged (~6 ms each at
@@ -151,7 +151,7 @@ class SoleAdapterMerge:
         self.layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
         if not self.layers:
             raise ValueError("no LoRA-wrapped projections to merge into (wrap_lora first)")
-        # Merge, check and restore with one Triton launch a module slice (kernels.weight_merge)
+        # Merge, check and restore with one Triton launch a module slice (slora_kernels.weight_merge)
         # instead of torch's float32 passes over chunks of rows: the default for 16-bit
         # weights on a GPU.
         weight = self.layers[0].base.weight

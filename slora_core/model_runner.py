@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_meta import LoraMeta
 from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.config import EngineConfig, ModelConfig
@@ -29,6 +28,7 @@ from slora_core.step_inputs import (
     token_patch,
     unpack,
 )
+from slora_kernels.lora_meta import LoraMeta
 
 
 class ModelRunner:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_reference import paged_attention_reference, write_kv_reference
-from kernels.fused_reference import rms_norm_reference, rotary_reference, silu_mul_reference
-from kernels.lora_meta import LoraMeta
-from kernels.lora_reference import add_lora_reference
+from slora_kernels.attention_reference import paged_attention_reference, write_kv_reference
+from slora_kernels.fused_reference import rms_norm_reference, rotary_reference, silu_mul_reference
+from slora_kernels.lora_meta import LoraMeta
+from slora_kernels.lora_reference import add_lora_reference
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -23,7 +23,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> None:
     """k_cache/v_cache rows at slot_mapping (>= 0) = k/v (see `write_kv_reference`)."""
     if _use_triton(k):
-        from kernels.write_kv import write_kv_triton
+        from slora_kernels.write_kv import write_kv_triton
 
         write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
     else:
@@ -37,7 +37,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal paged attention (see `paged_attention_reference`). On CUDA, `max_query_len=1`
     (a decode-only step) selects the context-split decode kernel; it must then be true."""
     if _use_triton(q):
-        from kernels.paged_attention import paged_attention_triton
+        from slora_kernels.paged_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens,
                                       query_starts, scale, max_query_len=max_query_len)
@@ -51,9 +51,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, arena: torch.Tensor, a_offsets: t
              meta: LoraMeta, *, max_rank: int | None = None, pdl: bool | None = None) -> None:
     """y += the multi-LoRA delta (see `add_lora_reference`). On CUDA, `max_rank` (a bound on
     every rank in the tables) spares the kernels a host sync that CUDA graphs forbid; `pdl`
-    overrides the kernels' programmatic dependent launch (`kernels.lora.LoraTiles.pdl`)."""
+    overrides the kernels' programmatic dependent launch (`slora_kernels.lora.LoraTiles.pdl`)."""
     if _use_triton(x):
-        from kernels.lora import add_lora_triton
+        from slora_kernels.lora import add_lora_triton
 
         add_lora_triton(y, x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
                         out_slices, meta, max_rank=max_rank, pdl=pdl)
@@ -66,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(norm(x), None), or with `residual`: residual += x in place, (norm(residual), residual)."""
     if _use_triton(x):
-        from kernels.rmsnorm import rms_norm_triton
+        from slora_kernels.rmsnorm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos/sin [T, D]."""
     if _use_triton(q):
-        from kernels.rotary import rotary_triton
+        from slora_kernels.rotary import rotary_triton
 
         rotary_triton(q, k, cos, sin)
     else:
@@ -85,7 +85,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> silu(gate) * up, [T, I]."""
     if _use_triton(gate_up):
-        from kernels.silu_mul import silu_mul_triton
+        from slora_kernels.silu_mul import silu_mul_triton
 
         return silu_mul_triton(gate_up)
     return silu_mul_reference(gate_up)

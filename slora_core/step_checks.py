@@ -23,12 +23,12 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from kernels.lora_meta import ROW_BLOCK_M
 from slora_core.arena import PageArena
 from slora_core.config import LORA_MODULES
 from slora_core.context import StepContext
 from slora_core.page_pool import PagePool
 from slora_core.scheduler import ScheduledSeq
+from slora_kernels.lora_meta import ROW_BLOCK_M
 
 ENABLED = os.environ.get("SLORA_CHECK_INDICES", "") not in ("", "0")
 

@@ -11,9 +11,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from kernels.lora_meta import lora_segments, lora_tiles, tile_rows
 from slora_core.scheduler import ScheduledSeq
 from slora_core.sequence import Sequence
+from slora_kernels.lora_meta import lora_segments, lora_tiles, tile_rows
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def test_ruff_is_clean():
 
 
 def test_mypy_on_the_engine_kernels_and_benchmarks():
-    res = run("mypy", "slora_core", "kernels", "bench", "devtools", "--ignore-missing-imports",
+    res = run("mypy", "slora_core", "slora_kernels", "bench", "devtools", "--ignore-missing-imports",
               "--cache-dir", str(ROOT / ".mypy_cache"))
     assert res.returncode == 0, res.stdout + res.stderr
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.lora_meta import LoraMeta
+from slora_kernels.lora_meta import LoraMeta
 
 # Compiled kernels on a GPU when TRITON_INTERPRET=0 is set there; the interpreter on the CPU
 # otherwise (conftest.py sets TRITON_INTERPRET=1 by default).

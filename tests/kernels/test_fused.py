@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_reference import rms_norm_reference, rotary_reference, silu_mul_reference
-from kernels.rmsnorm import rms_norm_triton
-from kernels.rotary import rotary_triton
-from kernels.silu_mul import silu_mul_triton
+from slora_kernels.fused_reference import rms_norm_reference, rotary_reference, silu_mul_reference
+from slora_kernels.rmsnorm import rms_norm_triton
+from slora_kernels.rotary import rotary_triton
+from slora_kernels.silu_mul import silu_mul_triton
 from tests.kernels.helpers import DEVICE, DTYPES, TOLERANCE, generator, randn, rel_err
 
 

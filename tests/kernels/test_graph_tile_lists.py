@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.lora import add_lora_triton
-from kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M
-from kernels.lora_reference import add_lora_reference
 from slora_core.config import EngineConfig
 from slora_core.cuda_graphs import ROW_GRAPH, DecodeGraphs
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 from slora_core.step_inputs import build_step_inputs
+from slora_kernels.lora import add_lora_triton
+from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M
+from slora_kernels.lora_reference import add_lora_reference
 from tests.kernels.helpers import rel_err
 
 QKV = (0, 1, 2)

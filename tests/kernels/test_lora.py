@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.lora import DECODE_TILES, PREFILL_TILES, add_lora_triton
-from kernels.lora_meta import ROW_BLOCK_M
-from kernels.lora_reference import add_lora_reference
-from kernels.lora_rows import RowTiles
-from kernels.lora_shrink import lora_shrink
+from slora_kernels.lora import DECODE_TILES, PREFILL_TILES, add_lora_triton
+from slora_kernels.lora_meta import ROW_BLOCK_M
+from slora_kernels.lora_reference import add_lora_reference
+from slora_kernels.lora_rows import RowTiles
+from slora_kernels.lora_shrink import lora_shrink
 from tests.kernels.helpers import (
     DEVICE,
     DTYPES,
@@ -188,7 +188,7 @@ def test_new_batch_shapes_compile_no_new_variant() -> None:
     compiled per choice: tokens grouped by adapter or interleaved (read through the sorted row
     list), and 16-row tiles or taller ones for segments past 16 rows (an interleaved batch of
     100 rows over 8 adapters sorts into such segments; H200, 4a1c7c8 and 8a01c2c)."""
-    from kernels.jit_stats import compiled_kernel_variants
+    from slora_kernels.jit_stats import compiled_kernel_variants
 
     for batch in (8, 255):  # short segments (16-row tiles), then long ones (taller tiles)
         warm = _decode_slots(batch, 8, seed=1)
@@ -233,7 +233,7 @@ def test_row_expand_wide_columns_from_a_row_count(dtype: torch.dtype, rows: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Launches of `wide_min_rows` rows or more run `wide_block_n` columns a program, fewer
     rows `block_n`; both cover slices whose widths are not multiples of either."""
-    import kernels.lora as lora
+    import slora_kernels.lora as lora
 
     widths: list[int] = []
     real = lora.rows_expand
@@ -278,7 +278,7 @@ def test_segments_and_tile_list() -> None:
     adapter shared by many decode rows is read once per tile, not once per row."""
     import numpy as np
 
-    from kernels.lora_meta import lora_segments, lora_tiles
+    from slora_kernels.lora_meta import lora_segments, lora_tiles
 
     slots = np.array([2, 2, 2, 2, 2, -1, -1, 0, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])
     starts, lens, seg_slots = lora_segments(slots)

@@ -14,11 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.lora import DECODE_TILES, add_lora_triton
-from kernels.lora_common import pdl_supported
-from kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M
-from kernels.lora_reference import add_lora_reference
-from kernels.lora_rows import RowTiles
+from slora_kernels.lora import DECODE_TILES, add_lora_triton
+from slora_kernels.lora_common import pdl_supported
+from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M
+from slora_kernels.lora_reference import add_lora_reference
+from slora_kernels.lora_rows import RowTiles
 from tests.kernels.helpers import (
     DEVICE,
     ON_GPU,

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-import kernels.lora
-from kernels.lora import DECODE_TILES, add_lora_triton, pick_split, split_cap
-from kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
-from kernels.lora_reference import add_lora_reference
-from kernels.lora_shrink import lora_shrink
+import slora_kernels.lora
+from slora_kernels.lora import DECODE_TILES, add_lora_triton, pick_split, split_cap
+from slora_kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
+from slora_kernels.lora_reference import add_lora_reference
+from slora_kernels.lora_shrink import lora_shrink
 from tests.kernels.helpers import (
     DEVICE,
     DTYPES,
@@ -145,7 +145,7 @@ def test_wave_split_keeps_short_launches_to_one_wave(monkeypatch: pytest.MonkeyP
     largest power of two that keeps tiles x splits within one program a multiprocessor (132 on
     the H200), whatever the module count; longer launches, narrower rank tiles, and tiles
     without the option keep four programs a multiprocessor."""
-    monkeypatch.setattr(kernels.lora, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(slora_kernels.lora, "_num_sms", lambda device: 132)
     wave = dataclasses.replace(DECODE_TILES, wave_split=True)
     old = dataclasses.replace(DECODE_TILES, wave_split=False)
     assert DECODE_TILES.wave_split  # the default

@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
-from kernels.attention_reference import paged_attention_reference
-from kernels.lora import add_lora_triton
-from kernels.lora_reference import add_lora_reference
-from kernels.paged_attention import paged_attention_triton
-from kernels.rmsnorm import rms_norm_triton
-from kernels.rotary import rotary_triton
-from kernels.silu_mul import silu_mul_triton
+from slora_kernels.attention_reference import paged_attention_reference
+from slora_kernels.lora import add_lora_triton
+from slora_kernels.lora_reference import add_lora_reference
+from slora_kernels.paged_attention import paged_attention_triton
+from slora_kernels.rmsnorm import rms_norm_triton
+from slora_kernels.rotary import rotary_triton
+from slora_kernels.silu_mul import silu_mul_triton
 from tests.kernels.helpers import DEVICE, DTYPES, TOLERANCE, build_lora_case, generator, randn
 from tests.kernels.helpers import rel_err as _rel_err
 from tests.kernels.test_paged_attention import build_case

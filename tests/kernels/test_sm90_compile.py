@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import json, re, sys
 from bench.kernel_compile_cost import compile_cost
-from kernels import lora_expand, lora_shrink
+from slora_kernels import lora_expand, lora_shrink
 common = {"MAX_RANK": 64, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64,
           "RANK_BUCKETS": True, "GATHER_ROWS": sys.argv[2] == "1"}
 if sys.argv[1] == "shrink":

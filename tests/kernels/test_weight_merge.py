@@ -1,4 +1,4 @@
-"""The sole-adapter merge's kernel (`kernels.weight_merge`): ADD rounds w + scale * B @ A once
+"""The sole-adapter merge's kernel (`slora_kernels.weight_merge`): ADD rounds w + scale * B @ A once
 (checked against float64), the CHECK collects exactly the elements a SUBTRACT after the ADD
 does not give back (positions and original values, counted past a full buffer), and the
 SUBTRACT plus those kept values restores w bit for bit."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.jit_stats import compiled_kernel_variants
-from kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta, warm_up
+from slora_kernels.jit_stats import compiled_kernel_variants
+from slora_kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta, warm_up
 from tests.kernels.helpers import ON_GPU, generator, randn
 
 # 16-bit weights only; the interpreter computes bf16 wrongly, so bf16 runs on the GPU only.

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.lora_meta import lora_segments
 from slora_core import lora_merge
 from slora_core.config import ConfigError, EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.lora_merge import MERGE_AFTER_STEPS, sole_slot
 from slora_core.sampling_params import SamplingParams
 from slora_core.step_inputs import StepInputs
+from slora_kernels.lora_meta import lora_segments
 from tests.slora_core.test_engine import hf_greedy
 
 NEW_TOKENS = 24
@@ -156,7 +156,7 @@ def test_16_bit_weights_come_back_bit_for_bit_after_merge_cycles(demo_dir, tmp_p
     """Adapters with deltas ~1/16 of the demo's (nearer trained ones): merged within the
     budget, the weights exact after each of three merge/restore cycles (on CUDA too: the
     restore needs the delta's GEMM to give the same bits twice there), by torch's passes
-    over row chunks and by the fused kernel (kernels.weight_merge, the default on CUDA; on
+    over row chunks and by the fused kernel (slora_kernels.weight_merge, the default on CUDA; on
     the CPU under Triton's interpreter, fp16 only: it computes bf16 wrongly)."""
     if fused and device == "cpu" and (dtype == "bfloat16"
                                       or os.environ.get("TRITON_INTERPRET") != "1"):

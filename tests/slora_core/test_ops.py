@@ -9,17 +9,17 @@ import sys
 import pytest
 import torch
 
-from kernels.attention_reference import paged_attention_reference
-from kernels.lora_meta import LoraMeta
-from kernels.lora_reference import add_lora_reference
 from slora_core import ops
+from slora_kernels.attention_reference import paged_attention_reference
+from slora_kernels.lora_meta import LoraMeta
+from slora_kernels.lora_reference import add_lora_reference
 
 
 def test_cpu_processes_never_import_triton() -> None:
     code = (
         "import sys, torch\n"
         "from slora_core import ops\n"
-        "from kernels.lora_meta import LoraMeta\n"
+        "from slora_kernels.lora_meta import LoraMeta\n"
         "y = torch.zeros(1, 4); x = torch.ones(1, 4); t = torch.zeros(1, 7, dtype=torch.int64)\n"
         "ops.add_lora(y, x, torch.zeros(8), t, t, t.int(), t.float(), (0,), ((0, 4),),\n"
         "             LoraMeta.from_token_slots([0]))\n"
@@ -62,7 +62,7 @@ def test_cuda_tensors_take_the_triton_kernels() -> None:
     add_lora_reference(y_ref, cpu[0].double(), cpu[1].double(), *cpu[2:],
                        LoraMeta.from_token_slots([1, -1, 1]))
     assert torch.allclose(args[0].cpu().double(), y_ref, atol=2e-2)
-    assert "kernels.lora" in sys.modules
+    assert "slora_kernels.lora" in sys.modules
 
     q = torch.randn(2, 4, 32, device="cuda", dtype=torch.float16)
     k_cache = torch.randn(3, 8, 2, 32, device="cuda", dtype=torch.float16)

@@ -14,7 +14,7 @@ def compiled_kernel_variants() -> int:
     seen: set[int] = set()
     total = 0
     for name, module in list(sys.modules.items()):
-        if name != "kernels" and not name.startswith("kernels."):
+        if name != "slora_kernels" and not name.startswith("slora_kernels."):
             continue
         for obj in list(vars(module).values()):
             if not isinstance(obj, triton.runtime.JITFunction) or id(obj) in seen:

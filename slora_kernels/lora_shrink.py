@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_common import (
+from slora_kernels.lora_common import (
     MAX_MODULES_PER_LAUNCH,
     check_buf,
     check_tables,
@@ -31,7 +31,7 @@ from kernels.lora_common import (
     segment_rows,
     select3,
 )
-from kernels.lora_meta import LoraMeta
+from slora_kernels.lora_meta import LoraMeta
 
 
 @triton.jit

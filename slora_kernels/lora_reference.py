@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_meta import LoraMeta
+from slora_kernels.lora_meta import LoraMeta
 
 
 def add_lora_reference(

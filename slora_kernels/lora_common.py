@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import LoraMeta
+from slora_kernels.lora_meta import LoraMeta
 
 # The kernels take module ids and output slices as scalar arguments (no per-call host-to-device
 # copy, so launches can be captured in CUDA graphs); three covers q,k,v and gate,up.

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_common import (
+from slora_kernels.lora_common import (
     MAX_MODULES_PER_LAUNCH,
     check_buf,
     check_scales,
@@ -32,7 +32,7 @@ from kernels.lora_common import (
     select3,
     wait_for_producer,
 )
-from kernels.lora_meta import LoraMeta
+from slora_kernels.lora_meta import LoraMeta
 
 
 @triton.jit
@@ -176,7 +176,7 @@ def lora_expand(
     """Add the expand of `buf` into y's column slices (see module docstring). `early_loads`:
     the y and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`):
     launched as a programmatic dependent of the shrink before it, which must write nothing
-    else this reads (kernels.lora.LoraTiles.pdl)."""
+    else this reads (slora_kernels.lora.LoraTiles.pdl)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:

@@ -9,7 +9,7 @@ of each token directly (`LoraMeta.token_slots`), two dependent loads deep, and m
 in registers (products of 16-bit values are exact in float32, sums in float32, like the dots'
 accumulators). Rows that share an adapter re-read it, mostly from the L2.
 
-Same semantics as `kernels.lora_reference.add_lora_reference` (the segment tables are not
+Same semantics as `slora_kernels.lora_reference.add_lora_reference` (the segment tables are not
 read: only `token_slots`, so the row order does not matter):
 
     shrink: buf[j, t, i, :r] = x[t, K-chunk j] @ A[:r, K-chunk j].T            (float32)
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_common import (
+from slora_kernels.lora_common import (
     MAX_MODULES_PER_LAUNCH,
     check_buf,
     check_scales,
@@ -68,7 +68,7 @@ class RowTiles:
     # 29.4) (lora-rows-sweep-pdl-59cd9b2-h200.json). 128 rows were not measured.
     wide_block_n: int = 512
     wide_min_rows: int = 256
-    # Programmatic dependent launch (Hopper+; see `kernels.lora.LoraTiles.pdl`): 1-2.5 us a
+    # Programmatic dependent launch (Hopper+; see `slora_kernels.lora.LoraTiles.pdl`): 1-2.5 us a
     # launch on the H200 (r16 B64 U64 12.7 -> 10.5 us, lora-grid-pdl-dccb3ce-h200.json).
     pdl: bool = True
 
@@ -277,7 +277,7 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
     `sub_tile` > 0 caps a rank bucket's register tile at that many elements: its `block_n`
     columns are then looped sub_tile // rank tile at a time (0: one tile of block_n). `pdl`
     (where `pdl_supported`): launched as a programmatic dependent of the shrink before it,
-    which must write nothing else this reads (kernels.lora.LoraTiles.pdl)."""
+    which must write nothing else this reads (slora_kernels.lora.LoraTiles.pdl)."""
     split_k, num_rows, num_mods, max_rank = buf.shape
     check_buf(buf, y.shape[0], len(module_ids), f"y {tuple(y.shape)}")
     if num_mods > MAX_MODULES_PER_LAUNCH:

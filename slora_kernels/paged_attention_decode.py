@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-MERGE_SPLITS_PAD = 64  # kernels.paged_attention.MAX_SPLITS
+MERGE_SPLITS_PAD = 64  # slora_kernels.paged_attention.MAX_SPLITS
 
 
 # The split count and the block-table width change from step to step: runtime values that

@@ -1,6 +1,6 @@
 """`add_lora_triton`: the multi-LoRA delta as a shrink and an expand launch per module group.
 
-Same signature and semantics as `kernels.lora_reference.add_lora_reference` (y += the delta of
+Same signature and semantics as `slora_kernels.lora_reference.add_lora_reference` (y += the delta of
 x for every adapter segment, several modules in one launch, output added in place into y's
 column slices), plus keyword-only tuning knobs. The float32 intermediate holds x @ A.T for each
 token and module, split along K when there are too few segments to fill the GPU.
@@ -14,11 +14,11 @@ from functools import lru_cache
 import torch
 import triton
 
-from kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows, pdl_supported
-from kernels.lora_expand import lora_expand
-from kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
-from kernels.lora_rows import RowTiles, rows_expand, rows_shrink
-from kernels.lora_shrink import lora_shrink
+from slora_kernels.lora_common import MAX_MODULES_PER_LAUNCH, check_rows, pdl_supported
+from slora_kernels.lora_expand import lora_expand
+from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
+from slora_kernels.lora_rows import RowTiles, rows_expand, rows_shrink
+from slora_kernels.lora_shrink import lora_shrink
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def add_lora_triton(
     `max_rank` must bound every rank in the tables (the engine's `max_rank`); without it the
     launcher reads `ranks.max()`, a host sync that CUDA-graph capture forbids. `split_k` and
     `tiles` override the tuned choices (tests use them to reach every code path). A meta
-    built for `ROW_BLOCK_M` runs the row kernels (`kernels.lora_rows`) over its token slots.
+    built for `ROW_BLOCK_M` runs the row kernels (`slora_kernels.lora_rows`) over its token slots.
     `pdl` overrides the tiles' programmatic dependent launch (used only where supported).
     """
     if len(module_ids) != len(out_slices):

@@ -15,7 +15,7 @@ import torch
 # tiles, longer segments (prefill) 64-row ones. The tile list is built for one of these.
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 64
-# A meta built for one-row tiles runs the row kernels (`kernels.lora_rows`): each token reads
+# A meta built for one-row tiles runs the row kernels (`slora_kernels.lora_rows`): each token reads
 # its own adapter through `token_slots`, with no tile list (decode steps of many adapters).
 ROW_BLOCK_M = 1
 

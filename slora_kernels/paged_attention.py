@@ -14,8 +14,8 @@ from functools import lru_cache
 import torch
 import triton
 
-from kernels.paged_attention_decode import paged_attention_decode
-from kernels.paged_attention_prefill import paged_attention_prefill
+from slora_kernels.paged_attention_decode import paged_attention_decode
+from slora_kernels.paged_attention_prefill import paged_attention_prefill
 
 
 @dataclass(frozen=True)
