@@ -166,13 +166,20 @@ class ChoiceState:
 
 
 def usage_json(choices: list[ChoiceState], per_prompt: int, generated: bool = True,
-               ) -> dict[str, int]:
-    """OpenAI counts a prompt once however many samples it had."""
-    prompt = sum(_prompt_tokens(c) for c in choices if c.index % per_prompt == 0)
+               ) -> dict[str, Any]:
+    """OpenAI counts a prompt once however many samples it had. The prefix cache's share of
+    the prompt (`prompt_tokens_details.cached_tokens`) comes with each choice's end, so it is
+    left out while some counted choice is still running (continuous usage stats)."""
+    firsts = [c for c in choices if c.index % per_prompt == 0]
+    prompt = sum(_prompt_tokens(c) for c in firsts)
     completion = sum(c.complete.usage.completion_tokens if c.complete is not None
                      else c.completion_tokens for c in choices) if generated else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    if all(c.complete is not None for c in firsts):
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(
+            c.complete.usage.cached_tokens for c in firsts if c.complete is not None)}
+    return usage
 
 
 def _prompt_tokens(c: ChoiceState) -> int:

@@ -40,7 +40,8 @@ STOP_TIMEOUT_S = 10.0
 class TokenStream:
     """One request's tokens as they arrive from the core; `finish` is set once, last."""
 
-    __slots__ = ("token_ids", "logprobs", "top", "finish", "submitted", "event", "prompt")
+    __slots__ = ("token_ids", "logprobs", "top", "finish", "submitted", "event", "prompt",
+                 "cached_tokens")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -51,6 +52,7 @@ class TokenStream:
         self.prompt: list[tuple[int, float, list[tuple[int, float]]]] = []
         self.submitted = time.monotonic()
         self.event = asyncio.Event()
+        self.cached_tokens = 0  # prompt tokens the core's prefix cache served (StepOutput.cached)
 
     def take(self) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
         """Everything that arrived since the last take."""
@@ -225,6 +227,10 @@ class CoreClient:
             if tops is not None:
                 s.top.append(tops[i])
             woken.add(rid)
+        for rid, n in out.cached:
+            s = streams.get(rid)
+            if s is not None:
+                s.cached_tokens = n
         for scores in out.prompt:
             s = streams.get(scores.rid)
             if s is not None:

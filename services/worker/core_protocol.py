@@ -106,6 +106,10 @@ class EngineState(msgspec.Struct, array_like=True):
     # Adapters warm in host memory or arena pages; taken at most every WARM_EVERY_S (None in
     # between: unchanged), so heartbeats never wait for the core.
     warm_adapters: list[str] | None = None
+    # Prefix caching since the core started, in prompt tokens (vLLM's vllm:prefix_cache_queries
+    # and _hits): tokens looked up when requests were admitted, and those found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class PromptScores(msgspec.Struct, array_like=True):
@@ -123,7 +127,9 @@ class StepOutput(msgspec.Struct, tag=True, array_like=True):
     """Everything one engine step produced. Token i belongs to request `rids[i]` (a request
     appears once per new token, in order); `logprobs[i]` is its log-probability; `top[i]` its
     top alternatives as [id, logprob] pairs, present only when some request asked for them.
-    `started` lists requests that were scheduled for the first time (queue time ends)."""
+    `started` lists requests that were scheduled for the first time (queue time ends).
+    `cached` gives (rid, prompt tokens served from the prefix cache) with each request's first
+    tokens, when some were cached (RequestOutput.cached_tokens; fixed at first scheduling)."""
 
     rids: list[int]
     token_ids: list[int]
@@ -133,6 +139,7 @@ class StepOutput(msgspec.Struct, tag=True, array_like=True):
     started: list[int]
     state: EngineState
     prompt: list[PromptScores] = []  # prompt logprobs this step computed (prefill chunks)
+    cached: list[tuple[int, int]] = []
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):

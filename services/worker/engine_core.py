@@ -211,6 +211,7 @@ class EngineCore:
         token_ids: list[int] = []
         logprobs: list[float] = []
         tops: list[list[tuple[int, float]]] = []
+        cached: list[tuple[int, int]] = []
         any_top = False
         finished, self._failed = self._failed, []
         for out in outs:
@@ -221,6 +222,11 @@ class EngineCore:
                 logprobs.append(lp.logprob)
                 tops.append(list(lp.top_logprobs))
                 any_top = any_top or bool(lp.top_logprobs)
+            # Sent once, with the request's first tokens: the front needs it before any stop
+            # string it matches ends the request there.
+            if out.cached_tokens and out.token_ids and out.completion_tokens == len(
+                    out.token_ids):
+                cached.append((rid, out.cached_tokens))
             if out.finished:
                 self._unstarted.discard(rid)
                 finished.append(finish_of(rid, out))
@@ -228,11 +234,10 @@ class EngineCore:
         started = [r for r in self._unstarted if self.engine.request_started(str(r))]
         self._unstarted.difference_update(started)
         return m.StepOutput(rids, token_ids, logprobs, tops if any_top else None, finished,
-                            started, self._state(), prompt)
+                            started, self._state(), prompt, cached)
 
     def _state(self) -> m.EngineState:
-        # vars(): a shallow view of the snapshot (asdict would deep-copy its lists every step).
-        state = m.EngineState(**vars(self.engine.state_snapshot()))
+        state = self._snapshot()
         self._last_state = state
         now = time.monotonic()
         if now - self._warm_at >= WARM_EVERY_S:
@@ -240,9 +245,16 @@ class EngineCore:
         return state
 
     def _state_changed(self) -> bool:
-        now = m.EngineState(**vars(self.engine.state_snapshot()))
+        now = self._snapshot()
         stale = time.monotonic() - self._warm_at >= WARM_EVERY_S
         return stale or now != self._last_state
+
+    def _snapshot(self) -> m.EngineState:
+        stats = self.engine.stats
+        # vars(): a shallow view of the snapshot (asdict would deep-copy its lists every step).
+        return m.EngineState(**vars(self.engine.state_snapshot()),
+                             prefix_cache_queries=stats.prefix_cache_queries,
+                             prefix_cache_hits=stats.prefix_cache_hits)
 
 
 def prompt_scores(engine: object) -> list[m.PromptScores]:

@@ -76,7 +76,9 @@ def publish_state(metrics: WorkerMetrics, out: m.StepOutput) -> None:
     metrics.set_engine_state(running=st.running, waiting=st.waiting, kv_pages=st.kv_pages,
                              adapter_pages=st.adapter_pages, free_pages=st.free_pages,
                              loads=st.adapter_loads, evictions=st.adapter_evictions,
-                             merges=st.adapter_merges, merged_steps=st.merged_steps)
+                             merges=st.adapter_merges, merged_steps=st.merged_steps,
+                             prefix_queries=st.prefix_cache_queries,
+                             prefix_hits=st.prefix_cache_hits)
 
 
 async def serve_worker(opts: WorkerOptions) -> int:

@@ -64,6 +64,12 @@ class WorkerMetrics:
                                               registry=r)
         self.vllm_success = Counter("vllm:request_success", "Requests finished",
                                     registry=r)
+        # Prefix caching in prompt tokens, as vLLM counts it (hit rate = hits / queries).
+        self.vllm_prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+            registry=r)
+        self.vllm_prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         # Per-version evidence, cumulative since the worker started (the control plane takes
         # differences); ("", "") is the base model.
         self.counters: dict[VersionKey, Evidence] = {}
@@ -71,6 +77,8 @@ class WorkerMetrics:
         self._last_evictions = 0
         self._last_merges = 0
         self._last_merged_steps = 0
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
 
     def add_vllm_gauges(self, collector: Collector) -> None:
         """Serve vLLM's router-facing gauges (`vllm_metrics.VllmCollector`) here too."""
@@ -119,7 +127,8 @@ class WorkerMetrics:
 
     def set_engine_state(self, running: int, waiting: int, kv_pages: int, adapter_pages: int,
                          free_pages: int, loads: int, evictions: int, merges: int = 0,
-                         merged_steps: int = 0) -> None:
+                         merged_steps: int = 0, prefix_queries: int = 0,
+                         prefix_hits: int = 0) -> None:
         """Called from the engine thread after each step (prometheus metrics are thread-safe)."""
         self.running.set(running)
         self.waiting.set(waiting)
@@ -132,3 +141,7 @@ class WorkerMetrics:
         self.merged_steps.inc(merged_steps - self._last_merged_steps)
         self._last_loads, self._last_evictions = loads, evictions
         self._last_merges, self._last_merged_steps = merges, merged_steps
+        # The core's totals since it started; a counter takes what is new since the last step.
+        self.vllm_prefix_queries.inc(prefix_queries - self._last_prefix_queries)
+        self.vllm_prefix_hits.inc(prefix_hits - self._last_prefix_hits)
+        self._last_prefix_queries, self._last_prefix_hits = prefix_queries, prefix_hits

@@ -273,8 +273,11 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                     yield pb.GenerateResponse(chunk=chunk)
                 if finish is not None:
                     self._record_finish(key, start, first, stream.completion_tokens, nonfinite)
+                    # A resumed stream's engine prompt also held the tokens replayed after
+                    # the client's prompt: only the client's prompt counts as cached.
                     yield self._complete(finish.reason, len(ids), stream.completion_tokens,
-                                         key, request.request_id)
+                                         key, request.request_id,
+                                         min(tokens.cached_tokens, len(ids)))
                     return
         finally:
             # Cancelled call, expired deadline, a failed write or a stop string: free the
@@ -299,10 +302,12 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         self.metrics.record_finish(key, ttft, now - start, tokens, nonfinite)
 
     def _complete(self, reason: str, prompt_tokens: int, completion_tokens: int,
-                  key: VersionKey, request_id: str) -> pb.GenerateResponse:
+                  key: VersionKey, request_id: str, cached_tokens: int = 0,
+                  ) -> pb.GenerateResponse:
         return pb.GenerateResponse(complete=pb.Complete(
             request_id=request_id, finish_reason=reason,
-            usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           cached_tokens=cached_tokens),
             served_by=pb.ServedBy(adapter_id=key[0], adapter_version=key[1],
                                   worker_id=self.worker_id),
         ))

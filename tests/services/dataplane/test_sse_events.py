@@ -89,4 +89,5 @@ def test_the_end_of_a_stream_is_one_write() -> None:
     assert parsed(events[0] + b"\n\n")["choices"][0] == {
         "index": 1, "logprobs": None, "finish_reason": "length", "text": ""}
     assert parsed(events[1] + b"\n\n")["usage"] == {"prompt_tokens": 3, "completion_tokens": 3,
-                                                     "total_tokens": 6}
+                                                     "total_tokens": 6,
+                                                     "prompt_tokens_details": {"cached_tokens": 0}}
