@@ -17,11 +17,15 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.demo_stack import Stack, StackConfig, publish_demo_adapters, wait_until_routable
 from services.common.processes import free_port, wait_serving
 from services.control_plane.api.client import AdminClient
 from services.gateway.openai_responses import ChoiceState, usage_json
+from services.worker.main import publish_state
+from services.worker.metrics import WorkerMetrics
 from slora.v1 import inference_pb2 as pb
 from tests.services.dataplane.dp_support import generate, scrape
 
@@ -154,3 +158,53 @@ def test_a_conversations_later_turns_report_cached_prompt_tokens(running: Runnin
     after = scrape(running.metrics[w])
     assert after["vllm:prefix_cache_hits_total"] > hits_before[w]
     assert after["vllm:prefix_cache_queries_total"] >= after["vllm:prefix_cache_hits_total"]
+
+
+def test_the_core_sends_cached_tokens_once_and_the_front_keeps_them(
+        demo_dir: Path, tmp_path: Path) -> None:
+    """A real engine behind the engine-core loop (no process): the first request of a prompt
+    reports none cached, a second of the same prompt its whole pages, once, with its first
+    tokens; the state carries the engine's lookups and hits; the front's stream keeps it."""
+    from services.worker import core_protocol as m
+    from services.worker.core_client import CoreClient, TokenStream
+    from services.worker.engine_core import EngineCore
+    from slora_core.config import EngineConfig
+    from slora_core.engine import LLMEngine
+    from slora_core.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        num_pages=64, block_size=16, max_rank=16))
+    core = EngineCore(engine, outputs=None, parent_pid=0)  # type: ignore[arg-type]
+    sampling = m.SamplingMsg.of(SamplingParams(max_new_tokens=3, temperature=0.0))
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]  # two whole 16-token pages and a tail
+
+    def serve(rid: int) -> list[m.StepOutput]:
+        core._add(m.AddRequest(rid, prompt, sampling))
+        outs = []
+        while engine.has_unfinished():
+            outs.append(core._step_output(engine.step()))
+        return outs
+
+    first, second = serve(1), serve(2)
+    assert [c for out in first for c in out.cached] == []
+    assert [c for out in second for c in out.cached] == [(2, 32)]
+    assert second[-1].state.prefix_cache_hits == 32
+    assert second[-1].state.prefix_cache_queries >= 2 * len(prompt)
+    client = CoreClient(demo_dir / "model", EngineConfig())
+    try:
+        stream = client.streams[2] = TokenStream()
+        for out in second:
+            client._dispatch(out)
+    finally:
+        client._ctx.term()
+        client._sync_ctx.term()
+        client._dir.cleanup()
+    assert stream.cached_tokens == 32 and stream.finish is not None
+    metrics = WorkerMetrics()
+    for out in (*first, *second):
+        publish_state(metrics, out)
+    totals = {s.name: s.value for f in text_string_to_metric_families(
+        generate_latest(metrics.registry).decode()) for s in f.samples
+        if s.name.startswith("vllm:prefix") and s.name.endswith("_total")}
+    assert totals == {"vllm:prefix_cache_queries_total": second[-1].state.prefix_cache_queries,
+                      "vllm:prefix_cache_hits_total": 32}
