@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         result["unshared"][arm] = run_unshared(engine, args, cfg.vocab_size, f"unshared {arm}")
         print(json.dumps({arm: {k: result["chat"][arm][k] for k in (
             "ttft_s", "output_tok_per_s", "hit_rate", "evictions")}}), file=sys.stderr)
+        del engine  # else this name keeps the arm's arena alive while the next is built
     engines.release()
     chat, un = result["chat"], result["unshared"]
     result["ratios"] = ratios(chat["cache_on"], chat["cache_off"])
