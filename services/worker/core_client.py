@@ -89,7 +89,7 @@ class CoreClient:
                  on_started: Callable[[float], None] = lambda _queued_s: None,
                  step_delay_s: float = 0.0, compile_cache_dir: Path | None = None,
                  on_startup: Callable[[m.StartupUpdate], None] = lambda _update: None,
-                 graphs_in_background: bool = True) -> None:
+                 graphs_in_background: bool = False) -> None:
         self.model_dir = model_dir
         self.config = config
         self.compile_cache_dir = compile_cache_dir  # startup.compile_cache_root; None: none

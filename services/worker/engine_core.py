@@ -58,7 +58,7 @@ class CoreSpec:
     spawned_at: float = 0.0  # time.time() when the front spawned this process (profile)
     # CUDA graphs captured between steps once the core serves (eagerly where a graph is
     # missing); False: every graph before Ready.
-    graphs_in_background: bool = True
+    graphs_in_background: bool = False
 
 
 def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:

@@ -54,7 +54,7 @@ class WorkerOptions:
     compile_cache_dir: Path | None = None  # compiled kernels; None: <cache_dir>/.compiled
     # CUDA graphs captured while the worker already serves (eagerly where one is missing);
     # False: all of them before it reports ready.
-    graphs_in_background: bool = True
+    graphs_in_background: bool = False
 
 
 def advertised_address(listen: str, port: int) -> str:
