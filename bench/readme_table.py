@@ -33,6 +33,8 @@ HEADLINES = (
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA r16 B256 U256, graph replay", "lora-grid-h200.json"),
     ("| decode LoRA r64 B256 U1, graph replay", "lora-grid-h200.json"),
+    ("| prefix cache on vs off, multi-turn chat", "prefix-cache-h200.json"),
+    ("| half the streams JSON-schema constrained", "structured-output-h200.json"),
 )
 PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway": "client -> gateway -> worker, gRPC",
@@ -207,6 +209,33 @@ def grid_rows(result: dict[str, Any], source: str) -> list[str]:
     return rows
 
 
+def prefix_rows(result: dict[str, Any], source: str) -> list[str]:
+    r, chat, un = result["ratios"], result["chat"], result["unshared"]
+    on, off = chat["cache_on"], chat["cache_off"]
+    w = result["workload"]
+    return [
+        f"| prefix cache on vs off, multi-turn chat ({w['conversations']} conversations x "
+        f"{w['turns']} turns, {w['system_tokens']}-token system prompt, {w['adapters']} adapters)"
+        f" | TTFT p50 {off['ttft_s']['p50'] * 1e3:.0f} -> {on['ttft_s']['p50'] * 1e3:.0f} ms "
+        f"({r['ttft_p50_off_over_on']:.2f}x lower), throughput "
+        f"{r['output_throughput_on_over_off']:.2f}x, hit rate {on['hit_rate']:.2f}, evictions "
+        f"{on['evictions']['prefix_pages']} prefix pages / {on['evictions']['adapters']} adapters "
+        f"| 3x, 1.5x | {source} |",
+        f"| prefix cache on vs off, no shared prefix | throughput "
+        f"{r['unshared_throughput_on_over_off']:.3f}x; evictions "
+        f"{un['cache_on']['evictions']['prefix_pages']} prefix pages / "
+        f"{un['cache_on']['evictions']['adapters']} adapters | 0.99x | {source} |"]
+
+
+def structured_rows(result: dict[str, Any], source: str) -> list[str]:
+    c = result["grammar_compile_ms"]
+    streams = result["args"]["streams"]
+    return [f"| half the streams JSON-schema constrained, mixed adapters, {streams} streams, vs none "
+            f"constrained | {result['ratio_median']:.3f}x throughput (cost "
+            f"{result['throughput_cost'] * 100:.1f}%); grammar compile p50 {c['p50']:.1f} ms, "
+            f"p99 {c['p99']:.0f} ms | cost <= 5% | {source} |"]
+
+
 def table() -> str:
     return "\n".join([BEGIN, *rows(), END])
 
@@ -280,7 +309,9 @@ def rows() -> list[str]:
             if name == "churn-rate50-4a1c7c8-h200.json":
                 churn = [row for row in churn if "alpha 0.5" in row]
             lines += churn if name != "churn-disk-h200.json" else churn[-1:]
-    for name, make in (("cold-load-h200.json", cold_rows), ("lora-grid-h200.json", grid_rows)):
+    for name, make in (("cold-load-h200.json", cold_rows), ("lora-grid-h200.json", grid_rows),
+                       ("prefix-cache-h200.json", prefix_rows),
+                       ("structured-output-h200.json", structured_rows)):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
