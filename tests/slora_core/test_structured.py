@@ -3,6 +3,7 @@ fallback), the cache, the time limit, the batched mask in the sampler."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 from pathlib import Path
@@ -238,7 +239,8 @@ def test_no_surrogate_after_an_ed_lead_byte(backend: GrammarBackend, tokenizer: 
     from bench.structured_output import _bytes_to_unicode
 
     char = _bytes_to_unicode()
-    ids = {b: tokenizer.token_to_id(char[b]) for b in (0xED, 0x80, 0x9F, 0xA0, 0xAE, 0xBF)}
+    ids = {b: t for b in (0xED, 0x80, 0x9F, 0xA0, 0xAE, 0xBF)
+           if (t := tokenizer.token_to_id(char[b])) is not None}
     grammars = GrammarRequests(backend, VOCAB)
     grammars.submit("s", StructuredOutput.json_schema({"type": "string", "maxLength": 10}))
     _ready(grammars)
@@ -249,6 +251,46 @@ def test_no_surrogate_after_an_ed_lead_byte(backend: GrammarBackend, tokenizer: 
     allowed = allowed_tokens(mask.bitmask, VOCAB)[0]
     assert allowed[ids[0x80]] and allowed[ids[0x9F]]
     assert not any(allowed[ids[b]] for b in (0xA0, 0xAE, 0xBF))
+
+
+def test_max_length_string_bytes_stay_utf8_within_the_limit(backend: GrammarBackend,
+                                                             tokenizer: Tokenizer) -> None:
+    """Every byte the masks allow inside a maxLength string keeps it valid UTF-8, and one
+    character fills a maxLength 1 string. xgrammar 0.2.9 alone lets ED continue with A0-BF (a
+    surrogate: three U+FFFD once decoded): without the guard the whole-corpus engine test fails
+    on maxLength (invoice_optional, seed 1). Walks every lead byte, then the edges of each
+    continuation range the mask allows."""
+    from bench.structured_output import _bytes_to_unicode
+
+    byte_token = {b: t for b, c in _bytes_to_unicode().items()
+                  if (t := tokenizer.token_to_id(c)) is not None}
+    assert len(byte_token) == 256
+    grammar = backend.compile(StructuredOutput.json_schema({"type": "string", "maxLength": 1}))
+    row = torch.empty(1, backend.bitmask_width, dtype=torch.int32)
+
+    def allowed(body: bytes) -> list[int]:
+        matcher = grammar.matcher()
+        for b in b'"' + body:
+            assert matcher.accept(byte_token[b]), body
+        matcher.fill(row, 0)
+        ok = allowed_tokens(row, VOCAB)[0]
+        return sorted(b for b, t in byte_token.items() if ok[t])
+
+    paths, walked = [b""], 0
+    while paths:
+        body = paths.pop()
+        walked += 1
+        nxt = allowed(body)
+        for b in nxt:  # raises on a byte that makes the text invalid UTF-8
+            codecs.getincrementaldecoder("utf-8")().decode(body + bytes([b]), final=False)
+        if body and codecs.getincrementaldecoder("utf-8")().decode(body, final=False):
+            assert nxt == [ord('"')] and len(body.decode()) == 1, body
+            continue
+        cont = [b for b in nxt if 0x80 <= b <= 0xBF]
+        paths += [body + bytes([b]) for b in {*cont[:1], *cont[-1:]}]
+        if not body:
+            paths += [bytes([b]) for b in nxt if b >= 0xC0]
+    assert walked > 200
 
 
 def test_batched_fill_equals_one_row_at_a_time(backend: GrammarBackend) -> None:
