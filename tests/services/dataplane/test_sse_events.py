@@ -11,7 +11,7 @@ from typing import Any
 
 from services.gateway.http_api import HttpApi
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.openai_responses import DONE, ChoiceState, Header, StreamEvents
+from services.gateway.openai_responses import DONE, ChoiceState, Header, Shape, StreamEvents
 from slora.v1 import inference_pb2 as pb
 
 HEADER = {"id": "cmpl-1", "created": 7, "model": "m", "system_fingerprint": "a@v1"}
@@ -33,7 +33,7 @@ def parsed(event: bytes) -> dict[str, Any]:
 
 def test_completion_events() -> None:
     header = Header("completion", "cmpl-1", "m", "a@v1", created=7)
-    events = StreamEvents(header, with_logprobs=False, include_usage=True)
+    events = StreamEvents(header, Shape(), include_usage=True)
     c = ChoiceState(0)
     first = parsed(events.chunk(c, chunk("héllo \"x\"")))
     assert first == {**HEADER, "object": "text_completion", "usage": None, "choices": [
@@ -45,7 +45,7 @@ def test_completion_events() -> None:
 
 def test_chat_events_carry_the_role_first_and_no_usage_key_unless_asked() -> None:
     header = Header("chat", "chatcmpl-1", "m", "a@v1", created=7)
-    events = StreamEvents(header, with_logprobs=False, include_usage=False)
+    events = StreamEvents(header, Shape(), include_usage=False)
     c = ChoiceState(1)
     first = parsed(events.chunk(c, chunk("hi")))
     assert first == {**HEADER, "id": "chatcmpl-1", "object": "chat.completion.chunk",
@@ -75,7 +75,7 @@ def test_the_end_of_a_stream_is_one_write() -> None:
     choices = [ChoiceState(0), ChoiceState(1)]
 
     async def run() -> list[bytes]:
-        stream = api._stream(fanout, StreamEvents(header, False, True),  # type: ignore[arg-type]
+        stream = api._stream(fanout, StreamEvents(header, Shape(), True),  # type: ignore[arg-type]
                              choices, 2, True)
         return [w async for w in stream]
 
