@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -70,6 +71,19 @@ def scrape(port: int) -> dict[str, float]:
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
+
+
+def scrape_when_idle(port: int, timeout_s: float) -> tuple[bool, dict[str, float]]:
+    """Scrape the worker until it runs and queues nothing and holds no KV pages, or until
+    `timeout_s`: (whether it got there, the last scrape)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = scrape(port)
+        idle = (m["slora_requests_running"], m["slora_requests_waiting"],
+                m['slora_arena_pages{kind="kv"}']) == (0, 0, 0)
+        if idle or time.monotonic() > deadline:
+            return idle, m
+        time.sleep(0.05)
 
 
 def routing_snapshot(cp_address: str, cluster_token: str, timeout: float = 10.0) -> RoutingTable:

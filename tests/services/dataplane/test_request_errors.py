@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import grpc
@@ -17,7 +16,7 @@ import pytest
 from services.common import errors as e
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
-from tests.services.dataplane.dp_support import scrape
+from tests.services.dataplane.dp_support import scrape_when_idle
 from tests.services.dataplane.gateway_harness import run_call, started, stop_all
 from tests.services.dataplane.test_worker_faults import start_worker
 
@@ -91,14 +90,7 @@ def test_worker_refuses_bad_token_ids_as_deterministic_and_keeps_nothing(
             # The worker still serves, and its engine holds nothing for the refused requests.
             ok = list(stub.Generate(ids_request([1, 2, vocab - 1]), timeout=30))
             assert ok[-1].complete.usage.completion_tokens == 4
-        deadline = time.monotonic() + 5
-        while True:
-            m = scrape(metrics)
-            idle = (m["slora_requests_running"], m["slora_requests_waiting"],
-                    m['slora_arena_pages{kind="kv"}']) == (0, 0, 0)
-            if idle or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        idle, m = scrape_when_idle(metrics, 5)
         assert idle, m
     finally:
         worker.kill()

@@ -20,7 +20,7 @@ from services.common.processes import Child, free_port, slora_argv, start_child,
 from services.worker.debug_hooks import STEP_DELAY_ENV
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
-from tests.services.dataplane.dp_support import PROMPTS, request, scrape
+from tests.services.dataplane.dp_support import PROMPTS, request, scrape_when_idle
 
 pytestmark = pytest.mark.timeout(240)
 CORE_PID = re.compile(r"engine core pid (\d+)")
@@ -128,14 +128,7 @@ def test_200_streams_with_cancels_leave_nothing_behind(demo_dir: Path, tmp_path:
     try:
         results = asyncio.run(scenario())
         assert results.count("cancelled") == 100 and results.count("done") == 100
-        deadline = time.monotonic() + 10
-        while True:
-            m = scrape(metrics)
-            idle = (m["slora_requests_running"], m["slora_requests_waiting"],
-                    m['slora_arena_pages{kind="kv"}']) == (0, 0, 0)
-            if idle or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        idle, m = scrape_when_idle(metrics, 10)
         assert idle, m
         assert m["slora_requests_aborted_total"] == 100
     finally:
