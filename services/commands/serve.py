@@ -12,10 +12,8 @@ with --api-key, as vLLM). vLLM flags slora has no use for are accepted with a wa
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +103,7 @@ def warnings(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from services.commands.serve_stack import ServeStack
+    from services.common.processes import StopOnSignal
 
     model = Path(args.model).expanduser().resolve()
     if not (model / "config.json").is_file():
@@ -117,25 +116,12 @@ def run(args: argparse.Namespace) -> int:
     state = Path(args.state_dir or tempfile.mkdtemp(prefix="slora-serve-")).resolve()
     stack = ServeStack(model, name, lora_modules(args.lora_modules), state,
                        f"{args.host}:{args.port}", worker_args(args), args.api_key)
-    stopping = False
-
-    def on_signal(_sig: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = StopOnSignal()
     try:
         stack.start(say)
         say(f"serving {name} and {len(stack.adapters)} adapter(s) on "
             f"http://{args.host}:{args.port}/v1 (logs in {state / 'logs'})")
-        while not stopping:
-            dead = stack.dead()
-            if dead is not None:
-                say(f"{dead.name} exited; stopping. Its log:\n{dead.log_tail()}")
-                return 1
-            time.sleep(0.5)
-        return 0
+        return stop.watch(lambda: stack.children, say)
     except RuntimeError as exc:
         say(f"start-up failed: {exc}")
         return 1

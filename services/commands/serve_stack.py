@@ -102,9 +102,6 @@ class ServeStack:
         self.children.append(child)
         return child
 
-    def dead(self) -> Child | None:
-        return next((c for c in self.children if not c.alive), None)
-
     def stop(self) -> None:
         for child in reversed(self.children):  # gateway, worker, then the control plane
             child.stop()

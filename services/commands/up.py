@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 from services.commands.generate import CONNECTION_FILE
@@ -41,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         publish_demo_adapters,
         wait_until_routable,
     )
-    from services.common.processes import wait_serving
+    from services.common.processes import StopOnSignal, wait_serving
     from services.common.tls import CA_ENV
     from services.control_plane.api.client import AdminClient
 
@@ -56,14 +54,7 @@ def run(args: argparse.Namespace) -> int:
         ca = str(stack.client_ca())
         os.environ[CA_ENV] = ca
         tls_line = f"{CA_ENV}={ca}\n"
-    stopping = False
-
-    def on_signal(_sig: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = StopOnSignal()
     try:
         say("starting the control plane (SQLite)")
         stack.start_control_plane()
@@ -89,13 +80,7 @@ def run(args: argparse.Namespace) -> int:
             f"SLORA_TARGET={stack.cp_address}\nSLORA_KEY_FILE={key_file}\n"
             f"OPENAI_BASE_URL={http}\nOPENAI_API_KEY={token}\n{tls_line}"))
         print_howto(gateway, http, stack.cp_address, state, demo)
-        while not stopping:
-            dead = [c for c in stack.children() if not c.alive]
-            if dead:
-                say(f"{dead[0].name} exited; stopping. Its log:\n{dead[0].log_tail()}")
-                return 1
-            time.sleep(0.5)
-        return 0
+        return stop.watch(stack.children, say)
     except RuntimeError as e:
         say(f"start-up failed: {e}")
         return 1

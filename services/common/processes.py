@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,3 +100,26 @@ def wait_serving(target: str, child: Child | None = None, timeout_s: float = 60.
         time.sleep(0.1)
     tail = child.log_tail() if child is not None else ""
     raise RuntimeError(f"{target} not serving after {timeout_s:.0f}s\n{tail}")
+
+
+class StopOnSignal:
+    """SIGINT and SIGTERM set a flag instead of raising, from construction on, so a stack that
+    is still starting finishes its start and then stops cleanly (`slora up`, `slora serve`)."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        signal.signal(signal.SIGTERM, self._set)
+        signal.signal(signal.SIGINT, self._set)
+
+    def _set(self, _sig: int, _frame: object) -> None:
+        self.stopping = True
+
+    def watch(self, children: Callable[[], Sequence[Child]], say: Callable[[str], None]) -> int:
+        """Block until a signal (0) or until one of `children` exits (1, its log said)."""
+        while not self.stopping:
+            dead = next((c for c in children() if not c.alive), None)
+            if dead is not None:
+                say(f"{dead.name} exited; stopping. Its log:\n{dead.log_tail()}")
+                return 1
+            time.sleep(0.5)
+        return 0
