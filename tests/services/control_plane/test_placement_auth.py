@@ -187,11 +187,19 @@ def test_a_database_failure_while_checking_a_worker_reads_unavailable(
     def hook(engine: sa.Engine) -> None:
         sa.event.listen(engine, "before_cursor_execute", fail_credential_reads)
 
+    async def refusal(address: str) -> grpc.aio.AioRpcError:
+        # Asked again while grpc's client lost the status to its own hello (asked_again_if_lost).
+        for attempt in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await first_placement(address, cluster_metadata(credential))
+            if not status_lost(refused.value) or attempt == 2:
+                break
+        return refused.value
+
     async def body(address: str) -> None:
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await first_placement(address, cluster_metadata(credential))
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
-        details = refused.value.details() or ""
+        error = await refusal(address)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        details = error.details() or ""
         assert details.startswith("the registry database is unavailable"), details
         assert "SELECT" not in details and "0123abcd" not in details
 
