@@ -320,7 +320,10 @@ def main() -> int:
                                       demo.root)
         stack.start_worker("worker-0")
         stack.start_gateway(processes=args.gateway_procs)
-        wait_until_routable(stack.gateway_addresses["gateway"], token, names)
+        t_ready = time.perf_counter()
+        # A 7B worker reads ~13 GB and captures its graphs before it is routable.
+        wait_until_routable(stack.gateway_addresses["gateway"], token, names, timeout_s=300)
+        print(f"stack routable in {time.perf_counter() - t_ready:.1f} s", flush=True)
         engine = LLMEngine.from_model_dir(demo.model_dir, config)
         for name in names:
             engine.register_adapter(name, demo.root / "adapters" / name)

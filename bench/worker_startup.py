@@ -102,7 +102,7 @@ def scrape_startup(port: int) -> dict[str, Any]:
 
 
 def start_once(model_dir: Path, dtype: str, args: argparse.Namespace, cache_dir: Path,
-               log_dir: Path, name: str, timeout_s: float) -> dict[str, Any]:
+               log_dir: Path, name: str, timeout_s: float, background: bool) -> dict[str, Any]:
     """Start a worker, wait for its first token and then for its background graphs (at most
     `timeout_s` in all, the graphs at most --graphs-wait-s), read its profile, stop it.
     Seconds are from just before the process was started."""
@@ -113,7 +113,7 @@ def start_once(model_dir: Path, dtype: str, args: argparse.Namespace, cache_dir:
                       "--device", args.device, "--dtype", dtype,
                       "--max-num-seqs", str(args.max_num_seqs),
                       "--num-pages", str(args.num_pages),
-                      "--graphs-before-ready" if args.graphs_before_ready else "--graphs-in-background")
+                      "--graphs-in-background" if background else "--graphs-before-ready")
     t0 = time.monotonic()
     child = start_child(name, argv, log_dir)
     try:
@@ -178,15 +178,18 @@ def run_model(name: str, root: Path, args: argparse.Namespace, budget: Budget
     row: dict[str, Any] = {"dtype": DTYPES[name], "write_model_s": round(time.monotonic() - t0, 1)}
     cache = root / f"cache-{name}"
     shutil.rmtree(cache, ignore_errors=True)
-    for kind in ("cold", "warm"):
+    kinds = ("cold", "warm", *(("warm_background",) if args.also_background else ()))
+    for kind in kinds:
         if kind == "cold" and not args.keep_page_cache:
             drop_file_cache(model_dir)
         left = budget.next_start(args.timeout_s)
         if left <= 0:
             row[kind] = {"served": False, "skipped": "the run's --budget-s was spent"}
             continue
+        background = args.graphs_in_background or kind == "warm_background"
         row[kind] = start_once(model_dir, DTYPES[name], args, cache, root / "logs",
-                               f"{name}-{kind}", left)
+                               f"{name}-{kind}", left, background)
+        row[kind]["graphs_in_background"] = background
         print(f"{name} {kind}: {summary(row[kind])}", flush=True)
     targets = TARGETS_S.get(name)
     if targets:
@@ -220,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the whole run: starts are cut to fit (the device allows 600 s)")
     ap.add_argument("--keep-page-cache", action="store_true",
                     help="do not drop the model files from the page cache before cold starts")
-    ap.add_argument("--graphs-before-ready", action="store_true",
-                    help="workers capture every CUDA graph before serving (the worker's "
-                         "default; without this flag the bench times --graphs-in-background)")
+    ap.add_argument("--graphs-in-background", action="store_true",
+                    help="every start captures its CUDA graphs while already serving eagerly "
+                         "(without this flag: before ready, the worker's default)")
+    ap.add_argument("--also-background", action="store_true",
+                    help="one more warm start of each model with --graphs-in-background")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, small arena")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -236,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         **run_record(["bench.worker_startup", *(argv if argv is not None else sys.argv[1:])]),
         "device": args.device, "max_num_seqs": args.max_num_seqs, "num_pages": args.num_pages,
-        "graphs_before_ready": args.graphs_before_ready,
+        "graphs_in_background": args.graphs_in_background,
         "cpus": os.cpu_count(), "models": {}}
-    budget = Budget(args.budget_s, 2 * len(models))
+    budget = Budget(args.budget_s, (3 if args.also_background else 2) * len(models))
     with tempfile.TemporaryDirectory(prefix="slora-startup-") as tmp:
         for name in models:
             result["models"][name] = run_model(name, Path(tmp), args, budget)
