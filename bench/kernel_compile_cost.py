@@ -41,9 +41,12 @@ POINTERS = {
 }
 
 
-def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int) -> dict[str, Any]:
-    """Compile one variant of `fn` for sm_90: seconds, PTX characters, registers a thread."""
-    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "i32") for n in fn.arg_names}
+def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool = False,
+                 ) -> dict[str, Any]:
+    """Compile one variant of `fn` for sm_90: seconds, PTX characters, registers a thread
+    (`float32`: activations and arena in float32, as a float32 model runs them)."""
+    pointers = POINTERS | ({k: F32 for k in ("x_ptr", "y_ptr", "arena_ptr")} if float32 else {})
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     t0 = time.perf_counter()
@@ -81,13 +84,38 @@ def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
     return out
 
 
+def float32_variants() -> list[tuple[str, Any, dict[str, Any], int]]:
+    """The tile kernels of a float32 model (exact dots) at rank bound 64, with the 16-bit
+    models' tile table and with float32's own (slora_kernels.lora.*_TILES_F32)."""
+    from slora_kernels import lora
+
+    out: list[tuple[str, Any, dict[str, Any], int]] = []
+    for name, tiles in (("decode_16bit_tiles", lora.DECODE_TILES),
+                        ("decode_f32_tiles", lora.DECODE_TILES_F32),
+                        ("prefill_16bit_tiles", lora.PREFILL_TILES),
+                        ("prefill_f32_tiles", lora.PREFILL_TILES_F32)):
+        common = {"MAX_RANK": 64, "DOT_PRECISION": "ieee", "BLOCK_R": 64, "RANK_BUCKETS": True,
+                  "GATHER_ROWS": False}
+        out += [(f"{name}_shrink", lora_shrink._lora_shrink_kernel,
+                 {**common, "BLOCK_M": tiles.shrink_block_m, "BLOCK_K": tiles.shrink_block_k,
+                  "LAUNCH_DEPENDENTS": False},
+                 tiles.num_warps),
+                (f"{name}_expand", lora_expand._lora_expand_kernel,
+                 {**common, "BLOCK_M": tiles.expand_block_m, "BLOCK_N": tiles.expand_block_n,
+                  "EARLY_LOADS": False, "USE_PDL": False},
+                 tiles.num_warps)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--float32", action="store_true",
+                    help="the tile kernels of a float32 model, at both tile tables")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rows: dict[str, Any] = {}
-    for name, fn, consts, warps in variants():
-        cost = compile_cost(fn, consts, warps)
+    for name, fn, consts, warps in float32_variants() if args.float32 else variants():
+        cost = compile_cost(fn, consts, warps, float32=args.float32)
         del cost["ptx"]
         rows[name] = {"num_warps": warps, **cost}
         print(f"{name}: {rows[name]}", flush=True)

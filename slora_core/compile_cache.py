@@ -25,6 +25,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
@@ -242,6 +243,9 @@ class CompileCache:
             self._write_manifest(last_start=facts)
 
 
+_LISTENER_LOCK = threading.Lock()
+
+
 @dataclass
 class CompileStats:
     """Kernel compilations Triton reported while installed (`install`): binaries compiled
@@ -264,12 +268,13 @@ class CompileStats:
         """Triton's compilation listener (triton.knobs.compilation.listener)."""
         total = (times.ir_initialization + sum(us for _, us in times.lowering_stages)
                  + times.store_results) / 1e6
-        if cache_hit:
-            self.cache_hits += 1
-            self.load_s += total
-        else:
-            self.compiled += 1
-            self.compile_s += total
+        with _LISTENER_LOCK:  # compilations run on several threads (slora_core.precompile)
+            if cache_hit:
+                self.cache_hits += 1
+                self.load_s += total
+            else:
+                self.compiled += 1
+                self.compile_s += total
 
     def install(self) -> None:
         """Receive every compilation of this process (one listener a process)."""

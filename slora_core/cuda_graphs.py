@@ -127,6 +127,13 @@ class _StepGraphs:
                 self._capture(*key)
         self.deferred.remove(key)  # after the capture: should it fail, its steps stay eager
 
+    def dry_forward(self, key: GraphKey) -> None:
+        """Run a graph's forward once from inert buffers without capturing it (for
+        slora_core.precompile, which records and skips the kernels not compiled yet)."""
+        with torch.inference_mode():
+            self.reset_buffers()
+            self._forward(key[0], self._context(*key))
+
     def label(self, key: GraphKey) -> str:
         """The graph set a key belongs to, for reports: "decode" or "mixed", "+lora" with the
         LoRA tile list ("rows" for the row kernels', else its capacity)."""

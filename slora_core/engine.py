@@ -30,6 +30,7 @@ from slora_core.model import LlamaForCausalLM
 from slora_core.model_runner import ModelRunner
 from slora_core.outputs import RequestOutput
 from slora_core.page_pool import PagePool
+from slora_core.precompile import precompile_graphs
 from slora_core.prompt_logprobs import PromptLogprob
 from slora_core.sampler import Sampler
 from slora_core.sampling_params import SamplingParams
@@ -122,12 +123,16 @@ class LLMEngine:
                         or frozenset(range(len(LORA_MODULES))))
         for modules in sets:
             for graphs in (self.runner.graphs, self.runner.mixed):
-                if graphs is None:
-                    continue
-                if background:
+                if graphs is not None:
                     self._graph_queue += [(graphs, key) for key in graphs.defer(modules)]
-                else:
-                    graphs.capture_all(modules)
+        if not background:
+            self.precompile_queued()
+            while self.capture_next_graph():
+                pass
+
+    def precompile_queued(self) -> float:
+        """Compile the Triton kernels the queued graphs launch, side by side (seconds)."""
+        return precompile_graphs(self._graph_queue)
 
     def graphs_pending(self) -> int:
         """CUDA graphs queued by warmup(background=True) and not captured yet."""

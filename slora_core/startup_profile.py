@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from slora_core.compile_cache import CompileStats
 
 # Phase names, in the order a worker meets them (format() and the metric keep this order).
-PHASES = ("process", "core_spawn", "weights", "arena", "graph_capture", "warmup", "server")
+PHASES = ("process", "core_spawn", "weights", "arena", "precompile", "graph_capture", "warmup",
+          "server")
 
 
 @dataclass(frozen=True)

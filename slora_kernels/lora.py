@@ -8,6 +8,7 @@ token and module, split along K when there are too few segments to fill the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -82,6 +83,13 @@ DECODE_TILES = LoraTiles(shrink_block_m=DECODE_BLOCK_M, shrink_block_k=256,
                          expand_block_m=DECODE_BLOCK_M, expand_block_n=256)
 PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
                           expand_block_m=PREFILL_BLOCK_M, expand_block_n=128, max_split_k=2)
+# float32 models run exact (ieee) dots, which Triton lowers to FMAs unrolled over the whole
+# tile: at the 16-bit tiles above, ptxas sees 1-1.7 MB of PTX and 18-26k declared registers a
+# thread, and one prefill launch compiled for 28 s and a decode shrink for 32 s on the CPU
+# (sm_90; a tiny float32 worker then took minutes to capture its graphs on the H200). These
+# tiles compile in 6-8 s, like the 16-bit ones (bench/kernel_compile_cost.py's --float32 cases).
+DECODE_TILES_F32 = dataclasses.replace(DECODE_TILES, shrink_block_k=64, expand_block_n=64)
+PREFILL_TILES_F32 = dataclasses.replace(PREFILL_TILES, shrink_block_k=32, expand_block_n=32)
 # A K split shorter than this reads too little per program to hide memory latency.
 MIN_K_PER_SPLIT = 256
 MAX_SPLIT_K = 16
@@ -95,8 +103,11 @@ PROGRAMS_PER_SM = 4
 EARLY_LOADS_MAX_TILES = 16
 
 
-def pick_tiles(block_m: int) -> LoraTiles:
-    """The tile table entry for a step whose tile list has `block_m` rows per tile."""
+def pick_tiles(block_m: int, dtype: torch.dtype = torch.float16) -> LoraTiles:
+    """The tile table entry for a step whose tile list has `block_m` rows per tile, on
+    activations of `dtype`."""
+    if dtype == torch.float32:
+        return DECODE_TILES_F32 if block_m == DECODE_BLOCK_M else PREFILL_TILES_F32
     return DECODE_TILES if block_m == DECODE_BLOCK_M else PREFILL_TILES
 
 
@@ -192,7 +203,7 @@ def add_lora_triton(
         max_rank = int(ranks.max())
     if max_rank <= 0:
         return
-    tiles = _pick_tiles(meta, tiles)
+    tiles = _pick_tiles(meta, tiles, x.dtype)
     block_r = rank_block(max_rank)
     pdl = (tiles.pdl if pdl is None else pdl) and pdl_supported(x.device)
     early_loads = isinstance(tiles, LoraTiles) and (tiles.early_loads or (
@@ -229,7 +240,8 @@ def add_lora_triton(
                     rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl)
 
 
-def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles | RowTiles:
+def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None, dtype: torch.dtype,
+                ) -> LoraTiles | RowTiles:
     """The tiles a step runs: the caller's, checked against the meta's tile height, or the
     table's. A meta built for ROW_BLOCK_M runs the row kernels (RowTiles)."""
     if meta.block_m == ROW_BLOCK_M:
@@ -238,7 +250,7 @@ def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None) -> LoraTiles
         return tiles or RowTiles()
     if isinstance(tiles, RowTiles):
         raise ValueError(f"RowTiles need a row-kernel meta, got one of {meta.block_m}-row tiles")
-    tiles = tiles or pick_tiles(meta.block_m)
+    tiles = tiles or pick_tiles(meta.block_m, dtype)
     if tiles.shrink_block_m != meta.block_m or tiles.expand_block_m != meta.block_m:
         raise ValueError(f"tiles of {tiles.shrink_block_m}/{tiles.expand_block_m} rows but the "
                          f"step's tile list has {meta.block_m}")

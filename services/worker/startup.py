@@ -133,13 +133,15 @@ def warm_up(engine: AnyEngine, profile: StartupProfile, vocab: int,
             graphs_in_background: bool = False) -> None:
     """Make the engine ready to serve: its CUDA graphs (CUDA only; base and LoRA, each bucket
     `max_num_seqs` and `max_num_batched_tokens` allow) captured one `graph_capture` record a
-    graph, then a request served end to end (`warmup`: it compiles, or reads from the compile
+    graph, after the kernels they launch were compiled side by side (`precompile`), then a request served end to end (`warmup`: it compiles, or reads from the compile
     cache, the kernels its steps launch). With `graphs_in_background` the graphs are only
     queued (BackgroundGraphs captures them while the engine serves) and the warm-up request
     runs eagerly."""
     if isinstance(engine, LLMEngine) and engine.runner.graphs is not None:
         engine.warmup(True, background=True)
         if not graphs_in_background:
+            with profile.phase("precompile"):
+                engine.precompile_queued()
             graphs = BackgroundGraphs(engine, profile.stats)
             while graphs.pending:
                 profile.records.append(graphs.capture_next(background=False))
