@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from bench.replay import replay
 from bench.workload import BenchRequest
@@ -78,4 +79,29 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
                      "distinct_adapters_per_step": float(np.median(
                          [r[name]["distinct_adapters_per_step_mean"] for r in runs]))}
     out["met"] = all(out[name]["met"] for name in TARGETS)
+    out["bytes_bound"] = bytes_bound(b, arms)
+    for name in TARGETS:
+        bound = out["bytes_bound"][name]["throughput_ratio_bound"]
+        out[name]["bytes_bound"] = bound
+        out[name]["of_bytes_bound"] = out[name]["throughput_ratio"] / bound
+    return out
+
+
+def bytes_bound(b: Bench, arms: dict[str, list[BenchRequest]]) -> dict[str, Any]:
+    """What reading each arm's bytes once allows: a decode step reads the weights, the batch's
+    KV (at its mean context over the decode, prompt + half the output) and every distinct
+    adapter of the batch, so with memory-bound steps an arm can keep at most
+    (weights + KV) / (weights + KV + its adapters) of the base model's throughput."""
+    elem = torch.finfo(b.dtype).bits // 8
+    weights = sum(p.numel() * p.element_size() for p in b.model.parameters())
+    kv_token = b.cfg.num_hidden_layers * 2 * b.cfg.num_key_value_heads * b.cfg.head_dim * elem
+    per_rank = b.cfg.num_hidden_layers * elem * sum(sum(b.cfg.module_shape(m))
+                                                    for m in LORA_MODULES)
+    out: dict[str, Any] = {}
+    for name, reqs in arms.items():
+        kv = kv_token * sum(len(r.prompt) + r.output_len / 2 for r in reqs)
+        ids = {r.adapter for r in reqs if r.adapter is not None}
+        adapters = sum(RANKS[i % len(RANKS)] * per_rank for i in ids)
+        out[name] = {"weights": weights, "kv": int(kv), "adapters": adapters,
+                     "throughput_ratio_bound": (weights + kv) / (weights + kv + adapters)}
     return out
