@@ -87,7 +87,8 @@ PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
 # tile: at the 16-bit tiles above, ptxas sees 1-1.7 MB of PTX and 18-26k declared registers a
 # thread, and one prefill launch compiled for 28 s and a decode shrink for 32 s on the CPU
 # (sm_90; a tiny float32 worker then took minutes to capture its graphs on the H200). These
-# tiles compile in 6-8 s, like the 16-bit ones (bench/kernel_compile_cost.py's --float32 cases).
+# tiles compile in 5-13 s, like the 16-bit ones, with 3.7-6.9k registers declared
+# (kernel-compile-f32-cpu.json: `python -m bench.kernel_compile_cost --float32`).
 DECODE_TILES_F32 = dataclasses.replace(DECODE_TILES, shrink_block_k=64, expand_block_n=64)
 PREFILL_TILES_F32 = dataclasses.replace(PREFILL_TILES, shrink_block_k=32, expand_block_n=32)
 # A K split shorter than this reads too little per program to hide memory latency.
