@@ -236,6 +236,40 @@ def structured_rows(result: dict[str, Any], source: str) -> list[str]:
             f"p99 {c['p99']:.0f} ms | cost <= 5% | {source} |"]
 
 
+def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
+    d = result["distinct"]
+    rows = []
+    for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters"),
+                       ("one_unmerged", "one adapter, merge off")):
+        r = d[arm]
+        bound = (f"; bytes bound {r['bytes_bound']:.3f}x ({r['of_bytes_bound']:.0%} of it)"
+                 if "bytes_bound" in r else "")
+        rows.append(f"| {label} in a batch of {d['batch']} (ranks 8-64, all 7 modules) vs base, "
+                    f"decode-heavy | {r['throughput_ratio']:.3f} [{r['ratio_min']:.3f}, "
+                    f"{r['ratio_max']:.3f}]x{bound} | {r['target']}x | {source} |")
+    return rows
+
+
+def startup_rows(result: dict[str, Any], source: str) -> list[str]:
+    rows = []
+    for model, m in result["models"].items():
+        for kind in ("cold", "warm", "warm_background"):
+            r = m.get(kind)
+            if r is None:
+                continue
+            how = " (graphs captured in the background)" if r.get("graphs_in_background") else ""
+            k = r.get("kernels", {})
+            figure = (f"first token {r['first_token_s']:.1f} s; kernels {k.get('compiled', 0)} "
+                      f"compiled ({r.get('compile_s', 0):.1f} s of compiling), "
+                      f"{k.get('cache_hit', 0)} from the cache"
+                      if r.get("served") else "not served in its time")
+            target = m.get("targets_s", {}).get(kind.split("_")[0])
+            rows.append(f"| worker start-up, {model} {m['dtype']}, {kind.split('_')[0]} compile "
+                        f"cache{how} | {figure} | {f'{target:.0f} s' if target else '-'} | "
+                        f"{source} |")
+    return rows
+
+
 def table() -> str:
     return "\n".join([BEGIN, *rows(), END])
 
@@ -311,7 +345,10 @@ def rows() -> list[str]:
             lines += churn if name != "churn-disk-h200.json" else churn[-1:]
     for name, make in (("cold-load-h200.json", cold_rows), ("lora-grid-h200.json", grid_rows),
                        ("prefix-cache-h200.json", prefix_rows),
-                       ("structured-output-h200.json", structured_rows)):
+                       ("structured-output-h200.json", structured_rows),
+                       ("distinct-adapters-h200.json", distinct_rows),
+                       ("worker-startup-h200.json", startup_rows),
+                       ("worker-startup-d2d45c7-h200.json", startup_rows)):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
