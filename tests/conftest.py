@@ -40,16 +40,18 @@ def _dtype_twin(item: pytest.Item) -> tuple[Any, ...]:
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under the Triton interpreter a kernel case costs seconds, and each runs in float32 and
     float16 (tests/kernels/helpers.py DTYPES). The default run keeps the float16 case, the
     dtype GPUs serve; its float32 twin, the same kernel code at another width, is marked slow
-    (`pytest -m slow` runs it). A case without a float16 twin stays in the default run."""
+    (`pytest -m slow` runs it). A case without a float16 twin stays in the default run.
+    Also checks that the modules sharing a group's fixture are in its group (XDIST_GROUPS)."""
     kernels = [i for i in items if KERNEL_TESTS in i.path.parents]
     with_fp16 = {_dtype_twin(i) for i in kernels if _dtype(i) is torch.float16}
     for item in kernels:
         if _dtype(item) is torch.float32 and _dtype_twin(item) in with_fp16:
             item.add_marker(pytest.mark.slow)
+    check_groups(config, items)
 
 
 @pytest.fixture(scope="session")
@@ -191,3 +193,80 @@ def hf_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, Any]]:
         return out, model
 
     return make
+
+
+# ---- parallel runs (pytest-xdist) -----------------------------------------------------------
+# pyproject's addopts run the suite on two xdist workers with `--dist loadfile`, which the
+# scheduler below refines: a work unit is a test module, or a group of modules that share one
+# session fixture (XDIST_GROUPS), so a module's or a group's stack starts once; and units are
+# handed out longest first (UNIT_SECONDS: measured on the 2-core CI machine, one process;
+# unknown modules count half a second a test), so no long module is left to run alone at the
+# end. The seconds only order the work: a stale number costs time, not results.
+# (xdist's own xdist_group marker does not group under pytest 9: it rewrites a nodeid that
+# pytest 9 computes.)
+XDIST_GROUPS = {
+    # tests/services/conftest.py's shared_http_stack
+    "tests/services/dataplane/test_http_api.py": "http_stack",
+    "tests/services/dataplane/test_structured_http.py": "http_stack",
+    "tests/services/security/test_stack_hops.py": "http_stack",
+}
+UNIT_SECONDS = {
+    "tests/test_static_checks.py": 85,  # mypy with a cold cache
+    "tests/test_readme_examples.py": 80,
+    "http_stack": 70,
+    "tests/services/dataplane/test_stack_e2e.py": 62,
+    "tests/kernels/test_sm90_compile.py": 50,
+    "tests/services/dataplane/test_gateway_processes.py": 40,
+    "tests/services/dataplane/test_http_errors.py": 40,
+    "tests/slora_core/test_tensor_parallel.py": 40,
+    "tests/slora_core/test_tp_keepalive.py": 37,
+    "tests/services/dataplane/test_worker_faults.py": 37,
+    "tests/slora_core/test_lora_merge.py": 35,
+    "tests/services/security/test_tls.py": 32,
+    "tests/services/dataplane/test_rollout_e2e.py": 30,
+    "tests/services/dataplane/test_worker_process.py": 27,
+    "tests/services/dataplane/test_adapter_manager.py": 23,
+    "tests/services/dataplane/test_tensor_parallel_core.py": 20,
+    "tests/slora_core/test_process.py": 16,
+}
+
+
+# A session fixture a group shares: a module that uses it and is not in the group would start
+# the fixture again on whichever worker runs it (collection fails, naming the module).
+GROUP_FIXTURES = {"shared_http_stack": "http_stack"}
+
+
+def check_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.relative_to(config.rootpath).as_posix()
+        for fixture, group in GROUP_FIXTURES.items():
+            if fixture in getattr(item, "fixturenames", ()) and XDIST_GROUPS.get(module) != group:
+                raise pytest.UsageError(f"{module} uses {fixture}: add it to XDIST_GROUPS as "
+                                        f"{group!r} (tests/conftest.py)")
+
+
+def xdist_unit(module: str) -> str:
+    """The work unit of a module's tests: its group, else the module (a path from the root)."""
+    return XDIST_GROUPS.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LongestFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_unit(nodeid.split("::", 1)[0])
+
+        def _assign_work_unit(self, node: Any) -> None:
+            scope = max(self.workqueue, key=lambda s: UNIT_SECONDS.get(
+                s, 0.5 * len(self.workqueue[s])))
+            work_unit = self.workqueue.pop(scope)
+            self.assigned_work.setdefault(node, {})[scope] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(nodeid)
+                                    for nodeid, done in work_unit.items() if not done])
+
+    return LongestFirst(config, log)

@@ -30,6 +30,11 @@ from slora_core.tokenizer import Tokenizer
 
 ADAPTERS = ("qv-r4", "attn-r8")
 MODELS = (BASE_MODEL, *ADAPTERS)
+# The shared stack's worker (tests/services/conftest.py): 128 KV pages, and grammars must compile
+# within GRAMMAR_TIMEOUT_S (test_structured_http's slow schema runs past it).
+GRAMMAR_TIMEOUT_S = 2.0
+SHARED_STACK_WORKER_ARGS = ("--num-pages", "128", "--max-num-seqs", "16",
+                            "--grammar-compile-timeout-s", str(GRAMMAR_TIMEOUT_S))
 
 
 @dataclass

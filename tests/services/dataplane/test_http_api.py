@@ -9,7 +9,6 @@ import asyncio
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -26,7 +25,6 @@ from tests.services.dataplane.http_support import (
     ADAPTERS,
     MODELS,
     HttpStack,
-    http_stack,
     wait_for,
 )
 
@@ -36,9 +34,8 @@ CHAT = [{"role": "system", "content": "Answer briefly."},
 
 
 @pytest.fixture(scope="module")
-def hs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
-    with http_stack(demo_dir, tmp_path_factory.mktemp("http")) as running:
-        yield running
+def hs(shared_http_stack: HttpStack) -> HttpStack:
+    return shared_http_stack  # tests/services/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +20,7 @@ from pydantic import BaseModel, Field
 from devtools.demo_stack import BASE_MODEL
 from slora.v1 import inference_pb2 as pb
 from tests.services.dataplane.dp_support import generate, request
-from tests.services.dataplane.http_support import ADAPTERS, HttpStack, http_stack
+from tests.services.dataplane.http_support import ADAPTERS, GRAMMAR_TIMEOUT_S, HttpStack
 
 pytestmark = pytest.mark.timeout(600)
 # The default suite keeps the SDK parse on the base model, the bad inputs and gRPC; the rest
@@ -34,7 +33,7 @@ CHAT = [{"role": "user", "content": "File a ticket for the login bug."}]
 # Compiles in seconds (xgrammar expands optional properties pairwise): past the stack's limit.
 SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"}
                                                 for i in range(1200)}}
-TIMEOUT_S = 2.0
+TIMEOUT_S = GRAMMAR_TIMEOUT_S  # the shared stack's limit (tests/services/conftest.py)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {
@@ -49,10 +48,8 @@ class Ticket(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def hs(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpStack]:
-    with http_stack(demo_dir, tmp_path_factory.mktemp("structured"),
-                    worker_args=("--grammar-compile-timeout-s", str(TIMEOUT_S))) as running:
-        yield running
+def hs(shared_http_stack: HttpStack) -> HttpStack:
+    return shared_http_stack
 
 
 @pytest.fixture(scope="module")

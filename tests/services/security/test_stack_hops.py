@@ -5,37 +5,25 @@ loopback stack listen on loopback only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from devtools.demo_stack import Stack, StackConfig, publish_demo_adapters
-from services.common.processes import free_port, wait_serving
-from services.control_plane.api.client import AdminClient
+from devtools.demo_stack import Stack
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
+from tests.services.dataplane.http_support import HttpStack
 
+# The shared HTTP stack (tests/services/conftest.py): workers w1, gateway g1, qv-r4 published.
 pytestmark = pytest.mark.timeout(300)
 ADAPTER = "qv-r4"
 
 
 @pytest.fixture(scope="module")
-def stack(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str, int]]:
-    stack = Stack(StackConfig(demo_dir=demo_dir, state_dir=tmp_path_factory.mktemp("stack")))
-    metrics_port = free_port()
-    try:
-        stack.start_control_plane()
-        stack.start_worker("w1", wait=False, extra=("--metrics-port", str(metrics_port)))
-        stack.start_gateway("g1", wait=False)
-        token = publish_demo_adapters(AdminClient.connect(stack.cp_address, stack.admin_token),
-                                      demo_dir, [ADAPTER])
-        wait_serving(stack.worker_addresses["w1"], stack.workers["w1"], timeout_s=120)
-        wait_serving(stack.gateway_addresses["g1"], stack.gateways["g1"])
-        yield stack, token, metrics_port
-    finally:
-        stack.stop()
+def stack(shared_http_stack: HttpStack) -> tuple[Stack, str, int]:
+    hs = shared_http_stack
+    return hs.stack, hs.token, hs.worker_metrics
 
 
 def _generate(address: str, token: str) -> grpc.StatusCode:
