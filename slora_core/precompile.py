@@ -112,8 +112,11 @@ def precompile_graphs(queue: Sequence[tuple[GraphSet, Any]], workers: int | None
     if not queue:
         return 0.0
     t0 = time.perf_counter()
-    with MissingKernels() as missing:
-        for graphs, key in queue:
-            graphs.dry_forward(key)
+    try:
+        with MissingKernels() as missing:
+            for graphs, key in queue:
+                graphs.dry_forward(key)
+    except Exception:  # an optimisation only: the captures compile whatever is left
+        log.exception("the dry forwards failed; compiling what they recorded")
     compile_all(missing.found, workers)
     return time.perf_counter() - t0

@@ -57,6 +57,26 @@ def test_only_the_entering_threads_launches_are_recorded_and_skipped() -> None:
         knobs.runtime.jit_cache_hook = None
 
 
+def test_a_failing_dry_forward_leaves_the_start_to_the_captures(caplog: pytest.LogCaptureFixture,
+                                                                 ) -> None:
+    from triton import knobs
+
+    from slora_core.precompile import precompile_graphs
+
+    ran: list[int] = []
+
+    class Graphs:
+        def dry_forward(self, key: int) -> None:
+            ran.append(key)
+            if key == 2:
+                raise RuntimeError("no such bucket")
+
+    assert precompile_graphs([(Graphs(), 1), (Graphs(), 2), (Graphs(), 3)]) >= 0
+    assert ran == [1, 2] and "dry forwards failed" in caplog.text
+    assert knobs.runtime.jit_cache_hook is None  # the recording hook is gone again
+    assert precompile_graphs([]) == 0.0
+
+
 def _greedy(engine: LLMEngine, adapters: list[str]) -> dict[str, list[int]]:
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     for i, name in enumerate(["", *adapters] * 2):
