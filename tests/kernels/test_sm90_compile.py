@@ -16,42 +16,54 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# One child compiles every case (it imports torch and Triton once, not once a case); a line of
+# JSON per case.
 CHILD = """
 import json, re, sys
 from bench.kernel_compile_cost import compile_cost
 from slora_kernels import lora_expand, lora_shrink
-common = {"MAX_RANK": 64, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64,
-          "RANK_BUCKETS": True, "GATHER_ROWS": sys.argv[2] == "1"}
-if sys.argv[1] == "shrink":
-    out = compile_cost(lora_shrink._lora_shrink_kernel,
-                       {**common, "BLOCK_K": 256, "LAUNCH_DEPENDENTS": True}, 4)
-else:
-    out = compile_cost(lora_expand._lora_expand_kernel,
-                       {**common, "BLOCK_N": 256, "EARLY_LOADS": True, "USE_PDL": True}, 4)
-ptx = out["ptx"]
-print(json.dumps({"mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
-                  "pdl_wait": "griddepcontrol.wait" in ptx,
-                  "pdl_launch": "griddepcontrol.launch_dependents" in ptx}))
+for case in sys.argv[1:]:
+    kernel, gather = case.split(":")
+    common = {"MAX_RANK": 64, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64,
+              "RANK_BUCKETS": True, "GATHER_ROWS": gather == "1"}
+    if kernel == "shrink":
+        out = compile_cost(lora_shrink._lora_shrink_kernel,
+                           {**common, "BLOCK_K": 256, "LAUNCH_DEPENDENTS": True}, 4)
+    else:
+        out = compile_cost(lora_expand._lora_expand_kernel,
+                           {**common, "BLOCK_N": 256, "EARLY_LOADS": True, "USE_PDL": True}, 4)
+    ptx = out["ptx"]
+    print(json.dumps({"case": case, "mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
+                      "pdl_wait": "griddepcontrol.wait" in ptx,
+                      "pdl_launch": "griddepcontrol.launch_dependents" in ptx}))
 """
+CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand") for gather in (0, 1)]
 
 
-def _compile(kernel: str, gather_rows: bool) -> dict[str, object]:
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict[str, object]]:
+    """Each case's PTX facts, by "kernel:gather_rows" (0 or 1)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", CHILD, kernel, str(int(gather_rows))], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", CHILD, *CASES], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    by_case = {str(out.pop("case")): out for out in lines}
+    assert sorted(by_case) == sorted(CASES), done.stdout[-3000:]
+    return by_case
 
 
 @pytest.mark.parametrize("gather_rows", [False, True])
-def test_shrink_compiles_for_sm90(gather_rows: bool) -> None:
-    assert _compile("shrink", gather_rows)["pdl_launch"]
+def test_shrink_compiles_for_sm90(compiled: dict[str, dict[str, object]],
+                                  gather_rows: bool) -> None:
+    assert compiled[f"shrink:{int(gather_rows)}"]["pdl_launch"]
 
 
 @pytest.mark.parametrize("gather_rows", [False, True])
-def test_expand_compiles_for_sm90(gather_rows: bool) -> None:
+def test_expand_compiles_for_sm90(compiled: dict[str, dict[str, object]],
+                                  gather_rows: bool) -> None:
     """The expand's dot is tf32 on the float32 sums and B widened to float32 (m16n8k8)."""
-    out = _compile("expand", gather_rows)
+    out = compiled[f"expand:{int(gather_rows)}"]
     assert out["pdl_wait"]
     kinds = " ".join(out["mma"])  # type: ignore[arg-type]
     assert "tf32" in kinds and "f32.f16.f16.f32" not in kinds, kinds

@@ -7,19 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.services.dataplane.http_support import (
-    SHARED_STACK_WORKER_ARGS,
-    HttpStack,
-    http_stack,
-)
+if TYPE_CHECKING:  # imported by the fixture: the xdist controller runs no test (nor torch)
+    from tests.services.dataplane.http_support import HttpStack
 
 
 @pytest.fixture(scope="session")
 def shared_http_stack(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory
                       ) -> Iterator[HttpStack]:
+    from tests.services.dataplane.http_support import SHARED_STACK_WORKER_ARGS, http_stack
+
     with http_stack(demo_dir, tmp_path_factory.mktemp("http"),
                     worker_args=SHARED_STACK_WORKER_ARGS) as running:
         yield running

@@ -5,6 +5,7 @@ captures after steps have run no longer read the last step's inputs."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -47,7 +48,9 @@ def _churn_engine(demo_dir: Path, num_names: int, **kw) -> LLMEngine:
     engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(**kw))
     dirs = _adapter_dirs(demo_dir)
     for i in range(num_names):
-        own = _own_copy(dirs[i % len(dirs)], demo_dir / "distinct-adapters", f"a{i}")
+        # Beside demo_dir, not in it: the demo assets are shared read-only (tests/conftest.py).
+        own = _own_copy(dirs[i % len(dirs)], demo_dir.parent / f"distinct-adapters-{os.getpid()}",
+                        f"a{i}")
         engine.register_adapter(f"a{i}", own, preload=False)
     return engine
 
