@@ -100,7 +100,7 @@ def hf_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, Any]]:
 # pyproject's addopts run the suite on two xdist workers with `--dist loadfile`, which the
 # scheduler below refines: a work unit is a test module, or a group of modules that share one
 # session fixture (XDIST_GROUPS), so a module's or a group's stack starts once; and units are
-# handed out longest first (UNIT_SECONDS: measured on the 2-core CI machine, one process;
+# handed out longest first (UNIT_SECONDS: seconds on the 2-core CI machine in a 2-worker run;
 # unknown modules count half a second a test), so no long module is left to run alone at the
 # end. The seconds only order the work: a stale number costs time, not results.
 # (xdist's own xdist_group marker does not group under pytest 9: it rewrites a nodeid that
@@ -112,23 +112,34 @@ XDIST_GROUPS = {
     "tests/services/security/test_stack_hops.py": "http_stack",
 }
 UNIT_SECONDS = {
-    "tests/test_static_checks.py": 85,  # mypy with a cold cache
-    "tests/test_readme_examples.py": 80,
-    "http_stack": 70,
-    "tests/services/dataplane/test_stack_e2e.py": 62,
-    "tests/kernels/test_sm90_compile.py": 50,
-    "tests/services/dataplane/test_gateway_processes.py": 40,
-    "tests/services/dataplane/test_http_errors.py": 40,
-    "tests/slora_core/test_tensor_parallel.py": 40,
-    "tests/slora_core/test_tp_keepalive.py": 37,
-    "tests/services/dataplane/test_worker_faults.py": 37,
-    "tests/slora_core/test_lora_merge.py": 35,
-    "tests/services/security/test_tls.py": 32,
-    "tests/services/dataplane/test_rollout_e2e.py": 30,
-    "tests/services/dataplane/test_worker_process.py": 27,
-    "tests/services/dataplane/test_adapter_manager.py": 23,
-    "tests/services/dataplane/test_tensor_parallel_core.py": 20,
-    "tests/slora_core/test_process.py": 16,
+    "tests/test_static_checks.py": 80,  # mypy with a cold cache (a fresh clone)
+    "tests/test_readme_examples.py": 63,
+    "tests/services/dataplane/test_stack_e2e.py": 51,
+    "tests/services/dataplane/test_worker_process.py": 38,
+    "http_stack": 35,
+    "tests/kernels/test_lora.py": 31,
+    "tests/services/dataplane/test_gateway_processes.py": 30,
+    "tests/slora_core/test_tensor_parallel.py": 27,
+    "tests/slora_core/test_tp_keepalive.py": 27,
+    "tests/kernels/test_sm90_compile.py": 21,
+    "tests/kernels/test_lora_variants.py": 21,
+    "tests/services/dataplane/test_rollout_e2e.py": 19,
+    "tests/services/dataplane/test_http_errors.py": 18,
+    "tests/bench/test_serving_release.py": 16,
+    "tests/services/dataplane/test_worker_faults.py": 14,
+    "tests/slora_core/test_tp_diagnostics.py": 12,
+    "tests/services/dataplane/test_adapter_manager.py": 12,
+    "tests/services/control_plane/test_registry_concurrency.py": 11,
+    "tests/kernels/test_paged_attention.py": 11,
+    "tests/services/control_plane/test_registry_s3.py": 11,
+    "tests/slora_core/test_structured_engine.py": 10,
+    "tests/services/dataplane/test_tensor_parallel_core.py": 10,
+    "tests/test_packaging.py": 10,
+    "tests/kernels/test_graph_tile_lists.py": 10,
+    "tests/services/security/test_tls.py": 10,
+    "tests/test_readme_table.py": 10,
+    "tests/services/control_plane/test_admin_cli.py": 9,
+    "tests/slora_core/test_process.py": 8,
 }
 
 
