@@ -221,16 +221,18 @@ def _chat_waves() -> list[list[tuple[str, list[int], str | None]]]:
 
 @pytest.mark.slow
 def test_outputs_with_the_cache_equal_outputs_without_it(demo_dir: Path) -> None:
-    """Shared-prefix turns over the base model and three adapters: token ids and logprobs
-    with the cache equal those without it (float32 on the CPU), and later turns report the
-    tokens they found cached."""
+    """Shared-prefix turns over the base model and three adapters: token ids with the cache
+    equal those without it and logprobs agree to 1e-5 (float32 on the CPU), and later turns
+    report the tokens they found cached."""
     on = _engine(demo_dir, True)
     off = _engine(demo_dir, False)
     got, ref = _waves(on, _chat_waves()), _waves(off, _chat_waves())
     assert sorted(got) == sorted(ref)
     for rid, (ids, lps, _) in ref.items():
         assert got[rid][0] == ids, rid
-        assert got[rid][1] == lps, rid
+        # A cached prefix is not recomputed: the rest's attention sums in another order, so
+        # float32 logprobs may differ in the last bits (seen: 2.4e-7 on t3-1).
+        assert got[rid][1] == pytest.approx(lps, rel=0, abs=1e-5), rid
     assert all(ref[rid][2] == 0 for rid in ref)
     assert all(got[f"t1-{i}"][2] == 0 for i in range(4))  # nothing cached yet
     assert all(got[f"t2-{i}"][2] == 32 for i in range(4))  # the first turn's 2 full pages
