@@ -115,12 +115,12 @@ UNIT_SECONDS = {
     "tests/test_static_checks.py": 80,  # mypy with a cold cache (a fresh clone)
     "tests/test_readme_examples.py": 63,
     "tests/services/dataplane/test_stack_e2e.py": 51,
+    "tests/slora_core/test_tp_keepalive.py": 47,  # sleeps mostly
     "tests/services/dataplane/test_worker_process.py": 38,
     "http_stack": 35,
     "tests/kernels/test_lora.py": 31,
     "tests/services/dataplane/test_gateway_processes.py": 30,
     "tests/slora_core/test_tensor_parallel.py": 27,
-    "tests/slora_core/test_tp_keepalive.py": 27,
     "tests/kernels/test_sm90_compile.py": 21,
     "tests/kernels/test_lora_variants.py": 21,
     "tests/services/dataplane/test_rollout_e2e.py": 19,
