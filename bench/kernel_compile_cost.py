@@ -107,12 +107,47 @@ def float32_variants() -> list[tuple[str, Any, dict[str, Any], int]]:
     return out
 
 
+def threads_round(kernels: list[tuple[str, Any, dict[str, Any], int]], threads: int,
+                  float32: bool) -> dict[str, float]:
+    """Compile `kernels` once one after another and once on `threads` threads, each round in a
+    fresh Triton cache (so both compile): the wall seconds of each, as slora_core.precompile
+    compiles a start-up's kernels (Triton's passes and ptxas run outside the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile_one(k: tuple[str, Any, dict[str, Any], int]) -> float:
+        return float(compile_cost(k[1], k[2], k[3], float32=float32)["seconds"])
+
+    out: dict[str, float] = {}
+    for name, workers in (("sequential_s", 1), ("threads_s", threads)):
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-compile-cost-")
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            out[name.replace("_s", "_sum_s")] = sum(pool.map(compile_one, kernels))
+        out[name] = time.perf_counter() - t0
+    out["ratio"] = out["threads_s"] / out["sequential_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--float32", action="store_true",
                     help="the tile kernels of a float32 model, at both tile tables")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="instead: the variants compiled one after another, then on N threads")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.threads:
+        kernels = float32_variants() if args.float32 else variants()
+        timing = threads_round(kernels, args.threads, args.float32)
+        print(timing, flush=True)
+        result = {**run_record(["bench.kernel_compile_cost", *(argv or sys.argv[1:])]),
+                  "target": "cuda sm_90 (ahead of time, this machine's CPU)",
+                  "triton": triton.__version__, "cpus": os.cpu_count(),
+                  "kernels": [k[0] for k in kernels], "threads": args.threads, **timing}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     rows: dict[str, Any] = {}
     for name, fn, consts, warps in float32_variants() if args.float32 else variants():
         cost = compile_cost(fn, consts, warps, float32=args.float32)
