@@ -37,6 +37,20 @@ def _dtype_twin(item: pytest.Item) -> tuple[Any, ...]:
     return (item.path, getattr(item, "originalname", item.name), rest)
 
 
+def mark_by_need(item: pytest.Item) -> None:
+    """The markers a test's needs imply, so `-m` selects by them: `gpu` and `docker` (a skipif
+    whose reason names CUDA or the GPU, or docker) and `postgres` (a case parametrized with the
+    "postgresql" backend)."""
+    reasons = " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+    if "CUDA" in reasons or "GPU" in reasons:
+        item.add_marker(pytest.mark.gpu)
+    if "docker" in reasons:
+        item.add_marker(pytest.mark.docker)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "postgresql" in [v for v in params.values() if isinstance(v, str)]:
+        item.add_marker(pytest.mark.postgres)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under the Triton interpreter a kernel case costs seconds, and each runs in float32 and
@@ -46,6 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Also checks that the modules sharing a group's fixture are in its group (XDIST_GROUPS)."""
     import torch
 
+    for item in items:
+        mark_by_need(item)
     kernels = [i for i in items if KERNEL_TESTS in i.path.parents]
     with_fp16 = {_dtype_twin(i) for i in kernels if _dtype(i) is torch.float16}
     for item in kernels:
