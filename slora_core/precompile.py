@@ -6,7 +6,9 @@ on the H200 (worker-startup-h200.json). Start-up now runs every forward it is ab
 once with Triton's `jit_cache_hook` recording each specialization that is not compiled yet and
 skipping its launch (nothing runs, nothing compiles), then compiles what was recorded on a
 thread pool under Triton's `AsyncCompileMode` (the MLIR and LLVM passes and ptxas run outside
-the GIL), and captures as before, every kernel now in memory or in the on-disk cache.
+the GIL: eight kernels in 0.57x the time on two threads of a 2-core CPU,
+kernel-compile-threads-cpu.json), and captures as before, every kernel now in memory or in the
+on-disk cache.
 
     with MissingKernels() as missing:
         for forward in forwards:
