@@ -2,7 +2,7 @@
 `model-agreement` run the two parts; this module is what they call):
 
   A  the GPU-only pytest tests (the ones a CPU skips: full-size kernels, CUDA model and ops, the
-     compiled-variant count) and the rest of tests/kernels compiled (TRITON_INTERPRET=0), split
+     compiled-variant count) and the rest of tests/kernel_tests compiled (TRITON_INTERPRET=0), split
      over --shards pytest processes, beside bench.gpu_numerics (massive activations, fp16/bf16
      vs HF, the non-finite guard). Triton compiles each kernel variant in the calling process,
      one at a time; one process ran 114 of the ~150 tests in 250 s.
@@ -18,7 +18,7 @@ a limited number of files; the loose copies are removed).
 CPU smoke run (toy sizes; kernel tests in the Triton interpreter):
     TRITON_INTERPRET=1 python -m bench.gpu_checks A B --out /tmp/out --shards 2 \\
         --device-args "--device cpu --tiny" --shapes tiny-mha tiny-gqa \\
-        --pytest-paths tests/kernels/test_fused.py tests/slora_core/test_ops.py
+        --pytest-paths tests/kernel_tests/test_fused.py tests/slora_core/test_ops.py
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import pytest
 
 from bench.run_record import commit_id
 
-PYTEST_PATHS = ["tests/kernels", "tests/slora_core/test_ops.py", "tests/slora_core/test_model.py",
+PYTEST_PATHS = ["tests/kernel_tests", "tests/slora_core/test_ops.py", "tests/slora_core/test_model.py",
                 "tests/slora_core/test_nonfinite_guard.py",
                 "tests/slora_core/test_graph_capture.py", "tests/slora_core/test_lora_merge.py"]
 SHAPES = ["llama2-7b", "llama3-8b"]

@@ -87,7 +87,7 @@ def tp(part: str, limit_s: int, *args: str, **env: str) -> Step:
 SUITES: dict[str, tuple[Step, ...]] = {
     # ---- kernels ---------------------------------------------------------------------------
     "kernels": (step("kernel-tests", 240, "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                     "slow or not slow", "--durations=5", "tests/kernels",
+                     "slow or not slow", "--durations=5", "tests/kernel_tests",
                      "tests/slora_core/test_ops.py"),
                 step("kernels", 320, "bench.kernels", "--out", OUT("kernels"))),
     "lora-grid": (step("grid", 150, "bench.kernels_lora_grid", "--variants",

@@ -9,7 +9,7 @@ import os
 
 # Kernel tests run the Triton kernels on the CPU interpreter unless TRITON_INTERPRET=0 is set
 # (on a GPU machine). Triton reads the variable when a kernel is decorated, so it is set here,
-# in the first conftest pytest loads: a test module collected before tests/kernels (tests/bench
+# in the first conftest pytest loads: a test module collected before tests/kernel_tests (tests/bench
 # imports bench scripts that import `kernels`) would otherwise fix every kernel as compiled,
 # and the CPU tests then fail with "Cannot call @triton.jit'd outside of the scope of a kernel".
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,7 +23,7 @@ import pytest
 if TYPE_CHECKING:
     from tests.model_support import PagedKV
 
-KERNEL_TESTS = Path(__file__).resolve().parent / "kernels"
+KERNEL_TESTS = Path(__file__).resolve().parent / "kernel_tests"
 
 
 def _dtype(item: pytest.Item) -> Any:
@@ -54,7 +54,7 @@ def mark_by_need(item: pytest.Item) -> None:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under the Triton interpreter a kernel case costs seconds, and each runs in float32 and
-    float16 (tests/kernels/helpers.py DTYPES). The default run keeps the float16 case, the
+    float16 (tests/kernel_tests/helpers.py DTYPES). The default run keeps the float16 case, the
     dtype GPUs serve; its float32 twin, the same kernel code at another width, is marked slow
     (`pytest -m slow` runs it). A case without a float16 twin stays in the default run.
     Also checks that the modules sharing a group's fixture are in its group (XDIST_GROUPS)."""
@@ -134,11 +134,11 @@ UNIT_SECONDS = {
     "tests/slora_core/test_tp_keepalive.py": 47,  # sleeps mostly
     "tests/services/dataplane/test_worker_process.py": 38,
     "http_stack": 35,
-    "tests/kernels/test_lora.py": 31,
+    "tests/kernel_tests/test_lora.py": 31,
     "tests/services/dataplane/test_gateway_processes.py": 30,
     "tests/slora_core/test_tensor_parallel.py": 27,
-    "tests/kernels/test_sm90_compile.py": 21,
-    "tests/kernels/test_lora_variants.py": 21,
+    "tests/kernel_tests/test_sm90_compile.py": 21,
+    "tests/kernel_tests/test_lora_variants.py": 21,
     "tests/services/dataplane/test_rollout_e2e.py": 19,
     "tests/services/dataplane/test_http_errors.py": 18,
     "tests/bench/test_serving_release.py": 16,
@@ -146,12 +146,12 @@ UNIT_SECONDS = {
     "tests/slora_core/test_tp_diagnostics.py": 12,
     "tests/services/dataplane/test_adapter_manager.py": 12,
     "tests/services/control_plane/test_registry_concurrency.py": 11,
-    "tests/kernels/test_paged_attention.py": 11,
+    "tests/kernel_tests/test_paged_attention.py": 11,
     "tests/services/control_plane/test_registry_s3.py": 11,
     "tests/slora_core/test_structured_engine.py": 10,
     "tests/services/dataplane/test_tensor_parallel_core.py": 10,
     "tests/test_packaging.py": 10,
-    "tests/kernels/test_graph_tile_lists.py": 10,
+    "tests/kernel_tests/test_graph_tile_lists.py": 10,
     "tests/services/security/test_tls.py": 10,
     "tests/test_readme_table.py": 10,
     "tests/services/control_plane/test_admin_cli.py": 9,

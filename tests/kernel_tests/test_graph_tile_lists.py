@@ -17,7 +17,7 @@ from slora_core.step_inputs import build_step_inputs
 from slora_kernels.lora import add_lora_triton
 from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M
 from slora_kernels.lora_reference import add_lora_reference
-from tests.kernels.helpers import rel_err
+from tests.kernel_tests.helpers import rel_err
 
 QKV = (0, 1, 2)
 

@@ -12,7 +12,7 @@ from slora_kernels.lora_meta import ROW_BLOCK_M
 from slora_kernels.lora_reference import add_lora_reference
 from slora_kernels.lora_rows import RowTiles
 from slora_kernels.lora_shrink import lora_shrink
-from tests.kernels.helpers import (
+from tests.kernel_tests.helpers import (
     DEVICE,
     DTYPES,
     ON_GPU,

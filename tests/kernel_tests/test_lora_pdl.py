@@ -19,7 +19,7 @@ from slora_kernels.lora_common import pdl_supported
 from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M
 from slora_kernels.lora_reference import add_lora_reference
 from slora_kernels.lora_rows import RowTiles
-from tests.kernels.helpers import (
+from tests.kernel_tests.helpers import (
     DEVICE,
     ON_GPU,
     TOLERANCE,

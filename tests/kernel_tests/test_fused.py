@@ -10,7 +10,7 @@ from slora_kernels.fused_reference import rms_norm_reference, rotary_reference, 
 from slora_kernels.rmsnorm import rms_norm_triton
 from slora_kernels.rotary import rotary_triton
 from slora_kernels.silu_mul import silu_mul_triton
-from tests.kernels.helpers import DEVICE, DTYPES, TOLERANCE, generator, randn, rel_err
+from tests.kernel_tests.helpers import DEVICE, DTYPES, TOLERANCE, generator, randn, rel_err
 
 
 def _rms64(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ from slora_kernels.lora import DECODE_TILES, add_lora_triton, pick_split, split_
 from slora_kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 from slora_kernels.lora_reference import add_lora_reference
 from slora_kernels.lora_shrink import lora_shrink
-from tests.kernels.helpers import (
+from tests.kernel_tests.helpers import (
     DEVICE,
     DTYPES,
     TOLERANCE,

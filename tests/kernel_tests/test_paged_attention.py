@@ -11,7 +11,7 @@ import torch
 from slora_kernels.attention_reference import paged_attention_reference, write_kv_reference
 from slora_kernels.paged_attention import AttentionTiles, paged_attention_triton
 from slora_kernels.write_kv import write_kv_triton
-from tests.kernels.helpers import DEVICE, DTYPES, ON_GPU, TOLERANCE, generator, randn, rel_err
+from tests.kernel_tests.helpers import DEVICE, DTYPES, ON_GPU, TOLERANCE, generator, randn, rel_err
 
 
 @dataclass

@@ -18,9 +18,9 @@ from slora_kernels.paged_attention import paged_attention_triton
 from slora_kernels.rmsnorm import rms_norm_triton
 from slora_kernels.rotary import rotary_triton
 from slora_kernels.silu_mul import silu_mul_triton
-from tests.kernels.helpers import DEVICE, DTYPES, TOLERANCE, build_lora_case, generator, randn
-from tests.kernels.helpers import rel_err as _rel_err
-from tests.kernels.test_paged_attention import build_case
+from tests.kernel_tests.helpers import DEVICE, DTYPES, TOLERANCE, build_lora_case, generator, randn
+from tests.kernel_tests.helpers import rel_err as _rel_err
+from tests.kernel_tests.test_paged_attention import build_case
 
 MASSIVE = (5, 77, 100)  # channels
 

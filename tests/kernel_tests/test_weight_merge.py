@@ -10,7 +10,7 @@ import torch
 
 from slora_kernels.jit_stats import compiled_kernel_variants
 from slora_kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta, warm_up
-from tests.kernels.helpers import ON_GPU, generator, randn
+from tests.kernel_tests.helpers import ON_GPU, generator, randn
 
 # 16-bit weights only; the interpreter computes bf16 wrongly, so bf16 runs on the GPU only.
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
