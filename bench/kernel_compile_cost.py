@@ -89,13 +89,13 @@ def float32_variants() -> list[tuple[str, Any, dict[str, Any], int]]:
     models' tile table and with float32's own (slora_kernels.lora.*_TILES_F32)."""
     from slora_kernels import lora
 
+    common = {"MAX_RANK": 64, "DOT_PRECISION": "ieee", "BLOCK_R": 64, "RANK_BUCKETS": True,
+              "GATHER_ROWS": False}
     out: list[tuple[str, Any, dict[str, Any], int]] = []
     for name, tiles in (("decode_16bit_tiles", lora.DECODE_TILES),
                         ("decode_f32_tiles", lora.DECODE_TILES_F32),
                         ("prefill_16bit_tiles", lora.PREFILL_TILES),
                         ("prefill_f32_tiles", lora.PREFILL_TILES_F32)):
-        common = {"MAX_RANK": 64, "DOT_PRECISION": "ieee", "BLOCK_R": 64, "RANK_BUCKETS": True,
-                  "GATHER_ROWS": False}
         out += [(f"{name}_shrink", lora_shrink._lora_shrink_kernel,
                  {**common, "BLOCK_M": tiles.shrink_block_m, "BLOCK_K": tiles.shrink_block_k,
                   "LAUNCH_DEPENDENTS": False},

@@ -39,7 +39,6 @@ from devtools.demo_stack import (
     wait_until_routable,
 )
 from services.common.hop_auth import GATEWAY_HEADER
-from services.common.processes import wait_serving
 from services.control_plane.api.client import AdminClient
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
@@ -320,8 +319,7 @@ def main() -> int:
         token = publish_demo_adapters(AdminClient.connect(stack.cp_address, stack.admin_token),
                                       demo.root)
         # A 7B worker reads ~13 GB and compiles its kernels (no compile cache here) first.
-        worker = stack.start_worker("worker-0", wait=False)
-        wait_serving(stack.worker_addresses["worker-0"], worker, timeout_s=300)
+        stack.start_worker("worker-0", wait_s=300)
         stack.start_gateway(processes=args.gateway_procs)
         wait_until_routable(stack.gateway_addresses["gateway"], token, names, timeout_s=120)
         print(f"stack routable {time.perf_counter() - t0:.1f} s after the start", flush=True)

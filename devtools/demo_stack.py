@@ -112,7 +112,7 @@ class Stack:
         return self.control_plane
 
     def start_worker(self, name: str, wait: bool = True, extra: Sequence[str] = (),
-                     env: Mapping[str, str] | None = None) -> Child:
+                     env: Mapping[str, str] | None = None, wait_s: float = 120.0) -> Child:
         address = f"{self.config.host}:{free_port()}"
         # Each worker gets its own credential: the cluster token alone makes no one a worker.
         credential = mint_with_database(self.db_url, name, base_model=BASE_MODEL)
@@ -124,7 +124,7 @@ class Stack:
             {**self.env_for("worker"), WORKER_CREDENTIAL_ENV: credential, **(env or {})})
         self.workers[name], self.worker_addresses[name] = child, address
         if wait:
-            wait_serving(address, child, timeout_s=120)
+            wait_serving(address, child, timeout_s=wait_s)
         return child
 
     def start_gateway(self, name: str = "gateway", wait: bool = True, processes: int = 1,

@@ -97,23 +97,11 @@ class _StepGraphs:
                 for tiles in (self._tile_caps(bucket) if modules else [0])
                 if (bucket, modules, tiles) not in self.graphs]
 
-    def capture_all(self, modules: frozenset[int]) -> None:
-        """Capture every bucket for one LoRA module set now (start-up), so no request waits for
-        a capture later. An empty set captures the base-model (no LoRA) graphs."""
-        with torch.inference_mode():
-            # The warm-up forwards before each capture really run, on whatever the buffers
-            # hold. After steps have run (warmup() called on a serving engine, as bench.churn
-            # and the worker do to add LoRA graphs), that is the last step's inputs: query
-            # starts, logits rows and LoRA tiles up to its token count, past a smaller bucket's
-            # rows, and KV slots of pages reused since. Issue 15's illegal memory access.
-            self.reset_buffers()
-            for key in self.missing(modules):
-                self._capture(*key)
-
     def defer(self, modules: frozenset[int]) -> list[GraphKey]:
-        """Queue the graphs `capture_all(modules)` would capture, in its order, for
-        `capture_deferred` to take one at a time between steps; meanwhile a step whose graph
-        is queued runs the padded step eagerly (the inputs the replay would read, as
+        """Queue the graphs of one LoRA module set not captured yet (an empty set: the
+        base-model graphs), largest bucket first, for `capture_deferred` to take one at a time
+        (all at start-up: LLMEngine.warmup; between steps when serving); meanwhile a step whose
+        graph is queued runs the padded step eagerly (the inputs the replay would read, as
         `run_padded_eager`) instead of capturing it on the spot. Returns the keys queued."""
         keys = [k for k in self.missing(modules) if k not in self.deferred]
         self.deferred += keys
@@ -123,7 +111,13 @@ class _StepGraphs:
         """Capture a queued graph now (between steps) and take it off the queue."""
         if key not in self.graphs:
             with torch.inference_mode():
-                self.reset_buffers()  # the last step's inputs: see capture_all
+                # The warm-up forwards before the capture really run, on whatever the buffers
+                # hold. After steps have run (warmup() called on a serving engine, as bench.churn
+                # and the worker do to add LoRA graphs), that is the last step's inputs: query
+                # starts, logits rows and LoRA tiles up to its token count, past a smaller
+                # bucket's rows, and KV slots of pages reused since. Issue 15's illegal memory
+                # access.
+                self.reset_buffers()
                 self._capture(*key)
         self.deferred.remove(key)  # after the capture: should it fail, its steps stay eager
 

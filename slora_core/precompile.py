@@ -114,8 +114,9 @@ def precompile_graphs(queue: Sequence[tuple[GraphSet, Any]], workers: int | None
     if not queue:
         return 0.0
     t0 = time.perf_counter()
+    missing = MissingKernels()
     try:
-        with MissingKernels() as missing:
+        with missing:
             for graphs, key in queue:
                 graphs.dry_forward(key)
     except Exception:  # an optimisation only: the captures compile whatever is left

@@ -131,10 +131,11 @@ def warmup_request(engine: AnyEngine, vocab: int) -> float:
 
 def warm_up(engine: AnyEngine, profile: StartupProfile, vocab: int,
             graphs_in_background: bool = False) -> None:
-    """Make the engine ready to serve: its CUDA graphs (CUDA only; base and LoRA, each bucket
-    `max_num_seqs` and `max_num_batched_tokens` allow) captured one `graph_capture` record a
-    graph, after the kernels they launch were compiled side by side (`precompile`), then a request served end to end (`warmup`: it compiles, or reads from the compile
-    cache, the kernels its steps launch). With `graphs_in_background` the graphs are only
+    """Make the engine ready to serve: the kernels its CUDA graphs launch compiled side by side
+    (`precompile`), the graphs (CUDA only; base and LoRA, each bucket `max_num_seqs` and
+    `max_num_batched_tokens` allow) captured one `graph_capture` record a graph, then a
+    request served end to end (`warmup`: it compiles, or reads from the compile cache, the
+    kernels its steps launch). With `graphs_in_background` the graphs are only
     queued (BackgroundGraphs captures them while the engine serves) and the warm-up request
     runs eagerly."""
     if isinstance(engine, LLMEngine) and engine.runner.graphs is not None:

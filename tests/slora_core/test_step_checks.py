@@ -153,8 +153,8 @@ def _first_big_step(engine: LLMEngine):
 def test_capture_after_steps_reads_no_stale_step_inputs(demo_dir, kind):
     """Issue 15's crash: warmup() after steps had run (bench.churn's disk engine, coldttft)
     captured graphs whose warm-up forwards read the last step's query starts, logits rows and
-    LoRA tiles, past a smaller bucket's rows. capture_all now starts from inert buffers; the
-    stale ones fail the checks."""
+    LoRA tiles, past a smaller bucket's rows. Each queued capture now starts from inert
+    buffers; the stale ones fail the checks."""
     engine = _churn_engine(demo_dir, 3, num_pages=256, block_size=64, max_num_seqs=8,
                            max_num_batched_tokens=160)
     runner = engine.runner
@@ -183,7 +183,8 @@ def test_capture_after_steps_reads_no_stale_step_inputs(demo_dir, kind):
         checked.append(bucket)
 
     graphs._capture = fake_capture  # type: ignore[method-assign]
-    graphs.capture_all(modules)
+    for key in graphs.defer(modules):
+        graphs.capture_deferred(key)
     assert small in checked and len(checked) >= len(graphs.buckets)
 
 
