@@ -39,6 +39,7 @@ TRITON_SUBDIR = "triton"
 # Folders of other keys kept beside the current one (an image rolled back to the previous
 # driver or kernels finds its binaries); older ones are removed.
 KEEP_OTHER_KEYS = 3
+KEEP_WARMUPS = 16  # warm-up digests a manifest remembers (CompileCache.holds)
 # Bump when the folder layout or the manifest's meaning changes.
 LAYOUT_VERSION = 1
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "slora_kernels"
@@ -241,6 +242,23 @@ class CompileCache:
         """Note facts of this start in the manifest (kernels compiled, found, seconds)."""
         with _locked(self.root):
             self._write_manifest(last_start=facts)
+
+    def holds(self, warmup: str) -> bool:
+        """Whether a start of this folder compiled every kernel of `warmup` (a digest of what
+        a warm-up launches: warmup_digest) before, so its binaries are here."""
+        return warmup in self.manifest().get("warmups", [])
+
+    def note_warmup(self, warmup: str) -> None:
+        """Record that this folder now holds every kernel `warmup` launches (holds)."""
+        with _locked(self.root):
+            known = [w for w in self.manifest().get("warmups", []) if w != warmup]
+            self._write_manifest(warmups=[*known, warmup][-KEEP_WARMUPS:])
+
+
+def warmup_digest(*parts: Any) -> str:
+    """A digest of what decides the kernels a warm-up compiles (the model's shape and dtype,
+    the engine's settings, the graphs queued), for CompileCache.holds."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 _LISTENER_LOCK = threading.Lock()

@@ -22,7 +22,7 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge
 
 from services.worker import core_protocol as m
-from slora_core.compile_cache import CompileCache, CompileStats
+from slora_core.compile_cache import CompileCache, CompileStats, warmup_digest
 from slora_core.config import EngineConfig, ModelConfig
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
@@ -102,8 +102,9 @@ def start_timed(model_dir: Path, config: EngineConfig, compile_cache_dir: Path |
     if compile_cache_dir is not None:
         cache, profile.stats = open_compile_cache(compile_cache_dir, config)
     engine = build_engine(model_dir, config, profile)
-    warm_up(engine, profile, ModelConfig.from_hf_dir(model_dir).vocab_size,
-            graphs_in_background)
+    model_config = ModelConfig.from_hf_dir(model_dir)
+    warm_up(engine, profile, model_config.vocab_size, graphs_in_background, cache,
+            warmup_digest(model_config, config))
     if cache is not None:
         compiled, hits, compile_s = profile.compile_totals()
         cache.record(compiled=compiled, cache_hits=hits, compile_s=round(compile_s, 3),
@@ -130,22 +131,34 @@ def warmup_request(engine: AnyEngine, vocab: int) -> float:
 
 
 def warm_up(engine: AnyEngine, profile: StartupProfile, vocab: int,
-            graphs_in_background: bool = False) -> None:
+            graphs_in_background: bool = False, cache: CompileCache | None = None,
+            digest: str = "") -> None:
     """Make the engine ready to serve: the kernels its CUDA graphs launch compiled side by side
     (`precompile`), the graphs (CUDA only; base and LoRA, each bucket `max_num_seqs` and
     `max_num_batched_tokens` allow) captured one `graph_capture` record a graph, then a
     request served end to end (`warmup`: it compiles, or reads from the compile cache, the
     kernels its steps launch). With `graphs_in_background` the graphs are only
     queued (BackgroundGraphs captures them while the engine serves) and the warm-up request
-    runs eagerly."""
+    runs eagerly.
+
+    `digest` (warmup_digest of the model's and the engine's configuration) names this
+    warm-up in the compile `cache`: when an earlier start of the same digest captured every
+    graph, the kernels are all on disk and the precompile is skipped (its dry forwards and
+    threaded loads cost 6.6 s of a warm 7B start on the H200, worker-startup-h200.json, while
+    the captures load the binaries themselves). Wrong only in speed: a kernel missing from
+    the folder compiles in its capture."""
     if isinstance(engine, LLMEngine) and engine.runner.graphs is not None:
         engine.warmup(True, background=True)
         if not graphs_in_background:
-            with profile.phase("precompile"):
-                engine.precompile_queued()
+            known = bool(digest) and cache is not None and cache.holds(digest)
+            if not known:
+                with profile.phase("precompile"):
+                    engine.precompile_queued()
             graphs = BackgroundGraphs(engine, profile.stats)
             while graphs.pending:
                 profile.records.append(graphs.capture_next(background=False))
+            if digest and cache is not None and not graphs.failed and not known:
+                cache.note_warmup(digest)
     with profile.phase("warmup"):
         warmup_request(engine, vocab)
         _sync(engine.config)

@@ -14,12 +14,14 @@ import pytest
 
 from slora_core.compile_cache import (
     KEEP_OTHER_KEYS,
+    KEEP_WARMUPS,
     TRITON_SUBDIR,
     CacheKey,
     CompileCache,
     CompileStats,
     current_key,
     kernel_source_digest,
+    warmup_digest,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,6 +115,29 @@ def test_manifest_counts_starts_and_records_facts(tmp_path: Path) -> None:
     m = cache.manifest()
     assert m["starts"] == 2 and m["last_start"] == {"compiled": 3, "cache_hits": 0}
     assert CacheKey.from_dict(m["key"]) == KEY
+
+
+def test_a_warmup_is_held_once_noted_and_forgotten_with_the_folder(tmp_path: Path) -> None:
+    cache = CompileCache.open(tmp_path, key=KEY)
+    assert not cache.holds("w1")
+    cache.note_warmup("w1")
+    cache.record(compiled=0, cache_hits=5)  # later facts keep the note
+    reopened = CompileCache.open(tmp_path, key=KEY)
+    assert reopened.holds("w1") and not reopened.holds("w2")
+    for i in range(KEEP_WARMUPS):  # the oldest notes go first
+        reopened.note_warmup(f"x{i}")
+    assert not reopened.holds("w1") and reopened.holds(f"x{KEEP_WARMUPS - 1}")
+    reopened.manifest_path.write_text("{not json")  # a folder not trusted forgets its notes
+    assert not CompileCache.open(tmp_path, key=KEY).holds(f"x{KEEP_WARMUPS - 1}")
+
+
+def test_warmup_digest_follows_every_setting() -> None:
+    from slora_core.config import EngineConfig
+
+    base = warmup_digest("model", EngineConfig())
+    assert base == warmup_digest("model", EngineConfig())
+    assert base != warmup_digest("model", EngineConfig(max_num_seqs=32))
+    assert base != warmup_digest("other model", EngineConfig())
 
 
 def test_old_keys_are_pruned(tmp_path: Path) -> None:

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.startup import BackgroundGraphs
+from services.worker.startup import BackgroundGraphs, warm_up
+from slora_core.compile_cache import CacheKey, CompileCache
 from slora_core.config import EngineConfig
 from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
+from slora_core.startup_profile import StartupProfile
 
 SEQS, TOKENS = 4, 32
 
@@ -109,6 +111,32 @@ def test_queue_is_captured_one_graph_at_a_time(demo_dir: Path,
     decode, mixed = engine.runner.graphs, engine.runner.mixed
     assert decode is not None and mixed is not None
     assert len(decode.graphs) + len(mixed.graphs) == queued
+
+
+@pytest.mark.slow
+def test_a_warmup_the_cache_holds_skips_the_precompile(demo_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first start of a digest precompiles, captures and notes it; the next start of the
+    same digest captures every graph without the precompile, another digest precompiles."""
+    key = CacheKey(device="cpu", driver="", cuda="", triton="t", torch="t", python="p",
+                   kernels="k" * 64)
+    from services.worker import startup
+
+    # The fake captures replay nothing, so the start's one real request is not served here.
+    monkeypatch.setattr(startup, "warmup_request", lambda engine, vocab: 0.0)
+    starts = []
+    with fake_capture(monkeypatch):
+        for digest in ("d1", "d1", "d2"):
+            engine = engine_with_graphs(demo_dir, graphs=True)
+            profile = StartupProfile()
+            warm_up(engine, profile, 512, cache=CompileCache.open(tmp_path, key=key),
+                    digest=digest)
+            assert engine.graphs_pending() == 0
+            starts.append([r.name for r in profile.records])
+    assert [names.count("precompile") for names in starts] == [1, 0, 1]
+    assert all(names.count("graph_capture") == starts[0].count("graph_capture") > 0
+               for names in starts)
+    assert CompileCache.open(tmp_path, key=key).holds("d2")
 
 
 def test_a_failed_capture_leaves_the_rest_eager(demo_dir: Path,
