@@ -347,6 +347,7 @@ def rows() -> list[str]:
                        ("prefix-cache-h200.json", prefix_rows),
                        ("structured-output-h200.json", structured_rows),
                        ("distinct-adapters-h200.json", distinct_rows),
+                       ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
         path = RESULTS / name
