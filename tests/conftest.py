@@ -128,7 +128,7 @@ XDIST_GROUPS = {
     "tests/services/security/test_stack_hops.py": "http_stack",
 }
 UNIT_SECONDS = {
-    "tests/test_static_checks.py": 80,  # mypy with a cold cache (a fresh clone)
+    "tests/test_static_checks.py": 45,  # mypy with a cold cache (a fresh clone)
     "tests/test_readme_examples.py": 63,
     "tests/services/dataplane/test_stack_e2e.py": 51,
     "tests/slora_core/test_tp_keepalive.py": 47,  # sleeps mostly
