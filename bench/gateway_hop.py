@@ -149,16 +149,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measured(run: Any, pids: dict[str, int]) -> dict[str, Any]:
-    """`run()`'s summary plus each process's CPU seconds per 1,000 tokens delivered."""
-    before = {k: cpu_seconds(p) for k, p in pids.items()}
+def measured(run: Any, pids: dict[str, int | list[int]]) -> dict[str, Any]:
+    """`run()`'s summary plus each process's (or group's) CPU seconds per 1,000 tokens."""
+    def spent(p: int | list[int]) -> float:
+        return sum(cpu_seconds(x) for x in ([p] if isinstance(p, int) else p))
+
+    before = {k: spent(p) for k, p in pids.items()}
     out: dict[str, Any] = run()
     tokens = max(out["output_tokens"], 1)
     for k, p in pids.items():
-        spent = cpu_seconds(p) - before[k]
-        out[f"{k}_cpu_s"] = spent
-        out[f"{k}_cpu_s_per_1k_tokens"] = spent / tokens * 1000
+        used = spent(p) - before[k]
+        out[f"{k}_cpu_s"] = used
+        out[f"{k}_cpu_s_per_1k_tokens"] = used / tokens * 1000
     return out
+
+
+def pool_pids(pool: Any) -> list[int]:
+    """The client pool's worker processes (multiprocessing keeps them in `_pool`)."""
+    return [p.pid for p in getattr(pool, "_pool", [])]
 
 
 @dataclass
@@ -176,21 +184,33 @@ def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
             gateways: list[Gateway], c: int, repeats: int) -> dict[str, Any]:
     """Interleaved repeats: the worker direct, then each gateway over gRPC and HTTP (the
     gateways' order rotates each repeat); CPU is charged to the gateway the run went through."""
-    from bench.service_overhead import bearer, compare, run_grpc, run_http, spread, workload
+    from bench.service_overhead import (
+        bearer,
+        compare,
+        http_path,
+        run_grpc,
+        run_http,
+        spread,
+        workload,
+    )
 
     reqs = workload([], c * args.requests_per_stream, vocab=512)
     n, procs = args.new_tokens, args.client_procs
     runs: dict[str, list[dict[str, Any]]] = {"direct": []}
     for r in range(repeats):
+        direct: dict[str, int | list[int]] = {
+            "gateway": gateways[0].child.popen.pid, "worker": worker[1], "client": pool_pids(pool)}
         runs["direct"].append(measured(partial(
             run_grpc, pool, procs, worker[0], ((GATEWAY_HEADER, GATEWAY_TOKEN),), reqs, n, c,
-            direct=True), {"gateway": gateways[0].child.popen.pid, "worker": worker[1]}))
+            direct=True), direct))
         for g in gateways[r % len(gateways):] + gateways[:r % len(gateways)]:
-            pids = {"gateway": g.child.popen.pid, "worker": worker[1]}
+            pids: dict[str, int | list[int]] = {
+                "gateway": g.child.popen.pid, "worker": worker[1], "client": pool_pids(pool)}
             runs.setdefault(f"{g.name}/grpc", []).append(measured(partial(
                 run_grpc, pool, procs, g.grpc, bearer(TENANT_KEY), reqs, n, c), pids))
-            runs.setdefault(f"{g.name}/http", []).append(measured(partial(
-                run_http, pool, procs, g.http, TENANT_KEY, reqs, n, c), pids))
+            for lib in args.http_clients.split(","):
+                runs.setdefault(f"{g.name}/{http_path(lib)}", []).append(measured(partial(
+                    run_http, pool, procs, g.http, TENANT_KEY, reqs, n, c, lib), pids))
         line = {k: (round(v[-1]["output_tok_per_s"]),
                     round(v[-1]["gateway_cpu_s_per_1k_tokens"], 3)) for k, v in runs.items()}
         errors = {k: v[-1]["errors"][:2] for k, v in runs.items() if v[-1]["errors"]}
@@ -199,6 +219,7 @@ def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
                  for k, v in runs.items() if k != "direct"}
     cpu = {k: spread([{"gateway_cpu_s_per_1k_tokens": x["gateway_cpu_s_per_1k_tokens"],
                        "worker_cpu_s_per_1k_tokens": x["worker_cpu_s_per_1k_tokens"],
+                       "client_cpu_s_per_1k_tokens": x["client_cpu_s_per_1k_tokens"],
                        "output_tok_per_s": x["output_tok_per_s"]} for x in v])
            for k, v in runs.items()}
     return {"concurrency": c, "requests": len(reqs), "vs_direct": vs_direct, "per_path": cpu,
@@ -235,6 +256,8 @@ def parse_args() -> argparse.Namespace:
                     help="a gateway run from source tree TREE (with its generated protos), "
                          "e.g. before=/tmp/old; repeatable, side by side in one run "
                          "(default: this=.)")
+    ap.add_argument("--http-clients", default="httpx",
+                    help="comma-separated HTTP client libraries (httpx, aiohttp), a path each")
     ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")
     ap.add_argument("--out", default=None)
     return ap.parse_args()

@@ -22,6 +22,7 @@ import platform
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -163,51 +164,105 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 # ---- HTTP (OpenAI-compatible SSE) ----------------------------------------------------------
 def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int,
-                 concurrency: int, start_at: float) -> list[tuple[float, int, str]]:
+                 concurrency: int, start_at: float, client_lib: str = "httpx",
+                 ) -> list[tuple[float, int, str]]:
     """One client process: the requests streamed through the gateway's HTTP API (SSE), from
-    wall-clock `start_at`; (ttft, tokens from the stream's usage, error) per request."""
-    import httpx
+    wall-clock `start_at`; (ttft, tokens from the stream's usage, error) per request.
+    `client_lib`: httpx (what the openai SDK uses) or aiohttp (what vLLM's serving benchmark
+    uses); both read every event line and parse its JSON."""
+    body_of = partial(_completion_body, new_tokens)
+    headers = {"authorization": f"Bearer {token}"}
 
-    async def call(client: httpx.AsyncClient, slots: asyncio.Semaphore, prompt: list[int],
-                   adapter: str) -> tuple[float, int, str]:
-        body = {"model": adapter, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        first: float | None = None
-        n = 0
-        async with slots:
-            try:
-                async with client.stream("POST", "/completions", json=body) as resp:
-                    if resp.status_code != 200:
-                        return float("nan"), 0, f"HTTP {resp.status_code}"
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        event = json.loads(line[6:])
-                        if event["choices"] and first is None:  # the first token's event
-                            first = time.time() - start_at
-                        if event.get("usage"):
-                            n = event["usage"]["completion_tokens"]
-            except httpx.HTTPError as e:
-                return float("nan"), 0, f"{type(e).__name__}: {e}"
-        return (first if first is not None else float("nan")), n, ""
+    def seen(line: str, start: float, first: float | None, n: int) -> tuple[float | None, int]:
+        if not line.startswith("data: {"):
+            return first, n
+        event = json.loads(line[6:])
+        if event["choices"] and first is None:  # the first token's event
+            first = time.time() - start
+        if event.get("usage"):
+            n = event["usage"]["completion_tokens"]
+        return first, n
 
-    async def run() -> list[tuple[float, int, str]]:
+    async def run_httpx() -> list[tuple[float, int, str]]:
+        import httpx
+
+        async def call(client: httpx.AsyncClient, slots: asyncio.Semaphore, prompt: list[int],
+                       adapter: str) -> tuple[float, int, str]:
+            first: float | None = None
+            n = 0
+            async with slots:
+                try:
+                    async with client.stream("POST", "/completions",
+                                             json=body_of(prompt, adapter)) as resp:
+                        if resp.status_code != 200:
+                            return float("nan"), 0, f"HTTP {resp.status_code}"
+                        async for line in resp.aiter_lines():
+                            first, n = seen(line, start_at, first, n)
+                except httpx.HTTPError as e:
+                    return float("nan"), 0, f"{type(e).__name__}: {e}"
+            return (first if first is not None else float("nan")), n, ""
+
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         slots = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600,
-                                     headers={"authorization": f"Bearer {token}"}) as client:
+                                     headers=headers) as client:
             await asyncio.sleep(max(0.0, start_at - time.time()))
             return await asyncio.gather(*(call(client, slots, p, a or BASE_MODEL)
                                           for p, a in reqs))
 
-    return asyncio.run(run())
+    async def run_aiohttp() -> list[tuple[float, int, str]]:
+        import aiohttp
+
+        url = base_url.rstrip("/") + "/completions"
+
+        async def call(session: aiohttp.ClientSession, slots: asyncio.Semaphore,
+                       prompt: list[int], adapter: str) -> tuple[float, int, str]:
+            first: float | None = None
+            n = 0
+            async with slots:
+                try:
+                    async with session.post(url, json=body_of(prompt, adapter)) as resp:
+                        if resp.status != 200:
+                            return float("nan"), 0, f"HTTP {resp.status}"
+                        async for raw in resp.content:
+                            first, n = seen(raw.decode().rstrip("\r\n"), start_at, first, n)
+                except aiohttp.ClientError as e:
+                    return float("nan"), 0, f"{type(e).__name__}: {e}"
+            return (first if first is not None else float("nan")), n, ""
+
+        slots = asyncio.Semaphore(concurrency)
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            return await asyncio.gather(*(call(session, slots, p, a or BASE_MODEL)
+                                          for p, a in reqs))
+
+    if client_lib not in HTTP_CLIENTS:
+        raise ValueError(f"unknown HTTP client {client_lib!r} (one of {HTTP_CLIENTS})")
+    return asyncio.run(run_httpx() if client_lib == "httpx" else run_aiohttp())
+
+
+HTTP_CLIENTS = ("httpx", "aiohttp")
+
+
+def http_path(client_lib: str) -> str:
+    """The run's name for HTTP through `client_lib` (httpx keeps the name it always had)."""
+    if client_lib not in HTTP_CLIENTS:
+        raise ValueError(f"unknown HTTP client {client_lib!r} (one of {HTTP_CLIENTS})")
+    return "http" if client_lib == "httpx" else f"http_{client_lib}"
+
+
+def _completion_body(new_tokens: int, prompt: list[int], adapter: str) -> dict[str, Any]:
+    return {"model": adapter, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
 def run_http(pool: Any, procs: int, base_url: str, token: str, reqs: list[Request],
-             new_tokens: int, concurrency: int) -> dict[str, Any]:
+             new_tokens: int, concurrency: int, client_lib: str = "httpx") -> dict[str, Any]:
     start_at = time.time() + 0.5
     shares = [(base_url, token, reqs[k::procs], new_tokens, max(1, concurrency // procs),
-               start_at) for k in range(procs)]
+               start_at, client_lib) for k in range(procs)]
     got = [r for share in pool.starmap(_http_client, shares) for r in share]
     wall = time.time() - start_at
     ok = [(f, n) for f, n, err in got if not err]
@@ -267,6 +322,9 @@ def parse_args() -> argparse.Namespace:
                          "gateway process; HTTP clients open one per stream anyway)")
     ap.add_argument("--http", action="store_true",
                     help="also stream the same workload through the gateway's HTTP API (SSE)")
+    ap.add_argument("--http-clients", default="httpx",
+                    help=f"comma-separated HTTP client libraries, each a path of its own "
+                         f"(httpx: `http`, aiohttp: `http_aiohttp`), from {HTTP_CLIENTS}")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -279,8 +337,9 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
     """Interleaved repeats of every path at concurrency `c`."""
     gateway, worker = stack.gateway_addresses["gateway"], stack.worker_addresses["worker-0"]
     runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "worker": [], "gateway": []}
-    if args.http:
-        runs["http"] = []
+    http_paths = {http_path(lib): lib for lib in args.http_clients.split(",")} if args.http else {}
+    for path in http_paths:
+        runs[path] = []
     for r in range(args.repeats):
         runs["in_process"].append(run_in_process(engine, reqs, args.new_tokens, c))
         runs["worker"].append(run_grpc(pool, args.client_procs, worker,
@@ -289,9 +348,9 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
                                        channels=args.client_channels))
         runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, bearer(token), reqs,
                                         args.new_tokens, c, channels=args.client_channels))
-        if args.http:
-            runs["http"].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
-                                         token, reqs, args.new_tokens, c))
+        for path, lib in http_paths.items():
+            runs[path].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
+                                       token, reqs, args.new_tokens, c, lib))
         line = {k: round(v[-1]["output_tok_per_s"], 1) for k, v in runs.items()}
         errors = {k: len(v[-1]["errors"]) for k, v in runs.items() if v[-1]["errors"]}
         print(f"c={c} repeat {r + 1}: tok/s {line} errors {errors}", flush=True)
