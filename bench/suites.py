@@ -64,7 +64,7 @@ GRID_CASES = ("8x1x1,8x16x1,8x64x1,8x256x1,16x1x1,16x16x1,16x64x1,16x256x1,64x1x
               "64x64x1,64x256x1,16x16x16,16x64x64,16x256x256,64x16x16,64x256x256")
 SERVICE_7B = (*GPU_7B, "--num-pages", "2400", "--max-model-len", "256", "--concurrency",
               "64,256", "--requests-per-stream", "2", "--new-tokens", "64", "--client-procs", "4",
-              "--http")
+              "--http", "--http-clients", "httpx,aiohttp")
 PROFILE_CORE = (*GPU_7B, "--batch", "64", "--context", "512", "--adapters")
 SERVING_90GB = (*GPU_7B, "--arena-gb", "90")
 CHURN_2000 = (*GPU_7B, "--arena-gb", "32", "--many-adapters", "2000", "--churn-requests", "600")
@@ -159,7 +159,7 @@ SUITES: dict[str, tuple[Step, ...]] = {
                          "coldttft,churndisk,churn", "--churn-disk-requests", "200",
                          "--churn-rate", "60", "--churn-disk-dir", "/tmp", "--out",
                          OUT("churn")),),
-    "service-path": (step("service", 330, "bench.service_overhead", *SERVICE_7B, "--repeats", "2",
+    "service-path": (step("service", 400, "bench.service_overhead", *SERVICE_7B, "--repeats", "2",
                           "--gateway-procs", "4", "--client-channels", "8", "--out",
                           OUT("service-overhead-7b-gw4")),),
     "service-path-async": (step("service-async", 330, "bench.service_overhead", *SERVICE_7B,
