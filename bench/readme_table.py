@@ -38,7 +38,8 @@ HEADLINES = (
 )
 PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway": "client -> gateway -> worker, gRPC",
-         "http": "client -> gateway -> worker, HTTP (OpenAI SSE)"}
+         "http": "client -> gateway -> worker, HTTP (OpenAI SSE) read by httpx",
+         "http_aiohttp": "client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp"}
 
 
 def _fig(f: dict[str, float], digits: int = 3, unit: str = "") -> str:
@@ -52,14 +53,31 @@ def service_rows(result: dict[str, Any], source: str) -> list[str]:
     for level in result["levels"]:
         c = level["concurrency"]
         for path, figs in level["ratios"].items():
+            ttft = (f"TTFT added p50 {_fig(figs['ttft_p50_added_ms'], 1, ' ms')}, p99 "
+                    f"{_fig(figs['ttft_p99_added_ms'], 1, ' ms')}")
+            if "request_ttft_p50_added_ms" in figs:  # from each request's send (since ad90aae)
+                ttft = (f"TTFT from the request's send added p50 "
+                        f"{_fig(figs['request_ttft_p50_added_ms'], 1, ' ms')}, p99 "
+                        f"{_fig(figs['request_ttft_p99_added_ms'], 1, ' ms')}; from the "
+                        f"run's start p50 {_fig(figs['ttft_p50_added_ms'], 1, ' ms')}")
             rows.append(
                 f"| {PATHS.get(path, path)}{gw if path != 'worker' else ''}, {c} streams x "
                 f"{result['new_tokens']} tokens "
-                f"| {_fig(figs['throughput_ratio'])}x of in-process; TTFT added p50 "
-                f"{_fig(figs['ttft_p50_added_ms'], 1, ' ms')}, p99 "
-                f"{_fig(figs['ttft_p99_added_ms'], 1, ' ms')} "
-                f"| {'0.9x' if path == 'http' else '0.95x, 3 ms, 10 ms'} | {source} |")
+                f"| {_fig(figs['throughput_ratio'])}x of in-process; {ttft} "
+                f"| {_service_target(result, path, c)} | {source} |")
     return rows
+
+
+def _service_target(result: dict[str, Any], path: str, streams: int) -> str:
+    """Issue 37's targets where the JSON records them (per path and streams), else the old."""
+    targets = result.get("targets", {})
+    if "gateway request_ttft_p50_added_ms" not in targets:
+        return "0.9x" if path == "http" else "0.95x, 3 ms, 10 ms"
+    kind = "http" if path.startswith("http") else path
+    got = [f"{figure.split(' ', 1)[1].replace('request_', '')} {bound[str(streams)]}"
+           for figure, bound in targets.items()
+           if figure.split(" ", 1)[0] == kind and str(streams) in bound]
+    return "; ".join(got)
 
 
 def hop_rows(result: dict[str, Any], source: str) -> list[str]:
@@ -128,7 +146,8 @@ def churn_rows(result: dict[str, Any], source: str) -> list[str]:
     # Decode LoRA path (runs from before the option existed ran the tiles).
     at += (", row kernels for many-adapter steps" if result.get("args", {}).get(
         "lora_row_kernels") else ", 16-row tiles only")
-    for key, what in (("alpha1.0_host", "alpha 1.0"), ("alpha0.5_host", "alpha 0.5")):
+    for key, what, target in (("alpha1.0_host", "alpha 1.0", "0.95x, 2x"),
+                              ("alpha0.5_host", "alpha 0.5", "0.95x, 3x (issue 37)")):
         run = churn.get(key)
         if run:
             rows.append(
@@ -136,7 +155,7 @@ def churn_rows(result: dict[str, Any], source: str) -> list[str]:
                 f"| {run['throughput_ratio']:.3f}x throughput, p99 TTFT "
                 f"{run['p99_ttft_ratio']:.2f}x; {run['distinct_requested']} adapters used, "
                 f"{run['gpu_loads']} loads, {run['evictions']} evictions in the window "
-                f"| 0.95x, 2x (alpha 1.0) | {source} |")
+                f"| {target} | {source} |")
     disk = result.get("churndisk", {})
     if "loads_from_disk" in disk:
         # Without an n=5 run before it in the same process the run has no ratios.
