@@ -29,7 +29,9 @@ case times, over inputs rotated past the L2:
 - `rows` / `rows_maxrank64`: the row kernels (`slora_kernels.lora_rows`: each token reads its own
   adapter through its slot, no tile list; K split fixed from B), at the case's rank and bounded
   at the engine's max rank 64;
-- `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor.
+- `gather_bmm`: per-row gather of A and B, two bmm calls; and the bytes floor;
+- `vllm` (with `--vllm-src`): vLLM's own Triton shrink and expand (`bench.vllm_lora`), called
+  as its punica wrapper calls them, on the same layers, timed the same way.
 
     python -m bench.kernels_lora_grid --out bench/results/lora-grid-h200.json
     python -m bench.kernels_lora_grid --cases 64x256x1,16x64x1 \
@@ -43,11 +45,14 @@ import dataclasses
 import random
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench import kernels_lora as kl
 from bench import kernels_timing as timing
+from bench import vllm_lora
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
 from bench.run_record import run_record, save_rows
 from slora_kernels.lora import (
@@ -63,8 +68,8 @@ from slora_kernels.lora_rows import RowTiles
 
 RANKS: tuple[int, ...] = (8, 16, 64)
 BATCHES: tuple[int, ...] = (1, 16, 64, 256)
-# vLLM's Triton LoRA kernels on the same H200 and inputs, as issue 15 quotes them (us); vLLM
-# is not on the device image, so they are not re-measured here.
+# vLLM's Triton LoRA kernels on the same H200 and inputs, as issue 15 quotes them (us); with
+# --vllm-src they are also run here, side by side (`vllm_us`).
 VLLM_US = {(16, 64, 1): 7.6, (16, 256, 1): 11.0, (16, 256, 64): 35.5, (16, 256, 256): 126.4,
            (64, 16, 1): 8.2, (64, 64, 1): 9.4, (64, 256, 1): 12.6, (64, 256, 64): 59.4,
            (64, 256, 256): 209.7, (8, 256, 1): 12.8}
@@ -172,7 +177,7 @@ def variant_names() -> set[str]:
 
 
 def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float,
-             only: set[str] | None = None) -> dict[str, object]:
+             only: set[str] | None = None, vllm_ops: Any = None) -> dict[str, object]:
     slots = kl.decode_slots(b, u)
     if order == "random":
         random.Random(b * 1000 + u).shuffle(slots)
@@ -189,6 +194,10 @@ def run_case(rank: int, b: int, u: int, order: str, copy_gbs: float,
     sl = torch.tensor(slots, device=DEVICE)
     row["gather_bmm_us"] = graph_time_us([kl.gather_bmm(lay, sl) for lay in layers[:4]],
                                          replays=10)
+    if vllm_ops is not None:
+        theirs = vllm_lora.calls(vllm_ops, layers, slots)
+        row["vllm_us"] = graph_time_us(theirs, replays=10)
+        row["vllm_rel_err"] = rel_err_f64(layers[0], slots, theirs[0])
     if (rank, b, u) in VLLM_US:
         row["vllm_us_issue"] = VLLM_US[(rank, b, u)]
     del layers
@@ -236,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=None,
                     help="only these variants, comma-separated, or 'all' (the default; "
                          "gather_bmm and the floor always)")
+    ap.add_argument("--vllm-src", type=Path, default=None,
+                    help="run vLLM's LoRA kernels side by side, from this folder "
+                         "(python -m bench.vllm_lora --fetch DIR writes it)")
     args = ap.parse_args(argv)
+    vllm_ops = vllm_lora.load(args.vllm_src) if args.vllm_src else None
     if args.toy:
         kl.K = kl.N = 512
         timing.MAX_ROTATION = 1
@@ -256,11 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {**run_record(["bench.kernels_lora_grid", *(argv or sys.argv[1:])]),
               "dtype": "float16", "hidden": kl.K, "copy_gbs": copy, "method":
               "median of 10 CUDA-graph replays, >= 24 calls a graph over inputs rotated past "
-              "the L2", "vllm_source": "issue 15's quoted H200 times (not re-measured)",
+              "the L2", "vllm_source": "issue 15's quoted H200 times (vllm_us_issue)" + (
+                  f"; {vllm_lora.version(args.vllm_src)}'s kernels run here (vllm_us)"
+                  if args.vllm_src else ""),
               "cases": len(todo), "grid_cases": len(cases()),
               "variants": sorted(only) if only else "all", "rows": rows}
     for case in todo:
-        row = run_case(*case, copy_gbs, only)
+        row = run_case(*case, copy_gbs, only, vllm_ops)
         rows.append(row)
         print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items() if not k.endswith("rel_err")), flush=True)

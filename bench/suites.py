@@ -93,6 +93,11 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "lora-grid": (step("grid", 150, "bench.kernels_lora_grid", "--variants",
                        "graph_capture_split,graph_short_list,exact,rows,graph_before,"
                        "short_list_before", "--out", OUT("lora-grid")),),
+    # The grid with vLLM's own kernels beside ours (`.vllm-lora`: python -m bench.vllm_lora
+    # --fetch .vllm-lora, carried with the tree).
+    "lora-grid-vllm": (step("grid-vllm", 300, "bench.kernels_lora_grid", "--variants",
+                            "graph_capture_split,graph_short_list,rows", "--vllm-src",
+                            ".vllm-lora", "--out", OUT("lora-grid")),),
     "lora-grid-split": (step("grid-split", 150, "bench.kernels_lora_grid", "--cases", GRID_CASES,
                              "--variants", "graph_capture_split,graph_short_list,graph_wave,"
                              "short_list_wave", "--out", OUT("lora-grid-split")),),
