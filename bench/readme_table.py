@@ -15,6 +15,7 @@ from typing import Any
 
 from slora_core.config import EngineConfig
 from slora_core.cuda_graphs import ROW_KERNELS_MAX_ROWS_PER_ADAPTER
+from slora_kernels.lora_meta import DECODE_BLOCK_M
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -31,6 +32,7 @@ HEADLINES = (
     ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-h200.json"),
     ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-h200.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
+    ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
     ("| decode LoRA r16 B256 U256, graph replay", "lora-grid-h200.json"),
     ("| decode LoRA r64 B256 U1, graph replay", "lora-grid-h200.json"),
     ("| prefix cache on vs off, multi-turn chat", "prefix-cache-h200.json"),
@@ -181,12 +183,19 @@ def cold_rows(result: dict[str, Any], source: str) -> list[str]:
 
 
 def engine_graph_us(r: dict[str, Any]) -> tuple[float, str]:
-    """The LoRA graph decode steps replay for a grid cell, as `DecodeGraphs` picks it: the
-    short tile list when one adapter's tiles fit it, the row kernels when adapters own at most
+    """The LoRA graph decode steps replay for a grid cell, as `DecodeGraphs._lora_graph` picks
+    it: the list of cdiv(B, 16) tiles when the step's real tiles fit it (the short list, or at
+    B <= 16 with one tile the bucket's own list), the row kernels when adapters own at most
     ROW_KERNELS_MAX_ROWS_PER_ADAPTER rows each (runs that measured them), else the full list."""
-    if "graph_short_list_us" in r:
-        return r["graph_short_list_us"], "short tile list"
-    if "rows_us" in r and r["batch"] <= ROW_KERNELS_MAX_ROWS_PER_ADAPTER * r["adapters"]:
+    b, u = r["batch"], r["adapters"]
+    few = -(-b // DECODE_BLOCK_M)
+    real = u * -(-(b // u) // DECODE_BLOCK_M)  # rows sorted by adapter: a segment each
+    if real <= few:
+        if "graph_short_list_us" in r:
+            return r["graph_short_list_us"], "short tile list"
+        if few == b:  # the bucket's list is the short one
+            return r["graph_capture_split_us"], "full tile list"
+    if "rows_us" in r and b <= ROW_KERNELS_MAX_ROWS_PER_ADAPTER * u:
         return r["rows_us"], "row kernels"
     return r["graph_capture_split_us"], "full tile list"
 
