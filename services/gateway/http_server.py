@@ -37,7 +37,11 @@ def bind(listen: str, reuse_port: bool = False, backlog: int = 1024) -> socket.s
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose
+    # proto says TCP, and accepted connections inherit it. With proto 0 every response's
+    # second small write (the first SSE event after the headers) waited for the client's
+    # delayed ACK, ~40 ms (bench.service_overhead, HTTP against gRPC through one gateway).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
