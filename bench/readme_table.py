@@ -54,6 +54,8 @@ def service_rows(result: dict[str, Any], source: str) -> list[str]:
     gw = f" ({procs} gateway processes)" if procs > 1 else ""
     for level in result["levels"]:
         c = level["concurrency"]
+        load = (f"{c} streams x {result['new_tokens']} tokens" if "rate" not in level else
+                f"{level['rate']:g} requests/s arriving open-loop x {result['new_tokens']} tokens")
         for path, figs in level["ratios"].items():
             ttft = (f"TTFT added p50 {_fig(figs['ttft_p50_added_ms'], 1, ' ms')}, p99 "
                     f"{_fig(figs['ttft_p99_added_ms'], 1, ' ms')}")
@@ -63,8 +65,7 @@ def service_rows(result: dict[str, Any], source: str) -> list[str]:
                         f"{_fig(figs['request_ttft_p99_added_ms'], 1, ' ms')}; from the "
                         f"run's start p50 {_fig(figs['ttft_p50_added_ms'], 1, ' ms')}")
             rows.append(
-                f"| {PATHS.get(path, path)}{gw if path != 'worker' else ''}, {c} streams x "
-                f"{result['new_tokens']} tokens "
+                f"| {PATHS.get(path, path)}{gw if path != 'worker' else ''}, {load} "
                 f"| {_fig(figs['throughput_ratio'])}x of in-process; {ttft} "
                 f"| {_service_target(result, path, c)} | {source} |")
     return rows

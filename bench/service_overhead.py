@@ -77,7 +77,10 @@ def summarize(wall: float, tokens: int, ttft: list[Ttft], errors: list[str] | No
 
 # ---- in process ---------------------------------------------------------------------------
 def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, concurrency: int,
-                   ) -> dict[str, Any]:
+                   arrivals: list[float] | None = None) -> dict[str, Any]:
+    """Closed loop (`concurrency` in flight, the next request added as one finishes), or with
+    `arrivals` open loop: request i arrives `arrivals[i]` s after the start and is added at the
+    first step boundary after that; its TTFT counts from its arrival."""
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     pending = list(enumerate(reqs))[::-1]
     first: dict[str, Ttft] = {}
@@ -85,10 +88,13 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, conc
     tokens, live = 0, 0
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
-        while pending and live < concurrency:
+        if arrivals is not None and pending and not engine.has_unfinished():
+            time.sleep(max(0.0, t0 + arrivals[pending[-1][0]] - time.perf_counter()))
+        while pending and (live < concurrency if arrivals is None
+                           else t0 + arrivals[pending[-1][0]] <= time.perf_counter()):
             i, (prompt, adapter) = pending.pop()
             rid = f"r{i}-{t0}"
-            added[rid] = time.perf_counter()
+            added[rid] = time.perf_counter() if arrivals is None else t0 + arrivals[i]
             engine.add_request(rid, prompt, params, adapter=adapter or None)
             live += 1
         for out in engine.step():
@@ -104,10 +110,11 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, conc
 def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Request],
                  new_tokens: int,
                  concurrency: int, direct: bool, start_at: float, channels: int = 1,
-                 ) -> tuple[list[Ttft], int, list[str]]:
+                 arrivals: list[float] | None = None) -> tuple[list[Ttft], int, list[str]]:
     """One client process: `reqs` with `concurrency` in flight, from wall-clock `start_at`,
     spread round-robin over `channels` connections (a multi-process gateway gets one process
-    per connection)."""
+    per connection). With `arrivals`, request i is sent `arrivals[i]` s after `start_at`
+    whatever is in flight, and its TTFT counts from then."""
     import grpc
 
     from slora.v1 import inference_pb2 as pb
@@ -135,10 +142,12 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
         try:
             await asyncio.sleep(max(0.0, start_at - time.time()))
 
-            async def call(req: pb.GenerateRequest, stub: Any) -> None:
+            async def call(req: pb.GenerateRequest, stub: Any, at: float | None) -> None:
                 nonlocal count
+                if at is not None:
+                    await asyncio.sleep(max(0.0, start_at + at - time.time()))
                 async with slots:
-                    sent, first = time.time(), None
+                    sent, first = time.time() if at is None else start_at + at, None
                     try:
                         async for resp in stub.Generate(req, timeout=600, metadata=md):
                             if resp.HasField("chunk") and resp.chunk.token_ids:
@@ -150,7 +159,8 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
                     first = first if first is not None else time.time()
                     ttft.append((first - start_at, first - sent))
 
-            await asyncio.gather(*(call(message(p, a), stubs[i % channels])
+            await asyncio.gather(*(call(message(p, a), stubs[i % channels],
+                                        None if arrivals is None else arrivals[i])
                                    for i, (p, a) in enumerate(reqs)))
         finally:
             for c in opened:
@@ -162,11 +172,12 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
 
 def run_grpc(pool: Any, procs: int, target: str, md: tuple[tuple[str, str], ...],
              reqs: list[Request], new_tokens: int, concurrency: int, direct: bool = False,
-             channels: int = 1) -> dict[str, Any]:
+             channels: int = 1, arrivals: list[float] | None = None) -> dict[str, Any]:
     """`md`: the tenant key for a gateway, the gateway token for a worker called directly."""
     start_at = time.time() + 0.5
     shares = [(target, md, reqs[k::procs], new_tokens, max(1, concurrency // procs), direct,
-               start_at, channels) for k in range(procs)]
+               start_at, channels, None if arrivals is None else arrivals[k::procs])
+              for k in range(procs)]
     got = pool.starmap(_grpc_client, shares)
     wall = time.time() - start_at
     ttft = [t for g in got for t in g[0]]
@@ -180,12 +191,20 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 # ---- HTTP (OpenAI-compatible SSE) ----------------------------------------------------------
 def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int,
                  concurrency: int, start_at: float, client_lib: str = "httpx",
-                 ) -> list[tuple[Ttft, int, str]]:
+                 arrivals: list[float] | None = None) -> list[tuple[Ttft, int, str]]:
     """One client process: the requests streamed through the gateway's HTTP API (SSE), from
     wall-clock `start_at`; (ttft, tokens from the stream's usage, error) per request.
     `client_lib`: httpx (what the openai SDK uses) or aiohttp (what vLLM's serving benchmark
-    uses); both read every event line and parse its JSON."""
+    uses); both read every event line and parse its JSON. `arrivals`: as `_grpc_client`'s."""
     body_of = partial(_completion_body, new_tokens)
+    at: list[float | None] = list(arrivals) if arrivals is not None else [None] * len(reqs)
+
+    async def arrive(offset: float | None) -> float:
+        """Wait for an open-loop arrival; the request's TTFT counts from the returned time."""
+        if offset is None:
+            return time.time()
+        await asyncio.sleep(max(0.0, start_at + offset - time.time()))
+        return start_at + offset
     headers = {"authorization": f"Bearer {token}"}
     failed: Ttft = (float("nan"), float("nan"))
 
@@ -209,11 +228,12 @@ def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int
         import httpx
 
         async def call(client: httpx.AsyncClient, slots: asyncio.Semaphore, prompt: list[int],
-                       adapter: str) -> tuple[Ttft, int, str]:
+                       adapter: str, offset: float | None) -> tuple[Ttft, int, str]:
             first: float | None = None
             n = 0
+            arrived = await arrive(offset)
             async with slots:
-                sent = time.time()
+                sent = time.time() if offset is None else arrived
                 try:
                     async with client.stream("POST", "/completions",
                                              json=body_of(prompt, adapter)) as resp:
@@ -230,8 +250,8 @@ def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600,
                                      headers=headers) as client:
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await asyncio.gather(*(call(client, slots, p, a or BASE_MODEL)
-                                          for p, a in reqs))
+            return await asyncio.gather(*(call(client, slots, p, a or BASE_MODEL, o)
+                                          for (p, a), o in zip(reqs, at, strict=True)))
 
     async def run_aiohttp() -> list[tuple[Ttft, int, str]]:
         import aiohttp
@@ -239,11 +259,13 @@ def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int
         url = base_url.rstrip("/") + "/completions"
 
         async def call(session: aiohttp.ClientSession, slots: asyncio.Semaphore,
-                       prompt: list[int], adapter: str) -> tuple[Ttft, int, str]:
+                       prompt: list[int], adapter: str, offset: float | None,
+                       ) -> tuple[Ttft, int, str]:
             first: float | None = None
             n = 0
+            arrived = await arrive(offset)
             async with slots:
-                sent = time.time()
+                sent = time.time() if offset is None else arrived
                 try:
                     async with session.post(url, json=body_of(prompt, adapter)) as resp:
                         if resp.status != 200:
@@ -259,8 +281,8 @@ def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int
         async with aiohttp.ClientSession(connector=connector, headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=600)) as session:
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await asyncio.gather(*(call(session, slots, p, a or BASE_MODEL)
-                                          for p, a in reqs))
+            return await asyncio.gather(*(call(session, slots, p, a or BASE_MODEL, o)
+                                          for (p, a), o in zip(reqs, at, strict=True)))
 
     if client_lib not in HTTP_CLIENTS:
         raise ValueError(f"unknown HTTP client {client_lib!r} (one of {HTTP_CLIENTS})")
@@ -283,10 +305,12 @@ def _completion_body(new_tokens: int, prompt: list[int], adapter: str) -> dict[s
 
 
 def run_http(pool: Any, procs: int, base_url: str, token: str, reqs: list[Request],
-             new_tokens: int, concurrency: int, client_lib: str = "httpx") -> dict[str, Any]:
+             new_tokens: int, concurrency: int, client_lib: str = "httpx",
+             arrivals: list[float] | None = None) -> dict[str, Any]:
     start_at = time.time() + 0.5
     shares = [(base_url, token, reqs[k::procs], new_tokens, max(1, concurrency // procs),
-               start_at, client_lib) for k in range(procs)]
+               start_at, client_lib, None if arrivals is None else arrivals[k::procs])
+              for k in range(procs)]
     got = [r for share in pool.starmap(_http_client, shares) for r in share]
     wall = time.time() - start_at
     ok = [(f, n) for f, n, err in got if not err]
@@ -353,6 +377,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--http-clients", default="httpx",
                     help=f"comma-separated HTTP client libraries, each a path of its own "
                          f"(httpx: `http`, aiohttp: `http_aiohttp`), from {HTTP_CLIENTS}")
+    ap.add_argument("--rates", default=None,
+                    help="comma-separated open-loop arrival rates (requests/s): each a level "
+                         "of Poisson arrivals, the same on every path, instead of the closed "
+                         "loop of --concurrency (whose highest value caps what is in flight)")
+    ap.add_argument("--open-loop-s", type=float, default=4.0,
+                    help="seconds of arrivals at each --rates level")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -360,31 +390,49 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """`n` arrival offsets (s) of a Poisson process of `rate` requests/s, the same each run."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return [float(t) for t in np.cumsum(gaps) - gaps[0]]
+
+
 def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
-            pool: Any, reqs: list[Request], c: int) -> dict[str, Any]:
-    """Interleaved repeats of every path at concurrency `c`."""
+            pool: Any, reqs: list[Request], c: int, rate: float | None = None,
+            ) -> dict[str, Any]:
+    """Interleaved repeats of every path at concurrency `c` (closed loop), or with `rate`
+    open loop: the same Poisson arrivals on every path, at most `c` in flight."""
+    arrivals = poisson_arrivals(len(reqs), rate) if rate is not None else None
+    # Open loop: the clients hold nothing back (the engines queue what exceeds their seqs);
+    # each client process may have all its share in flight.
+    cap = c if rate is None else len(reqs) * args.client_procs
     gateway, worker = stack.gateway_addresses["gateway"], stack.worker_addresses["worker-0"]
     runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "worker": [], "gateway": []}
     http_paths = {http_path(lib): lib for lib in args.http_clients.split(",")} if args.http else {}
     for path in http_paths:
         runs[path] = []
     for r in range(args.repeats):
-        runs["in_process"].append(run_in_process(engine, reqs, args.new_tokens, c))
+        runs["in_process"].append(run_in_process(engine, reqs, args.new_tokens, c, arrivals))
         runs["worker"].append(run_grpc(pool, args.client_procs, worker,
                                        ((GATEWAY_HEADER, stack.gateway_token),), reqs,
-                                       args.new_tokens, c, direct=True,
-                                       channels=args.client_channels))
+                                       args.new_tokens, cap, direct=True,
+                                       channels=args.client_channels, arrivals=arrivals))
         runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, bearer(token), reqs,
-                                        args.new_tokens, c, channels=args.client_channels))
+                                        args.new_tokens, cap, channels=args.client_channels,
+                                        arrivals=arrivals))
         for path, lib in http_paths.items():
             runs[path].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
-                                       token, reqs, args.new_tokens, c, lib))
+                                       token, reqs, args.new_tokens, cap, lib, arrivals))
         line = {k: round(v[-1]["output_tok_per_s"], 1) for k, v in runs.items()}
         errors = {k: len(v[-1]["errors"]) for k, v in runs.items() if v[-1]["errors"]}
-        print(f"c={c} repeat {r + 1}: tok/s {line} errors {errors}", flush=True)
+        label = f"c={c}" if rate is None else f"rate={rate:g}/s"
+        print(f"{label} repeat {r + 1}: tok/s {line} errors {errors}", flush=True)
     ratios = {k: spread([compare(b, o) for b, o in zip(runs["in_process"], v, strict=True)])
               for k, v in runs.items() if k != "in_process"}
-    return {"concurrency": c, "requests": len(reqs), "ratios": ratios, "runs": runs}
+    level: dict[str, Any] = {"concurrency": c, "requests": len(reqs), "ratios": ratios,
+                             "runs": runs}
+    if rate is not None:
+        level["rate"] = rate
+    return level
 
 
 def main() -> int:
@@ -418,10 +466,17 @@ def main() -> int:
         run_grpc(pool, args.client_procs, stack.gateway_addresses["gateway"], bearer(token),
                  warm, 4, 8, channels=args.client_channels)
         run_in_process(engine, warm, 4, 8)
-        for c in levels:
-            reqs = workload(names, c * args.requests_per_stream, vocab=512)
-            results.append(measure(args, stack, engine, token, pool, reqs, c))
-            write_result(args, results)  # what is measured so far survives a later failure
+        if args.rates:
+            for rate in (float(r) for r in args.rates.split(",")):
+                reqs = workload(names, max(1, round(rate * args.open_loop_s)), vocab=512)
+                results.append(measure(args, stack, engine, token, pool, reqs, max(levels),
+                                       rate))
+                write_result(args, results)
+        else:
+            for c in levels:
+                reqs = workload(names, c * args.requests_per_stream, vocab=512)
+                results.append(measure(args, stack, engine, token, pool, reqs, c))
+                write_result(args, results)  # what is measured so far survives a failure
     finally:
         pool.terminate()
         stack.stop()
@@ -444,7 +499,7 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
         "levels": results,
     }
     for level in results:
-        print(f"c={level['concurrency']}:")
+        print(f"rate={level['rate']:g}/s:" if "rate" in level else f"c={level['concurrency']}:")
         for path, figs in level["ratios"].items():
             print(f"  {path:8s} " + "  ".join(
                 f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]" for k, v in figs.items()))

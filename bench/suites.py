@@ -167,6 +167,12 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "service-path": (step("service", 400, "bench.service_overhead", *SERVICE_7B, "--repeats", "2",
                           "--gateway-procs", "4", "--client-channels", "8", "--out",
                           OUT("service-overhead-7b-gw4")),),
+    # The same paths under open-loop Poisson arrivals (the same on every path): a request's
+    # added TTFT is then the hop's, not the closed loop's wait for the step under way.
+    "service-path-open": (step("service-open", 330, "bench.service_overhead",
+                               *SERVICE_7B, "--rates", "60,120", "--repeats", "3",
+                               "--gateway-procs", "4", "--client-channels", "8", "--out",
+                               OUT("service-overhead-7b-open")),),
     "service-path-async": (step("service-async", 330, "bench.service_overhead", *SERVICE_7B,
                                 "--repeats", "3", "--async-steps", "--out",
                                 OUT("service-overhead-7b-async")),),

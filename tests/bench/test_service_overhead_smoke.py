@@ -1,0 +1,49 @@
+"""bench.service_overhead runs end to end on the CPU at the tiny shape: a real stack, every path
+(in-process, worker, gateway gRPC, HTTP read by httpx and by aiohttp) under open-loop arrivals,
+each request's TTFT from its own send beside the old from-the-run's-start figure. (The closed
+loop is what the GPU suite `service-path` runs.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PATHS = {"worker", "gateway", "http", "http_aiohttp"}
+
+
+@pytest.mark.slow
+def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.service_overhead", "--concurrency", "4", "--rates", "6",
+         "--open-loop-s", "1", "--repeats", "1", "--new-tokens", "4", "--client-procs", "1",
+         "--http", "--http-clients", "httpx,aiohttp", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"commit", "command", "hardware", "targets"} <= set(result)
+    (level,) = result["levels"]
+    assert level["rate"] == 6 and level["requests"] == 6
+    assert set(level["ratios"]) == PATHS
+    for path, runs in level["runs"].items():
+        (run,) = runs
+        assert run["errors"] == [], (path, run["errors"])
+        assert run["output_tokens"] == 6 * 4, path
+        assert math.isfinite(run["request_ttft_p50_s"]) and run["request_ttft_p50_s"] > 0
+    for figs in level["ratios"].values():
+        assert math.isfinite(figs["request_ttft_p50_added_ms"]["median"])
+
+
+def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
+    from bench.service_overhead import poisson_arrivals
+
+    a = poisson_arrivals(200, 50.0)
+    assert a == poisson_arrivals(200, 50.0)
+    assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:], strict=False))
+    assert 2.0 < a[-1] < 6.0  # about 200 / 50 s
