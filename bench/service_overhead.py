@@ -41,6 +41,7 @@ from devtools.demo_stack import (
 )
 from services.common.hop_auth import GATEWAY_HEADER
 from services.control_plane.api.client import AdminClient
+from services.worker.startup import compile_cache_root, open_compile_cache
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.engine_args import add_engine_args, engine_cli_args, engine_config_kwargs
@@ -458,6 +459,10 @@ def main() -> int:
         stack.start_gateway(processes=args.gateway_procs)
         wait_until_routable(stack.gateway_addresses["gateway"], token, names, timeout_s=120)
         print(f"stack routable {time.perf_counter() - t0:.1f} s after the start", flush=True)
+        # The in-process engine compiles what the worker just compiled (the same settings):
+        # it reads the worker's compile cache instead of compiling again (a minute or more
+        # for a 7B engine on the H200: a run at 98e7755 hit its time limit still compiling).
+        open_compile_cache(compile_cache_root(root / "state" / "cache" / "worker-0"), config)
         engine = LLMEngine.from_model_dir(demo.model_dir, config)
         for name in names:
             engine.register_adapter(name, demo.root / "adapters" / name)
