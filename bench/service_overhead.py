@@ -22,6 +22,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,10 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 # ---- HTTP (OpenAI-compatible SSE) ----------------------------------------------------------
+class _HttpStatus(Exception):
+    """A response that is not 200 (the request's error: `HTTP <code>`)."""
+
+
 def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int,
                  concurrency: int, start_at: float, client_lib: str = "httpx",
                  arrivals: list[float] | None = None) -> list[tuple[Ttft, int, str]]:
@@ -199,15 +204,9 @@ def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int
     uses); both read every event line and parse its JSON. `arrivals`: as `_grpc_client`'s."""
     body_of = partial(_completion_body, new_tokens)
     at: list[float | None] = list(arrivals) if arrivals is not None else [None] * len(reqs)
-
-    async def arrive(offset: float | None) -> float:
-        """Wait for an open-loop arrival; the request's TTFT counts from the returned time."""
-        if offset is None:
-            return time.time()
-        await asyncio.sleep(max(0.0, start_at + offset - time.time()))
-        return start_at + offset
     headers = {"authorization": f"Bearer {token}"}
     failed: Ttft = (float("nan"), float("nan"))
+    slots = asyncio.Semaphore(concurrency)
 
     def seen(line: str, first: float | None, n: int) -> tuple[float | None, int]:
         """`first`: when the first token's event came (wall clock); `n`: tokens by usage."""
@@ -220,7 +219,24 @@ def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int
             n = event["usage"]["completion_tokens"]
         return first, n
 
-    def result(first: float | None, sent: float, n: int) -> tuple[Ttft, int, str]:
+    async def call(lines: Callable[[dict[str, Any]], AsyncIterator[str]],
+                   errors: tuple[type[Exception], ...], prompt: list[int], adapter: str,
+                   offset: float | None) -> tuple[Ttft, int, str]:
+        """One request: sent at its open-loop arrival (`offset`) or when a slot frees, its
+        event lines read through `lines`; TTFT from the arrival (or the send)."""
+        if offset is not None:
+            await asyncio.sleep(max(0.0, start_at + offset - time.time()))
+        first: float | None = None
+        n = 0
+        async with slots:
+            sent = time.time() if offset is None else start_at + offset
+            try:
+                async for line in lines(body_of(prompt, adapter or BASE_MODEL)):
+                    first, n = seen(line, first, n)
+            except _HttpStatus as e:
+                return failed, 0, f"HTTP {e}"
+            except errors as e:
+                return failed, 0, f"{type(e).__name__}: {e}"
         if first is None:
             return failed, n, "no token event"
         return (first - start_at, first - sent), n, ""
@@ -228,61 +244,38 @@ def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int
     async def run_httpx() -> list[tuple[Ttft, int, str]]:
         import httpx
 
-        async def call(client: httpx.AsyncClient, slots: asyncio.Semaphore, prompt: list[int],
-                       adapter: str, offset: float | None) -> tuple[Ttft, int, str]:
-            first: float | None = None
-            n = 0
-            arrived = await arrive(offset)
-            async with slots:
-                sent = time.time() if offset is None else arrived
-                try:
-                    async with client.stream("POST", "/completions",
-                                             json=body_of(prompt, adapter)) as resp:
-                        if resp.status_code != 200:
-                            return failed, 0, f"HTTP {resp.status_code}"
-                        async for line in resp.aiter_lines():
-                            first, n = seen(line, first, n)
-                except httpx.HTTPError as e:
-                    return failed, 0, f"{type(e).__name__}: {e}"
-            return result(first, sent, n)
-
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        slots = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600,
                                      headers=headers) as client:
+
+            async def lines(body: dict[str, Any]) -> AsyncIterator[str]:
+                async with client.stream("POST", "/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        raise _HttpStatus(resp.status_code)
+                    async for line in resp.aiter_lines():
+                        yield line
+
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await asyncio.gather(*(call(client, slots, p, a or BASE_MODEL, o)
+            return await asyncio.gather(*(call(lines, (httpx.HTTPError,), p, a, o)
                                           for (p, a), o in zip(reqs, at, strict=True)))
 
     async def run_aiohttp() -> list[tuple[Ttft, int, str]]:
         import aiohttp
 
         url = base_url.rstrip("/") + "/completions"
-
-        async def call(session: aiohttp.ClientSession, slots: asyncio.Semaphore,
-                       prompt: list[int], adapter: str, offset: float | None,
-                       ) -> tuple[Ttft, int, str]:
-            first: float | None = None
-            n = 0
-            arrived = await arrive(offset)
-            async with slots:
-                sent = time.time() if offset is None else arrived
-                try:
-                    async with session.post(url, json=body_of(prompt, adapter)) as resp:
-                        if resp.status != 200:
-                            return failed, 0, f"HTTP {resp.status}"
-                        async for raw in resp.content:
-                            first, n = seen(raw.decode().rstrip("\r\n"), first, n)
-                except aiohttp.ClientError as e:
-                    return failed, 0, f"{type(e).__name__}: {e}"
-            return result(first, sent, n)
-
-        slots = asyncio.Semaphore(concurrency)
         connector = aiohttp.TCPConnector(limit=concurrency)
         async with aiohttp.ClientSession(connector=connector, headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+            async def lines(body: dict[str, Any]) -> AsyncIterator[str]:
+                async with session.post(url, json=body) as resp:
+                    if resp.status != 200:
+                        raise _HttpStatus(resp.status)
+                    async for raw in resp.content:
+                        yield raw.decode().rstrip("\r\n")
+
             await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await asyncio.gather(*(call(session, slots, p, a or BASE_MODEL, o)
+            return await asyncio.gather(*(call(lines, (aiohttp.ClientError,), p, a, o)
                                           for (p, a), o in zip(reqs, at, strict=True)))
 
     if client_lib not in HTTP_CLIENTS:
