@@ -31,6 +31,8 @@ HEADLINES = (
     ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-h200.json"),
     ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-h200.json"),
     ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-h200.json"),
+    ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
+     "256 streams", "service-overhead-7b-gw4-h200.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
     ("| decode LoRA r16 B256 U256, graph replay", "lora-grid-h200.json"),
