@@ -208,7 +208,7 @@ def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
                 "gateway": g.child.popen.pid, "worker": worker[1], "client": pool_pids(pool)}
             runs.setdefault(f"{g.name}/grpc", []).append(measured(partial(
                 run_grpc, pool, procs, g.grpc, bearer(TENANT_KEY), reqs, n, c), pids))
-            for lib in args.http_clients.split(","):
+            for lib in args.http_clients:
                 runs.setdefault(f"{g.name}/{http_path(lib)}", []).append(measured(partial(
                     run_http, pool, procs, g.http, TENANT_KEY, reqs, n, c, lib), pids))
         line = {k: (round(v[-1]["output_tok_per_s"]),
@@ -245,6 +245,8 @@ def hardware() -> str:
 
 
 def parse_args() -> argparse.Namespace:
+    from bench.service_overhead import http_clients_arg
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", default="64,256", help="comma-separated streams in flight")
     ap.add_argument("--requests-per-stream", type=int, default=1)
@@ -256,7 +258,7 @@ def parse_args() -> argparse.Namespace:
                     help="a gateway run from source tree TREE (with its generated protos), "
                          "e.g. before=/tmp/old; repeatable, side by side in one run "
                          "(default: this=.)")
-    ap.add_argument("--http-clients", default="httpx",
+    ap.add_argument("--http-clients", default=["httpx"], type=http_clients_arg,
                     help="comma-separated HTTP client libraries (httpx, aiohttp), a path each")
     ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")
     ap.add_argument("--out", default=None)

@@ -288,9 +288,28 @@ HTTP_CLIENTS = ("httpx", "aiohttp")
 
 def http_path(client_lib: str) -> str:
     """The run's name for HTTP through `client_lib` (httpx keeps the name it always had)."""
-    if client_lib not in HTTP_CLIENTS:
-        raise ValueError(f"unknown HTTP client {client_lib!r} (one of {HTTP_CLIENTS})")
     return "http" if client_lib == "httpx" else f"http_{client_lib}"
+
+
+def http_clients_arg(text: str) -> list[str]:
+    """--http-clients: comma-separated names from HTTP_CLIENTS, refused at parse time."""
+    libs = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in libs if x not in HTTP_CLIENTS]
+    if not libs or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown HTTP client(s) {unknown or text!r}; choose from {', '.join(HTTP_CLIENTS)}")
+    return libs
+
+
+def rates_arg(text: str) -> list[float]:
+    """--rates: comma-separated arrival rates, each a positive number of requests/s."""
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"every rate must be > 0 requests/s, got {text!r}")
+    return rates
 
 
 def _completion_body(new_tokens: int, prompt: list[int], adapter: str) -> dict[str, Any]:
@@ -368,10 +387,10 @@ def parse_args() -> argparse.Namespace:
                          "gateway process; HTTP clients open one per stream anyway)")
     ap.add_argument("--http", action="store_true",
                     help="also stream the same workload through the gateway's HTTP API (SSE)")
-    ap.add_argument("--http-clients", default="httpx",
+    ap.add_argument("--http-clients", default=["httpx"], type=http_clients_arg,
                     help=f"comma-separated HTTP client libraries, each a path of its own "
                          f"(httpx: `http`, aiohttp: `http_aiohttp`), from {HTTP_CLIENTS}")
-    ap.add_argument("--rates", default=None,
+    ap.add_argument("--rates", default=None, type=rates_arg,
                     help="comma-separated open-loop arrival rates (requests/s): each a level "
                          "of Poisson arrivals, the same on every path, instead of the closed "
                          "loop of --concurrency (whose highest value caps what is in flight)")
@@ -401,7 +420,7 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
     cap = c if rate is None else len(reqs) * args.client_procs
     gateway, worker = stack.gateway_addresses["gateway"], stack.worker_addresses["worker-0"]
     runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "worker": [], "gateway": []}
-    http_paths = {http_path(lib): lib for lib in args.http_clients.split(",")} if args.http else {}
+    http_paths = {http_path(lib): lib for lib in args.http_clients} if args.http else {}
     for path in http_paths:
         runs[path] = []
     for r in range(args.repeats):
@@ -465,7 +484,7 @@ def main() -> int:
                  warm, 4, 8, channels=args.client_channels)
         run_in_process(engine, warm, 4, 8)
         if args.rates:
-            for rate in (float(r) for r in args.rates.split(",")):
+            for rate in args.rates:
                 reqs = workload(names, max(1, round(rate * args.open_loop_s)), vocab=512)
                 results.append(measure(args, stack, engine, token, pool, reqs, max(levels),
                                        rate))

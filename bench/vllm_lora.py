@@ -95,11 +95,11 @@ SHIMS: dict[str, str] = {
 
 def fetch(dest: Path, version: str = VERSION, wheel: Path | None = None) -> Path:
     """vLLM `version`'s LoRA kernel files (unchanged) plus the stand-ins, under `dest`."""
-    if wheel is None:
-        tmp = Path(tempfile.mkdtemp(prefix="vllm-wheel-"))
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
-                        str(tmp), f"vllm=={version}"], check=True)
-        wheel = next(tmp.glob("vllm-*.whl"))
+    if wheel is None:  # the ~330 MB wheel is read, then deleted with its folder
+        with tempfile.TemporaryDirectory(prefix="vllm-wheel-") as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
+                            tmp, f"vllm=={version}"], check=True)
+            return fetch(dest, version, next(Path(tmp).glob("vllm-*.whl")))
     with zipfile.ZipFile(wheel) as z:
         for name in (*KERNEL_FILES, *OTHER_FILES):
             target = dest / name

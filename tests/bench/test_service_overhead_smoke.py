@@ -47,3 +47,14 @@ def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     assert a == poisson_arrivals(200, 50.0)
     assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:], strict=False))
     assert 2.0 < a[-1] < 6.0  # about 200 / 50 s
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--http-clients", "httpx,curl", "unknown HTTP client(s) ['curl']"),
+    ("--rates", "60,0", "every rate must be > 0"),
+    ("--rates", "fast", "is not comma-separated numbers"),
+])
+def test_bad_flags_are_refused_before_anything_starts(flag: str, value: str, says: str) -> None:
+    res = subprocess.run([sys.executable, "-m", "bench.service_overhead", flag, value],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and says in res.stderr, res.stderr[-1000:]
