@@ -18,10 +18,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import platform
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.hop_trace import legs, read, table
 from bench.run_record import commit_id
 from bench.serving import SHAPES
 from devtools.demo_assets import write_demo_assets
@@ -40,6 +43,7 @@ from devtools.demo_stack import (
     publish_demo_adapters,
     wait_until_routable,
 )
+from services.common import hop_trace
 from services.common.hop_auth import GATEWAY_HEADER
 from services.control_plane.api.client import AdminClient
 from services.worker.startup import compile_cache_root, open_compile_cache
@@ -112,11 +116,13 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, conc
 def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Request],
                  new_tokens: int,
                  concurrency: int, direct: bool, start_at: float, channels: int = 1,
-                 arrivals: list[float] | None = None) -> tuple[list[Ttft], int, list[str]]:
+                 arrivals: list[float] | None = None, tag: str = "",
+                 ) -> tuple[list[Ttft], int, list[str]]:
     """One client process: `reqs` with `concurrency` in flight, from wall-clock `start_at`,
     spread round-robin over `channels` connections (a multi-process gateway gets one process
     per connection). With `arrivals`, request i is sent `arrivals[i]` s after `start_at`
-    whatever is in flight, and its TTFT counts from then."""
+    whatever is in flight; TTFT counts from the send. `tag`: names the run in hop traces
+    (`--trace-hops`), where each request also gets an id of its own."""
     import grpc
 
     from slora.v1 import inference_pb2 as pb
@@ -127,9 +133,12 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
         if adapter and direct:
             ref.version = VERSION  # workers serve explicit versions
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), adapter=ref,
+                                  request_id=uuid.uuid4().hex if tracing else "",
                                   sampling=pb.SamplingOptions(temperature=0,
                                                               max_new_tokens=new_tokens,
                                                               ignore_eos=True))
+
+    tracing = hop_trace.enabled()
 
     async def run() -> tuple[list[Ttft], int, list[str]]:
         ttft: list[Ttft] = []
@@ -149,7 +158,15 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
                 if at is not None:
                     await asyncio.sleep(max(0.0, start_at + at - time.time()))
                 async with slots:
-                    sent, first = time.time() if at is None else start_at + at, None
+                    # TTFT counts from the send: an open-loop arrival's timer fires about
+                    # a millisecond late (epoll's resolution), which is the load
+                    # generator's, not the service's (the trace keeps both).
+                    sent, first = time.time(), None
+                    if tracing:
+                        hop_trace.mark("client_tag", f"{req.request_id}={tag}")
+                        hop_trace.mark("client_send", req.request_id,
+                                       sent if at is None else start_at + at)
+                        hop_trace.mark("client_sent", req.request_id, sent)
                     try:
                         async for resp in stub.Generate(req, timeout=600, metadata=md):
                             if resp.HasField("chunk") and resp.chunk.token_ids:
@@ -160,6 +177,7 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
                         return
                     first = first if first is not None else time.time()
                     ttft.append((first - start_at, first - sent))
+                    hop_trace.mark("client_first", req.request_id, first)
 
             await asyncio.gather(*(call(message(p, a), stubs[i % channels],
                                         None if arrivals is None else arrivals[i])
@@ -174,11 +192,12 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
 
 def run_grpc(pool: Any, procs: int, target: str, md: tuple[tuple[str, str], ...],
              reqs: list[Request], new_tokens: int, concurrency: int, direct: bool = False,
-             channels: int = 1, arrivals: list[float] | None = None) -> dict[str, Any]:
+             channels: int = 1, arrivals: list[float] | None = None, tag: str = "",
+             ) -> dict[str, Any]:
     """`md`: the tenant key for a gateway, the gateway token for a worker called directly."""
     start_at = time.time() + 0.5
     shares = [(target, md, reqs[k::procs], new_tokens, max(1, concurrency // procs), direct,
-               start_at, channels, None if arrivals is None else arrivals[k::procs])
+               start_at, channels, None if arrivals is None else arrivals[k::procs], tag)
               for k in range(procs)]
     got = pool.starmap(_grpc_client, shares)
     wall = time.time() - start_at
@@ -197,24 +216,34 @@ class _HttpStatus(Exception):
 
 def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int,
                  concurrency: int, start_at: float, client_lib: str = "httpx",
-                 arrivals: list[float] | None = None) -> list[tuple[Ttft, int, str]]:
+                 arrivals: list[float] | None = None, tag: str = "",
+                 ) -> list[tuple[Ttft, int, str]]:
     """One client process: the requests streamed through the gateway's HTTP API (SSE), from
     wall-clock `start_at`; (ttft, tokens from the stream's usage, error) per request.
     `client_lib`: httpx (what the openai SDK uses) or aiohttp (what vLLM's serving benchmark
-    uses); both read every event line and parse its JSON. `arrivals`: as `_grpc_client`'s."""
+    uses); both read every event line and parse its JSON. `arrivals`, `tag`: as
+    `_grpc_client`'s (a request's trace key is the id of its first event)."""
     body_of = partial(_completion_body, new_tokens)
     at: list[float | None] = list(arrivals) if arrivals is not None else [None] * len(reqs)
     headers = {"authorization": f"Bearer {token}"}
     failed: Ttft = (float("nan"), float("nan"))
     slots = asyncio.Semaphore(concurrency)
 
-    def seen(line: str, first: float | None, n: int) -> tuple[float | None, int]:
-        """`first`: when the first token's event came (wall clock); `n`: tokens by usage."""
+    def seen(line: str, first: float | None, n: int, sent: tuple[float, float],
+             ) -> tuple[float | None, int]:
+        """`first`: when the first token's event came (wall clock); `n`: tokens by usage;
+        `sent`: (arrival, actual send), traced with the first event's id."""
         if not line.startswith("data: {"):
             return first, n
         event = json.loads(line[6:])
         if event["choices"] and first is None:
             first = time.time()
+            if hop_trace.enabled():
+                rid = event["id"]
+                hop_trace.mark("client_tag", f"{rid}={tag}")
+                hop_trace.mark("client_send", rid, sent[0])
+                hop_trace.mark("client_sent", rid, sent[1])
+                hop_trace.mark("client_first", rid, first)
         if event.get("usage"):
             n = event["usage"]["completion_tokens"]
         return first, n
@@ -223,16 +252,17 @@ def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int
                    errors: tuple[type[Exception], ...], prompt: list[int], adapter: str,
                    offset: float | None) -> tuple[Ttft, int, str]:
         """One request: sent at its open-loop arrival (`offset`) or when a slot frees, its
-        event lines read through `lines`; TTFT from the arrival (or the send)."""
+        event lines read through `lines`; TTFT from the send."""
         if offset is not None:
             await asyncio.sleep(max(0.0, start_at + offset - time.time()))
         first: float | None = None
         n = 0
         async with slots:
-            sent = time.time() if offset is None else start_at + offset
+            sent = time.time()  # TTFT from the send, as in `_grpc_client`
+            arrival = sent if offset is None else start_at + offset
             try:
                 async for line in lines(body_of(prompt, adapter or BASE_MODEL)):
-                    first, n = seen(line, first, n)
+                    first, n = seen(line, first, n, (arrival, sent))
             except _HttpStatus as e:
                 return failed, 0, f"HTTP {e}"
             except errors as e:
@@ -319,10 +349,10 @@ def _completion_body(new_tokens: int, prompt: list[int], adapter: str) -> dict[s
 
 def run_http(pool: Any, procs: int, base_url: str, token: str, reqs: list[Request],
              new_tokens: int, concurrency: int, client_lib: str = "httpx",
-             arrivals: list[float] | None = None) -> dict[str, Any]:
+             arrivals: list[float] | None = None, tag: str = "") -> dict[str, Any]:
     start_at = time.time() + 0.5
     shares = [(base_url, token, reqs[k::procs], new_tokens, max(1, concurrency // procs),
-               start_at, client_lib, None if arrivals is None else arrivals[k::procs])
+               start_at, client_lib, None if arrivals is None else arrivals[k::procs], tag)
               for k in range(procs)]
     got = [r for share in pool.starmap(_http_client, shares) for r in share]
     wall = time.time() - start_at
@@ -396,6 +426,11 @@ def parse_args() -> argparse.Namespace:
                          "loop of --concurrency (whose highest value caps what is in flight)")
     ap.add_argument("--open-loop-s", type=float, default=4.0,
                     help="seconds of arrivals at each --rates level")
+    ap.add_argument("--trace-hops", default=None, type=Path, metavar="DIR",
+                    help="trace every request's first token through each process into DIR "
+                         "(services/common/hop_trace.py) and add each leg's times per path "
+                         "and level to the JSON (`hop_trace`); tracing costs the processes "
+                         "a few microseconds an event")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -423,21 +458,23 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
     http_paths = {http_path(lib): lib for lib in args.http_clients} if args.http else {}
     for path in http_paths:
         runs[path] = []
+    label = f"c={c}" if rate is None else f"rate={rate:g}/s"
     for r in range(args.repeats):
         runs["in_process"].append(run_in_process(engine, reqs, args.new_tokens, c, arrivals))
         runs["worker"].append(run_grpc(pool, args.client_procs, worker,
                                        ((GATEWAY_HEADER, stack.gateway_token),), reqs,
                                        args.new_tokens, cap, direct=True,
-                                       channels=args.client_channels, arrivals=arrivals))
+                                       channels=args.client_channels, arrivals=arrivals,
+                                       tag=f"worker {label}"))
         runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, bearer(token), reqs,
                                         args.new_tokens, cap, channels=args.client_channels,
-                                        arrivals=arrivals))
+                                        arrivals=arrivals, tag=f"gateway {label}"))
         for path, lib in http_paths.items():
             runs[path].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
-                                       token, reqs, args.new_tokens, cap, lib, arrivals))
+                                       token, reqs, args.new_tokens, cap, lib, arrivals,
+                                       f"{path} {label}"))
         line = {k: round(v[-1]["output_tok_per_s"], 1) for k, v in runs.items()}
         errors = {k: len(v[-1]["errors"]) for k, v in runs.items() if v[-1]["errors"]}
-        label = f"c={c}" if rate is None else f"rate={rate:g}/s"
         print(f"{label} repeat {r + 1}: tok/s {line} errors {errors}", flush=True)
     ratios = {k: spread([compare(b, o) for b, o in zip(runs["in_process"], v, strict=True)])
               for k, v in runs.items() if k != "in_process"}
@@ -450,6 +487,9 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
 
 def main() -> int:
     args = parse_args()
+    if args.trace_hops is not None:  # before any process starts: they inherit it
+        args.trace_hops.mkdir(parents=True, exist_ok=True)
+        os.environ[hop_trace.ENV] = str(args.trace_hops.resolve())
     levels = [int(c) for c in args.concurrency.split(",")]
     root = Path(tempfile.mkdtemp(prefix="slora-overhead-"))
     t0 = time.perf_counter()
@@ -515,11 +555,15 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
                     "http request_ttft_p50_added_ms": {"256": "<= 20"}},
         "levels": results,
     }
+    if args.trace_hops is not None:
+        result["hop_trace"] = legs(read(args.trace_hops))
     for level in results:
         print(f"rate={level['rate']:g}/s:" if "rate" in level else f"c={level['concurrency']}:")
         for path, figs in level["ratios"].items():
             print(f"  {path:8s} " + "  ".join(
                 f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]" for k, v in figs.items()))
+    if "hop_trace" in result:
+        print(table(result["hop_trace"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

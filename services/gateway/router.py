@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 
 from services.common import errors as e
+from services.common import hop_trace
 from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate
 from services.common.resume import not_resumable, resumed_request
@@ -160,6 +161,7 @@ class RoutedCall:
 
     async def _route(self) -> AsyncIterator[pb.GenerateResponse]:
         router, request = self.router, self.request
+        hop_trace.mark("gateway_entry", self.request_id)
         grant = router.authenticate(self.token)
         self.caller_tenant = grant.tenant
         check_generate(request)
@@ -177,8 +179,12 @@ class RoutedCall:
         router.metrics.requests.inc()
         key = (adapter_id, res.version)
         router.evidence.routed(key)
+        first = True
         try:
             async for r in self._serve(res):
+                if first and r.HasField("chunk"):
+                    first = False
+                    hop_trace.mark("gateway_first_out", self.request_id)
                 if r.HasField("complete"):
                     r.complete.request_id = self.request_id
                     version = r.complete.served_by.adapter_version
@@ -250,6 +256,7 @@ class RoutedCall:
             async for batch in call.batches():
                 if not started:
                     started = True
+                    hop_trace.mark("gateway_first_in", upstream.request_id)
                     self.served_by = pb.ServedBy(
                         adapter_id=upstream.adapter.adapter_id,
                         adapter_version=upstream.adapter.version, is_fallback=is_fallback,

@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from services.common import hop_trace
 from services.common.structured import from_wire
 from services.worker import core_protocol as m
 from services.worker.errors import to_service_error
@@ -109,6 +110,7 @@ class EngineCore:
         self._last_state: m.EngineState | None = None
         self._warm_at = -WARM_EVERY_S  # when warm_adapters was last sent
         self._active_at = time.monotonic()  # last step or keepalive
+        self.trace_hops = hop_trace.enabled()
 
     def run(self, inputs: zmq.Socket) -> None:
         while True:
@@ -182,6 +184,7 @@ class EngineCore:
                                          err.adapter_error))
             return
         self._unstarted.add(msg.rid)
+        hop_trace.mark("core_added", msg.rid)
 
     def _step(self) -> None:
         try:
@@ -204,6 +207,10 @@ class EngineCore:
         self._send([])
 
     def _send(self, outs: list[RequestOutput]) -> None:
+        if self.trace_hops:
+            for out in outs:  # a request's first tokens: it has no others yet
+                if out.token_ids and out.completion_tokens == len(out.token_ids):
+                    hop_trace.mark("core_first", out.request_id)
         self.outputs.send(m.encoder.encode(self._step_output(outs)), copy=False)
 
     def _step_output(self, outs: list[RequestOutput]) -> m.StepOutput:

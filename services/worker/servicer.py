@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import errors as e
+from services.common import hop_trace
 from services.common.convert import (
     chat_prompt_ids,
     first_chunk,
@@ -163,6 +164,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
         key: VersionKey = (request.adapter.adapter_id, request.adapter.version)
+        hop_trace.mark("worker_entry", request.request_id)
         self.inflight += 1
         self._idle.clear()
         try:
@@ -255,6 +257,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             rid, tokens = self.core.add(ids + resume, left, name, tenant=tenant,
                                         deadline_s=time_remaining, structured=structured)
             stream.tokens = tokens
+            hop_trace.mark("worker_added", f"{request.request_id}:{rid}")
             while True:
                 delta, finish = await stream.next()
                 if finish is not None and finish.code:
@@ -269,6 +272,8 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                     if first is None and not resume:  # a resumed client has it
                         chunk = first_chunk(chunk, request, ids, self.tokenizer.decode,
                                             stream.tokens.prompt, self.token_text.of)
+                    if first is None:
+                        hop_trace.mark("worker_first_out", request.request_id)
                     first = first or time.monotonic()
                     yield pb.GenerateResponse(chunk=chunk)
                 if finish is not None:

@@ -23,7 +23,8 @@ def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "bench.service_overhead", "--concurrency", "4", "--rates", "6",
          "--open-loop-s", "1", "--repeats", "1", "--new-tokens", "4", "--client-procs", "1",
-         "--http", "--http-clients", "httpx,aiohttp", "--out", str(out)],
+         "--http", "--http-clients", "httpx,aiohttp", "--trace-hops", str(tmp_path / "hops"),
+         "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -38,6 +39,20 @@ def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
         assert math.isfinite(run["request_ttft_p50_s"]) and run["request_ttft_p50_s"] > 0
     for figs in level["ratios"].values():
         assert math.isfinite(figs["request_ttft_p50_added_ms"]["median"])
+    # Every request of every path is traced through each process it crossed.
+    hops = result["hop_trace"]
+    assert set(hops) == {f"{p} rate=6/s" for p in PATHS}
+    through_gateway = ("gateway_entry -> worker_entry", "worker_first_out -> gateway_first_in")
+    for tag, got in hops.items():
+        assert got["requests"] == 6, tag
+        legs = got["legs_ms"]
+        for leg in ("worker_added -> core_added", "core_added -> core_first",
+                    "client_send -> client_first (TTFT)",
+                    *(through_gateway if not tag.startswith("worker") else
+                      ("client_sent -> worker_entry", "worker_first_out -> client_first"))):
+            assert legs[leg]["n"] == 6 and legs[leg]["p50"] >= 0, (tag, leg)
+        assert legs["client_send -> client_first (TTFT)"]["p50"] > legs[
+            "core_added -> core_first"]["p50"], tag
 
 
 def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:

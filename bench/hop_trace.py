@@ -1,0 +1,101 @@
+"""Read a folder of hop traces (`services.common.hop_trace`) into each leg's median per path.
+
+`python -m bench.hop_trace DIR` prints, for each tag the clients gave their requests (the
+service bench tags them `<path> <level>`), the median, p90 and mean milliseconds of every leg
+between consecutive events a request met, in `HOPS` order, and how many requests had both
+ends. `bench.service_overhead --trace-hops DIR` writes the same into its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common.hop_trace import HOPS
+
+
+def read(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """client tag -> request key -> event -> wall-clock time (the first of repeated marks);
+    core events are moved onto the request's key through `worker_added`. Requests no client
+    tagged (warm-up) are left out."""
+    by_key: dict[str, dict[str, float]] = defaultdict(dict)
+    core: dict[str, dict[str, float]] = defaultdict(dict)
+    core_of: dict[str, str] = {}
+    tags: dict[str, str] = {}
+    for path in sorted(folder.glob("*.hops")):
+        for line in path.read_text().splitlines():
+            parts = line.split(" ")
+            try:
+                event, key, at = parts[0], " ".join(parts[1:-1]), float(parts[-1])
+            except ValueError:
+                continue  # a line cut off by a killed process
+            if len(parts) < 3:
+                continue
+            if event == "client_tag":
+                k, _, tag = key.partition("=")
+                tags[k] = tag
+                continue
+            if event == "worker_added":
+                key, _, rid = key.rpartition(":")
+                core_of[rid] = key
+            target = core[key] if event.startswith("core_") else by_key[key]
+            target.setdefault(event, at)
+    for rid, events in core.items():
+        if rid in core_of:
+            for event, at in events.items():
+                by_key[core_of[rid]].setdefault(event, at)
+    grouped: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for key, events in by_key.items():
+        if tags.get(key):
+            grouped[tags[key]][key] = events
+    return dict(grouped)
+
+
+def legs(traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """Per tag: each leg between consecutive events (ms), over the requests that met both."""
+    out: dict[str, Any] = {}
+    for tag, reqs in sorted(traced.items()):
+        got: dict[str, list[float]] = defaultdict(list)
+        for ev in reqs.values():
+            seen = [h for h in HOPS if h in ev]
+            for a, b in zip(seen, seen[1:], strict=False):
+                got[f"{a} -> {b}"].append((ev[b] - ev[a]) * 1e3)
+            if "client_send" in ev and "client_first" in ev:
+                got["client_send -> client_first (TTFT)"].append(
+                    (ev["client_first"] - ev["client_send"]) * 1e3)
+        order = {f"{a} -> {b}": i for i, (a, b) in enumerate(
+            (a, b) for i, a in enumerate(HOPS) for b in HOPS[i + 1:])}
+        out[tag] = {"requests": len(reqs), "legs_ms": {
+            leg: {"n": len(v), "p50": float(np.median(v)), "p90": float(np.percentile(v, 90)),
+                  "mean": float(np.mean(v))}
+            for leg, v in sorted(got.items(), key=lambda kv: order.get(kv[0], 10**6))}}
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    lines = []
+    for tag, s in summary.items():
+        lines.append(f"{tag} ({s['requests']} requests)")
+        for leg, v in s["legs_ms"].items():
+            lines.append(f"  {leg:<48} p50 {v['p50']:7.2f}  p90 {v['p90']:7.2f}  "
+                         f"mean {v['mean']:7.2f} ms  (n={v['n']})")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args()
+    summary = legs(read(args.folder))
+    print(json.dumps(summary, indent=1) if args.json else table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

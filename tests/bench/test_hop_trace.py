@@ -1,0 +1,58 @@
+"""bench.hop_trace joins the events each process traced (services/common/hop_trace.py) into one
+timeline per request: core events through the front's `worker_added`, legs between the events a
+request met, untagged requests (warm-up) and lines cut off by a killed process left out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.hop_trace import legs, read
+from services.common import hop_trace
+
+
+def test_events_from_every_process_join_into_one_timeline_per_request(tmp_path: Path) -> None:
+    (tmp_path / "1.hops").write_text(
+        "client_tag a=worker rate=5/s 10.0\nclient_send a 10.000\nclient_sent a 10.001\n"
+        "client_first a 10.020\nclient_tag b=worker rate=5/s 11.0\nclient_send b 11.000\n"
+        "client_first b 11.030\n")
+    (tmp_path / "2.hops").write_text(
+        "worker_entry a 10.002\nworker_added a:7 10.003\nworker_first_out a 10.018\n"
+        "worker_entry b 11.002\nworker_added b:8 11.003\nworker_entry warm 9.0\n"
+        "worker_first_out b")  # cut off mid-line
+    (tmp_path / "3.hops").write_text("core_added 7 10.004\ncore_first 7 10.016\n"
+                                     "core_added 8 11.004\ncore_first 8 11.026\n")
+    (tmp_path / "other.txt").write_text("client_tag c=x 1.0\n")  # not a trace file
+    traced = read(tmp_path)
+    requests = traced["worker rate=5/s"]
+    assert set(traced) == {"worker rate=5/s"} and set(requests) == {"a", "b"}  # warm: untagged
+    assert requests["a"]["core_first"] == pytest.approx(10.016)
+    assert "worker_first_out" not in requests["b"]
+    (summary,) = legs(traced).values()
+    got = summary["legs_ms"]
+    assert summary["requests"] == 2
+    assert got["core_added -> core_first"]["n"] == 2
+    assert got["core_added -> core_first"]["p50"] == pytest.approx(17.0)  # 12 and 22 ms
+    assert got["worker_first_out -> client_first"]["p50"] == pytest.approx(2.0)
+    # b skipped worker_first_out: its leg runs from the event before it.
+    assert got["core_first -> client_first"]["p50"] == pytest.approx(4.0)
+    assert got["client_send -> client_first (TTFT)"]["p50"] == pytest.approx(25.0)
+    assert list(got)[0] == "client_send -> client_sent"  # legs in HOPS order
+
+
+def test_marks_are_off_unless_the_variable_names_a_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(hop_trace.ENV, raising=False)
+    hop_trace.mark("worker_entry", "x")
+    assert not hop_trace.enabled() and not list(tmp_path.iterdir())
+    monkeypatch.setenv(hop_trace.ENV, str(tmp_path / "hops"))
+    monkeypatch.setattr(hop_trace, "_file", None)
+    hop_trace.mark("worker_entry", "x", at=5.0)
+    hop_trace.mark("worker_first_out", "x")
+    assert hop_trace._file is not None
+    hop_trace._file.close()
+    monkeypatch.setattr(hop_trace, "_file", None)
+    (trace,) = (tmp_path / "hops").iterdir()
+    first, second = trace.read_text().splitlines()
+    assert first == "worker_entry x 5.000000" and second.startswith("worker_first_out x ")
