@@ -103,6 +103,8 @@ SUITES: dict[str, tuple[Step, ...]] = {
                              "short_list_wave", "--out", OUT("lora-grid-split")),),
     "lora-one-adapter": (step("one-adapter", 150, "bench.lora_one_adapter", "--out",
                               OUT("lora-one-adapter")),),
+    "lora-layer-fusion": (step("layer-fusion", 150, "bench.lora_layer_fusion", "--out",
+                               OUT("lora-layer-fusion")),),
     "lora-rows": (step("rows", 200, "bench.kernels_lora_rows", "--out", OUT("lora-rows")),),
     "lora-tiles-sweep": (step("lora-sweep", 200, "bench.decode_sweep", "--parts", "lora",
                               "--lora-cases", "16,64,64", "16,256,256", "16,64,1", "--out",

@@ -1,0 +1,28 @@
+"""bench.lora_layer_fusion at toy sizes on the CPU (Triton's interpreter): every variant
+computes the projection's base output plus the adapter's delta, checked against float64 torch,
+and the JSON records each variant's time and error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import lora_layer_fusion
+
+
+def test_every_variant_computes_base_plus_delta(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("bench.kernels_timing.DEVICE", "cpu")
+    monkeypatch.setattr(lora_layer_fusion, "DEVICE", "cpu")
+    monkeypatch.setattr("bench.kernels_lora_grid.DEVICE", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in ("HIDDEN", "INTER", "PROJECTIONS"):  # --toy shrinks them: restored after
+        monkeypatch.setattr(lora_layer_fusion, name, getattr(lora_layer_fusion, name))
+    out = tmp_path / "fusion.json"
+    assert lora_layer_fusion.main(["--toy", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    for name in lora_layer_fusion.VARIANTS:
+        assert row[f"{name}_rel_err"] < 2e-3, (name, row[f"{name}_rel_err"])
+        assert row[f"{name}_us"] > 0
