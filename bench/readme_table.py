@@ -85,6 +85,36 @@ def _service_target(result: dict[str, Any], path: str, streams: int) -> str:
     return "; ".join(got)
 
 
+def open_loop_rows(result: dict[str, Any], source: str) -> list[str]:
+    """Open-loop arrivals (`--rates`): each path's hop at a load, with no target of its own
+    (issue 37's are per closed-loop stream count: docs/performance.md maps them)."""
+    return [row.replace(f"| {_service_target(result, path, level['concurrency'])} |", "|  |", 1)
+            for level in result["levels"]
+            for path, row in zip(level["ratios"], service_rows(
+                result | {"levels": [level]}, source), strict=True)]
+
+
+def hop_trace_rows(result: dict[str, Any], source: str) -> list[str]:
+    """`--trace-hops`: the p50 of each leg a request's first token crossed, per path and load
+    (the engine's own legs, from the core's intake to its first token, included)."""
+    rows = []
+    for tag, got in result.get("hop_trace", {}).items():
+        legs = "; ".join(f"{leg.replace(' -> ', ' to ')} {v['p50']:.2f}"
+                         for leg, v in got["legs_ms"].items())
+        rows.append(f"| hop trace, {tag} ({got['requests']} requests), p50 ms of each leg | "
+                    f"{legs} | | {source} |")
+    return rows
+
+
+def fusion_rows(result: dict[str, Any], source: str) -> list[str]:
+    """bench.lora_layer_fusion: one decode layer's four projections with one adapter."""
+    return [f"| one 7B decode layer's four projections, one rank-{r['rank']} adapter on all 7 "
+            f"modules, {r['batch']} rows, graph replay | base GEMMs {r['base_us']:.1f} us; our "
+            f"shrink+expand +{r['lora_added_us']:.1f} us; shrink riding the base GEMM, expand "
+            f"by cuBLAS +{r['n_concat_added_us']:.1f} us; expand riding it "
+            f"+{r['k_concat_added_us']:.1f} us | | {source} |" for r in result["rows"]]
+
+
 def hop_rows(result: dict[str, Any], source: str) -> list[str]:
     """The gateway hop alone: the gateway path against the worker path of the same repeat."""
     rows = []
@@ -333,6 +363,19 @@ def rows() -> list[str]:
             source = f"`{name}` @ {result['commit'][:8]}"
             lines += service_rows(result, source) + hop_rows(result, source)
             break
+    for name in ("service-overhead-7b-open-h200.json",
+                 "service-overhead-7b-open-9bfd047-h200.json",
+                 "service-overhead-7b-open-dd94c6e-h200.json"):
+        if (RESULTS / name).exists():
+            result = json.loads((RESULTS / name).read_text())
+            source = f"`{name}` @ {result['commit'][:8]}"
+            lines += open_loop_rows(result, source)
+            if name == "service-overhead-7b-open-h200.json":
+                lines += hop_trace_rows(result, source)
+    path = RESULTS / "lora-layer-fusion-h200.json"
+    if path.exists():
+        result = json.loads(path.read_text())
+        lines += fusion_rows(result, f"`{path.name}` @ {result['commit'][:8]}")
     path = RESULTS / "profile-async-h200.json"
     if path.exists():
         result = json.loads(path.read_text())
