@@ -21,7 +21,6 @@ Each variant's y is checked against float64 torch (base + delta) on the first la
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import torch
 from bench import kernels_timing as timing
 from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, graph_time_us
-from bench.run_record import run_record, save_rows
+from bench.run_record import add_row, run_record
 from slora_kernels.lora import DECODE_TILES, add_lora_triton
 from slora_kernels.lora_meta import DECODE_BLOCK_M
 
@@ -179,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
               "method": "*_us: one layer's four projections, median of 10 CUDA-graph replays "
               f"over {layers} layers' weights; rel_err: against float64 torch", "rows": rows}
     for rank, t in cells:
-        row = run_cell(rank, t, layers)
-        rows.append(row)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
-                          for k, v in row.items()}), flush=True)
-        save_rows(args.out, result, rows, len(cells))
+        add_row(args.out, result, rows, run_cell(rank, t, layers), len(cells), digits=4)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from typing import Any
 
@@ -23,7 +22,7 @@ from bench import kernels_lora as kl
 from bench import kernels_timing as timing
 from bench.kernels_lora_grid import VLLM_US, call, padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us
-from bench.run_record import run_record, save_rows
+from bench.run_record import add_row, run_record
 from slora_kernels.lora import DECODE_TILES, LoraTiles, pick_split_k
 from slora_kernels.lora_meta import DECODE_BLOCK_M
 
@@ -112,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
               "*_us: median of 10 CUDA-graph replays over inputs rotated past the L2",
               "rows": rows}
     for rank, b in cells:
-        row = run_cell(rank, b, max(copy.values()))
-        rows.append(row)
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
-                          for k, v in row.items()}), flush=True)
-        save_rows(args.out, result, rows, len(cells))
+        add_row(args.out, result, rows, run_cell(rank, b, max(copy.values())), len(cells))
     return 0
 
 

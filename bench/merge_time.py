@@ -14,7 +14,6 @@ exceptions kept. The restore is checked bit for bit against the weights before t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs
-from bench.run_record import run_record, save_rows
+from bench.run_record import add_row, run_record
 from slora_kernels.weight_merge import ADD, SUBTRACT, check_round_trip, merge_delta, warm_up
 
 HIDDEN, INTER, LAYERS = 4096, 11008, 32
@@ -121,11 +120,9 @@ def main(argv: list[str] | None = None) -> int:
               "copy_gbs": copy, "method": "host wall time between device syncs, one run a "
               "case; floors at the faster copy bandwidth", "rows": rows}
     for modules, rank, rel in CASES:
-        row = run_case(modules, rank, rel, layers, max(copy.values()), gen)
-        rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                          for k, v in row.items()}), flush=True)
-        save_rows(args.out, result, rows, len(CASES))
+        add_row(args.out, result, rows,
+                run_case(modules, rank, rel, layers, max(copy.values()), gen), len(CASES),
+                digits=3)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return 0

@@ -36,3 +36,13 @@ def save_rows(out: str | None, result: dict[str, Any], rows: list[Any], total: i
     if out:
         with open(out, "w") as f:
             json.dump({**result, "complete": len(rows) == total}, f, indent=1)
+
+
+def add_row(out: str | None, result: dict[str, Any], rows: list[Any], row: dict[str, Any],
+            total: int, digits: int = 2) -> None:
+    """Append `row` to `rows`, print it as one JSON line (floats to `digits`), and save the
+    result so far (`save_rows`)."""
+    rows.append(row)
+    print(json.dumps({k: round(v, digits) if isinstance(v, float) else v
+                      for k, v in row.items()}), flush=True)
+    save_rows(out, result, rows, total)
