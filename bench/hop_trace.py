@@ -29,12 +29,13 @@ def read(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     tags: dict[str, str] = {}
     for path in sorted(folder.glob("*.hops")):
         for line in path.read_text().splitlines():
-            parts = line.split(" ")
+            event, _, rest = line.partition(" ")
+            key, _, stamp = rest.rpartition(" ")
             try:
-                event, key, at = parts[0], " ".join(parts[1:-1]), float(parts[-1])
+                at = float(stamp)
             except ValueError:
                 continue  # a line cut off by a killed process
-            if len(parts) < 3:
+            if not key:
                 continue
             if event == "client_tag":
                 k, _, tag = key.partition("=")
@@ -56,6 +57,11 @@ def read(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     return dict(grouped)
 
 
+# Legs in HOPS order (by their first event, then their second); the TTFT leg last.
+LEG_ORDER = {f"{a} -> {b}": n for n, (a, b) in enumerate(
+    (a, b) for i, a in enumerate(HOPS) for b in HOPS[i + 1:])}
+
+
 def legs(traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
     """Per tag: each leg between consecutive events (ms), over the requests that met both."""
     out: dict[str, Any] = {}
@@ -68,12 +74,10 @@ def legs(traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
             if "client_send" in ev and "client_first" in ev:
                 got["client_send -> client_first (TTFT)"].append(
                     (ev["client_first"] - ev["client_send"]) * 1e3)
-        order = {f"{a} -> {b}": i for i, (a, b) in enumerate(
-            (a, b) for i, a in enumerate(HOPS) for b in HOPS[i + 1:])}
         out[tag] = {"requests": len(reqs), "legs_ms": {
             leg: {"n": len(v), "p50": float(np.median(v)), "p90": float(np.percentile(v, 90)),
                   "mean": float(np.mean(v))}
-            for leg, v in sorted(got.items(), key=lambda kv: order.get(kv[0], 10**6))}}
+            for leg, v in sorted(got.items(), key=lambda kv: LEG_ORDER.get(kv[0], len(LEG_ORDER)))}}
     return out
 
 

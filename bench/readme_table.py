@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +67,13 @@ def service_rows(result: dict[str, Any], source: str) -> list[str]:
                         f"{_fig(figs['request_ttft_p50_added_ms'], 1, ' ms')}, p99 "
                         f"{_fig(figs['request_ttft_p99_added_ms'], 1, ' ms')}; from the "
                         f"run's start p50 {_fig(figs['ttft_p50_added_ms'], 1, ' ms')}")
+            # Open-loop levels have no target of their own: issue 37's are per closed-loop
+            # stream count (docs/performance.md maps them).
+            target = "" if "rate" in level else _service_target(result, path, c)
             rows.append(
                 f"| {PATHS.get(path, path)}{gw if path != 'worker' else ''}, {load} "
                 f"| {_fig(figs['throughput_ratio'])}x of in-process; {ttft} "
-                f"| {_service_target(result, path, c)} | {source} |")
+                f"| {target} | {source} |")
     return rows
 
 
@@ -83,15 +87,6 @@ def _service_target(result: dict[str, Any], path: str, streams: int) -> str:
            for figure, bound in targets.items()
            if figure.split(" ", 1)[0] == kind and str(streams) in bound]
     return "; ".join(got)
-
-
-def open_loop_rows(result: dict[str, Any], source: str) -> list[str]:
-    """Open-loop arrivals (`--rates`): each path's hop at a load, with no target of its own
-    (issue 37's are per closed-loop stream count: docs/performance.md maps them)."""
-    return [row.replace(f"| {_service_target(result, path, level['concurrency'])} |", "|  |", 1)
-            for level in result["levels"]
-            for path, row in zip(level["ratios"], service_rows(
-                result | {"levels": [level]}, source), strict=True)]
 
 
 def hop_trace_rows(result: dict[str, Any], source: str) -> list[str]:
@@ -365,25 +360,17 @@ def rows() -> list[str]:
                       + hop_trace_rows(result, source))
             break
     # The closed loop before the worker front woke first tokens first (and before the trace):
-    # 256 streams kept 1.0-1.1x there (docs/performance.md says what is not explained).
-    name = "service-overhead-7b-gw4-037c3d6-h200.json"
-    if (RESULTS / name).exists():
-        result = json.loads((RESULTS / name).read_text())
-        source = f"`{name}` @ {result['commit'][:8]}"
-        lines += service_rows(result, source) + hop_rows(result, source)
-    for name in ("service-overhead-7b-open-h200.json",
-                 "service-overhead-7b-open-9bfd047-h200.json",
-                 "service-overhead-7b-open-dd94c6e-h200.json"):
-        if (RESULTS / name).exists():
-            result = json.loads((RESULTS / name).read_text())
-            source = f"`{name}` @ {result['commit'][:8]}"
-            lines += open_loop_rows(result, source)
-            if name == "service-overhead-7b-open-h200.json":
-                lines += hop_trace_rows(result, source)
-    path = RESULTS / "lora-layer-fusion-h200.json"
-    if path.exists():
-        result = json.loads(path.read_text())
-        lines += fusion_rows(result, f"`{path.name}` @ {result['commit'][:8]}")
+    # 256 streams kept 1.0-1.1x there (docs/performance.md says what is not explained). Then
+    # open-loop arrivals: the latest run with its hop trace, the two before it without.
+    for name, make in (
+            ("service-overhead-7b-gw4-037c3d6-h200.json",
+             lambda r, src: service_rows(r, src) + hop_rows(r, src)),
+            ("service-overhead-7b-open-h200.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+            ("service-overhead-7b-open-9bfd047-h200.json", service_rows),
+            ("service-overhead-7b-open-dd94c6e-h200.json", service_rows),
+            ("lora-layer-fusion-h200.json", fusion_rows)):
+        lines += _rows_of(name, make)
     path = RESULTS / "profile-async-h200.json"
     if path.exists():
         result = json.loads(path.read_text())
@@ -441,11 +428,17 @@ def rows() -> list[str]:
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
-        path = RESULTS / name
-        if path.exists():
-            result = json.loads(path.read_text())
-            lines += make(result, f"`{path.name}` @ {result['commit'][:8]}")
+        lines += _rows_of(name, make)
     return lines
+
+
+def _rows_of(name: str, make: Callable[[dict[str, Any], str], list[str]]) -> list[str]:
+    """`make`'s rows for result `name`, cited with its commit; none when the file is absent."""
+    path = RESULTS / name
+    if not path.exists():
+        return []
+    result = json.loads(path.read_text())
+    return make(result, f"`{name}` @ {result['commit'][:8]}")
 
 
 def replace_block(text: str, begin: str, end: str, block: str) -> str | None:

@@ -435,7 +435,12 @@ def parse_args() -> argparse.Namespace:
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
                     skip=("max_num_seqs", "max_adapters_per_batch", "max_queue"))
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.trace_hops is not None and any(args.trace_hops.glob("*.hops")):
+        # Another run's events would join this run's legs under the same tags.
+        ap.error(f"--trace-hops {args.trace_hops} already holds traces (*.hops): "
+                 "give an empty or new folder")
+    return args
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:

@@ -5,7 +5,7 @@ one line per event to `DIR/<pid>.hops`: `<event> <key> <time.time()>`. The key j
 across processes: its `request_id` on the client, gateway and worker front (the gateway passes
 its id upstream), and the core's request number inside the worker (the front's `worker_added`
 event carries both). `bench.hop_trace` reads a folder of these into one timeline per request
-and the median of each leg. A mark costs a few microseconds when on and one dictionary lookup
+and the median of each leg. A mark costs a few microseconds when on and one environment lookup
 when off; never leave it on in production (the files grow by ~6 lines a request a process).
 
 The events, in the order a request meets them (`HOPS`):

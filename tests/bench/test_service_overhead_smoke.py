@@ -73,3 +73,10 @@ def test_bad_flags_are_refused_before_anything_starts(flag: str, value: str, say
     res = subprocess.run([sys.executable, "-m", "bench.service_overhead", flag, value],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and says in res.stderr, res.stderr[-1000:]
+
+
+def test_a_trace_folder_holding_another_runs_traces_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "123.hops").write_text("worker_entry x 1.0\n")
+    res = subprocess.run([sys.executable, "-m", "bench.service_overhead", "--trace-hops",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "already holds traces" in res.stderr, res.stderr[-1000:]
