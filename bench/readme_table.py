@@ -365,6 +365,8 @@ def rows() -> list[str]:
     for name, make in (
             ("service-overhead-7b-gw4-037c3d6-h200.json",
              lambda r, src: service_rows(r, src) + hop_rows(r, src)),
+            # 256 streams at a926e02 with the trace off: the d3a95eb drop was the trace's.
+            ("service-overhead-7b-gw4-c256-a926e02-h200.json", service_rows),
             ("service-overhead-7b-open-h200.json",
              lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("service-overhead-7b-open-9bfd047-h200.json", service_rows),
