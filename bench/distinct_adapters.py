@@ -7,6 +7,9 @@ so every arm sees the same clocks and warmed state.
     python -m bench.serving --shape llama2-7b --device cuda --scenarios distinct \
         --out bench/results/distinct-adapters-h200.json
 
+With `--ride-sole-adapter` the one-adapter arm rides (slora_core/lora_ride.py) and a
+`one_kernels` arm runs the same requests on the LoRA kernels, side by side.
+
 Targets (issue 37): D=16 at least 0.95x base throughput, D=64 at least 0.92x, one adapter with
 the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with distinct adapters.
 """
@@ -59,16 +62,27 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         engine.runner.merge = None
     arms = {"base": distinct_requests(b, None), "distinct16": distinct_requests(b, 16),
             "distinct64": distinct_requests(b, 64), "one_unmerged": distinct_requests(b, 1)}
-    for name, reqs in arms.items():  # untimed: loads every adapter, captures every graph
-        replay(engine, reqs, f"warm {name}")
+    # With the sole-adapter ride on (--ride-sole-adapter), one_unmerged rides and the same
+    # requests also run on the LoRA kernels (the ride switched off for that arm).
+    ride = engine.runner.ride
+    if ride is not None:
+        arms["one_kernels"] = arms["one_unmerged"]
+    ratios = (*TARGETS, "one_kernels") if ride is not None else tuple(TARGETS)
+
+    def run_arm(name: str, label: str) -> dict[str, Any]:
+        engine.runner.ride = None if name == "one_kernels" else ride
+        return replay(engine, arms[name], label)
+
+    for name in arms:  # untimed: loads every adapter, captures every graph
+        run_arm(name, f"warm {name}")
     runs: list[dict[str, Any]] = []
     for i in range(a.overhead_repeats):
-        run = {name: replay(engine, reqs, f"{name} {i + 1}") for name, reqs in arms.items()}
-        for name in TARGETS:
+        run = {name: run_arm(name, f"{name} {i + 1}") for name in arms}
+        for name in ratios:
             run[f"{name}_ratio"] = (run[name]["output_tok_per_s"]
                                     / run["base"]["output_tok_per_s"])
         runs.append(run)
-    engine.runner.merge = merge
+    engine.runner.merge, engine.runner.ride = merge, ride
     out: dict[str, Any] = {"repeats": runs, "batch": a.distinct_batch, "ranks": RANKS,
                            "modules": list(LORA_MODULES), "targets": TARGETS}
     for name, target in TARGETS.items():
@@ -79,6 +93,12 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
                      "distinct_adapters_per_step": float(np.median(
                          [r[name]["distinct_adapters_per_step_mean"] for r in runs]))}
     out["met"] = all(out[name]["met"] for name in TARGETS)
+    if ride is not None:
+        kernels = [r["one_kernels_ratio"] for r in runs]
+        out["one_kernels"] = {"throughput_ratio": float(np.median(kernels)),
+                              "ratio_min": min(kernels), "ratio_max": max(kernels)}
+        out["ride"] = {"loads": ride.loads, "ride_steps": ride.ride_steps,
+                       "rows_bytes": ride.nbytes}
     out["bytes_bound"] = bytes_bound(b, arms)
     for name in TARGETS:
         bound = out["bytes_bound"][name]["throughput_ratio_bound"]

@@ -83,8 +83,12 @@ MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps
          "all_graphs_async": {"async_steps": True},
          # EngineConfig.merge_sole_adapter, over its own requests: MERGE_REQUESTS prompts all
          # on MERGE_ADAPTER (every module, rsLoRA scale), so most steps run merged.
-         "merge_sole_adapter": {"merge_sole_adapter": True}}
-DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async", "merge_sole_adapter")
+         "merge_sole_adapter": {"merge_sole_adapter": True},
+         # EngineConfig.ride_sole_adapter, the merge off, over the merge's requests: most
+         # decode steps ride (one GEMM with the adapter's A rows appended, one expand).
+         "ride_sole_adapter": {"ride_sole_adapter": True, "merge_sole_adapter": False}}
+SOLE_ADAPTER_MODES = ("merge_sole_adapter", "ride_sole_adapter")
+DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async", *SOLE_ADAPTER_MODES)
 MERGE_ADAPTER = "rslora-all-r32"
 MERGE_REQUESTS = 6
 # The engine's limits in every mode (the arena is sized by simulating them).
@@ -184,9 +188,9 @@ def compare(run: Any, requests: list[tuple[str, list[int], str | None]],
 
 
 def summarize(rows: list[dict[str, Any]], run: Any, new_tokens: int) -> dict[str, Any]:
-    """The mode's verdict. A merge mode's run must have run steps merged (its requests share
-    one adapter: no churn to ask for); every other mode's must have evicted, reloaded and
-    preempted."""
+    """The mode's verdict. A merge (ride) mode's run must have run steps merged (ridden): its
+    requests share one adapter, no churn to ask for; every other mode's must have evicted,
+    reloaded and preempted."""
     positions = sum(r["tokens"] for r in rows)
     within = all(r["rel_err_vs_hf_fp32"] <= 1.5 * r["hf_same_dtype_rel_err_vs_fp32"] + 1e-3
                  for r in rows)
@@ -198,6 +202,7 @@ def summarize(rows: list[dict[str, Any]], run: Any, new_tokens: int) -> dict[str
         sum(not d["within_noise"] for r in rows for d in r["disagreements"]))
     s = run.stats
     churn = (s["merged_steps"] > 0 if "merged_steps" in s else
+             s["ride_steps"] > 0 if "ride_steps" in s else
              s["adapter_evictions"] > 0 and s["preemptions"] > 0
              and s["adapter_loads"] > len(ADAPTERS))
     complete = all(r["finish_reason"] == "length" and r["tokens"] == new_tokens for r in rows)
@@ -254,7 +259,7 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
                 "setup_seconds": round(t - t0, 2), "timings": timings, "modes": {}})
     # Off CUDA the graph modes do not exist; the merge runs there too (the smoke test's).
     modes = {m: MODES[m] for m in args.modes
-             if args.device == "cuda" or m == "merge_sole_adapter"}
+             if args.device == "cuda" or m in SOLE_ADAPTER_MODES}
     if args.device != "cuda":
         modes = {"eager": {}, **modes}
     slowest = 0.0
@@ -269,7 +274,7 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
                              max_rank=max_rank, **ENGINE, **kw)
         t = lap(f"{mode}.build_engine", m0)
         todo = requests
-        if kw.get("merge_sole_adapter"):
+        if mode in SOLE_ADAPTER_MODES:
             todo = [(f"m{i}", prompt, MERGE_ADAPTER)
                     for i, (_, prompt, _) in enumerate(requests[:MERGE_REQUESTS])]
         run = run_engine(engine, todo, args.new_tokens)

@@ -243,6 +243,8 @@ def run_engine(engine: AnyEngine, requests: list[tuple[str, list[int], str | Non
         stats.update(merges=merge.merges, merged_steps=merge.merged_steps,
                      merge_refusals=merge.refusals, merge_peak_exceptions=merge.peak_exceptions,
                      merge_peak_restore_bytes=merge.peak_nbytes)
+    if engine.runner.ride is not None:  # EngineConfig.ride_sole_adapter
+        stats.update(ride_steps=engine.runner.ride.ride_steps, ride_loads=engine.runner.ride.loads)
     return EngineRun(tokens, logits, finish, stats, seconds)
 
 

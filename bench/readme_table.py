@@ -312,6 +312,12 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
         rows.append(f"| {label} in a batch of {d['batch']} (ranks 8-64, all 7 modules) vs base, "
                     f"decode-heavy | {r['throughput_ratio']:.3f} [{r['ratio_min']:.3f}, "
                     f"{r['ratio_max']:.3f}]x{bound} | {r['target']}x | {source} |")
+    if "one_kernels" in d:  # the one-adapter arm rode; the same requests on the kernels
+        k = d["one_kernels"]
+        rows[-1] = rows[-1].replace("merge off", "merge off, riding the base GEMMs")
+        rows.append(f"| one adapter, merge off, on the LoRA kernels (same run) | "
+                    f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x"
+                    f" | | {source} |")
     return rows
 
 

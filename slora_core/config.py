@@ -237,6 +237,14 @@ class EngineConfig:
         None, "fold a batch's sole adapter into the base weights while it is the only one "
               "(restored bit for bit when it stops being so; default: on for one CUDA device "
               "with 16-bit weights; single-device engines only)")
+    # H200, one 7B decode layer with one adapter on all 7 modules: +15.0-17.2 us against
+    # +28.8-52.3 us for the kernels (lora-layer-fusion-h200.json); costs modules x max_rank
+    # weight rows and an expand matrix per projection (~0.5 GB at 7B, max_rank 64).
+    ride_sole_adapter: bool = knob(
+        False, "run a decode step whose every token reads one (unmerged) adapter as one wider "
+               "GEMM per projection (the adapter's A rows appended to the weight) and one "
+               "cuBLAS expand, instead of the LoRA kernels (slora_core/lora_ride.py; "
+               "single-device engines only)")
     # Off is the user's trade of a little host time (a sha256 per page) for nothing cached;
     # tests and benchmarks compare the two.
     prefix_caching: bool = knob(
@@ -264,6 +272,9 @@ class EngineConfig:
         if self.merge_sole_adapter and self.tensor_parallel_size > 1:
             raise ConfigError("merge_sole_adapter needs tensor_parallel_size 1 (each rank "
                               "holds a shard of the weights a merge would change)")
+        if self.ride_sole_adapter and self.tensor_parallel_size > 1:
+            raise ConfigError("ride_sole_adapter needs tensor_parallel_size 1 (its outputs are "
+                              "strided views, which the ranks' all-reduce does not take)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

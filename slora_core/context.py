@@ -48,6 +48,9 @@ class StepContext:
     # EngineConfig.lora_pdl: each LoRA expand launched as a programmatic dependent of its
     # shrink (Hopper+); None = the kernels' default (slora_kernels.lora.LoraTiles.pdl).
     lora_pdl: bool | None = None
+    # Every row reads the adapter loaded in the projections' ride rows (lora_ride.py): they
+    # run LoraLinear.ride instead of the kernels (`lora` and `lora_tables` unused).
+    lora_ride: bool = False
 
 
 _CONTEXT: StepContext | None = None

@@ -18,6 +18,7 @@ from slora_core import step_checks
 from slora_core.arena import PageArena
 from slora_core.context import StepContext, step_context
 from slora_core.graph_buffers import BufferLayout, GraphBuffers
+from slora_core.lora_ride import SoleAdapterRide
 from slora_core.model import LlamaForCausalLM
 from slora_core.step_inputs import StepInputs, TokenPatch, apply_patch
 from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
@@ -32,12 +33,15 @@ class ModelRunner(Protocol):
     device: torch.device
     lora_row_kernels: bool
     lora_pdl: bool | None
+    ride: SoleAdapterRide | None
 
 
-# (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA and
-# ROW_GRAPH for a decode graph whose LoRA runs the row kernels)
+# (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA,
+# ROW_GRAPH for a decode graph whose LoRA runs the row kernels and RIDE_GRAPH for one whose
+# every row reads the sole adapter loaded in the ride's rows, slora_core/lora_ride.py)
 GraphKey = tuple[int, frozenset[int], int]
 ROW_GRAPH = -1
+RIDE_GRAPH = -2
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
 # (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
 # which read an adapter once for all its rows, hold their own (H200, lora-grid-h200.json at
@@ -133,7 +137,8 @@ class _StepGraphs:
         LoRA tile list ("rows" for the row kernels', else its capacity)."""
         if not key[1]:
             return self.kind
-        return f"{self.kind}+lora:{'rows' if key[2] == ROW_GRAPH else key[2]}"
+        tiles = {ROW_GRAPH: "rows", RIDE_GRAPH: "ride"}.get(key[2], key[2])
+        return f"{self.kind}+lora:{tiles}"
 
     def _capture(self, bucket: int, modules: frozenset[int], tiles: int) -> None:
         key = (bucket, modules, tiles)
@@ -278,7 +283,11 @@ class DecodeGraphs(_StepGraphs):
     def _tile_caps(self, bucket: int) -> list[int]:
         few = -(-bucket // DECODE_BLOCK_M)
         caps = [bucket, few] if few < bucket else [bucket]
-        return caps + [ROW_GRAPH] if self.runner.lora_row_kernels else caps
+        if self.runner.lora_row_kernels:
+            caps.append(ROW_GRAPH)
+        if self.runner.ride is not None:
+            caps.append(RIDE_GRAPH)
+        return caps
 
     def _lora_graph(self, bucket: int, inputs: StepInputs) -> int:
         """The LoRA graph a step replays: the smallest captured tile list that holds every
@@ -295,6 +304,7 @@ class DecodeGraphs(_StepGraphs):
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, b, buf = self.runner, bucket, self.buf
+        ride = tiles == RIDE_GRAPH  # the ride's rows, no kernel: no segments or tiles read
         # Up to b segments and `tiles` tiles; prepare() fills them and marks unused tiles -1.
         # The row kernels read token_slots only; their meta keeps the full tile list's
         # buffers (filled, unread).
@@ -304,15 +314,15 @@ class DecodeGraphs(_StepGraphs):
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
                         tile_segs=buf.tile_segs[:cap], tile_m0=buf.tile_m0[:cap],
                         num_tiles=cap, block_m=ROW_BLOCK_M if tiles == ROW_GRAPH
-                        else DECODE_BLOCK_M) if modules else None
+                        else DECODE_BLOCK_M) if modules and not ride else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
             block_tables=buf.block_tables[:b], seq_lens=buf.seq_lens[:b],
             query_starts=self.arange[: b + 1], max_query_len=1,
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
-            lora_tables=r.arena.tables if modules else None, lora_modules=modules,
-            lora_pdl=r.lora_pdl,
+            lora_tables=r.arena.tables if lora is not None else None, lora_modules=modules,
+            lora_pdl=r.lora_pdl, lora_ride=ride,
         )
 
     def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:
@@ -323,8 +333,9 @@ class DecodeGraphs(_StepGraphs):
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n, nb = inputs.num_seqs, inputs.block_tables.shape[1]
         bucket = next(s for s in self.buckets if s >= n)
-        key = self._key(bucket, inputs,
-                        self._lora_graph(bucket, inputs) if inputs.has_lora else 0)
+        tiles = (RIDE_GRAPH if inputs.ride and self.runner.ride is not None
+                 else self._lora_graph(bucket, inputs) if inputs.has_lora else 0)
+        key = self._key(bucket, inputs, tiles)
         host = self.layout.host()
         host.input_ids[:n] = inputs.input_ids
         host.positions[:n] = inputs.positions

@@ -7,6 +7,8 @@ page arena through the step context's offset tables.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -14,6 +16,27 @@ from slora_core import ops
 from slora_core.config import MODULE_INDEX, ModelConfig
 from slora_core.context import StepContext, get_context
 from slora_core.model import LlamaForCausalLM
+
+
+@dataclass
+class RideRows:
+    """A projection's weight with one adapter's A rows appended, and its expand matrix
+    (slora_core/lora_ride.py): `weight` [out + modules * rank, in], the base Linear's weight
+    a view of its first `out` rows; `b_t` [modules * rank, out], scale * B^T block-diagonal."""
+
+    weight: torch.Tensor
+    b_t: torch.Tensor
+    out: int
+    rank: int  # rows per module (the arena's max_rank)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T (+ bias) + the loaded adapter's delta, one GEMM and one addmm; a strided
+        [T, out] view of the wide output."""
+        wide = torch.mm(x, self.weight.t())
+        y = wide[:, : self.out]
+        if bias is not None:
+            y.add_(bias)
+        return y.addmm_(wide[:, self.out :], self.b_t)
 
 
 class LoraLinear(nn.Module):
@@ -35,6 +58,8 @@ class LoraLinear(nn.Module):
         # Active-module set -> (module ids, output slices) of this layer's launch.
         self._launch: dict[frozenset[int] | None, tuple[tuple[int, ...],
                                                         tuple[tuple[int, int], ...]]] = {}
+        # The sole-adapter ride's rows (EngineConfig.ride_sole_adapter), when attached.
+        self.ride: RideRows | None = None
 
     def _launch_modules(self, active: frozenset[int] | None
                         ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
@@ -53,6 +78,11 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
+        if ctx.lora_ride and self.ride is not None:
+            # Every row reads the adapter loaded in the ride's rows.
+            if not self._launch_modules(ctx.lora_modules)[0]:
+                return self.base(x)
+            return self.ride.forward(x, self.base.bias)
         if ctx.lora is None or ctx.lora_tables is None or ctx.lora.num_segments == 0:
             return self.base(x)
         module_ids, out_slices = self._launch_modules(ctx.lora_modules)

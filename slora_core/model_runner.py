@@ -4,6 +4,8 @@ replays CUDA graphs (cuda_graphs.py) where a step fits one."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from slora_core import step_checks
@@ -13,6 +15,7 @@ from slora_core.context import StepContext, step_context
 from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs
 from slora_core.lora import wrap_lora
 from slora_core.lora_merge import SoleAdapterMerge
+from slora_core.lora_ride import SoleAdapterRide, attach_ride_rows
 from slora_core.model import LlamaForCausalLM
 from slora_core.prompt_logprobs import PromptLogprob, score_step, wants_prompt_logprobs
 from slora_core.scheduler import ScheduledSeq
@@ -38,7 +41,8 @@ class ModelRunner:
                  max_num_seqs: int = 64, max_model_len: int = 2048,
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
                  mixed_graphs: bool = True, merge_sole_adapter: bool = False,
-                 lora_row_kernels: bool = False, lora_pdl: bool | None = None) -> None:
+                 ride_sole_adapter: bool = False, lora_row_kernels: bool = False,
+                 lora_pdl: bool | None = None) -> None:
         self.model = model
         self.arena = arena
         # EngineConfig.lora_row_kernels: decode graphs' full LoRA list runs the row kernels.
@@ -47,6 +51,8 @@ class ModelRunner:
         self.lora_pdl = lora_pdl
         # EngineConfig.merge_sole_adapter: steps on one adapter run as the base model.
         self.merge = SoleAdapterMerge(model, arena) if merge_sole_adapter else None
+        # EngineConfig.ride_sole_adapter: unmerged steps on one adapter ride the base GEMMs.
+        self.ride = SoleAdapterRide(model, arena) if ride_sole_adapter else None
         self.device = arena.pages.device
         # Prompt logprobs scored by the steps since the last take (prompt_logprobs.score_step).
         self.prompt_scores: dict[str, tuple[int, list[PromptLogprob]]] = {}
@@ -63,12 +69,16 @@ class ModelRunner:
               block_size: int, max_model_len: int) -> ModelRunner:
         """The runner of an engine: its page arena, and the model's linear layers wrapped for
         LoRA."""
+        wrap_lora(model, model_config)
+        if config.ride_sole_adapter:
+            # Before the arena: the wider weights replace the loaded ones while the device
+            # still has room for both of one projection.
+            attach_ride_rows(model, config.max_rank)
         # One spare table row beyond the pool's slots stays empty (rank 0): CUDA-graph decode
         # steps point base-model and padding rows at it.
         arena = PageArena(model_config, config.num_pages, block_size, config.num_pages + 1,
                           config.torch_dtype, torch.device(config.device),
                           max_rank=config.max_rank)
-        wrap_lora(model, model_config)
         return cls(model, arena, max_num_seqs=config.max_num_seqs,
                    # Graph block tables need no more columns than the arena has pages,
                    # whatever the model's context length.
@@ -76,6 +86,7 @@ class ModelRunner:
                    max_num_batched_tokens=config.max_num_batched_tokens,
                    use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs,
                    merge_sole_adapter=config.merges_sole_adapter,
+                   ride_sole_adapter=config.ride_sole_adapter,
                    lora_row_kernels=config.lora_row_kernels, lora_pdl=config.lora_pdl)
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
@@ -121,6 +132,8 @@ class ModelRunner:
         inputs = build_step_inputs(scheduled, self.arena.block_size)
         if self.merge is not None:
             inputs = self.merge.route(inputs)
+        if self.ride is not None:
+            inputs = self.ride.route(inputs)
         # A step that scores prompt tokens needs every row's hidden state: eager.
         scoring = wants_prompt_logprobs(scheduled)
         if self.graphs is not None and not scoring and self.graphs.can_run(inputs):
@@ -128,6 +141,8 @@ class ModelRunner:
         if self.mixed is not None and not scoring and self.mixed.can_run(inputs):
             return self.mixed.run(inputs, patch)
         input_ids, ctx = self.build_context(inputs)
+        if inputs.ride:
+            ctx = replace(ctx, lora_ride=True)
         if step_checks.ENABLED:
             step_checks.check_context(ctx, int(input_ids.shape[0]), self.arena, "eager step")
         apply_patch(input_ids, patch)

@@ -31,6 +31,8 @@ class StepInputs:
     seg_starts: np.ndarray  # [S] int64
     seg_lens: np.ndarray  # [S] int64
     seg_slots: np.ndarray  # [S] int64
+    # Every token reads the adapter loaded in the ride's rows (slora_core/lora_ride.py).
+    ride: bool = False
 
     @property
     def has_lora(self) -> bool:

@@ -53,3 +53,6 @@ def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
     # The sole-adapter merge mode ran steps merged and agreed with HF + peft.
     merge = suite["shapes"][0]["modes"]["merge_sole_adapter"]
     assert merge["ok"] and merge["stats"]["merges"] >= 1 and merge["stats"]["merged_steps"] > 0
+    # The sole-adapter ride mode (the merge off) rode steps and agreed with HF + peft.
+    ride = suite["shapes"][0]["modes"]["ride_sole_adapter"]
+    assert ride["ok"] and ride["stats"]["ride_steps"] > 0 and "merges" not in ride["stats"]

@@ -1,0 +1,171 @@
+"""Sole-adapter ride (EngineConfig.ride_sole_adapter): unmerged steps whose every token reads
+one adapter run it as the adapter's A rows appended to each projection's weight plus one
+expand GEMM, against transformers + peft; every other step runs the kernels as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slora_core.config import ConfigError, EngineConfig
+from slora_core.engine import LLMEngine
+from slora_core.lora import LoraLinear
+from slora_core.lora_ride import RIDE_AFTER_STEPS, SoleAdapterRide
+from tests.slora_core.test_engine import hf_greedy
+from tests.slora_core.test_lora_merge import NEW_TOKENS, PROMPTS, _generate
+
+
+def _engine(demo_dir: Path, names: list[str], dtype: str = "float32") -> LLMEngine:
+    engine = LLMEngine.from_model_dir(
+        demo_dir / "model", EngineConfig(ride_sole_adapter=True, merge_sole_adapter=False,
+                                         dtype=dtype))
+    for name in names:
+        engine.register_adapter(name, demo_dir / "adapters" / name)
+    return engine
+
+
+def _ride(engine: LLMEngine) -> SoleAdapterRide:
+    ride = engine.runner.ride
+    assert ride is not None
+    return ride
+
+
+def test_one_adapter_rides_and_matches_peft(demo_dir):
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = _engine(demo_dir, names[:2])
+    ride = _ride(engine)
+    loaded = [lin.base.weight.detach().clone() for lin in ride.layers]
+
+    got = _generate(engine, [(p, names[0]) for p in PROMPTS])
+    # Every decode step after the first few rode on one load.
+    assert ride.loads == 1 and ride.ride_steps >= NEW_TOKENS - RIDE_AFTER_STEPS
+    model_dir, adir = demo_dir / "model", demo_dir / "adapters" / names[0]
+    for i, prompt in enumerate(PROMPTS):
+        ref, _ = hf_greedy(model_dir, adir, prompt, NEW_TOKENS)
+        assert got[str(i)] == ref, f"prompt {i}"
+        # The adapter changes the continuation, so a ride that lost it would fail above.
+        assert ref != hf_greedy(model_dir, None, prompt, NEW_TOKENS)[0], f"prompt {i}"
+    # The base weights are untouched (the Linear's weight is the wide one's first rows).
+    assert all(torch.equal(lin.base.weight, w0) for lin, w0 in
+               zip(ride.layers, loaded, strict=True))
+    assert ride.nbytes > 0
+
+    # Another adapter alone: its rows replace the first's once it has held long enough.
+    other = _generate(engine, [(PROMPTS[1], names[1])])
+    assert ride.loads == 2
+    assert other["0"] == hf_greedy(model_dir, demo_dir / "adapters" / names[1], PROMPTS[1],
+                                   NEW_TOKENS)[0]
+    # Two adapters in every step: the kernels, each matching peft; no load.
+    steps = ride.ride_steps
+    mixed = _generate(engine, [(PROMPTS[0], names[0]), (PROMPTS[1], names[1])])
+    assert ride.ride_steps == steps and ride.loads == 2
+    assert mixed["0"] == hf_greedy(model_dir, adir, PROMPTS[0], NEW_TOKENS)[0]
+    # Base-model rows beside adapter rows: the kernels too.
+    base_mix = _generate(engine, [(PROMPTS[0], names[0]), (PROMPTS[2], None)])
+    assert ride.ride_steps == steps
+    assert base_mix["1"] == hf_greedy(model_dir, None, PROMPTS[2], NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_ride_step_gives_the_kernel_path_logits(demo_dir, dtype):
+    """The same decode steps through the ride and through the LoRA kernels' path (here their
+    torch references), within the dtype's rounding: float32 to 1e-4, float16 to what peft's
+    float16 forward gives against its float32 one on the same inputs."""
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = _engine(demo_dir, names[:1], dtype=dtype)
+    runner, ride = engine.runner, _ride(engine)
+    run = runner.run
+    diffs: list[float] = []
+
+    def both(scheduled, patch=None):
+        logits = run(scheduled, patch)
+        if ride.loaded is not None and ride._streak[0] == ride.loaded:
+            runner.ride = None  # the kernel path on the same step
+            try:
+                plain = run(scheduled, patch)
+            finally:
+                runner.ride = ride
+            diffs.append(float((logits - plain).abs().max() / plain.abs().max()))
+        return logits
+
+    runner.run = both  # type: ignore[method-assign]
+    _generate(engine, [(p, names[0]) for p in PROMPTS])
+    assert len(diffs) >= NEW_TOKENS - RIDE_AFTER_STEPS - 1
+    bound = 1e-4 if dtype == "float32" else 1e-2
+    assert max(diffs) < bound, diffs
+    assert max(diffs) > 0  # the ride really ran a different computation
+
+
+def test_padded_ride_decode_step_gives_the_unpadded_logits(demo_dir):
+    """The decode graphs' ride key (RIDE_GRAPH) run eagerly on padded rows gives the logits of
+    the unpadded ride step."""
+    from slora_core.cuda_graphs import RIDE_GRAPH, DecodeGraphs
+    from slora_core.step_inputs import build_step_inputs
+
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = _engine(demo_dir, names[:1])
+    runner, ride = engine.runner, _ride(engine)
+    graphs = DecodeGraphs(runner, 8, engine.config.max_model_len)
+    assert RIDE_GRAPH in graphs._tile_caps(8)
+    run = runner.run
+    checked = []
+
+    def both(scheduled, patch=None):
+        logits = run(scheduled, patch)
+        inputs = ride.route(build_step_inputs(scheduled, runner.arena.block_size))
+        if inputs.ride and graphs.can_run(inputs):
+            assert graphs.prepare(inputs)[2] == RIDE_GRAPH
+            with torch.inference_mode():
+                padded = graphs.run_padded_eager(inputs)
+            torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-5)
+            checked.append(inputs.num_seqs)
+        return logits
+
+    runner.run = both  # type: ignore[method-assign]
+    _generate(engine, [(p, names[0]) for p in PROMPTS])
+    assert len(checked) >= NEW_TOKENS // 2 and any(n not in graphs.buckets for n in checked)
+
+
+def test_ride_rows_follow_the_arena_slot(demo_dir):
+    """A load copies the slot's A rows and scale * B^T into the wide weight and expand matrix;
+    modules the adapter lacks and ranks below max_rank stay zero."""
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = _engine(demo_dir, names[:1])
+    ride = _ride(engine)
+    _generate(engine, [(PROMPTS[0], names[0])])
+    slot, _ = ride.loaded or (None, None)
+    assert slot is not None
+    t = engine.arena.tables
+    ranks = t.ranks[:, slot]
+    for lin in ride.layers:
+        rr = lin.ride
+        assert isinstance(lin, LoraLinear) and rr is not None
+        k = lin.base.in_features
+        for i, (m, (start, size)) in enumerate(zip(lin.module_ids, lin.out_slices,
+                                                   strict=True)):
+            r = int(ranks[lin.layer, m])
+            rows = rr.weight[rr.out + i * rr.rank : rr.out + (i + 1) * rr.rank]
+            block = rr.b_t[i * rr.rank : (i + 1) * rr.rank, start : start + size]
+            assert not rows[r:].any() and not block[r:].any()
+            if r:
+                # The tables are [layers, slots, modules].
+                a0 = int(t.a_offsets[lin.layer, slot, m])
+                b0 = int(t.b_offsets[lin.layer, slot, m])
+                a = t.arena[a0 : a0 + r * k].view(r, k)
+                b = t.arena[b0 : b0 + size * r].view(size, r)
+                assert torch.equal(rows[:r], a)
+                scale = float(t.scales[lin.layer, slot, m])
+                torch.testing.assert_close(block[:r], b.t() * scale)
+            # Other modules' columns of these rows are zero: block-diagonal.
+            others = torch.ones(rr.out, dtype=torch.bool)
+            others[start : start + size] = False
+            assert not rr.b_t[i * rr.rank : (i + 1) * rr.rank][:, others].any()
+    assert np.isfinite(float(ride.nbytes))
+
+
+def test_ride_needs_one_device():
+    with pytest.raises(ConfigError, match="ride_sole_adapter"):
+        EngineConfig(ride_sole_adapter=True, tensor_parallel_size=2)
