@@ -85,8 +85,10 @@ MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps
          # on MERGE_ADAPTER (every module, rsLoRA scale), so most steps run merged.
          "merge_sole_adapter": {"merge_sole_adapter": True},
          # EngineConfig.ride_sole_adapter, the merge off, over the merge's requests: most
-         # decode steps ride (one GEMM with the adapter's A rows appended, one expand).
-         "ride_sole_adapter": {"ride_sole_adapter": True, "merge_sole_adapter": False}}
+         # steps ride (one GEMM with the adapter's A rows appended, one expand); prefill in
+         # 256-token chunks, so prompt chunks ride in mixed graphs once the rows are loaded.
+         "ride_sole_adapter": {"ride_sole_adapter": True, "merge_sole_adapter": False,
+                               "max_num_batched_tokens": 256}}
 SOLE_ADAPTER_MODES = ("merge_sole_adapter", "ride_sole_adapter")
 DEFAULT_MODES = ("eager", "all_graphs", "all_graphs_async", *SOLE_ADAPTER_MODES)
 MERGE_ADAPTER = "rslora-all-r32"
@@ -273,7 +275,7 @@ def check_shape(shape: Shape, args: argparse.Namespace, root: Path, out: dict[st
             continue
         m0 = time.perf_counter()
         engine = make_engine(model_dir, args.dtype, args.device, adapters, num_pages=num_pages,
-                             max_rank=max_rank, **ENGINE, **kw)
+                             max_rank=max_rank, **{**ENGINE, **kw})
         t = lap(f"{mode}.build_engine", m0)
         todo = requests
         if mode in SOLE_ADAPTER_MODES:

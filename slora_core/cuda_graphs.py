@@ -401,29 +401,32 @@ class MixedGraphs(_StepGraphs):
 
     def _tile_caps(self, bucket: int) -> list[int]:
         # At most one partial tile per segment plus t / 64 full ones.
-        return [-(-bucket // PREFILL_BLOCK_M) + min(self.b_max, bucket)]
+        caps = [-(-bucket // PREFILL_BLOCK_M) + min(self.b_max, bucket)]
+        return caps + [RIDE_GRAPH] if self.runner.ride is not None else caps
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, t, buf = self.runner, bucket, self.buf
+        ride = tiles == RIDE_GRAPH  # the ride's rows, no kernel: no segments or tiles read
         lora = LoraMeta(seg_starts=buf.seg_starts, seg_lens=buf.seg_lens,
                         seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
                         tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=PREFILL_BLOCK_M) if modules else None
+                        num_tiles=tiles, block_m=PREFILL_BLOCK_M) if modules and not ride else None
         return StepContext(
             positions=buf.positions[:t], slot_mapping=buf.slot_mapping[:t],
             block_tables=buf.block_tables, seq_lens=buf.seq_lens,
             query_starts=buf.query_starts, max_query_len=t,
             max_seq_len=self.max_blocks * r.arena.block_size,
             logits_indices=buf.logits_indices, kv_caches=r.arena.kv_caches, lora=lora,
-            lora_tables=r.arena.tables if modules else None, lora_modules=modules,
-            lora_pdl=r.lora_pdl,
+            lora_tables=r.arena.tables if lora is not None else None, lora_modules=modules,
+            lora_pdl=r.lora_pdl, lora_ride=ride,
         )
 
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n_tok, n_seq = int(inputs.input_ids.size), inputs.num_seqs
         bucket = next(s for s in self.buckets if s >= n_tok)
-        key = self._key(bucket, inputs, self._tile_caps(bucket)[0])
+        key = self._key(bucket, inputs, RIDE_GRAPH if inputs.ride and self.runner.ride is not None
+                        else self._tile_caps(bucket)[0])
         host = self.layout.host()
         host.input_ids[:n_tok] = inputs.input_ids
         host.positions[:n_tok] = inputs.positions

@@ -23,7 +23,8 @@ The appended rows follow one adapter at a time: they are loaded from the arena w
 sole adapter (slot and slot generation) has held RIDE_AFTER_STEPS steps in a row, since a load
 is ~7 small copies per projection (about 900 launches at 32 layers) while a step saves tens of
 microseconds per layer. Loads are stream-ordered device copies: a step still in flight finishes
-with the rows it was launched with. Steps that read several adapters, or base-model rows
+with the rows it was launched with. Decode and mixed (prefill) graphs capture a ride graph per
+bucket (`cuda_graphs.RIDE_GRAPH`). Steps that read several adapters, or base-model rows
 beside adapter rows, run the Triton kernels as before; so does a step whose adapter is merged
 (lora_merge), which runs as the base model.
 

@@ -14,6 +14,7 @@ from slora_core.config import ConfigError, EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.lora import LoraLinear
 from slora_core.lora_ride import RIDE_AFTER_STEPS, SoleAdapterRide
+from slora_core.sampling_params import SamplingParams
 from tests.slora_core.test_engine import hf_greedy
 from tests.slora_core.test_lora_merge import NEW_TOKENS, PROMPTS, _generate
 
@@ -169,3 +170,44 @@ def test_ride_rows_follow_the_arena_slot(demo_dir):
 def test_ride_needs_one_device():
     with pytest.raises(ConfigError, match="ride_sole_adapter"):
         EngineConfig(ride_sole_adapter=True, tensor_parallel_size=2)
+
+
+def test_padded_ride_mixed_step_gives_the_unpadded_logits(demo_dir):
+    """Steps with prefill tokens ride too: the mixed graphs' ride key run eagerly on padded
+    tokens gives the logits of the unpadded ride step (the later prompts' prefill chunks
+    arrive while the first ones decode, all on the one adapter)."""
+    from slora_core.cuda_graphs import RIDE_GRAPH, MixedGraphs
+    from slora_core.step_inputs import build_step_inputs
+
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = LLMEngine.from_model_dir(
+        demo_dir / "model", EngineConfig(ride_sole_adapter=True, merge_sole_adapter=False,
+                                         max_num_batched_tokens=16, max_num_seqs=4))
+    engine.register_adapter(names[0], demo_dir / "adapters" / names[0])
+    runner, ride = engine.runner, _ride(engine)
+    mixed = MixedGraphs(runner, 4, 16, engine.config.max_model_len)
+    run = runner.run
+    checked = []
+
+    def both(scheduled, patch=None):
+        logits = run(scheduled, patch)
+        inputs = ride.route(build_step_inputs(scheduled, runner.arena.block_size))
+        if inputs.ride and inputs.max_query_len > 1:
+            assert mixed.prepare(inputs)[2] == RIDE_GRAPH
+            with torch.inference_mode():
+                padded = mixed.run_padded_eager(inputs)
+            torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-5)
+            checked.append(int(inputs.input_ids.size))
+        return logits
+
+    runner.run = both  # type: ignore[method-assign]
+    # Staggered long prompts: each arrives as chunks beside the others' decodes.
+    prompts = [list(range(3, 40)), list(range(50, 75)), list(range(100, 130))]
+    params = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params, adapter=names[0])
+        for _ in range(6):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert len(checked) >= 2
