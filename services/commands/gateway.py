@@ -11,6 +11,8 @@ import socket
 from services.common.cluster_token import add_cluster_token_argument
 
 PROCESSES_ENV = "SLORA_GATEWAY_PROCESSES"
+UPSTREAM_ENV = "SLORA_GATEWAY_UPSTREAM"
+UPSTREAMS = ("mux", "call")
 
 
 def positive_int(text: str) -> int:
@@ -37,6 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=positive_int(os.environ.get(PROCESSES_ENV, "1")),
                    help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), "
                         f"each with its own routing stream and metrics; env {PROCESSES_ENV}")
+    p.add_argument("--upstream", choices=UPSTREAMS,
+                   default=os.environ.get(UPSTREAM_ENV, "mux"),
+                   help="how worker calls travel: mux (one GenerateMux stream per worker, "
+                        "default) or call (one Generate call per request); env "
+                        f"{UPSTREAM_ENV}")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
     p.set_defaults(func=run)
 
@@ -53,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         gateway_id=args.gateway_id or f"{socket.gethostname()}-{port}",
         metrics_port=args.metrics_port, drain_grace_s=args.drain_grace,
         cluster_token=args.cluster_token, http_listen=args.http_listen,
-        base_model_name=args.base_model_name,
+        base_model_name=args.base_model_name, upstream_mux=args.upstream == "mux",
     )
     if args.processes > 1:
         return serve_processes(opts, args.processes)

@@ -120,13 +120,19 @@ class _UnaryUnaryToken(_AddsToken, grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(self._details(client_call_details), request)
 
 
+class _StreamStreamToken(_AddsToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
+                                      request_iterator: Any) -> Any:
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
 class GatewayTokenInterceptor:
     """For a gateway's worker channels: client interceptors that add the gateway token to
     every call (grpc.aio files an interceptor under one RPC kind only, hence one per kind)."""
 
     @staticmethod
     def for_token(token: str) -> list[grpc.aio.ClientInterceptor]:
-        return [_UnaryStreamToken(token), _UnaryUnaryToken(token)]
+        return [_UnaryStreamToken(token), _UnaryUnaryToken(token), _StreamStreamToken(token)]
 
     @staticmethod
     def from_env(env: Mapping[str, str] = os.environ) -> list[grpc.aio.ClientInterceptor]:

@@ -44,6 +44,9 @@ class GatewayOptions:
     shared_ports: bool = False
     own_socket: str = ""
     sibling_sockets: tuple[str, ...] = ()
+    # Worker calls over one GenerateMux stream per worker (off: one Generate call per request;
+    # `slora gateway --upstream`, env SLORA_GATEWAY_UPSTREAM).
+    upstream_mux: bool = True
 
 
 DEFAULT_REPORT_S = 1.0
@@ -106,7 +109,8 @@ async def serve_gateway(opts: GatewayOptions) -> int:
         log.info("gateway %s metrics on port %d", opts.gateway_id, port)
     table = RoutingTable()
     router = Router(table, metrics,
-                    siblings=Siblings(opts.sibling_sockets) if opts.sibling_sockets else None)
+                    siblings=Siblings(opts.sibling_sockets) if opts.sibling_sockets else None,
+                    mux=opts.upstream_mux)
     metrics.registry.register(ModelServerCollector(table, router.inflight))
     synced, stop = asyncio.Event(), asyncio.Event()
     install_stop_handlers(stop.set)
@@ -141,7 +145,7 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     if own is not None:
         await own.stop(grace=1.0)
     watcher.cancel()
-    await router.channels.close()
+    await router.upstreams.close()
     return 0
 
 

@@ -17,14 +17,14 @@ import grpc
 
 from services.common import errors as e
 from services.common import hop_trace
-from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate
 from services.common.resume import not_resumable, resumed_request
 from services.gateway.evidence import RoutedEvidence, Served, ServedLog, check_labels
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.mux import Upstreams
 from services.gateway.siblings import Siblings
 from services.gateway.table import Resolution, RoutingTable
-from services.gateway.upstream import DrainedCall, WorkerChannels
+from services.gateway.upstream import WorkerChannels
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import placement_pb2 as ppb
 
@@ -66,7 +66,8 @@ class Router:
     evidence and the served log (single-threaded: the gateway's event loop)."""
 
     def __init__(self, table: RoutingTable, metrics: GatewayMetrics,
-                 served: ServedLog | None = None, siblings: Siblings | None = None) -> None:
+                 served: ServedLog | None = None, siblings: Siblings | None = None,
+                 mux: bool = True) -> None:
         self.table = table
         self.siblings = siblings  # the other processes of a multi-process gateway
         self.metrics = metrics
@@ -74,6 +75,8 @@ class Router:
         self.evidence = RoutedEvidence()
         self.inflight: dict[str, int] = {}
         self.channels = WorkerChannels()
+        # One GenerateMux stream per worker, or (mux off) one Generate call per request.
+        self.upstreams = Upstreams(self.channels, mux=mux)
         self.draining = False  # set at shutdown: health reports NOT_SERVING, calls still finish
         self._calls = 0
         self._idle = asyncio.Event()
@@ -247,9 +250,8 @@ class RoutedCall:
         before its first message, or later when the request can be resumed elsewhere
         (docs/failover.md); a ServiceError for the caller otherwise."""
         inflight = self.router.inflight
-        call = DrainedCall(self.router.channels.stub(worker.address).Generate(
-            upstream, timeout=None if self.deadline is None else self.deadline - time.monotonic(),
-            metadata=((TENANT_HEADER, self.caller_tenant),)))
+        call = self.router.upstreams.open(worker.address, upstream, self.caller_tenant,
+                                          self.deadline)
         inflight[worker.worker_id] = inflight.get(worker.worker_id, 0) + 1
         started = False
         try:
@@ -276,4 +278,5 @@ class RoutedCall:
         finally:
             inflight[worker.worker_id] -= 1
             # A client cancel or deadline ends this generator early: `batches()` cancels the
-            # worker call so the worker frees the request's pages at once.
+            # worker call (or sends the mux a cancel) so the worker frees the request's pages
+            # at once.

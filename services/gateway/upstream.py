@@ -83,28 +83,25 @@ def _merged(chunks: list[pb.Chunk]) -> pb.GenerateResponse:
     return pb.GenerateResponse(chunk=merged)
 
 
-class DrainedCall:
-    """Reads a worker's stream ahead of its consumer; `batches()` yields, each time, the
-    messages that arrived since the previous batch, chunks merged. Closing the consumer (or
-    `cancel()`) cancels the worker call, so the worker frees the request's pages."""
+class Buffered:
+    """One upstream stream's responses, held as they arrive until its one consumer takes
+    them: `batches()` yields, each time, the messages that arrived since the previous batch,
+    chunks merged, and raises the stream's error at its end. Closing the consumer early
+    (a client cancel or deadline) calls `cancel()`, which must free the worker's request."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
-        self._call = call
+    def __init__(self) -> None:
         self._waiting: deque[pb.GenerateResponse] = deque()
         self._arrived = asyncio.Event()
         self._error: BaseException | None = None
         self._ended = False
-        self._reader = asyncio.create_task(self._read())
 
-    async def _read(self) -> None:
-        try:
-            async for r in self._call:
-                self._waiting.append(r)
-                self._arrived.set()
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
-            self._error = exc
-        finally:
-            self._ended = True
+    def put(self, response: pb.GenerateResponse) -> None:
+        self._waiting.append(response)
+        self._arrived.set()
+
+    def end(self, error: BaseException | None) -> None:
+        if not self._ended:
+            self._ended, self._error = True, error
             self._arrived.set()
 
     async def batches(self) -> AsyncIterator[list[pb.GenerateResponse]]:
@@ -122,6 +119,28 @@ class DrainedCall:
                     return
         finally:
             self.cancel()
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+class DrainedCall(Buffered):
+    """A per-call Generate read ahead of its consumer; `cancel()` cancels the worker call, so
+    the worker frees the request's pages."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        super().__init__()
+        self._call = call
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for r in self._call:
+                self.put(r)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self.end(exc)
+        else:
+            self.end(None)
 
     def cancel(self) -> None:
         self._call.cancel()

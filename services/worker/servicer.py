@@ -35,6 +35,7 @@ from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient, TokenStream, error_of
 from services.worker.errors import to_service_error
 from services.worker.metrics import WorkerMetrics
+from services.worker.mux import MuxSession
 from services.worker.resume import resumed_end, resumed_params
 from services.worker.token_text import TokenText
 from slora.v1 import inference_pb2 as pb
@@ -163,15 +164,30 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        tenant = next((v for k, v in context.invocation_metadata() or ()
+                       if k == TENANT_HEADER), "")
+        try:
+            async for response in self.serve(request, str(tenant), context.time_remaining()):
+                yield response
+        except e.ServiceError as err:
+            await e.abort_with(context, err)
+
+    async def GenerateMux(self, request_iterator: AsyncIterator[pb.MuxUp],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxDown]:
+        """A gateway's requests over one stream, each served by `serve` as Generate's is."""
+        async for frame in MuxSession(self.serve).frames(request_iterator):
+            yield frame
+
+    async def serve(self, request: pb.GenerateRequest, tenant: str,
+                    time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
+        """One request, whichever RPC carries it: its responses, or the ServiceError it ends
+        with (counted in the metrics here). Closing it early (a cancel) frees it in the core."""
         key: VersionKey = (request.adapter.adapter_id, request.adapter.version)
         hop_trace.mark("worker_entry", request.request_id)
         self.inflight += 1
         self._idle.clear()
         try:
-            tenant = next((v for k, v in context.invocation_metadata() or ()
-                           if k == TENANT_HEADER), "")
-            async for response in self._generate(request, key, str(tenant),
-                                                 context.time_remaining()):
+            async for response in self._generate(request, key, tenant, time_remaining):
                 yield response
         except (e.ServiceError, Exception) as exc:
             err = to_service_error(exc)
@@ -181,7 +197,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             elif err.code not in (grpc.StatusCode.UNAVAILABLE,
                                   grpc.StatusCode.RESOURCE_EXHAUSTED):
                 self.metrics.record_error(key, err.code.name)
-            await e.abort_with(context, err)
+            raise err from None
         finally:
             self.inflight -= 1
             if self.inflight == 0:

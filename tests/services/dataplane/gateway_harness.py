@@ -19,6 +19,7 @@ from services.common.server import GrpcServer, start_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from services.gateway.table import RoutingTable, token_sha256
+from services.worker.mux import MuxSession
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora.v1 import placement_pb2 as ppb
@@ -75,11 +76,26 @@ class ScriptedWorker:
 
 
 class _Servicer(pb_grpc.InferenceServiceServicer):
+    """Generate and GenerateMux over one per-request generator, as the real worker's."""
+
     def __init__(self, worker: ScriptedWorker) -> None:
         self.worker = worker
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for r in self.serve(request, "", None):
+                yield r
+        except e.ServiceError as err:
+            await e.abort_with(context, err)
+
+    async def GenerateMux(self, request_iterator: AsyncIterator[pb.MuxUp],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxDown]:
+        async for frame in MuxSession(self.serve).frames(request_iterator):
+            yield frame
+
+    async def serve(self, request: pb.GenerateRequest, _tenant: str, _timeout: float | None,
+                    ) -> AsyncIterator[pb.GenerateResponse]:
         self.worker.calls.append(request)
         # A resumed stream (docs/failover.md): the tokens the client has, then the rest.
         resume = list(request.resume_token_ids)
@@ -87,7 +103,7 @@ class _Servicer(pb_grpc.InferenceServiceServicer):
         for pos in range(len(resume), request.sampling.max_new_tokens):
             err = self.worker.fail_with(request, pos)
             if err is not None:
-                await e.abort_with(context, err)
+                raise err
             tok = next_token(ctx)
             ctx.append(tok)
             yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=[tok], text=f"<{tok}>"))
@@ -112,15 +128,17 @@ def table_for(workers: list[ScriptedWorker]) -> RoutingTable:
     return table
 
 
-async def started(*names: str) -> tuple[Router, list[ScriptedWorker]]:
+async def started(*names: str, mux: bool = True) -> tuple[Router, list[ScriptedWorker]]:
+    """A router over new scripted workers; `mux`: its worker calls over GenerateMux (the
+    gateway's default) or one Generate call each."""
     workers = [ScriptedWorker(n) for n in names]
     for w in workers:
         await w.start()
-    return Router(table_for(workers), GatewayMetrics()), workers
+    return Router(table_for(workers), GatewayMetrics(), mux=mux), workers
 
 
 async def stop_all(router: Router, workers: list[ScriptedWorker]) -> None:
-    await router.channels.close()
+    await router.upstreams.close()
     for w in workers:
         await w.stop()
 
