@@ -43,6 +43,7 @@ HEADLINES = (
 )
 PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway": "client -> gateway -> worker, gRPC",
+         "gateway_call": "client -> gateway -> worker, gRPC, one worker call a request",
          "http": "client -> gateway -> worker, HTTP (OpenAI SSE) read by httpx",
          "http_aiohttp": "client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp"}
 

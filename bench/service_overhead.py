@@ -431,6 +431,10 @@ def parse_args() -> argparse.Namespace:
                          "(services/common/hop_trace.py) and add each leg's times per path "
                          "and level to the JSON (`hop_trace`); tracing costs the processes "
                          "a few microseconds an event")
+    ap.add_argument("--upstream-call", action="store_true",
+                    help="also run a second gateway (as many processes) with `--upstream call` "
+                         "(one worker call per request) beside the default one (one GenerateMux "
+                         "stream per worker): the `gateway_call` path, side by side")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -460,6 +464,10 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
     cap = c if rate is None else len(reqs) * args.client_procs
     gateway, worker = stack.gateway_addresses["gateway"], stack.worker_addresses["worker-0"]
     runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "worker": [], "gateway": []}
+    gateways = {"gateway": gateway}
+    if "gateway_call" in stack.gateway_addresses:  # --upstream-call
+        gateways["gateway_call"] = stack.gateway_addresses["gateway_call"]
+        runs["gateway_call"] = []
     http_paths = {http_path(lib): lib for lib in args.http_clients} if args.http else {}
     for path in http_paths:
         runs[path] = []
@@ -471,9 +479,10 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
                                        args.new_tokens, cap, direct=True,
                                        channels=args.client_channels, arrivals=arrivals,
                                        tag=f"worker {label}"))
-        runs["gateway"].append(run_grpc(pool, args.client_procs, gateway, bearer(token), reqs,
-                                        args.new_tokens, cap, channels=args.client_channels,
-                                        arrivals=arrivals, tag=f"gateway {label}"))
+        for path, address in gateways.items():
+            runs[path].append(run_grpc(pool, args.client_procs, address, bearer(token), reqs,
+                                       args.new_tokens, cap, channels=args.client_channels,
+                                       arrivals=arrivals, tag=f"{path} {label}"))
         for path, lib in http_paths.items():
             runs[path].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
                                        token, reqs, args.new_tokens, cap, lib, arrivals,
@@ -515,6 +524,11 @@ def main() -> int:
         stack.start_worker("worker-0", wait_s=300)
         stack.start_gateway(processes=args.gateway_procs)
         wait_until_routable(stack.gateway_addresses["gateway"], token, names, timeout_s=120)
+        if args.upstream_call:
+            stack.start_gateway("gateway_call", processes=args.gateway_procs,
+                                extra=("--upstream", "call"))
+            wait_until_routable(stack.gateway_addresses["gateway_call"], token, names,
+                                timeout_s=120)
         print(f"stack routable {time.perf_counter() - t0:.1f} s after the start", flush=True)
         # The in-process engine compiles what the worker just compiled (the same settings):
         # it reads the worker's compile cache instead of compiling again (a minute or more
@@ -525,8 +539,9 @@ def main() -> int:
             engine.register_adapter(name, demo.root / "adapters" / name)
         engine.warmup()
         warm = workload(names, 8, vocab=512)  # connections, adapter loads, client imports
-        run_grpc(pool, args.client_procs, stack.gateway_addresses["gateway"], bearer(token),
-                 warm, 4, 8, channels=args.client_channels)
+        for address in stack.gateway_addresses.values():
+            run_grpc(pool, args.client_procs, address, bearer(token), warm, 4, 8,
+                     channels=args.client_channels)
         run_in_process(engine, warm, 4, 8)
         if args.rates:
             for rate in args.rates:

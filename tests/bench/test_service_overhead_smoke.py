@@ -1,5 +1,6 @@
 """bench.service_overhead runs end to end on the CPU at the tiny shape: a real stack, every path
-(in-process, worker, gateway gRPC, HTTP read by httpx and by aiohttp) under open-loop arrivals,
+(in-process, worker, gateway gRPC over its multiplexed worker stream and over one worker call a
+request, HTTP read by httpx and by aiohttp) under open-loop arrivals,
 each request's TTFT from its own send beside the old from-the-run's-start figure. (The closed
 loop is what the GPU suite `service-path` runs.)"""
 
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PATHS = {"worker", "gateway", "http", "http_aiohttp"}
+# The default gateway multiplexes its worker calls (GenerateMux); gateway_call is a second
+# gateway making one worker call a request (--upstream-call).
+PATHS = {"worker", "gateway", "gateway_call", "http", "http_aiohttp"}
 
 
 @pytest.mark.slow
@@ -23,7 +26,8 @@ def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "bench.service_overhead", "--concurrency", "4", "--rates", "6",
          "--open-loop-s", "1", "--repeats", "1", "--new-tokens", "4", "--client-procs", "1",
-         "--http", "--http-clients", "httpx,aiohttp", "--trace-hops", str(tmp_path / "hops"),
+         "--http", "--http-clients", "httpx,aiohttp", "--upstream-call",
+         "--trace-hops", str(tmp_path / "hops"),
          "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
