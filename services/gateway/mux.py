@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
@@ -59,7 +59,7 @@ class MuxedCall(Buffered):
         self._timer = None if timeout_s is None else asyncio.get_running_loop().call_later(
             max(timeout_s, 0.0), self._expire)
 
-    async def batches(self) -> AsyncIterator[list[pb.GenerateResponse]]:
+    async def batches(self) -> AsyncGenerator[list[pb.GenerateResponse], None]:
         try:
             async with contextlib.aclosing(super().batches()) as own:
                 async for batch in own:

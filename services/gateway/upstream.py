@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -104,7 +104,7 @@ class Buffered:
             self._ended, self._error = True, error
             self._arrived.set()
 
-    async def batches(self) -> AsyncIterator[list[pb.GenerateResponse]]:
+    async def batches(self) -> AsyncGenerator[list[pb.GenerateResponse], None]:
         try:
             while True:
                 await self._arrived.wait()

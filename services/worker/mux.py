@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
@@ -20,7 +20,8 @@ from slora.v1 import inference_pb2 as pb
 
 # One request, whichever RPC carries it: (request, tenant, seconds left of its deadline or
 # None) -> its responses; raises ServiceError (anything else is a bug: INTERNAL).
-Serve = Callable[[pb.GenerateRequest, str, float | None], AsyncIterator[pb.GenerateResponse]]
+Serve = Callable[[pb.GenerateRequest, str, float | None],
+                 AsyncGenerator[pb.GenerateResponse, None]]
 
 # A down frame is cut at about this many bytes (the gateway accepts 64 MiB a message); the
 # rest goes in the next frame.

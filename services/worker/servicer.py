@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -179,7 +179,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             yield frame
 
     async def serve(self, request: pb.GenerateRequest, tenant: str,
-                    time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
+                    time_remaining: float | None) -> AsyncGenerator[pb.GenerateResponse, None]:
         """One request, whichever RPC carries it: its responses, or the ServiceError it ends
         with (counted in the metrics here). Closing it early (a cancel) frees it in the core."""
         key: VersionKey = (request.adapter.adapter_id, request.adapter.version)

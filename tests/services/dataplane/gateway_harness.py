@@ -9,7 +9,7 @@ worker continues exactly as the uninterrupted one, as a real greedy model does."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -60,6 +60,9 @@ class ScriptedWorker:
     fail_with: Callable[[pb.GenerateRequest, int], e.ServiceError | None] = (
         lambda _r, _p: None)
     calls: list[pb.GenerateRequest] = field(default_factory=list)
+    delay_s: float = 0.0  # between tokens
+    active: int = 0  # requests being generated now (a cancel or a broken call ends one)
+    muxes: int = 0  # GenerateMux calls received
     server: GrpcServer | None = None
     address: str = ""
 
@@ -91,23 +94,28 @@ class _Servicer(pb_grpc.InferenceServiceServicer):
 
     async def GenerateMux(self, request_iterator: AsyncIterator[pb.MuxUp],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxDown]:
+        self.worker.muxes += 1
         async for frame in MuxSession(self.serve).frames(request_iterator):
             yield frame
 
     async def serve(self, request: pb.GenerateRequest, _tenant: str, _timeout: float | None,
-                    ) -> AsyncIterator[pb.GenerateResponse]:
+                    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         self.worker.calls.append(request)
-        # A resumed stream (docs/failover.md): the tokens the client has, then the rest.
-        resume = list(request.resume_token_ids)
-        ctx = prompt_tokens(request) + resume
-        for pos in range(len(resume), request.sampling.max_new_tokens):
-            err = self.worker.fail_with(request, pos)
-            if err is not None:
-                raise err
-            tok = next_token(ctx)
-            ctx.append(tok)
-            yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=[tok], text=f"<{tok}>"))
-            await asyncio.sleep(0)
+        self.worker.active += 1
+        try:
+            # A resumed stream (docs/failover.md): the tokens the client has, then the rest.
+            resume = list(request.resume_token_ids)
+            ctx = prompt_tokens(request) + resume
+            for pos in range(len(resume), request.sampling.max_new_tokens):
+                err = self.worker.fail_with(request, pos)
+                if err is not None:
+                    raise err
+                tok = next_token(ctx)
+                ctx.append(tok)
+                yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=[tok], text=f"<{tok}>"))
+                await asyncio.sleep(self.worker.delay_s)
+        finally:
+            self.worker.active -= 1
         yield pb.GenerateResponse(complete=pb.Complete(
             finish_reason="length",
             usage=pb.Usage(prompt_tokens=len(prompt_tokens(request)),
