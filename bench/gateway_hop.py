@@ -1,5 +1,6 @@
 """The gateway hop alone, on the CPU: a fake worker behind a real gateway, and the gateway
-process's CPU time per token it forwards.
+process's CPU time per token it forwards, over each gateway -> worker path (`--upstreams`:
+GenerateMux and one Generate call a request, side by side).
 
     python -m bench.gateway_hop --concurrency 64,256 --repeats 3 \
         --out bench/results/gateway-hop-cpu.json
@@ -8,8 +9,9 @@ The fake worker is a real grpc.aio `InferenceService` server (its own process, t
 interceptor every worker has) that streams like an engine at batch B: every `--step-ms` each
 running stream gets one token, until its `max_new_tokens`. A stand-in control plane (its own
 process) serves `WatchRouting` with a snapshot naming that worker and one tenant key; the
-gateway is the real `slora gateway` process. Three paths, interleaved per repeat: client ->
-worker (the gateway token presented), client -> gateway (gRPC), client -> gateway (HTTP SSE).
+gateway is the real `slora gateway` process (one per variant and upstream path). Three paths,
+interleaved per repeat: client -> worker (the gateway token presented), client -> gateway
+(gRPC), client -> gateway (HTTP SSE).
 Clients are bench.service_overhead's, in several processes. For each run: delivered tokens/s,
 TTFT (from the run's start, as service_overhead counts it), and the CPU seconds (user + system,
 from /proc/<pid>/stat) the gateway and the worker spent per 1,000 tokens delivered.
@@ -26,7 +28,7 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,10 +36,12 @@ from typing import Any
 
 import grpc
 
+from services.commands.gateway import UPSTREAM_ENV
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.hop_auth import GATEWAY_HEADER, GATEWAY_TOKEN_ENV, GatewayOnlyInterceptor
 from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
 from services.common.server import start_server
+from services.worker.mux import MuxSession
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora.v1 import placement_pb2 as ppb
@@ -75,6 +79,17 @@ class FakeWorker(pb_grpc.InferenceServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        async for r in self.serve(request, "", None):
+            yield r
+
+    async def GenerateMux(self, request_iterator: AsyncIterator[pb.MuxUp],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxDown]:
+        async for frame in MuxSession(self.serve).frames(request_iterator):
+            yield frame
+
+    async def serve(self, request: pb.GenerateRequest, _tenant: str, _timeout: float | None,
+                    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """One request, per call or on a mux (as the worker's own `serve`)."""
         n = request.sampling.max_new_tokens or 16
         stream = _Stream()
         self.streams.add(stream)
@@ -226,14 +241,15 @@ def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
             "runs": runs}
 
 
-def start_gateway(name: str, tree: Path, cp: str, state: Path) -> Gateway:
+def start_gateway(name: str, tree: Path, cp: str, state: Path, upstream: str) -> Gateway:
     host = "127.0.0.1"
     grpc_at, http_at = f"{host}:{free_port()}", f"{host}:{free_port()}"
     child = start_child(f"gateway-{name}", slora_argv(
         "gateway", "--control-plane", cp, "--listen", grpc_at, "--http-listen", http_at,
         "--base-model-name", BASE_MODEL, "--gateway-id", name),
         state, {GATEWAY_TOKEN_ENV: GATEWAY_TOKEN, CLUSTER_TOKEN_ENV: "slc_bench",
-                "SLORA_LOG_LEVEL": "WARNING", "PYTHONPATH": str(tree)}, cwd=tree)
+                "SLORA_LOG_LEVEL": "WARNING", "PYTHONPATH": str(tree),
+                UPSTREAM_ENV: upstream}, cwd=tree)
     return Gateway(name, tree, grpc_at, f"http://{http_at}/v1", child)
 
 
@@ -258,6 +274,9 @@ def parse_args() -> argparse.Namespace:
                     help="a gateway run from source tree TREE (with its generated protos), "
                          "e.g. before=/tmp/old; repeatable, side by side in one run "
                          "(default: this=.)")
+    ap.add_argument("--upstreams", default="mux,call",
+                    help="comma-separated gateway -> worker paths, a gateway each per variant: "
+                         "mux (GenerateMux) and call (one Generate call a request)")
     ap.add_argument("--http-clients", default=["httpx"], type=http_clients_arg,
                     help="comma-separated HTTP client libraries (httpx, aiohttp), a path each")
     ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")
@@ -278,8 +297,8 @@ def main() -> int:
     worker.start()
     cp.start()
     state = Path(tempfile.mkdtemp(prefix="slora-gateway-hop-"))
-    gateways = [start_gateway(name, Path(tree).resolve(), cp_at, state)
-                for name, tree in variants]
+    gateways = [start_gateway(f"{name}-{up}", Path(tree).resolve(), cp_at, state, up)
+                for name, tree in variants for up in args.upstreams.split(",")]
     pool = ctx.Pool(args.client_procs)
     try:
         wait_serving(worker_at, timeout_s=60)
