@@ -67,7 +67,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     ride = engine.runner.ride
     if ride is not None:
         arms["one_kernels"] = arms["one_unmerged"]
-    ratios = (*TARGETS, "one_kernels") if ride is not None else tuple(TARGETS)
+    ratio_arms = (*TARGETS, "one_kernels") if ride is not None else tuple(TARGETS)
 
     def run_arm(name: str, label: str) -> dict[str, Any]:
         engine.runner.ride = None if name == "one_kernels" else ride
@@ -78,7 +78,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     for i in range(a.overhead_repeats):
         run = {name: run_arm(name, f"{name} {i + 1}") for name in arms}
-        for name in ratios:
+        for name in ratio_arms:
             run[f"{name}_ratio"] = (run[name]["output_tok_per_s"]
                                     / run["base"]["output_tok_per_s"])
         runs.append(run)
