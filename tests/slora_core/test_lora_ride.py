@@ -95,9 +95,11 @@ def test_a_ride_step_gives_the_kernel_path_logits(demo_dir, dtype):
     runner.run = both  # type: ignore[method-assign]
     _generate(engine, [(p, names[0]) for p in PROMPTS])
     assert len(diffs) >= NEW_TOKENS - RIDE_AFTER_STEPS - 1
+    # Every compared step really rode (in float32 the two paths may agree to the bit: the
+    # same dot products, whatever way the BLAS blocks them).
+    assert ride.ride_steps >= len(diffs)
     bound = 1e-4 if dtype == "float32" else 1e-2
     assert max(diffs) < bound, diffs
-    assert max(diffs) > 0  # the ride really ran a different computation
 
 
 def test_padded_ride_decode_step_gives_the_unpadded_logits(demo_dir):
