@@ -44,6 +44,7 @@ HEADLINES = (
 PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway": "client -> gateway -> worker, gRPC",
          "gateway_call": "client -> gateway -> worker, gRPC, one worker call a request",
+         "gateway_mux": "client -> gateway -> worker, gRPC, over one GenerateMux stream",
          "http": "client -> gateway -> worker, HTTP (OpenAI SSE) read by httpx",
          "http_aiohttp": "client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp"}
 
@@ -71,8 +72,11 @@ def service_rows(result: dict[str, Any], source: str) -> list[str]:
             # Open-loop levels have no target of their own: issue 37's are per closed-loop
             # stream count (docs/performance.md maps them).
             target = "" if "rate" in level else _service_target(result, path, c)
+            what = PATHS.get(path, path)
+            if path == "gateway" and "gateway_call" in level["ratios"]:
+                what = PATHS["gateway_mux"]  # the mux was the default when this ran
             rows.append(
-                f"| {PATHS.get(path, path)}{gw if path != 'worker' else ''}, {load} "
+                f"| {what}{gw if path != 'worker' else ''}, {load} "
                 f"| {_fig(figs['throughput_ratio'])}x of in-process; {ttft} "
                 f"| {target} | {source} |")
     return rows
@@ -378,6 +382,11 @@ def rows() -> list[str]:
              lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("service-overhead-7b-open-9bfd047-h200.json", service_rows),
             ("service-overhead-7b-open-dd94c6e-h200.json", service_rows),
+            # The gateway's multiplexed upstream (GenerateMux, the default then) beside one
+            # worker call a request (gateway_call), side by side in one run, on an H100. The
+            # mux did not win there, and the default went back to one call a request.
+            ("service-overhead-7b-gw4-mux-d97d349-h100.json", service_rows),
+            ("service-overhead-7b-open-mux-d97d349-h100.json", service_rows),
             ("lora-layer-fusion-h200.json", fusion_rows)):
         lines += _rows_of(name, make)
     path = RESULTS / "profile-async-h200.json"

@@ -431,10 +431,10 @@ def parse_args() -> argparse.Namespace:
                          "(services/common/hop_trace.py) and add each leg's times per path "
                          "and level to the JSON (`hop_trace`); tracing costs the processes "
                          "a few microseconds an event")
-    ap.add_argument("--upstream-call", action="store_true",
-                    help="also run a second gateway (as many processes) with `--upstream call` "
-                         "(one worker call per request) beside the default one (one GenerateMux "
-                         "stream per worker): the `gateway_call` path, side by side")
+    ap.add_argument("--also-upstream", choices=("mux", "call"), default=None,
+                    help="also run a second gateway (as many processes) with `--upstream X` "
+                         "beside the default one (one Generate call per request): mux is one "
+                         "GenerateMux stream per worker; the `gateway_X` path, side by side")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -465,9 +465,10 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
     gateway, worker = stack.gateway_addresses["gateway"], stack.worker_addresses["worker-0"]
     runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "worker": [], "gateway": []}
     gateways = {"gateway": gateway}
-    if "gateway_call" in stack.gateway_addresses:  # --upstream-call
-        gateways["gateway_call"] = stack.gateway_addresses["gateway_call"]
-        runs["gateway_call"] = []
+    if args.also_upstream:  # the second gateway, gateway_mux or gateway_call
+        other = f"gateway_{args.also_upstream}"
+        gateways[other] = stack.gateway_addresses[other]
+        runs[other] = []
     http_paths = {http_path(lib): lib for lib in args.http_clients} if args.http else {}
     for path in http_paths:
         runs[path] = []
@@ -524,11 +525,11 @@ def main() -> int:
         stack.start_worker("worker-0", wait_s=300)
         stack.start_gateway(processes=args.gateway_procs)
         wait_until_routable(stack.gateway_addresses["gateway"], token, names, timeout_s=120)
-        if args.upstream_call:
-            stack.start_gateway("gateway_call", processes=args.gateway_procs,
-                                extra=("--upstream", "call"))
-            wait_until_routable(stack.gateway_addresses["gateway_call"], token, names,
-                                timeout_s=120)
+        if args.also_upstream:
+            other = f"gateway_{args.also_upstream}"
+            stack.start_gateway(other, processes=args.gateway_procs,
+                                extra=("--upstream", args.also_upstream))
+            wait_until_routable(stack.gateway_addresses[other], token, names, timeout_s=120)
         print(f"stack routable {time.perf_counter() - t0:.1f} s after the start", flush=True)
         # The in-process engine compiles what the worker just compiled (the same settings):
         # it reads the worker's compile cache instead of compiling again (a minute or more

@@ -40,9 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), "
                         f"each with its own routing stream and metrics; env {PROCESSES_ENV}")
     p.add_argument("--upstream", choices=UPSTREAMS,
-                   default=os.environ.get(UPSTREAM_ENV, "mux"),
-                   help="how worker calls travel: mux (one GenerateMux stream per worker, "
-                        "default) or call (one Generate call per request); env "
+                   default=os.environ.get(UPSTREAM_ENV, "call"),
+                   help="how worker calls travel: call (one Generate call per request, "
+                        "default) or mux (one GenerateMux stream per worker); env "
                         f"{UPSTREAM_ENV}")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
     p.set_defaults(func=run)

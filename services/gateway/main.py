@@ -46,7 +46,7 @@ class GatewayOptions:
     sibling_sockets: tuple[str, ...] = ()
     # Worker calls over one GenerateMux stream per worker (off: one Generate call per request;
     # `slora gateway --upstream`, env SLORA_GATEWAY_UPSTREAM).
-    upstream_mux: bool = True
+    upstream_mux: bool = False
 
 
 DEFAULT_REPORT_S = 1.0

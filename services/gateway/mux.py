@@ -187,7 +187,7 @@ class Upstreams:
     at first use, reopened after it breaks) or, with `mux` off, one Generate call per
     request. Both give a `Buffered` the router reads the same way."""
 
-    def __init__(self, channels: WorkerChannels, mux: bool = True) -> None:
+    def __init__(self, channels: WorkerChannels, mux: bool = False) -> None:
         self.channels = channels
         self.mux = mux
         self._muxes: dict[str, WorkerMux] = {}

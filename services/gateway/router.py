@@ -67,7 +67,7 @@ class Router:
 
     def __init__(self, table: RoutingTable, metrics: GatewayMetrics,
                  served: ServedLog | None = None, siblings: Siblings | None = None,
-                 mux: bool = True) -> None:
+                 mux: bool = False) -> None:
         self.table = table
         self.siblings = siblings  # the other processes of a multi-process gateway
         self.metrics = metrics

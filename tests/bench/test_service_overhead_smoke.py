@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# The default gateway multiplexes its worker calls (GenerateMux); gateway_call is a second
-# gateway making one worker call a request (--upstream-call).
-PATHS = {"worker", "gateway", "gateway_call", "http", "http_aiohttp"}
+# The default gateway makes one worker call a request; gateway_mux is a second gateway
+# multiplexing its worker calls over one GenerateMux stream (--also-upstream mux).
+PATHS = {"worker", "gateway", "gateway_mux", "http", "http_aiohttp"}
 
 
 @pytest.mark.slow
@@ -26,7 +26,7 @@ def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "bench.service_overhead", "--concurrency", "4", "--rates", "6",
          "--open-loop-s", "1", "--repeats", "1", "--new-tokens", "4", "--client-procs", "1",
-         "--http", "--http-clients", "httpx,aiohttp", "--upstream-call",
+         "--http", "--http-clients", "httpx,aiohttp", "--also-upstream", "mux",
          "--trace-hops", str(tmp_path / "hops"),
          "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -136,9 +136,9 @@ def table_for(workers: list[ScriptedWorker]) -> RoutingTable:
     return table
 
 
-async def started(*names: str, mux: bool = True) -> tuple[Router, list[ScriptedWorker]]:
-    """A router over new scripted workers; `mux`: its worker calls over GenerateMux (the
-    gateway's default) or one Generate call each."""
+async def started(*names: str, mux: bool = False) -> tuple[Router, list[ScriptedWorker]]:
+    """A router over new scripted workers; `mux`: its worker calls over GenerateMux or one
+    Generate call each (the gateway's default)."""
     workers = [ScriptedWorker(n) for n in names]
     for w in workers:
         await w.start()

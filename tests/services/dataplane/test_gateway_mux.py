@@ -71,7 +71,7 @@ def test_concurrent_streams_over_one_mux_equal_the_per_call_path() -> None:
 
 def test_a_cancelled_stream_is_freed_on_the_worker_and_the_others_go_on() -> None:
     async def scenario() -> None:
-        router, workers = await started("w1")
+        router, workers = await started("w1", mux=True)
         worker = workers[0]
         worker.delay_s = 0.01
         try:
@@ -109,7 +109,7 @@ def test_a_stream_error_reaches_that_stream_only_with_its_code_and_metadata() ->
         return None
 
     async def scenario() -> None:
-        router, workers = await started("w1")
+        router, workers = await started("w1", mux=True)
         workers[0].fail_with = fail
         workers[0].delay_s = 0.001
         try:
@@ -136,7 +136,7 @@ def test_a_stream_error_reaches_that_stream_only_with_its_code_and_metadata() ->
 
 def test_a_worker_that_dies_mid_stream_fails_its_mux_and_the_streams_resume() -> None:
     async def scenario() -> None:
-        router, workers = await started("w1", "w2")
+        router, workers = await started("w1", "w2", mux=True)
         for w in workers:
             w.delay_s = 0.005
         try:
@@ -161,7 +161,7 @@ def test_a_worker_that_dies_mid_stream_fails_its_mux_and_the_streams_resume() ->
 
 def test_the_caller_deadline_ends_a_muxed_stream_and_frees_it() -> None:
     async def scenario() -> None:
-        router, workers = await started("w1")
+        router, workers = await started("w1", mux=True)
         workers[0].delay_s = 0.01
         try:
             out = Outcome()
@@ -198,7 +198,7 @@ def test_a_worker_without_the_mux_is_called_per_request() -> None:
             lambda s: pb_grpc.add_InferenceServiceServicer_to_server(_PerCallOnly(), s),
             ["slora.v1.InferenceService"])
         old = ScriptedWorker("old", address=f"127.0.0.1:{handle.port}")
-        router = Router(table_for([old]), GatewayMetrics())
+        router = Router(table_for([old]), GatewayMetrics(), mux=True)
         try:
             for _ in range(3):
                 out = await run_call(router, ids_request([1], 4))
@@ -230,7 +230,7 @@ def test_a_mux_without_the_gateway_token_is_refused(monkeypatch: pytest.MonkeyPa
             assert worker.calls == [] and worker.muxes == 0
             # The gateway's channels (WorkerChannels) present the token on the mux as on
             # every call.
-            router = Router(table_for([worker]), GatewayMetrics())
+            router = Router(table_for([worker]), GatewayMetrics(), mux=True)
             out = await run_call(router, ids_request([1], 3))
             assert out.error is None and worker.muxes == 1
             await router.upstreams.close()
