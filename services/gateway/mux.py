@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 # is tried again after this long (the worker may have been upgraded).
 PER_CALL_RETRY_S = 60.0
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # MuxEnd.code -> its StatusCode
+# An up-frame stays under the worker's receive limit (gRPC's 4 MiB default): a frame over it
+# would end the mux and fail every stream on it. The writer splits what it gathered into
+# frames of at most this many bytes; a request bigger than this alone goes per call, where the
+# worker refuses it (or serves it) as it would any Generate, and no other stream notices.
+MAX_UP_FRAME_BYTES = 1024 * 1024
 
 
 def rpc_error(code: grpc.StatusCode, details: str,
@@ -131,14 +136,27 @@ class WorkerMux:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._requests or self._cancels:
-                    frame = pb.MuxUp(requests=self._requests, cancels=self._cancels)
-                    self._requests, self._cancels = [], []
-                    await self._call.write(frame)
+                    await self._call.write(self._take())
         except grpc.aio.AioRpcError as exc:
             self._break(exc, "")
         except Exception as exc:  # noqa: BLE001 - the call ended: the reader has its status
             if not self._call.done():
                 self._break(None, f"write failed: {exc!r}")
+
+    def _take(self) -> pb.MuxUp:
+        """The next up-frame: every cancel, and the gathered requests up to
+        MAX_UP_FRAME_BYTES (the rest follow in the next frames)."""
+        frame = pb.MuxUp(cancels=self._cancels)
+        self._cancels = []
+        size, n = frame.ByteSize(), 0
+        for req in self._requests:
+            size += req.ByteSize() + 8  # the field's tag and length
+            if n and size > MAX_UP_FRAME_BYTES:
+                break
+            n += 1
+        frame.requests.extend(self._requests[:n])
+        del self._requests[:n]
+        return frame
 
     async def _read(self) -> None:
         try:
@@ -202,7 +220,7 @@ class Upstreams:
                 metadata=((TENANT_HEADER, tenant),)))
 
         mux = self._mux(address) if self.mux else None
-        if mux is None:
+        if mux is None or request.ByteSize() > MAX_UP_FRAME_BYTES - 1024:
             return per_call()
         timeout = None if deadline is None else deadline - time.monotonic()
         return mux.open(request, tenant, timeout, per_call)

@@ -63,6 +63,7 @@ class ScriptedWorker:
     delay_s: float = 0.0  # between tokens
     active: int = 0  # requests being generated now (a cancel or a broken call ends one)
     muxes: int = 0  # GenerateMux calls received
+    generates: int = 0  # Generate (per-call) calls received
     server: GrpcServer | None = None
     address: str = ""
 
@@ -86,6 +87,7 @@ class _Servicer(pb_grpc.InferenceServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        self.worker.generates += 1
         try:
             async for r in self.serve(request, "", None):
                 yield r

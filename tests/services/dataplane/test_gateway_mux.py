@@ -15,6 +15,7 @@ import pytest
 from services.common import errors as e
 from services.common.hop_auth import GATEWAY_HEADER, GATEWAY_TOKEN_ENV, GatewayOnlyInterceptor
 from services.common.server import start_server
+from services.gateway import mux as mux_module
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from slora.v1 import inference_pb2 as pb
@@ -310,3 +311,36 @@ def test_a_real_worker_over_the_mux(demo_dir: Path, tmp_path: Path) -> None:
         asyncio.run(scenario())
     finally:
         worker.kill()
+
+
+def test_large_requests_are_split_across_up_frames_and_one_bigger_than_a_frame_goes_per_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests gathered for one up-frame that together pass the worker's 4 MiB receive limit
+    go in several frames (one frame over it would end the mux and every stream on it); a
+    request bigger than a frame (possible only with limits above the defaults) goes per call."""
+    # About 0.4 MB each (4-byte varints), 7 MB together; the gateway's limit is 131,072 ids.
+    prompts = [[3_000_000 + 7 * i + j for j in range(100_000)] for i in range(18)]
+
+    async def scenario() -> None:
+        router, workers = await started("w1", mux=True)
+        try:
+            outcomes = await asyncio.gather(*(run_call(router, ids_request(p, 2))
+                                              for p in prompts))
+            for p, out in zip(prompts, outcomes, strict=True):
+                assert out.error is None, out.error
+                assert out.token_ids == expected_output(p, 2)
+            # One mux carried them all and never broke; nothing went per call.
+            assert workers[0].muxes == 1 and workers[0].generates == 0
+            assert len(workers[0].calls) == len(prompts)
+
+            monkeypatch.setattr(mux_module, "MAX_UP_FRAME_BYTES", 256 * 1024)
+            small = [1, 2, 3]
+            big, other = await asyncio.gather(run_call(router, ids_request(prompts[0], 2)),
+                                              run_call(router, ids_request(small, 2)))
+            assert big.error is None and big.token_ids == expected_output(prompts[0], 2)
+            assert other.error is None and other.token_ids == expected_output(small, 2)
+            assert workers[0].generates == 1 and workers[0].muxes == 1
+        finally:
+            await stop_all(router, workers)
+
+    asyncio.run(scenario())
