@@ -405,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="interleaved base / one-adapter pairs of 'overhead'")
     p.add_argument("--distinct-batch", type=int, default=64,
                    help="requests in one batch of 'distinct' (adapter i %% D)")
+    p.add_argument("--distinct-arms", default="distinct16,distinct64,one_unmerged",
+                   help="arms of 'distinct' beside base (a subset: a shorter run; the JSON "
+                        "says which were left out)")
     p.add_argument("--distinct-input", type=int, default=512)
     p.add_argument("--distinct-output", type=int, default=256)
     p.add_argument("--churn-alphas", type=lambda s: tuple(float(x) for x in s.split(",")),
