@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # A worker that does not serve GenerateMux (an older version) is called per request; the mux
 # is tried again after this long (the worker may have been upgraded).
 PER_CALL_RETRY_S = 60.0
+# A mux with no stream for this long is closed (the worker's session with it ends); the next
+# request to that worker opens a new one.
+MUX_IDLE_CLOSE_S = 300.0
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # MuxEnd.code -> its StatusCode
 # An up-frame stays under the worker's receive limit (gRPC's 4 MiB default): a frame over it
 # would end the mux and fail every stream on it. The writer splits what it gathered into
@@ -106,11 +109,15 @@ class WorkerMux:
         self._requests: list[pb.MuxRequest] = []
         self._cancels: list[int] = []
         self._wake = asyncio.Event()
+        self._idle: asyncio.TimerHandle | None = None
         self._writer = asyncio.create_task(self._write())
         self._reader = asyncio.create_task(self._read())
 
     def open(self, request: pb.GenerateRequest, tenant: str, timeout_s: float | None,
              per_call: Callable[[], Buffered]) -> MuxedCall:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         sid = next(self._ids)
         stream = MuxedCall(self, sid, timeout_s, per_call)
         self._streams[sid] = stream
@@ -126,6 +133,18 @@ class WorkerMux:
         if self._streams.pop(stream_id, None) is not None and not self.broken:
             self._cancels.append(stream_id)
             self._wake.set()
+            self._idle_later()
+
+    def _idle_later(self) -> None:
+        """The last stream just ended: close the mux if none opens within MUX_IDLE_CLOSE_S."""
+        if not self._streams and self._idle is None and not self.broken:
+            self._idle = asyncio.get_running_loop().call_later(MUX_IDLE_CLOSE_S,
+                                                               self._close_idle)
+
+    def _close_idle(self) -> None:
+        self._idle = None
+        if not self._streams:
+            self._break(None, "idle")
 
     def close(self) -> None:
         self._break(None, "the gateway is closing")
@@ -172,6 +191,8 @@ class WorkerMux:
                         stream.end(None if not end.code else rpc_error(
                             CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message,
                             tuple(end.trailing.items())))
+                if down.ends:
+                    self._idle_later()
         except grpc.aio.AioRpcError as exc:
             self._break(exc, "")
         except Exception as exc:  # noqa: BLE001 - a broken mux fails its streams, never the loop
@@ -183,6 +204,9 @@ class WorkerMux:
         if self.broken:
             return
         self.broken = True
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         self.unsupported = exc is not None and exc.code() == grpc.StatusCode.UNIMPLEMENTED
         if exc is not None:
             why = f"{exc.code().name}: {exc.details()}"

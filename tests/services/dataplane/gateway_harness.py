@@ -64,6 +64,7 @@ class ScriptedWorker:
     active: int = 0  # requests being generated now (a cancel or a broken call ends one)
     muxes: int = 0  # GenerateMux calls received
     generates: int = 0  # Generate (per-call) calls received
+    open_muxes: int = 0  # GenerateMux calls not ended yet
     server: GrpcServer | None = None
     address: str = ""
 
@@ -97,8 +98,12 @@ class _Servicer(pb_grpc.InferenceServiceServicer):
     async def GenerateMux(self, request_iterator: AsyncIterator[pb.MuxUp],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxDown]:
         self.worker.muxes += 1
-        async for frame in MuxSession(self.serve).frames(request_iterator):
-            yield frame
+        self.worker.open_muxes += 1
+        try:
+            async for frame in MuxSession(self.serve).frames(request_iterator):
+                yield frame
+        finally:
+            self.worker.open_muxes -= 1
 
     async def serve(self, request: pb.GenerateRequest, _tenant: str, _timeout: float | None,
                     ) -> AsyncGenerator[pb.GenerateResponse, None]:

@@ -344,3 +344,25 @@ def test_large_requests_are_split_across_up_frames_and_one_bigger_than_a_frame_g
             await stop_all(router, workers)
 
     asyncio.run(scenario())
+
+
+def test_an_idle_mux_is_closed_and_the_next_request_opens_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mux_module, "MUX_IDLE_CLOSE_S", 0.5)
+
+    async def scenario() -> None:
+        router, workers = await started("w1", mux=True)
+        worker = workers[0]
+        try:
+            for _ in range(2):  # a stream ending and one opening within the idle time
+                out = await run_call(router, ids_request([1, 2], 3))
+                assert out.error is None and out.token_ids == expected_output([1, 2], 3)
+            assert worker.muxes == 1 and worker.open_muxes == 1
+            await until(lambda: worker.open_muxes == 0, 5.0)  # idle: closed on both ends
+            out = await run_call(router, ids_request([3], 3))
+            assert out.error is None and out.token_ids == expected_output([3], 3)
+            assert worker.muxes == 2 and worker.open_muxes == 1
+        finally:
+            await stop_all(router, workers)
+
+    asyncio.run(scenario())
