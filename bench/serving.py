@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -66,6 +67,8 @@ class Bench:
         self._base_adapters: dict[int, Any] = {}
         self._last: LLMEngine | None = None  # the latest engine built over self.model
         self.warmup_s: list[float] = []
+        # Set by main: writes a scenario's partial result (a run cut short keeps it).
+        self.checkpoint: Callable[[str, dict[str, Any]], None] = lambda _name, _part: None
 
     def engine(self, num_adapters: int, ranks: tuple[int, ...], **overrides: Any) -> LLMEngine:
         a = self.args
@@ -445,6 +448,16 @@ def main(argv: list[str] | None = None) -> int:
         else platform.processor() or platform.machine(),
         "commit": commit_id(), "torch": torch.__version__, "args": vars(args), "model": asdict(bench.cfg) | {"raw": {}},
     }
+    def write() -> None:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+
+    def checkpoint(name: str, part: dict[str, Any]) -> None:
+        results[name] = part
+        write()
+
+    bench.checkpoint = checkpoint
     for name in args.scenarios.split(","):
         t0 = time.perf_counter()
         try:
@@ -457,9 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.warmup_s = []
         bench.release()
         print(f"== {name}: {summary(name, results[name])}", flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1, default=str)
+        write()
     return 0
 
 

@@ -1,0 +1,45 @@
+"""bench.serving's 'distinct' scenario writes its result after every repeat, so a run cut short
+by its time limit (a fresh GPU machine compiling for minutes) still leaves what it measured,
+marked `cut_short`; the final result has no mark and `met` needs every arm and repeat. Real
+engines at the tiny shape on the CPU (the ride on, one adapter arm: about 10 s)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import bench.serving as serving
+
+
+def test_distinct_writes_each_repeat_marked_cut_short_until_the_last(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    out = tmp_path / "distinct.json"
+    written: list[dict[str, Any]] = []
+    real_dump = json.dump
+
+    def recording_dump(obj: Any, f: Any, **kw: Any) -> None:
+        if "distinct" in obj:
+            written.append(json.loads(json.dumps(obj["distinct"], default=str)))
+        real_dump(obj, f, **kw)
+
+    monkeypatch.setattr(serving.json, "dump", recording_dump)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert serving.main([
+        "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--scenarios", "distinct",
+        "--distinct-arms", "one_unmerged", "--ride-sole-adapter", "--distinct-batch", "4",
+        "--distinct-input", "80", "--distinct-output", "4", "--overhead-repeats", "2",
+        "--arena-gb", "0.2", "--out", str(out)]) == 0
+    # Before the warm-up, after repeat 1 of 2, and the final result.
+    assert [w.get("cut_short") for w in written] == ["0 of 2 repeats", "1 of 2 repeats", None]
+    first, final = written[1], written[2]
+    assert len(first["repeats"]) == 1 and len(final["repeats"]) == 2
+    assert first["met"] is False  # a partial result never meets
+    assert final["arms_left_out"] == ["distinct16", "distinct64"]
+    assert final["met"] is False  # arms were left out
+    assert final["one_unmerged"]["throughput_ratio"] > 0
+    assert final["ride"]["ride_steps"] > 0  # the one-adapter arm rode
+    assert "one_kernels" in final
+    assert json.loads(out.read_text())["distinct"]["repeats"] == final["repeats"]
