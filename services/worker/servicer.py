@@ -270,10 +270,12 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                 yield self._complete(end or "length", len(ids), stream.completion_tokens, key,
                                      request.request_id)
                 return
+            # Timed before the hand-over: the core may mark core_added before add returns.
+            handed = time.time()
             rid, tokens = self.core.add(ids + resume, left, name, tenant=tenant,
                                         deadline_s=time_remaining, structured=structured)
             stream.tokens = tokens
-            hop_trace.mark("worker_added", f"{request.request_id}:{rid}")
+            hop_trace.mark("worker_added", f"{request.request_id}:{rid}", handed)
             while True:
                 delta, finish = await stream.next()
                 if finish is not None and finish.code:
