@@ -10,6 +10,10 @@ holds up no other stream. A stream's error arrives as the `grpc.aio.AioRpcError`
 per-call path would raise (same code, message and trailing metadata), so the router's
 retry, resume and fallback rules apply unchanged. When the mux breaks, each of its streams
 fails UNAVAILABLE (retryable, resumable), and the next request opens a new mux.
+
+Opt-in (`slora gateway --upstream mux`): it saves the gateway CPU, and wins where the gateway
+is short of it, but on an H100 host it did not beat one call a request (docs/performance.md,
+"Tried: one long-lived multiplexed stream").
 """
 
 from __future__ import annotations
