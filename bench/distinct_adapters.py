@@ -20,6 +20,7 @@ the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with dis
 
 from __future__ import annotations
 
+import argparse
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +36,18 @@ if TYPE_CHECKING:
 
 RANKS = (8, 16, 32, 64)
 TARGETS = {"distinct16": 0.95, "distinct64": 0.92, "one_unmerged": 0.97}
+ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinct adapters
+
+
+def parse_arms(text: str) -> tuple[str, ...]:
+    """`--distinct-arms`: comma-separated names from ARMS, at least one."""
+    chosen = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in chosen if n not in ARMS]
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: choose one or more of {', '.join(ARMS)}"
+            + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return chosen
 
 
 def distinct_requests(b: Bench, num_distinct: int | None) -> list[BenchRequest]:
@@ -64,13 +77,9 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     if merge is not None:
         merge.unmerge()
         engine.runner.merge = None
-    every = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}
-    chosen = [n.strip() for n in a.distinct_arms.split(",") if n.strip()]
-    if not chosen or not set(chosen) <= set(every):
-        raise SystemExit(f"--distinct-arms {a.distinct_arms!r}: choose from {sorted(every)}")
-    targets = {n: t for n, t in TARGETS.items() if n in chosen}
+    targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
-            **{n: distinct_requests(b, d) for n, d in every.items() if n in chosen}}
+            **{n: distinct_requests(b, d) for n, d in ARMS.items() if n in a.distinct_arms}}
     # With the sole-adapter ride on (--ride-sole-adapter), one_unmerged rides and the same
     # requests also run on the LoRA kernels (the ride switched off for that arm).
     ride = engine.runner.ride

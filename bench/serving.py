@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from bench.churn import scenario_churn, scenario_churndisk, scenario_coldttft
-from bench.distinct_adapters import scenario_distinct
+from bench.distinct_adapters import ARMS, parse_arms, scenario_distinct
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.run_record import commit_id
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="interleaved base / one-adapter pairs of 'overhead'")
     p.add_argument("--distinct-batch", type=int, default=64,
                    help="requests in one batch of 'distinct' (adapter i %% D)")
-    p.add_argument("--distinct-arms", default="distinct16,distinct64,one_unmerged",
+    p.add_argument("--distinct-arms", type=parse_arms, default=tuple(ARMS),
                    help="arms of 'distinct' beside base (a subset: a shorter run; the JSON "
                         "says which were left out)")
     p.add_argument("--distinct-input", type=int, default=512)

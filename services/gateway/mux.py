@@ -248,6 +248,7 @@ class Upstreams:
                 metadata=((TENANT_HEADER, tenant),)))
 
         mux = self._mux(address) if self.mux else None
+        # 1 KiB of room for what the MuxRequest adds (stream id, tenant, deadline).
         if mux is None or request.ByteSize() > MAX_UP_FRAME_BYTES - 1024:
             return per_call()
         timeout = None if deadline is None else deadline - time.monotonic()

@@ -43,3 +43,15 @@ def test_distinct_writes_each_repeat_marked_cut_short_until_the_last(
     assert final["ride"]["ride_steps"] > 0  # the one-adapter arm rode
     assert "one_kernels" in final
     assert json.loads(out.read_text())["distinct"]["repeats"] == final["repeats"]
+
+
+@pytest.mark.parametrize("arms", ["", "distinct16,distinct32"])
+def test_unknown_or_no_distinct_arms_are_refused_before_anything_is_built(
+        arms: str, capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        serving.main(["--device", "cpu", "--scenarios", "distinct", "--distinct-arms", arms])
+    assert exited.value.code == 2
+    err = capfd.readouterr().err
+    assert "--distinct-arms" in err and "choose one or more of distinct16" in err
+    if arms:
+        assert "unknown: distinct32" in err
