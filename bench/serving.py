@@ -27,6 +27,7 @@ import torch
 
 from bench.churn import scenario_churn, scenario_churndisk, scenario_coldttft
 from bench.distinct_adapters import ARMS, parse_arms, scenario_distinct
+from bench.distinct_profile import scenario_distinct_profile
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.run_record import commit_id
@@ -379,7 +380,8 @@ def random_adapter_bytes(cfg: ModelConfig, rank: int, elem: int) -> int:
 SCENARIOS = {"overhead": scenario_overhead, "gcpause": scenario_gcpause,
              "scale": scenario_scale, "reuse": scenario_reuse, "peft32": scenario_peft32,
              "floor": scenario_floor, "churn": scenario_churn, "churndisk": scenario_churndisk,
-             "coldttft": scenario_coldttft, "distinct": scenario_distinct}
+             "coldttft": scenario_coldttft, "distinct": scenario_distinct,
+             "distinct_profile": scenario_distinct_profile}
 
 
 # The model allows 4096; 1100 fits the longest workload request and keeps graph block tables
@@ -412,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="arms of 'distinct' beside base (a subset: a shorter run; the JSON "
                         "says which were left out)")
     p.add_argument("--distinct-input", type=int, default=512)
+    p.add_argument("--profile-steps", type=int, default=10,
+                   help="decode steps timed, then profiled, per arm of 'distinct_profile'")
     p.add_argument("--distinct-output", type=int, default=256)
     p.add_argument("--churn-alphas", type=lambda s: tuple(float(x) for x in s.split(",")),
                    default=(1.0, 0.5), help="popularity skews of 'churn' (1.0 required)")

@@ -255,6 +255,9 @@ class DecodeGraphs(_StepGraphs):
         self.buckets = _buckets(max_num_seqs)
         self.max_blocks = -(-max_model_len // arena.block_size)
         self.empty_slot = arena.num_slots - 1
+        # Steps whose adapters own at most this many rows each (on average) run the row
+        # kernels' graph; an attribute so a benchmark can compare the two graphs on one step.
+        self.row_kernels_max_rows = ROW_KERNELS_MAX_ROWS_PER_ADAPTER
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.
         self.layout = BufferLayout(tokens=n, seqs=n, segments=n, tiles=n,
@@ -298,7 +301,7 @@ class DecodeGraphs(_StepGraphs):
             return few
         rows = int(inputs.seg_lens.sum())
         if (self.runner.lora_row_kernels
-                and rows <= ROW_KERNELS_MAX_ROWS_PER_ADAPTER * inputs.seg_lens.size):
+                and rows <= self.row_kernels_max_rows * inputs.seg_lens.size):
             return ROW_GRAPH
         return bucket
 
