@@ -159,6 +159,8 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "distinct-profile": (step("distinct-profile", 240, "bench.serving", *GPU_7B, "--scenarios",
                               "distinct_profile", "--arena-gb", "40", "--out",
                               OUT("distinct-profile")),),
+    "lora-distinct-layer": (step("lora-distinct-layer", 300, "bench.lora_distinct_layer", "--out",
+                                 OUT("lora-distinct-layer")),),
     "distinct-adapters": (step("distinct", 240, "bench.serving", *GPU_7B, "--scenarios",
                                "distinct", "--arena-gb", "40", "--overhead-repeats", "3",
                                "--out", OUT("distinct-adapters")),),

@@ -135,6 +135,16 @@ def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int,
     return max(1, min(want, cap, k // MIN_K_PER_SPLIT))
 
 
+def row_split_k(tiles: RowTiles, programs: int, k: int, device: torch.device,
+                block_r: int) -> int:
+    """The K split of a row-kernel launch of `programs` (rows x modules) work items. With
+    `tiles.rank_balanced` a row of a rank-16 bucket uses block_r // 16 times fewer splits, so
+    the split aims for that many times the programs (the split cap rises alike)."""
+    ratio = block_r // 16 if tiles.rank_balanced else 1
+    cap = tiles.max_split_k * ratio
+    return min(cap, pick_split_k(programs, k, device, cap, tiles.programs_per_sm * ratio))
+
+
 # Launches of at most this many tiles, at a rank tile of at least this, take
 # `LoraTiles.wave_split`'s rule (see `pick_split`).
 WAVE_SPLIT_MAX_TILES = 16
@@ -214,8 +224,8 @@ def add_lora_triton(
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
         if isinstance(tiles, RowTiles):
-            splits = split_k or min(tiles.max_split_k, pick_split_k(
-                x.shape[0] * len(mods), k, x.device, tiles.max_split_k, tiles.programs_per_sm))
+            splits = split_k or row_split_k(tiles, x.shape[0] * len(mods), k, x.device,
+                                            block_r)
         else:
             splits = split_k or pick_split(tiles, meta.num_tiles, len(mods), k, x.device,
                                            block_r)
@@ -224,12 +234,13 @@ def add_lora_triton(
         if isinstance(tiles, RowTiles):
             rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots,
                         block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps,
-                        launch_dependents=pdl)
+                        launch_dependents=pdl, rank_balanced=tiles.rank_balanced)
             wide = x.shape[0] >= tiles.wide_min_rows
             rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices,
                         meta.token_slots, block_r=block_r,
                         block_n=tiles.wide_block_n if wide else tiles.block_n,
-                        num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl)
+                        num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl,
+                        rank_balanced=tiles.rank_balanced)
             continue
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,

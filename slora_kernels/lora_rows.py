@@ -71,6 +71,24 @@ class RowTiles:
     # Programmatic dependent launch (Hopper+; see `slora_kernels.lora.LoraTiles.pdl`): 1-2.5 us a
     # launch on the H200 (r16 B64 U64 12.7 -> 10.5 us, lora-grid-pdl-dccb3ce-h200.json).
     pdl: bool = True
+    # Each row's K splits in proportion to its rank bucket (16, 32 or the launch's rank tile):
+    # a row of a rank-16 adapter in a rank-64 launch reads its A in a quarter of the splits,
+    # each as long as a rank-64 row's, so every program moves the same bytes (mixed ranks
+    # otherwise leave the rank-64 rows' programs running long after the others). The
+    # programs past a row's share exit at once. With it the split is chosen for
+    # `programs_per_sm` x the rank-tile ratio programs (`balanced_split_k`).
+    rank_balanced: bool = False
+
+
+@triton.jit
+def _active_splits(rank, split_k, BLOCK_R: tl.constexpr, BALANCED: tl.constexpr):
+    """The K splits a row of this rank uses: all of them, or (BALANCED) its rank bucket's
+    share of them, at least one."""
+    if BALANCED:
+        bucket = tl.where(rank <= 16, 16, tl.where(rank <= 32, 32, BLOCK_R))
+        return tl.maximum(1, split_k * bucket // BLOCK_R)
+    else:
+        return split_k
 
 
 @triton.jit
@@ -115,7 +133,7 @@ def _rows_shrink_kernel(
     mod0, mod1, mod2, num_mods, split_k, k_chunk,
     K, stride_xm, stride_xk, table_stride, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, TILE: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr, BALANCED: tl.constexpr,
 ):
     release_dependents(LAUNCH_DEPENDENTS)
     # Work item (row, module, K split); a row's splits are adjacent so they share x in the L2.
@@ -127,7 +145,11 @@ def _rows_shrink_kernel(
     mod = select3(mod_i, mod0, mod1, mod2)
     rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=slot >= 0, other=0),
                       MAX_RANK)
-    if rank > 0:
+    active = _active_splits(rank, split_k, BLOCK_R, BALANCED)
+    if BALANCED:
+        # Whole K tiles of the widest bucket's (TILE // 16), as the host's k_chunk.
+        k_chunk = tl.cdiv(tl.cdiv(K, TILE // 16), active) * (TILE // 16)
+    if (rank > 0) & (split < active):
         a_off = tl.load(a_off_ptr + slot * table_stride + mod)
         k_lo = split * k_chunk
         k_hi = tl.minimum(k_lo + k_chunk, K)
@@ -146,6 +168,7 @@ def _rows_shrink_kernel(
 def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
                        stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                        USE_PDL: tl.constexpr):
+    # split_k here: the splits the row's shrink wrote (`_active_splits`).
     """y_row[n0:n0+BLOCK_N] += scale * (sum of buf's K splits)[:rank] @ B[cols, :rank].T.
     The loads of y and of the B tile are issued before the K splits are summed, so their
     latency overlaps the sum's: 0.7-2.5 us faster a launch over the sweep's cases (r16 B256
@@ -212,6 +235,7 @@ def _rows_expand_kernel(
     n_tiles, stride_ym, stride_yn, table_stride, split_k, stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     SUB16: tl.constexpr, SUB32: tl.constexpr, SUBR: tl.constexpr, USE_PDL: tl.constexpr,
+    BALANCED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     mod_i = tl.program_id(1) // n_tiles
@@ -226,6 +250,7 @@ def _rows_expand_kernel(
             scale = tl.load(scales_ptr + slot * table_stride + mod)
             y_row = y_ptr + row * stride_ym + select3(mod_i, start0, start1, start2) * stride_yn
             buf_row = buf_ptr + row * stride_bt + mod_i * stride_bm
+            split_k = _active_splits(rank, split_k, BLOCK_R, BALANCED)
             if (b_off % 8 == 0) & (rank % 8 == 0):
                 # B rows of a multiple of 8 elements from an aligned base: 16-byte loads.
                 _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off // 8 * 8,
@@ -241,10 +266,13 @@ def _rows_expand_kernel(
 def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
                 a_offsets: torch.Tensor, ranks: torch.Tensor, module_ids: tuple[int, ...],
                 token_slots: torch.Tensor, *, block_r: int, tile: int = 2048,
-                num_warps: int = 4, launch_dependents: bool = False) -> None:
+                num_warps: int = 4, launch_dependents: bool = False,
+                rank_balanced: bool = False) -> None:
     """Write the shrink's partial sums for every row whose slot is >= 0 into `buf`
     [split_k, T, len(module_ids), max_rank] (float32); `block_r` bounds the rank tile.
-    `launch_dependents`: let an expand launched with `pdl` start while this runs."""
+    `launch_dependents`: let an expand launched with `pdl` start while this runs.
+    `rank_balanced` (RowTiles.rank_balanced): a row writes only its rank bucket's share of
+    the splits, which `rows_expand` must be told too."""
     split_k, num_rows, num_mods, max_rank = buf.shape
     check_buf(buf, x.shape[0], len(module_ids), f"x {tuple(x.shape)}")
     if not 1 <= num_mods <= MAX_MODULES_PER_LAUNCH:
@@ -264,7 +292,7 @@ def rows_shrink(buf: torch.Tensor, x: torch.Tensor, arena: torch.Tensor,
         num_mods, split_k, k_chunk, k, x.stride(0), x.stride(1),
         a_offsets.stride(0), buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, BLOCK_R=block_r, TILE=tile, LAUNCH_DEPENDENTS=launch_dependents,
-        num_warps=num_warps,
+        BALANCED=rank_balanced and block_r > 16, num_warps=num_warps,
     )
 
 
@@ -272,7 +300,8 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
                 b_offsets: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                 module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...],
                 token_slots: torch.Tensor, *, block_r: int, block_n: int,
-                num_warps: int = 4, sub_tile: int = 0, pdl: bool = False) -> None:
+                num_warps: int = 4, sub_tile: int = 0, pdl: bool = False,
+                rank_balanced: bool = False) -> None:
     """Add the expand of `buf` into y's column slices for every row whose slot is >= 0.
     `sub_tile` > 0 caps a rank bucket's register tile at that many elements: its `block_n`
     columns are then looped sub_tile // rank tile at a time (0: one tile of block_n). `pdl`
@@ -299,8 +328,8 @@ def rows_expand(y: torch.Tensor, buf: torch.Tensor, arena: torch.Tensor,
         sizes[2], n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, BLOCK_R=block_r, BLOCK_N=block_n,
-        **expand_sub_tiles(block_n, block_r, sub_tile), USE_PDL=pdl, num_warps=num_warps,
-        **pdl_options(pdl),
+        **expand_sub_tiles(block_n, block_r, sub_tile), USE_PDL=pdl,
+        BALANCED=rank_balanced and block_r > 16, num_warps=num_warps, **pdl_options(pdl),
     )
 
 

@@ -219,6 +219,40 @@ def test_row_kernels_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [None, 4, 7])
+def test_row_kernels_rank_balanced_splits(dtype: torch.dtype, split_k: int | None) -> None:
+    """RowTiles.rank_balanced: rows of rank <= 16 and <= 32 in a launch of rank tile 64 write
+    a quarter and a half of the splits (at least one), each K chunk as long as a rank-64
+    row's; the expand sums only those. Odd splits leave ragged shares (7 -> 1, 3, 7)."""
+    tiles = RowTiles(tile=256, block_n=32, rank_balanced=True)
+    _run(_decode_slots(12, 6, seed=43), 6, 200, QKV, (64, 32, 32), [1, 8, 16, 24, 33, 64, 128],
+         dtype, seed=44, split_k=split_k, max_rank=128, block_m=ROW_BLOCK_M, tiles=tiles)
+
+
+def test_rank_balanced_shrink_writes_each_row_its_share_of_the_splits() -> None:
+    """With rank_balanced, a rank-8 row in a rank-64 launch of 8 splits writes 2 splits, a
+    rank-32 row 4 and a rank-64 row all 8, each over an equal K chunk; the rest of the
+    buffer is left as it was (NaN here)."""
+    from slora_kernels.lora_rows import rows_shrink
+
+    gen = generator(45)
+    ranks = [8, 32, 64]
+    case = build_lora_case([0, 1, 2], 3, 512, {0: 16}, {(i, 0): r for i, r in enumerate(ranks)},
+                           torch.float16, gen, aligned=True, block_m=ROW_BLOCK_M)
+    x = randn(3, 512, dtype=torch.float16, gen=gen)
+    buf = torch.full((8, 3, 1, 64), float("nan"), dtype=torch.float32, device=DEVICE)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    rows_shrink(buf, x, case.arena, case.a_offsets, case.ranks, (0,), slots, block_r=64,
+                tile=256, rank_balanced=True)
+    for row, (rank, share) in enumerate(zip(ranks, (2, 4, 8), strict=True)):
+        written = buf[:, row, 0, :rank].isfinite().all(dim=1)
+        assert written.tolist() == [True] * share + [False] * (8 - share), (rank, written)
+        a = case.arena[int(case.a_offsets[row, 0]):][: rank * 512].view(rank, 512)
+        want = x[row].double() @ a.double().T
+        assert rel_err(buf[:share, row, 0, :rank].double().sum(0), want) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_row_expand_sub_tiles(dtype: torch.dtype) -> None:
     """The expand's capped register tile: 64 columns a program looped 16 (rank tile 32 and
     64) or 32 (16) at a time, over slices whose widths are not multiples of either."""

@@ -1,0 +1,252 @@
+"""One 7B decode layer's LoRA launches with many distinct adapters of mixed ranks (issue 37):
+the case `bench.distinct_adapters` serves, taken apart.
+
+64 rows on D adapters (D = 16: four rows each, sorted by adapter as the scheduler orders
+them; D = 64: one each), ranks 8, 16, 32, 64 in turn on all seven modules, launches bounded at
+the engine's max rank 64. The four projections' LoRA (qkv, o, gate_up, down: 8 launches) run
+as one decode graph runs them, CUDA-graph replayed over layers rotated past the L2, for
+several launch choices:
+
+- `tiles`: the 16-row tile list padded to the bucket's capacity (64), the K split fixed from
+  that capacity (what decode graphs replay when adapters own more than two rows each);
+- `tiles_split_real`: the same list, the K split chosen for the real tiles;
+- `tiles_split{4,8,16}`: the same list with that split;
+- `rows`: the row kernels with their defaults (what decode graphs replay at one row an
+  adapter);
+- `rows_balanced`: the row kernels with `RowTiles.rank_balanced` (each row's K split in
+  proportion to its rank bucket);
+- `rows_pps8`, `rows_warps4`: the row kernels with 8 programs a multiprocessor, 4 warps.
+
+Each is checked against float64 torch on the first layer; `base_gemms` times the layer's four
+base projections (torch.mm) for scale; the bytes floor is the adapters' A and B plus x and y.
+
+    python -m bench.lora_distinct_layer --out bench/results/lora-distinct-layer-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bench.kernels_lora_grid import padded_meta
+from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us, rotation_count
+from bench.run_record import add_row, run_record
+from slora_kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split
+from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta
+from slora_kernels.lora_rows import RowTiles
+
+RANKS = (8, 16, 32, 64)
+MAX_RANK = 64
+ROWS = 64
+DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    inter: int
+
+    def projections(self) -> tuple[tuple[str, tuple[int, ...], int, tuple[int, ...]], ...]:
+        """(name, module ids, K, output size of each module): the layer's fused projections,
+        module ids in LORA_MODULES order (q, k, v, o, gate, up, down)."""
+        h, i = self.hidden, self.inter
+        return (("qkv", (0, 1, 2), h, (h, h, h)), ("o", (3,), h, (h,)),
+                ("gate_up", (4, 5), h, (i, i)), ("down", (6,), i, (h,)))
+
+    def module_dims(self) -> list[tuple[int, int]]:
+        """(K, N) of each of the seven modules."""
+        dims: dict[int, tuple[int, int]] = {}
+        for _, mods, k, outs in self.projections():
+            for m, n in zip(mods, outs, strict=True):
+                dims[m] = (k, n)
+        return [dims[m] for m in range(7)]
+
+
+SHAPES = {"llama2-7b": Shape(4096, 11008), "toy": Shape(64, 160)}
+
+
+@dataclass
+class Layer:
+    """One rotation entry: D adapters' matrices in an arena, tables, activations."""
+
+    arena: torch.Tensor
+    a_offsets: torch.Tensor  # [D, 7] int64
+    b_offsets: torch.Tensor
+    ranks: torch.Tensor  # [D, 7] int32
+    scales: torch.Tensor  # [D, 7] float32
+    xs: list[torch.Tensor]  # per projection [ROWS, K]
+    ys: list[torch.Tensor]  # per projection [ROWS, sum of outs]
+
+
+def adapter_bytes(shape: Shape, adapters: int) -> int:
+    return sum(RANKS[s % len(RANKS)] * (k + n) * 2 for s in range(adapters)
+               for k, n in shape.module_dims())
+
+
+def build_layer(shape: Shape, adapters: int, gen: torch.Generator) -> Layer:
+    dims = shape.module_dims()
+    offsets: list[list[tuple[int, int]]] = []
+    pos = 0
+    for s in range(adapters):
+        r = RANKS[s % len(RANKS)]
+        row = []
+        for k, n in dims:
+            row.append((pos, pos + r * k))  # A [r, K] then B [N, r], 8-element aligned
+            pos += -(-(r * k + n * r) // 8) * 8
+        offsets.append(row)
+    arena = torch.empty(pos, dtype=DTYPE, device=DEVICE).normal_(0, 0.02, generator=gen)
+    a_off = torch.tensor([[a for a, _ in row] for row in offsets], dtype=torch.int64)
+    b_off = torch.tensor([[b for _, b in row] for row in offsets], dtype=torch.int64)
+    ranks = torch.tensor([[RANKS[s % len(RANKS)]] * 7 for s in range(adapters)],
+                         dtype=torch.int32)
+    scales = torch.full((adapters, 7), 2.0, dtype=torch.float32)
+    projs = shape.projections()
+    return Layer(arena, a_off.to(DEVICE), b_off.to(DEVICE), ranks.to(DEVICE), scales.to(DEVICE),
+                 [torch.randn(ROWS, k, dtype=DTYPE, device=DEVICE, generator=gen)
+                  for _, _, k, _ in projs],
+                 [torch.randn(ROWS, sum(outs), dtype=DTYPE, device=DEVICE, generator=gen)
+                  for _, _, _, outs in projs])
+
+
+Choice = tuple[LoraMeta, LoraTiles | RowTiles, Callable[[int, int], int | None]]
+
+
+def choices(slots: list[int], shape: Shape) -> dict[str, Choice]:
+    """name -> (meta, tiles, split for (modules, K) or None for the launcher's own)."""
+    dev = torch.device(DEVICE)
+    grph = padded_meta(slots, ROWS)
+    real = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M).num_tiles
+    rows = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=ROW_BLOCK_M)
+
+    def none(_m: int, _k: int) -> int | None:
+        return None
+
+    def fixed(n: int) -> Callable[[int, int], int | None]:
+        return lambda _m, _k: n
+
+    def real_split(m: int, k: int) -> int | None:
+        return pick_split(DECODE_TILES, real, m, k, dev, MAX_RANK)
+
+    out: dict[str, Choice] = {
+        "tiles": (grph, DECODE_TILES, none),
+        "tiles_split_real": (grph, DECODE_TILES, real_split),
+        "rows": (rows, RowTiles(), none),
+        "rows_balanced": (rows, RowTiles(rank_balanced=True), none),
+        "rows_pps8": (rows, RowTiles(programs_per_sm=8), none),
+        "rows_warps4": (rows, RowTiles(num_warps=4), none),
+        "rows_balanced_warps4": (rows, RowTiles(rank_balanced=True, num_warps=4), none),
+    }
+    for n in (4, 8, 16):
+        out[f"tiles_split{n}"] = (grph, DECODE_TILES, fixed(n))
+    out["tiles_no_pdl"] = (grph, dataclasses.replace(DECODE_TILES, pdl=False), none)
+    return out
+
+
+def layer_calls(lay: Layer, shape: Shape, choice: Choice) -> Callable[[], None]:
+    meta, tiles, split = choice
+    projs = shape.projections()
+
+    def run() -> None:
+        for (_, mods, k, outs), x, y in zip(projs, lay.xs, lay.ys, strict=True):
+            starts = [sum(outs[:i]) for i in range(len(outs))]
+            add_lora_triton(y, x, lay.arena, lay.a_offsets, lay.b_offsets, lay.ranks,
+                            lay.scales, mods, tuple(zip(starts, outs, strict=True)), meta,
+                            max_rank=MAX_RANK, split_k=split(len(mods), k), tiles=tiles)
+
+    return run
+
+
+def rel_err_f64(lay: Layer, shape: Shape, slots: list[int], run: Callable[[], None]) -> float:
+    """One call's delta (all four projections) against float64 torch."""
+    for y in lay.ys:
+        y.normal_()
+    before = [y.double() for y in lay.ys]
+    run()
+    num = den = 0.0
+    for (_, mods, k, outs), x, y, y0 in zip(shape.projections(), lay.xs, lay.ys, before,
+                                            strict=True):
+        ref = torch.zeros_like(y0)
+        col = 0
+        for m, n in zip(mods, outs, strict=True):
+            for t, s in enumerate(slots):
+                r = int(lay.ranks[s, m])
+                a = lay.arena[int(lay.a_offsets[s, m]):][: r * k].view(r, k).double()
+                b = lay.arena[int(lay.b_offsets[s, m]):][: n * r].view(n, r).double()
+                ref[t, col : col + n] = (x[t].double() @ a.T) @ b.T * float(lay.scales[s, m])
+            col += n
+        num += float(((y.double() - y0) - ref).norm() ** 2)
+        den += float(ref.norm() ** 2)
+    return (num / den) ** 0.5
+
+
+def base_gemms(shape: Shape, gen: torch.Generator) -> Callable[[], None]:
+    ws = [torch.randn(sum(outs), k, dtype=DTYPE, device=DEVICE, generator=gen) * 0.02
+          for _, _, k, outs in shape.projections()]
+    xs = [torch.randn(ROWS, k, dtype=DTYPE, device=DEVICE, generator=gen)
+          for _, _, k, _ in shape.projections()]
+
+    def run() -> None:
+        for x, w in zip(xs, ws, strict=True):
+            torch.mm(x, w.T)
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="llama2-7b" if DEVICE == "cuda" else "toy",
+                    choices=sorted(SHAPES))
+    ap.add_argument("--adapters", default="16,64", help="distinct adapters per case")
+    ap.add_argument("--choices", default=None, help="comma-separated subset of the choices")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    shape = SHAPES[args.shape]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    per_call = adapter_bytes(shape, 16) + ROWS * 2 * sum(
+        k + 2 * sum(outs) for _, _, k, outs in shape.projections())
+    copy = copy_bandwidth_gbs(min(256 << 20, per_call)) if DEVICE == "cuda" else {
+        "kernel": 1.0, "memcpy": 1.0}
+    result: dict[str, Any] = run_record(["bench.lora_distinct_layer", *(argv or sys.argv[1:])])
+    result |= {"shape": args.shape, "rows": ROWS, "ranks": RANKS, "max_rank": MAX_RANK,
+               "copy_gbs": copy}
+    rows: list[dict[str, Any]] = []
+    result["rows_out"] = rows
+    counts = [int(c) for c in args.adapters.split(",")]
+    result["base_gemms_us"] = graph_time_us([base_gemms(shape, gen)], replays=10)
+    for d in counts:
+        slots = [i * d // ROWS for i in range(ROWS)]  # grouped by adapter, ROWS // d each
+        io = ROWS * 2 * sum(k + 2 * sum(outs) for _, _, k, outs in shape.projections())
+        floor_bytes = adapter_bytes(shape, d) + io
+        count = rotation_count(floor_bytes) if DEVICE == "cuda" else 1  # CPU: a smoke run
+        layers = [build_layer(shape, d, gen) for _ in range(count)]
+        row: dict[str, Any] = {"adapters": d, "rows_per_adapter": ROWS // d,
+                               "layers_rotated": len(layers), "floor_bytes": floor_bytes,
+                               "floor_us": floor_bytes / (copy["kernel"] * 1e3)}
+        for name, choice in choices(slots, shape).items():
+            if args.choices and name not in args.choices.split(","):
+                continue
+            row[f"{name}_us"] = graph_time_us([layer_calls(lay, shape, choice)
+                                               for lay in layers], replays=10)
+            row[f"{name}_rel_err"] = rel_err_f64(layers[0], shape, slots,
+                                                 layer_calls(layers[0], shape, choice))
+        add_row(args.out, result, rows, row, len(counts))
+        del layers
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    print(f"base GEMMs {result['base_gemms_us']:.1f} us a layer")
+    for row in rows:
+        timed = sorted((v, k[:-3]) for k, v in row.items() if k.endswith("_us")
+                       and k != "floor_us")
+        print(f"D={row['adapters']:3d} floor {row['floor_us']:6.1f} us | " + "  ".join(
+            f"{n} {v:.1f}" for v, n in timed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
