@@ -3,19 +3,24 @@ the case `bench.distinct_adapters` serves, taken apart.
 
 64 rows on D adapters (D = 16: four rows each, sorted by adapter as the scheduler orders
 them; D = 64: one each), ranks 8, 16, 32, 64 in turn on all seven modules, launches bounded at
-the engine's max rank 64. The four projections' LoRA (qkv, o, gate_up, down: 8 launches) run
+the engine's max rank 64; and, to guard the one-rank cases, 64 rank-16 adapters and one. The four projections' LoRA (qkv, o, gate_up, down: 8 launches) run
 as one decode graph runs them, CUDA-graph replayed over layers rotated past the L2, for
 several launch choices:
 
 - `tiles`: the 16-row tile list padded to the bucket's capacity (64), the K split fixed from
   that capacity (what decode graphs replay when adapters own more than two rows each);
-- `tiles_split_real`: the same list, the K split chosen for the real tiles;
-- `tiles_split{4,8,16}`: the same list with that split;
+- `tiles_balanced`: the same with `LoraTiles.rank_balanced` (each tile's K split in
+  proportion to its rank bucket);
 - `rows`: the row kernels with their defaults (what decode graphs replay at one row an
   adapter);
-- `rows_balanced`: the row kernels with `RowTiles.rank_balanced` (each row's K split in
-  proportion to its rank bucket);
-- `rows_pps8`, `rows_warps4`: the row kernels with 8 programs a multiprocessor, 4 warps.
+- `rows_balanced`: the row kernels with `RowTiles.rank_balanced`; `rows_balanced_first` with
+  the split of its first version (K's cap not raised);
+- `tiles_short` / `tiles_short_balanced` (one adapter): the short tile list decode graphs
+  replay for one adapter on every row.
+
+The first run (lora-distinct-layer-h100.json) also timed the tile list with the K split for
+its real tiles or fixed at 4, 8, 16, without PDL, and the row kernels with 8 programs a
+multiprocessor or 4 warps: each lost to `tiles` at D = 16 and to `rows_balanced` at D = 64.
 
 Each is checked against float64 torch on the first layer; `base_gemms` times the layer's four
 base projections (torch.mm) for scale; the bytes floor is the adapters' A and B plus x and y.
@@ -37,7 +42,7 @@ import torch
 from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us, rotation_count
 from bench.run_record import add_row, run_record
-from slora_kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton, pick_split
+from slora_kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton
 from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from slora_kernels.lora_rows import RowTiles
 
@@ -84,17 +89,18 @@ class Layer:
     ys: list[torch.Tensor]  # per projection [ROWS, sum of outs]
 
 
-def adapter_bytes(shape: Shape, adapters: int) -> int:
-    return sum(RANKS[s % len(RANKS)] * (k + n) * 2 for s in range(adapters)
+def adapter_bytes(shape: Shape, adapters: int, ranks: tuple[int, ...]) -> int:
+    return sum(ranks[s % len(ranks)] * (k + n) * 2 for s in range(adapters)
                for k, n in shape.module_dims())
 
 
-def build_layer(shape: Shape, adapters: int, gen: torch.Generator) -> Layer:
+def build_layer(shape: Shape, adapters: int, ranks: tuple[int, ...],
+                gen: torch.Generator) -> Layer:
     dims = shape.module_dims()
     offsets: list[list[tuple[int, int]]] = []
     pos = 0
     for s in range(adapters):
-        r = RANKS[s % len(RANKS)]
+        r = ranks[s % len(ranks)]
         row = []
         for k, n in dims:
             row.append((pos, pos + r * k))  # A [r, K] then B [N, r], 8-element aligned
@@ -103,11 +109,11 @@ def build_layer(shape: Shape, adapters: int, gen: torch.Generator) -> Layer:
     arena = torch.empty(pos, dtype=DTYPE, device=DEVICE).normal_(0, 0.02, generator=gen)
     a_off = torch.tensor([[a for a, _ in row] for row in offsets], dtype=torch.int64)
     b_off = torch.tensor([[b for _, b in row] for row in offsets], dtype=torch.int64)
-    ranks = torch.tensor([[RANKS[s % len(RANKS)]] * 7 for s in range(adapters)],
-                         dtype=torch.int32)
+    rank_t = torch.tensor([[ranks[s % len(ranks)]] * 7 for s in range(adapters)],
+                          dtype=torch.int32)
     scales = torch.full((adapters, 7), 2.0, dtype=torch.float32)
     projs = shape.projections()
-    return Layer(arena, a_off.to(DEVICE), b_off.to(DEVICE), ranks.to(DEVICE), scales.to(DEVICE),
+    return Layer(arena, a_off.to(DEVICE), b_off.to(DEVICE), rank_t.to(DEVICE), scales.to(DEVICE),
                  [torch.randn(ROWS, k, dtype=DTYPE, device=DEVICE, generator=gen)
                   for _, _, k, _ in projs],
                  [torch.randn(ROWS, sum(outs), dtype=DTYPE, device=DEVICE, generator=gen)
@@ -115,11 +121,11 @@ def build_layer(shape: Shape, adapters: int, gen: torch.Generator) -> Layer:
 
 
 Choice = tuple[LoraMeta, LoraTiles | RowTiles, Callable[[int, int], int | None]]
+BALANCED_TILES = dataclasses.replace(DECODE_TILES, rank_balanced=True)
 
 
-def choices(slots: list[int], shape: Shape) -> dict[str, Choice]:
+def choices(slots: list[int]) -> dict[str, Choice]:
     """name -> (meta, tiles, split for (modules, K) or None for the launcher's own)."""
-    dev = torch.device(DEVICE)
     grph = padded_meta(slots, ROWS)
     real = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M).num_tiles
     rows = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=ROW_BLOCK_M)
@@ -127,24 +133,22 @@ def choices(slots: list[int], shape: Shape) -> dict[str, Choice]:
     def none(_m: int, _k: int) -> int | None:
         return None
 
-    def fixed(n: int) -> Callable[[int, int], int | None]:
-        return lambda _m, _k: n
-
-    def real_split(m: int, k: int) -> int | None:
-        return pick_split(DECODE_TILES, real, m, k, dev, MAX_RANK)
+    def first_balanced(_m: int, k: int) -> int | None:
+        # The first rank-balanced rule (lora-distinct-layer-h100.json @ 017c9b7): split caps x4 but
+        # K's cap not, so 16 splits at K 4096 and 33 at 11008.
+        return min(33, k // 256)
 
     out: dict[str, Choice] = {
         "tiles": (grph, DECODE_TILES, none),
-        "tiles_split_real": (grph, DECODE_TILES, real_split),
+        "tiles_balanced": (grph, BALANCED_TILES, none),
         "rows": (rows, RowTiles(), none),
         "rows_balanced": (rows, RowTiles(rank_balanced=True), none),
-        "rows_pps8": (rows, RowTiles(programs_per_sm=8), none),
-        "rows_warps4": (rows, RowTiles(num_warps=4), none),
-        "rows_balanced_warps4": (rows, RowTiles(rank_balanced=True, num_warps=4), none),
+        "rows_balanced_first": (rows, RowTiles(rank_balanced=True), first_balanced),
     }
-    for n in (4, 8, 16):
-        out[f"tiles_split{n}"] = (grph, DECODE_TILES, fixed(n))
-    out["tiles_no_pdl"] = (grph, dataclasses.replace(DECODE_TILES, pdl=False), none)
+    short = -(-ROWS // DECODE_BLOCK_M)  # decode graphs' short list (one adapter)
+    if real <= short:
+        out["tiles_short"] = (padded_meta(slots, short), DECODE_TILES, none)
+        out["tiles_short_balanced"] = (padded_meta(slots, short), BALANCED_TILES, none)
     return out
 
 
@@ -202,13 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama2-7b" if DEVICE == "cuda" else "toy",
                     choices=sorted(SHAPES))
-    ap.add_argument("--adapters", default="16,64", help="distinct adapters per case")
+    ap.add_argument("--cases", default="16:8-16-32-64,64:8-16-32-64,64:16,1:16",
+                    help="D:RANKS cases: D distinct adapters, ranks in turn (all in launches "
+                         "bounded at rank 64)")
     ap.add_argument("--choices", default=None, help="comma-separated subset of the choices")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    per_call = adapter_bytes(shape, 16) + ROWS * 2 * sum(
+    per_call = adapter_bytes(shape, 16, RANKS) + ROWS * 2 * sum(
         k + 2 * sum(outs) for _, _, k, outs in shape.projections())
     copy = copy_bandwidth_gbs(min(256 << 20, per_call)) if DEVICE == "cuda" else {
         "kernel": 1.0, "memcpy": 1.0}
@@ -217,25 +223,26 @@ def main(argv: list[str] | None = None) -> int:
                "copy_gbs": copy}
     rows: list[dict[str, Any]] = []
     result["rows_out"] = rows
-    counts = [int(c) for c in args.adapters.split(",")]
+    cases = [(int(d), tuple(int(r) for r in rs.split("-")))
+             for d, rs in (c.split(":") for c in args.cases.split(","))]
     result["base_gemms_us"] = graph_time_us([base_gemms(shape, gen)], replays=10)
-    for d in counts:
+    for d, ranks in cases:
         slots = [i * d // ROWS for i in range(ROWS)]  # grouped by adapter, ROWS // d each
         io = ROWS * 2 * sum(k + 2 * sum(outs) for _, _, k, outs in shape.projections())
-        floor_bytes = adapter_bytes(shape, d) + io
+        floor_bytes = adapter_bytes(shape, d, ranks) + io
         count = rotation_count(floor_bytes) if DEVICE == "cuda" else 1  # CPU: a smoke run
-        layers = [build_layer(shape, d, gen) for _ in range(count)]
-        row: dict[str, Any] = {"adapters": d, "rows_per_adapter": ROWS // d,
+        layers = [build_layer(shape, d, ranks, gen) for _ in range(count)]
+        row: dict[str, Any] = {"adapters": d, "ranks": ranks, "rows_per_adapter": ROWS // d,
                                "layers_rotated": len(layers), "floor_bytes": floor_bytes,
                                "floor_us": floor_bytes / (copy["kernel"] * 1e3)}
-        for name, choice in choices(slots, shape).items():
+        for name, choice in choices(slots).items():
             if args.choices and name not in args.choices.split(","):
                 continue
             row[f"{name}_us"] = graph_time_us([layer_calls(lay, shape, choice)
                                                for lay in layers], replays=10)
             row[f"{name}_rel_err"] = rel_err_f64(layers[0], shape, slots,
                                                  layer_calls(layers[0], shape, choice))
-        add_row(args.out, result, rows, row, len(counts))
+        add_row(args.out, result, rows, row, len(cases))
         del layers
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         timed = sorted((v, k[:-3]) for k, v in row.items() if k.endswith("_us")
                        and k != "floor_us")
-        print(f"D={row['adapters']:3d} floor {row['floor_us']:6.1f} us | " + "  ".join(
+        print(f"D={row['adapters']:3d} r{row['ranks']} floor {row['floor_us']:6.1f} us | " + "  ".join(
             f"{n} {v:.1f}" for v, n in timed))
     return 0
 

@@ -75,6 +75,10 @@ class LoraTiles:
     # lost (r16 B16 U16 7.3 -> 7.7, r16 B256 U1 short list 8.0 -> 8.2-8.3), so it keeps to
     # rank tile 64 (WAVE_SPLIT_MIN_RANK_TILE), where the re-read sums are 4x as wide.
     wave_split: bool = True
+    # Each tile's K split in proportion to its rank bucket (`RowTiles.rank_balanced`, see
+    # `slora_kernels.lora_common.active_splits`); the split is chosen for block_r // 16 times
+    # the programs (`balance_ratio`), so a launch of one rank runs as many programs as before.
+    rank_balanced: bool = False
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -125,24 +129,30 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int,
-                 programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+                 programs_per_sm: int = PROGRAMS_PER_SM, ratio: int = 1) -> int:
     """How many K splits the shrink needs to give every multiprocessor a few programs. The
     tiles' cap applies only once row tiles alone occupy a quarter of the multiprocessors: a
-    single segment of a few dozen tokens still needs many splits to read A at full speed."""
+    single segment of a few dozen tokens still needs many splits to read A at full speed.
+    `ratio` (`balance_ratio`): rank-balanced launches, whose rank-16 rows use 1 / ratio of
+    the splits, aim for ratio times the programs under ratio times the caps."""
     sms = _num_sms(device)
-    want = triton.cdiv(programs_per_sm * sms, max(programs, 1))
-    cap = max_split_k if programs * 4 >= sms else MAX_SPLIT_K
-    return max(1, min(want, cap, k // MIN_K_PER_SPLIT))
+    want = triton.cdiv(programs_per_sm * ratio * sms, max(programs, 1))
+    cap = (max_split_k if programs * 4 >= sms else MAX_SPLIT_K) * ratio
+    return max(1, min(want, cap, k * ratio // MIN_K_PER_SPLIT))
+
+
+def balance_ratio(tiles: LoraTiles | RowTiles, block_r: int) -> int:
+    """How many times more K splits a rank-balanced launch allows (its widest rank bucket
+    over the narrowest, 16); 1 when not balanced."""
+    return max(1, block_r // 16) if tiles.rank_balanced else 1
 
 
 def row_split_k(tiles: RowTiles, programs: int, k: int, device: torch.device,
                 block_r: int) -> int:
-    """The K split of a row-kernel launch of `programs` (rows x modules) work items. With
-    `tiles.rank_balanced` a row of a rank-16 bucket uses block_r // 16 times fewer splits, so
-    the split aims for that many times the programs (the split cap rises alike)."""
-    ratio = block_r // 16 if tiles.rank_balanced else 1
-    cap = tiles.max_split_k * ratio
-    return min(cap, pick_split_k(programs, k, device, cap, tiles.programs_per_sm * ratio))
+    """The K split of a row-kernel launch of `programs` (rows x modules) work items."""
+    ratio = balance_ratio(tiles, block_r)
+    return min(tiles.max_split_k * ratio, pick_split_k(
+        programs, k, device, tiles.max_split_k, tiles.programs_per_sm, ratio))
 
 
 # Launches of at most this many tiles, at a rank tile of at least this, take
@@ -164,12 +174,14 @@ def pick_split(tiles: LoraTiles, num_tiles: int, num_mods: int, k: int, device: 
     column tile, so fewer splits read less; the split does not shrink with the module count,
     which multiplies the shrink's programs.
     """
-    cap = split_cap(tiles, k, block_r)
+    ratio = balance_ratio(tiles, block_r)
+    cap = split_cap(tiles, k, block_r) * ratio
     if (tiles.wave_split and num_tiles <= WAVE_SPLIT_MAX_TILES
             and block_r >= WAVE_SPLIT_MIN_RANK_TILE):
-        want = triton.cdiv(_num_sms(device), max(num_tiles, 1))
-        return min(cap, MAX_SPLIT_K, 1 << (want.bit_length() - 1))
-    return min(cap, pick_split_k(num_tiles * num_mods, k, device, tiles.max_split_k))
+        want = triton.cdiv(_num_sms(device) * ratio, max(num_tiles, 1))
+        return min(cap, MAX_SPLIT_K * ratio, 1 << (want.bit_length() - 1))
+    return min(cap, pick_split_k(num_tiles * num_mods, k, device, tiles.max_split_k,
+                                 ratio=ratio))
 
 
 def split_cap(tiles: LoraTiles, k: int, block_r: int) -> int:
@@ -245,11 +257,12 @@ def add_lora_triton(
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    launch_dependents=pdl)
+                    launch_dependents=pdl, rank_balanced=tiles.rank_balanced)
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl)
+                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl,
+                    rank_balanced=tiles.rank_balanced)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None, dtype: torch.dtype,

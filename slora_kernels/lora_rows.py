@@ -26,6 +26,7 @@ import triton.language as tl
 
 from slora_kernels.lora_common import (
     MAX_MODULES_PER_LAUNCH,
+    active_splits,
     check_buf,
     check_scales,
     check_slices,
@@ -78,17 +79,6 @@ class RowTiles:
     # programs past a row's share exit at once. With it the split is chosen for
     # `programs_per_sm` x the rank-tile ratio programs (`balanced_split_k`).
     rank_balanced: bool = False
-
-
-@triton.jit
-def _active_splits(rank, split_k, BLOCK_R: tl.constexpr, BALANCED: tl.constexpr):
-    """The K splits a row of this rank uses: all of them, or (BALANCED) its rank bucket's
-    share of them, at least one."""
-    if BALANCED:
-        bucket = tl.where(rank <= 16, 16, tl.where(rank <= 32, 32, BLOCK_R))
-        return tl.maximum(1, split_k * bucket // BLOCK_R)
-    else:
-        return split_k
 
 
 @triton.jit
@@ -145,7 +135,7 @@ def _rows_shrink_kernel(
     mod = select3(mod_i, mod0, mod1, mod2)
     rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=slot >= 0, other=0),
                       MAX_RANK)
-    active = _active_splits(rank, split_k, BLOCK_R, BALANCED)
+    active = active_splits(rank, split_k, BLOCK_R, BALANCED)
     if BALANCED:
         # Whole K tiles of the widest bucket's (TILE // 16), as the host's k_chunk.
         k_chunk = tl.cdiv(tl.cdiv(K, TILE // 16), active) * (TILE // 16)
@@ -250,7 +240,7 @@ def _rows_expand_kernel(
             scale = tl.load(scales_ptr + slot * table_stride + mod)
             y_row = y_ptr + row * stride_ym + select3(mod_i, start0, start1, start2) * stride_yn
             buf_row = buf_ptr + row * stride_bt + mod_i * stride_bm
-            split_k = _active_splits(rank, split_k, BLOCK_R, BALANCED)
+            split_k = active_splits(rank, split_k, BLOCK_R, BALANCED)
             if (b_off % 8 == 0) & (rank % 8 == 0):
                 # B rows of a multiple of 8 elements from an aligned base: 16-byte loads.
                 _rows_expand_bucketed(y_row, buf_row, arena_ptr + b_off // 8 * 8,
