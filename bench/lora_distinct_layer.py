@@ -9,18 +9,19 @@ several launch choices:
 
 - `tiles`: the 16-row tile list padded to the bucket's capacity (64), the K split fixed from
   that capacity (what decode graphs replay when adapters own more than two rows each);
-- `tiles_balanced`: the same with `LoraTiles.rank_balanced` (each tile's K split in
-  proportion to its rank bucket);
 - `rows`: the row kernels with their defaults (what decode graphs replay at one row an
-  adapter);
-- `rows_balanced`: the row kernels with `RowTiles.rank_balanced`; `rows_balanced_first` with
-  the split of its first version (K's cap not raised);
-- `tiles_short` / `tiles_short_balanced` (one adapter): the short tile list decode graphs
-  replay for one adapter on every row.
+  adapter), rank-balanced K splits (`RowTiles.rank_balanced`) among them;
+- `rows_unbalanced`: the same K split for every rank (the default before);
+  `rows_balanced_first`: the split of the first balanced version (K's cap not raised);
+- `tiles_short` (one adapter): the short tile list decode graphs replay for one adapter on
+  every row.
 
 The first run (lora-distinct-layer-h100.json) also timed the tile list with the K split for
 its real tiles or fixed at 4, 8, 16, without PDL, and the row kernels with 8 programs a
-multiprocessor or 4 warps: each lost to `tiles` at D = 16 and to `rows_balanced` at D = 64.
+multiprocessor or 4 warps: each lost to `tiles` at D = 16 and to the balanced rows at D = 64.
+The second (lora-distinct-layer-balanced-4cf2572-h100.json, where `rows_balanced` is today's
+`rows` and `rows` today's `rows_unbalanced`) also timed rank-balanced tile kernels, which lost
+everywhere and were taken out (slora_kernels.lora.LoraTiles says by how much).
 
 Each is checked against float64 torch on the first layer; `base_gemms` times the layer's four
 base projections (torch.mm) for scale; the bytes floor is the adapters' A and B plus x and y.
@@ -31,7 +32,6 @@ base projections (torch.mm) for scale; the bytes floor is the adapters' A and B 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,7 +121,6 @@ def build_layer(shape: Shape, adapters: int, ranks: tuple[int, ...],
 
 
 Choice = tuple[LoraMeta, LoraTiles | RowTiles, Callable[[int, int], int | None]]
-BALANCED_TILES = dataclasses.replace(DECODE_TILES, rank_balanced=True)
 
 
 def choices(slots: list[int]) -> dict[str, Choice]:
@@ -140,15 +139,13 @@ def choices(slots: list[int]) -> dict[str, Choice]:
 
     out: dict[str, Choice] = {
         "tiles": (grph, DECODE_TILES, none),
-        "tiles_balanced": (grph, BALANCED_TILES, none),
         "rows": (rows, RowTiles(), none),
-        "rows_balanced": (rows, RowTiles(rank_balanced=True), none),
+        "rows_unbalanced": (rows, RowTiles(rank_balanced=False), none),
         "rows_balanced_first": (rows, RowTiles(rank_balanced=True), first_balanced),
     }
     short = -(-ROWS // DECODE_BLOCK_M)  # decode graphs' short list (one adapter)
     if real <= short:
         out["tiles_short"] = (padded_meta(slots, short), DECODE_TILES, none)
-        out["tiles_short_balanced"] = (padded_meta(slots, short), BALANCED_TILES, none)
     return out
 
 

@@ -75,10 +75,13 @@ class LoraTiles:
     # lost (r16 B16 U16 7.3 -> 7.7, r16 B256 U1 short list 8.0 -> 8.2-8.3), so it keeps to
     # rank tile 64 (WAVE_SPLIT_MIN_RANK_TILE), where the re-read sums are 4x as wide.
     wave_split: bool = True
-    # Each tile's K split in proportion to its rank bucket (`RowTiles.rank_balanced`, see
-    # `slora_kernels.lora_common.active_splits`); the split is chosen for block_r // 16 times
-    # the programs (`balance_ratio`), so a launch of one rank runs as many programs as before.
-    rank_balanced: bool = False
+    # Rank-balanced K splits (as `RowTiles.rank_balanced`: each tile's split in proportion to
+    # its rank bucket, the split chosen for 4x the programs under 4x the caps) were timed on
+    # the H100 and lost at every case, so they are not kept: one 7B decode layer, 64 rows,
+    # 16 adapters of ranks 8-64, 86.7 -> 109.1 us; 64 adapters 218.2 -> 244.4; one rank-16
+    # adapter on the short list 37.2 -> 40.2 (lora-distinct-layer-balanced-4cf2572-h100.json).
+    # The expand re-reads every split's partial sums per column tile, 16 rows at a time: the
+    # rank-64 tiles' 4x splits cost it more than the balance saves the shrink.
 
 
 # Segments of at most 16 tokens (decode) pad to one 16-row tile; longer ones (prefill, or many
@@ -141,16 +144,13 @@ def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int,
     return max(1, min(want, cap, k * ratio // MIN_K_PER_SPLIT))
 
 
-def balance_ratio(tiles: LoraTiles | RowTiles, block_r: int) -> int:
-    """How many times more K splits a rank-balanced launch allows (its widest rank bucket
-    over the narrowest, 16); 1 when not balanced."""
-    return max(1, block_r // 16) if tiles.rank_balanced else 1
-
-
 def row_split_k(tiles: RowTiles, programs: int, k: int, device: torch.device,
                 block_r: int) -> int:
-    """The K split of a row-kernel launch of `programs` (rows x modules) work items."""
-    ratio = balance_ratio(tiles, block_r)
+    """The K split of a row-kernel launch of `programs` (rows x modules) work items. With
+    `tiles.rank_balanced` a row of a rank-16 bucket uses block_r // 16 times fewer splits
+    (`slora_kernels.lora_rows.active_splits`), so the split aims for that many times the
+    programs under that many times the caps: a launch of one rank keeps its width."""
+    ratio = max(1, block_r // 16) if tiles.rank_balanced else 1
     return min(tiles.max_split_k * ratio, pick_split_k(
         programs, k, device, tiles.max_split_k, tiles.programs_per_sm, ratio))
 
@@ -174,14 +174,12 @@ def pick_split(tiles: LoraTiles, num_tiles: int, num_mods: int, k: int, device: 
     column tile, so fewer splits read less; the split does not shrink with the module count,
     which multiplies the shrink's programs.
     """
-    ratio = balance_ratio(tiles, block_r)
-    cap = split_cap(tiles, k, block_r) * ratio
+    cap = split_cap(tiles, k, block_r)
     if (tiles.wave_split and num_tiles <= WAVE_SPLIT_MAX_TILES
             and block_r >= WAVE_SPLIT_MIN_RANK_TILE):
-        want = triton.cdiv(_num_sms(device) * ratio, max(num_tiles, 1))
-        return min(cap, MAX_SPLIT_K * ratio, 1 << (want.bit_length() - 1))
-    return min(cap, pick_split_k(num_tiles * num_mods, k, device, tiles.max_split_k,
-                                 ratio=ratio))
+        want = triton.cdiv(_num_sms(device), max(num_tiles, 1))
+        return min(cap, MAX_SPLIT_K, 1 << (want.bit_length() - 1))
+    return min(cap, pick_split_k(num_tiles * num_mods, k, device, tiles.max_split_k))
 
 
 def split_cap(tiles: LoraTiles, k: int, block_r: int) -> int:
@@ -257,12 +255,11 @@ def add_lora_triton(
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    launch_dependents=pdl, rank_balanced=tiles.rank_balanced)
+                    launch_dependents=pdl)
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl,
-                    rank_balanced=tiles.rank_balanced)
+                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None, dtype: torch.dtype,

@@ -41,19 +41,6 @@ def select3(i, v0, v1, v2):
 
 
 @triton.jit
-def active_splits(rank, split_k, BLOCK_R: tl.constexpr, BALANCED: tl.constexpr):
-    """The K splits a row or tile of this rank uses (`RowTiles.rank_balanced`,
-    `LoraTiles.rank_balanced`): all of them, or (BALANCED) its rank bucket's share (16, 32 or
-    BLOCK_R wide, as the rank-bucketed tiles run it), at least one. Every used split then
-    reads the same bytes of A, whatever the rank; the expand sums only these."""
-    if BALANCED:
-        bucket = tl.where(rank <= 16, 16, tl.where(rank <= 32, 32, BLOCK_R))
-        return tl.maximum(1, split_k * bucket // BLOCK_R)
-    else:
-        return split_k
-
-
-@triton.jit
 def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     """The token rows (int64) at these positions of the step's adapter order: the positions
     themselves when tokens come grouped by adapter, else read from the sorted row list."""

@@ -22,7 +22,6 @@ import triton.language as tl
 
 from slora_kernels.lora_common import (
     MAX_MODULES_PER_LAUNCH,
-    active_splits,
     check_buf,
     check_scales,
     check_slices,
@@ -109,7 +108,7 @@ def _lora_expand_kernel(
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, EARLY_LOADS: tl.constexpr,
-    USE_PDL: tl.constexpr, BALANCED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     mod_i = tl.program_id(1) // n_tiles
@@ -130,7 +129,6 @@ def _lora_expand_kernel(
         return
     b_off = tl.load(b_off_ptr + slot * table_stride + mod)
     scale = tl.load(scales_ptr + slot * table_stride + mod)
-    split_k = active_splits(rank, split_k, BLOCK_R, BALANCED)  # the splits the shrink wrote
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     mask_m = offs_m < seg_len
@@ -174,7 +172,6 @@ def lora_expand(
     rank_buckets: bool = True,
     early_loads: bool = False,
     pdl: bool = False,
-    rank_balanced: bool = False,
 ) -> None:
     """Add the expand of `buf` into y's column slices (see module docstring). `early_loads`:
     the y and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`):
@@ -203,7 +200,7 @@ def lora_expand(
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, EARLY_LOADS=early_loads, USE_PDL=pdl,
-        BALANCED=rank_balanced and rank_buckets and block_r > 16, num_warps=num_warps,
+        num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
     )

@@ -26,7 +26,6 @@ import triton.language as tl
 
 from slora_kernels.lora_common import (
     MAX_MODULES_PER_LAUNCH,
-    active_splits,
     check_buf,
     check_scales,
     check_slices,
@@ -76,9 +75,25 @@ class RowTiles:
     # a row of a rank-16 adapter in a rank-64 launch reads its A in a quarter of the splits,
     # each as long as a rank-64 row's, so every program moves the same bytes (mixed ranks
     # otherwise leave the rank-64 rows' programs running long after the others). The
-    # programs past a row's share exit at once. With it the split is chosen for
-    # `programs_per_sm` x the rank-tile ratio programs (`balanced_split_k`).
-    rank_balanced: bool = False
+    # programs past a row's share exit at once; the split is chosen for 4x the programs
+    # under 4x the caps (`slora_kernels.lora.row_split_k`), so a launch of one rank keeps
+    # its width. H100, one 7B decode layer's LoRA (8 launches), 64 rows on 64 adapters of
+    # ranks 8-64 in a rank-64 launch: 192.0 -> 154.4 us (floor 106.4); 64 rank-16 adapters
+    # 85.1 -> 86.7 (lora-distinct-layer-balanced-4cf2572-h100.json).
+    rank_balanced: bool = True
+
+
+@triton.jit
+def active_splits(rank, split_k, BLOCK_R: tl.constexpr, BALANCED: tl.constexpr):
+    """The K splits a row of this rank uses (`RowTiles.rank_balanced`): all of them, or
+    (BALANCED) its rank bucket's share (16, 32 or BLOCK_R wide, as the bucketed register
+    tiles run it), at least one. Every used split then reads the same bytes of A, whatever
+    the rank; the expand sums only these."""
+    if BALANCED:
+        bucket = tl.where(rank <= 16, 16, tl.where(rank <= 32, 32, BLOCK_R))
+        return tl.maximum(1, split_k * bucket // BLOCK_R)
+    else:
+        return split_k
 
 
 @triton.jit
@@ -158,7 +173,7 @@ def _rows_shrink_kernel(
 def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
                        stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                        USE_PDL: tl.constexpr):
-    # split_k here: the splits the row's shrink wrote (`_active_splits`).
+    # split_k here: the splits the row's shrink wrote (`active_splits`).
     """y_row[n0:n0+BLOCK_N] += scale * (sum of buf's K splits)[:rank] @ B[cols, :rank].T.
     The loads of y and of the B tile are issued before the K splits are summed, so their
     latency overlaps the sum's: 0.7-2.5 us faster a launch over the sweep's cases (r16 B256

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from slora_kernels.lora_common import (
     MAX_MODULES_PER_LAUNCH,
-    active_splits,
     check_buf,
     check_tables,
     dot_precision,
@@ -89,10 +88,9 @@ def _shrink_item(
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RANK_BUCKETS: tl.constexpr,
-    GATHER_ROWS: tl.constexpr, BALANCED: tl.constexpr, split_k,
+    GATHER_ROWS: tl.constexpr,
 ):
-    """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile` (with
-    BALANCED, of the tile's rank-bucket share of the splits, `active_splits`)."""
+    """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile`."""
     seg = tl.load(tile_segs_ptr + tile)
     real = seg >= 0
     # Masked: an unused entry reads nothing (the segment arrays may even be empty).
@@ -100,10 +98,7 @@ def _shrink_item(
     mod = select3(mod_i, mod0, mod1, mod2)
     rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=real, other=0),
                       MAX_RANK)
-    active = active_splits(rank, split_k, BLOCK_R, BALANCED)
-    if BALANCED:
-        k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), active) * BLOCK_K
-    if real & (rank > 0) & (split < active):
+    if real & (rank > 0):
         a_off = tl.load(a_off_ptr + slot * table_stride + mod)
         offs_m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
         mask_m = offs_m < tl.load(seg_lens_ptr + seg)
@@ -135,7 +130,6 @@ def _lora_shrink_kernel(
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr,
-    BALANCED: tl.constexpr,
 ):
     release_dependents(LAUNCH_DEPENDENTS)
     # Work items (tile, module, K split), the splits of one tile adjacent so they share its
@@ -149,7 +143,7 @@ def _lora_shrink_kernel(
                      mod0, mod1, mod2, K, k_chunk, stride_xm, stride_xk,
                      table_stride, stride_bs, stride_bt, stride_bm,
                      MAX_RANK, DOT_PRECISION, BLOCK_M, BLOCK_R, BLOCK_K, RANK_BUCKETS,
-                     GATHER_ROWS, BALANCED, split_k)
+                     GATHER_ROWS)
 
 
 def lora_shrink(
@@ -168,13 +162,10 @@ def lora_shrink(
     num_stages: int = 2,
     rank_buckets: bool = True,
     launch_dependents: bool = False,
-    rank_balanced: bool = False,
 ) -> None:
     """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it.
-    `launch_dependents`: let an expand launched with `pdl` start while this runs.
-    `rank_balanced` (with rank_buckets): a tile writes only its rank bucket's share of the
-    splits (`active_splits`), which `lora_expand` must be told too."""
+    `launch_dependents`: let an expand launched with `pdl` start while this runs."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
     if meta.num_tiles == 0 or num_tokens == 0:
@@ -190,8 +181,7 @@ def lora_shrink(
         buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
-        GATHER_ROWS=meta.token_rows is not None, LAUNCH_DEPENDENTS=launch_dependents,
-        BALANCED=rank_balanced and rank_buckets and block_r > 16, num_warps=num_warps,
+        GATHER_ROWS=meta.token_rows is not None, LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps,
         num_stages=num_stages,
     )
 

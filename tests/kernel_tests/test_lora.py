@@ -87,35 +87,19 @@ def test_decode_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None, aligned
          aligned=aligned, split_k=split_k, max_rank=128)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [None, 4, 7])
-def test_tile_kernels_rank_balanced_splits(dtype: torch.dtype, split_k: int | None) -> None:
-    """LoraTiles.rank_balanced: each tile's K split in proportion to its rank bucket (a
-    quarter, a half or all of them, at least one), segments of several rows, K not a
-    multiple of the K tile; the expand sums only the splits its tile's shrink wrote."""
-    slots = [0, 0, 0, 2, 2, -1, 1, 1, 1, 1, 1, 3, -1, 4, 5, 5]
-    tiles = dataclasses.replace(DECODE_TILES, shrink_block_k=32, expand_block_n=32,
-                                rank_balanced=True)
-    _run(slots, 6, 200, QKV, (64, 32, 32), [1, 8, 16, 24, 33, 64, 128], dtype, seed=46,
-         split_k=split_k, max_rank=128, tiles=tiles)
-
-
-def test_rank_balanced_split_choice_keeps_one_rank_launches_as_wide() -> None:
-    """A rank-balanced launch aims for block_r // 16 times the splits under raised caps, so
-    its rank-16 rows run as many splits as an unbalanced launch's; at rank tile 16 nothing
-    changes."""
-    from slora_kernels.lora import pick_split, row_split_k
+def test_rank_balanced_row_split_keeps_one_rank_launches_as_wide() -> None:
+    """A rank-balanced row launch aims for block_r // 16 times the splits under raised caps,
+    so its rank-16 rows run as many splits as an unbalanced launch's (at least one); at rank
+    tile 16 nothing changes."""
+    from slora_kernels.lora import row_split_k
 
     dev = torch.device("cpu")  # 4 multiprocessors (lora._num_sms)
-    balanced = dataclasses.replace(DECODE_TILES, rank_balanced=True)
-    for tiles_n, k in ((1, 4096), (4, 4096), (64, 11008)):
-        plain = pick_split(DECODE_TILES, tiles_n, 1, k, dev, 64)
-        # active_splits: a rank-16 tile uses a quarter of the splits, at least one.
-        assert max(1, pick_split(balanced, tiles_n, 1, k, dev, 64) // 4) == plain
-        assert pick_split(balanced, tiles_n, 1, k, dev, 16) == pick_split(
-            DECODE_TILES, tiles_n, 1, k, dev, 16)
-    assert row_split_k(RowTiles(rank_balanced=True), 2, 4096, dev, 64) // 4 == row_split_k(
-        RowTiles(), 2, 4096, dev, 64)
+    on, off = RowTiles(rank_balanced=True), RowTiles(rank_balanced=False)
+    for programs, k in ((1, 4096), (2, 4096), (64, 11008), (3, 512)):
+        # active_splits: a rank-16 row uses a quarter of the splits, at least one.
+        assert max(1, row_split_k(on, programs, k, dev, 64) // 4) == row_split_k(
+            off, programs, k, dev, 64)
+        assert row_split_k(on, programs, k, dev, 16) == row_split_k(off, programs, k, dev, 16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -238,15 +222,17 @@ def test_new_batch_shapes_compile_no_new_variant() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split_k", [None, 1, 3])
 @pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("balanced", [False, True])
 def test_row_kernels_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None,
-                                     aligned: bool) -> None:
+                                     aligned: bool, balanced: bool) -> None:
     """The row kernels (one token a program, its slot read directly): ranks below, at and
-    above the rank tile (128 loops two 64-wide tiles), base rows, unaligned matrices."""
+    above the rank tile (128 loops two 64-wide tiles), base rows, unaligned matrices; K
+    splits the same for every rank or rank-balanced (the default)."""
     slots = _decode_slots(12, 6, seed=31)
     # A 256-element register tile: K tiles of 16 columns, so 3 splits each read two.
     _run(slots, 6, 96, QKV, (64, 32, 32), [1, 8, 16, 33, 64, 128], dtype, seed=32,
          aligned=aligned, split_k=split_k, max_rank=128, block_m=ROW_BLOCK_M,
-         tiles=RowTiles(tile=256, block_n=32))
+         tiles=RowTiles(tile=256, block_n=32, rank_balanced=balanced))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
