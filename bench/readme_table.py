@@ -173,11 +173,20 @@ def engine_rows(result: dict[str, Any], arm: str, source: str) -> list[str]:
     return rows
 
 
+def on_card(result: dict[str, Any]) -> str:
+    """", on an H100" (the card a run had) for runs not on the H200 the tables assume."""
+    hw = str(result.get("hardware", ""))
+    return "" if "H200" in hw or not hw else f", on an {hw.split()[1] if 'NVIDIA' in hw else hw}"
+
+
 def churn_rows(result: dict[str, Any], source: str) -> list[str]:
     rows = []
     churn = result.get("churn", {})
     rate = result.get("args", {}).get("churn_rate")
     at = f", {rate:g} arrivals/s" if rate else ""
+    if "+rows-unbalanced" in str(result.get("commit", "")):
+        at += ", row kernels' K split the same for every rank (before 0eecaa2)"
+    at += on_card(result)
     # Decode LoRA path (runs from before the option existed ran the tiles).
     at += (", row kernels for many-adapter steps" if result.get("args", {}).get(
         "lora_row_kernels") else ", 16-row tiles only")
@@ -315,12 +324,12 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
         bound = (f"; bytes bound {r['bytes_bound']:.3f}x ({r['of_bytes_bound']:.0%} of it)"
                  if "bytes_bound" in r else "")
         rows.append(f"| {label} in a batch of {d['batch']} (ranks 8-64, all 7 modules) vs base, "
-                    f"decode-heavy | {r['throughput_ratio']:.3f} [{r['ratio_min']:.3f}, "
+                    f"decode-heavy{on_card(result)} | {r['throughput_ratio']:.3f} [{r['ratio_min']:.3f}, "
                     f"{r['ratio_max']:.3f}]x{bound} | {r['target']}x | {source} |")
     if "one_kernels" in d:  # the one-adapter arm rode; the same requests on the kernels
         k = d["one_kernels"]
         rows[-1] = rows[-1].replace("merge off", "merge off, riding the base GEMMs")
-        rows.append(f"| one adapter, merge off, on the LoRA kernels (same run) | "
+        rows.append(f"| one adapter, merge off, on the LoRA kernels (same run{on_card(result)}) | "
                     f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x"
                     f" | | {source} |")
     return rows
@@ -431,7 +440,9 @@ def rows() -> list[str]:
                  "churn-rate50-alpha1-bdfe3de-h200.json",
                  "churn-rate50-alpha1-repeat-bb1ca0b-h200.json", "churn-rows-h200.json",
                  "churn-rate50-tiles-3d9d85a-h200.json", "churn-rate50-4a1c7c8-h200.json",
-                 "churn-rate40-h200.json", "churn-disk-h200.json"):
+                 "churn-rate40-h200.json", "churn-disk-h200.json",
+                 "churn-rate50-balanced-0eecaa2-h100.json",
+                 "churn-rate50-unbalanced-0eecaa2-h100.json"):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
@@ -443,6 +454,7 @@ def rows() -> list[str]:
                        ("prefix-cache-h200.json", prefix_rows),
                        ("structured-output-h200.json", structured_rows),
                        ("distinct-adapters-h200.json", distinct_rows),
+                       ("distinct-adapters-0eecaa2-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
