@@ -32,6 +32,7 @@ base projections (torch.mm) for scale; the bytes floor is the adapters' A and B 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ import torch
 from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us, rotation_count
 from bench.run_record import add_row, run_record
-from slora_kernels.lora import DECODE_TILES, LoraTiles, add_lora_triton
-from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta
+from slora_kernels.lora import DECODE_TILES, PREFILL_TILES, LoraTiles, add_lora_triton
+from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from slora_kernels.lora_rows import RowTiles
 
 RANKS = (8, 16, 32, 64)
@@ -95,7 +96,7 @@ def adapter_bytes(shape: Shape, adapters: int, ranks: tuple[int, ...]) -> int:
 
 
 def build_layer(shape: Shape, adapters: int, ranks: tuple[int, ...],
-                gen: torch.Generator) -> Layer:
+                gen: torch.Generator, rows: int = ROWS) -> Layer:
     dims = shape.module_dims()
     offsets: list[list[tuple[int, int]]] = []
     pos = 0
@@ -114,9 +115,9 @@ def build_layer(shape: Shape, adapters: int, ranks: tuple[int, ...],
     scales = torch.full((adapters, 7), 2.0, dtype=torch.float32)
     projs = shape.projections()
     return Layer(arena, a_off.to(DEVICE), b_off.to(DEVICE), rank_t.to(DEVICE), scales.to(DEVICE),
-                 [torch.randn(ROWS, k, dtype=DTYPE, device=DEVICE, generator=gen)
+                 [torch.randn(rows, k, dtype=DTYPE, device=DEVICE, generator=gen)
                   for _, _, k, _ in projs],
-                 [torch.randn(ROWS, sum(outs), dtype=DTYPE, device=DEVICE, generator=gen)
+                 [torch.randn(rows, sum(outs), dtype=DTYPE, device=DEVICE, generator=gen)
                   for _, _, _, outs in projs])
 
 
@@ -149,16 +150,60 @@ def choices(slots: list[int]) -> dict[str, Choice]:
     return out
 
 
-def layer_calls(lay: Layer, shape: Shape, choice: Choice) -> Callable[[], None]:
-    meta, tiles, split = choice
+def padded(meta: LoraMeta, capacity: int) -> LoraMeta:
+    """`meta`'s tile list padded with unused entries to a graph's capacity."""
+    pad = torch.full((capacity - meta.num_tiles,), -1, dtype=torch.int32, device=DEVICE)
+    return dataclasses.replace(
+        meta, tile_segs=torch.cat([meta.tile_segs, pad]),
+        tile_m0=torch.cat([meta.tile_m0, torch.zeros_like(pad)]), num_tiles=capacity)
+
+
+MixedChoice = list[Choice]  # launches one after another, each over its own meta
+
+
+def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
+    """A mixed step: `decode_rows` one-row decode segments, then a prompt chunk. What mixed
+    graphs run today (64-row tiles over every segment, the tile list padded to the graph's
+    capacity, K split from it), the same with more K splits, 16-row tiles over every
+    segment, and two launch sets: the row kernels over the decode rows and 64-row tiles over
+    the chunk."""
+    t = len(slots)
+    full = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=PREFILL_BLOCK_M)
+    cap = -(-t // PREFILL_BLOCK_M) + min(ROWS, t)  # MixedGraphs' capacity for t tokens
+    graph = padded(full, max(cap, full.num_tiles))
+    dec16 = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
+    rows = LoraMeta.from_token_slots(slots[:decode_rows] + [-1] * (t - decode_rows),
+                                     device=DEVICE, block_m=ROW_BLOCK_M)
+    chunk = LoraMeta.from_token_slots([-1] * decode_rows + slots[decode_rows:], device=DEVICE,
+                                      block_m=PREFILL_BLOCK_M)
+
+    def none(_m: int, _k: int) -> int | None:
+        return None
+
+    def fixed(n: int) -> Callable[[int, int], int | None]:
+        return lambda _m, _k: n
+
+    wide = dataclasses.replace(PREFILL_TILES, max_split_k=16)
+    return {
+        "mixed_tiles64": [(graph, PREFILL_TILES, none)],
+        "mixed_tiles64_split8": [(graph, wide, fixed(8))],
+        "mixed_tiles64_split16": [(graph, wide, fixed(16))],
+        "mixed_tiles16": [(padded(dec16, dec16.num_tiles), DECODE_TILES, none)],
+        "mixed_rows_and_chunk_tiles": [(rows, RowTiles(), none), (chunk, PREFILL_TILES, none)],
+    }
+
+
+def layer_calls(lay: Layer, shape: Shape, choice: Choice | MixedChoice) -> Callable[[], None]:
+    launches = choice if isinstance(choice, list) else [choice]
     projs = shape.projections()
 
     def run() -> None:
         for (_, mods, k, outs), x, y in zip(projs, lay.xs, lay.ys, strict=True):
             starts = [sum(outs[:i]) for i in range(len(outs))]
-            add_lora_triton(y, x, lay.arena, lay.a_offsets, lay.b_offsets, lay.ranks,
-                            lay.scales, mods, tuple(zip(starts, outs, strict=True)), meta,
-                            max_rank=MAX_RANK, split_k=split(len(mods), k), tiles=tiles)
+            for meta, tiles, split in launches:
+                add_lora_triton(y, x, lay.arena, lay.a_offsets, lay.b_offsets, lay.ranks,
+                                lay.scales, mods, tuple(zip(starts, outs, strict=True)), meta,
+                                max_rank=MAX_RANK, split_k=split(len(mods), k), tiles=tiles)
 
     return run
 
@@ -174,12 +219,15 @@ def rel_err_f64(lay: Layer, shape: Shape, slots: list[int], run: Callable[[], No
                                             strict=True):
         ref = torch.zeros_like(y0)
         col = 0
+        idx = torch.tensor(slots, device=y.device)
         for m, n in zip(mods, outs, strict=True):
-            for t, s in enumerate(slots):
+            for s in sorted(set(slots)):
+                rows = idx == s
                 r = int(lay.ranks[s, m])
                 a = lay.arena[int(lay.a_offsets[s, m]):][: r * k].view(r, k).double()
                 b = lay.arena[int(lay.b_offsets[s, m]):][: n * r].view(n, r).double()
-                ref[t, col : col + n] = (x[t].double() @ a.T) @ b.T * float(lay.scales[s, m])
+                ref[rows, col : col + n] = ((x[rows].double() @ a.T) @ b.T
+                                            * float(lay.scales[s, m]))
             col += n
         num += float(((y.double() - y0) - ref).norm() ** 2)
         den += float(ref.norm() ** 2)
@@ -204,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="llama2-7b" if DEVICE == "cuda" else "toy",
                     choices=sorted(SHAPES))
     ap.add_argument("--cases", default="16:8-16-32-64,64:8-16-32-64,64:16,1:16",
-                    help="D:RANKS cases: D distinct adapters, ranks in turn (all in launches "
-                         "bounded at rank 64)")
+                    help="D:RANKS[:chunkN] cases: D distinct adapters, ranks in turn (all in "
+                         "launches bounded at rank 64); with chunkN a mixed step: 64 decode "
+                         "rows on D-1 adapters and an N-token prompt chunk on the last")
     ap.add_argument("--choices", default=None, help="comma-separated subset of the choices")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -220,19 +269,29 @@ def main(argv: list[str] | None = None) -> int:
                "copy_gbs": copy}
     rows: list[dict[str, Any]] = []
     result["rows_out"] = rows
-    cases = [(int(d), tuple(int(r) for r in rs.split("-")))
-             for d, rs in (c.split(":") for c in args.cases.split(","))]
+    cases = []
+    for c in args.cases.split(","):
+        d, rs, *mixed = c.split(":")
+        chunk = int(mixed[0].removeprefix("chunk")) if mixed else 0
+        cases.append((int(d), tuple(int(r) for r in rs.split("-")), chunk))
     result["base_gemms_us"] = graph_time_us([base_gemms(shape, gen)], replays=10)
-    for d, ranks in cases:
-        slots = [i * d // ROWS for i in range(ROWS)]  # grouped by adapter, ROWS // d each
-        io = ROWS * 2 * sum(k + 2 * sum(outs) for _, _, k, outs in shape.projections())
+    for d, ranks, chunk in cases:
+        if chunk:  # ROWS decode rows on adapters 0..d-2, a prompt chunk on adapter d-1
+            slots = [i * (d - 1) // ROWS for i in range(ROWS)] + [d - 1] * chunk
+        else:
+            slots = [i * d // ROWS for i in range(ROWS)]  # grouped by adapter, ROWS // d each
+        t = len(slots)
+        io = t * 2 * sum(k + 2 * sum(outs) for _, _, k, outs in shape.projections())
         floor_bytes = adapter_bytes(shape, d, ranks) + io
         count = rotation_count(floor_bytes) if DEVICE == "cuda" else 1  # CPU: a smoke run
-        layers = [build_layer(shape, d, ranks, gen) for _ in range(count)]
-        row: dict[str, Any] = {"adapters": d, "ranks": ranks, "rows_per_adapter": ROWS // d,
+        layers = [build_layer(shape, d, ranks, gen, t) for _ in range(count)]
+        row: dict[str, Any] = {"adapters": d, "ranks": ranks, "prompt_chunk": chunk,
+                               "rows_per_adapter": ROWS // d,
                                "layers_rotated": len(layers), "floor_bytes": floor_bytes,
                                "floor_us": floor_bytes / (copy["kernel"] * 1e3)}
-        for name, choice in choices(slots).items():
+        cands: dict[str, Choice | MixedChoice] = (
+            dict(mixed_choices(slots, ROWS)) if chunk else dict(choices(slots)))
+        for name, choice in cands.items():
             if args.choices and name not in args.choices.split(","):
                 continue
             row[f"{name}_us"] = graph_time_us([layer_calls(lay, shape, choice)
@@ -247,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         timed = sorted((v, k[:-3]) for k, v in row.items() if k.endswith("_us")
                        and k != "floor_us")
-        print(f"D={row['adapters']:3d} r{row['ranks']} floor {row['floor_us']:6.1f} us | " + "  ".join(
+        print(f"D={row['adapters']:3d} r{row['ranks']} chunk {row['prompt_chunk']} floor {row['floor_us']:6.1f} us | " + "  ".join(
             f"{n} {v:.1f}" for v, n in timed))
     return 0
 
