@@ -354,6 +354,18 @@ class DecodeGraphs(_StepGraphs):
         return key
 
 
+# Mixed-graph buckets of at most this many tokens run LoRA in 16-row tiles, larger ones in
+# 64-row tiles. H100, one 7B layer's LoRA launches as a mixed graph runs them
+# (`python -m bench.lora_distinct_layer`, lora-distinct-layer-mixed-a92205a-h100.json,
+# -prefill-a92205a-h100.json and -prefill-long-a92205a-h100.json): 64 one-row decode segments of ranks 8-64 beside a 256-token
+# prompt chunk 534.3 -> 244.8 us; 16 adapters x 4 rows beside 256 tokens 257.5 -> 124.2, beside
+# 1,024 tokens 332.8 -> 222.3; 64 rows of one adapter beside a 2,048-token chunk r16 354.7 ->
+# 324.2, r64 433.6 -> 432.3; beside 4,032 tokens r16 600.3 -> 584.7 but r64 721.5 -> 771.3. A
+# 64-row tile of one decode row reads its adapter with 2 K splits (PREFILL_TILES) into 64 rows
+# of mostly padding; the 16-row tiles split K up to 16 ways.
+MIXED_SHORT_TILES_MAX_TOKENS = 2048
+
+
 def _token_buckets(max_tokens: int) -> list[int]:
     sizes = [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
     return [t for t in sizes if t < max_tokens] + [max_tokens]
@@ -366,8 +378,9 @@ class MixedGraphs(_StepGraphs):
     Inputs are padded to the bucket: padding tokens belong to no sequence (KV slot -1, so they
     write no KV; no attention tile and no LoRA tile covers them; their rows of the activations
     are garbage that nothing reads) and sequences are padded to `max_num_seqs` with zero
-    queries. Attention runs the general (prefill) kernel and LoRA 64-row tiles, whose grids are
-    sized for the bucket's worst case; unused programs exit at once."""
+    queries. Attention runs the general (prefill) kernel and LoRA 16-row tiles (64-row ones in
+    buckets over MIXED_SHORT_TILES_MAX_TOKENS), whose grids are sized for the bucket's worst
+    case; unused programs exit at once."""
 
     kind = "mixed"
 
@@ -379,10 +392,9 @@ class MixedGraphs(_StepGraphs):
         self.t_max, self.b_max = self.buckets[-1], max_num_seqs
         self.max_blocks = -(-max_model_len // runner.arena.block_size)
         t, b = self.t_max, self.b_max
-        # A segment is a run of one sequence or more: at most b. Tiles: one partial tile per
-        # segment plus t / 64 full ones.
+        # A segment is a run of one sequence or more: at most b.
         self.layout = BufferLayout(tokens=t, seqs=b, segments=b,
-                                   tiles=-(-t // PREFILL_BLOCK_M) + b,
+                                   tiles=max(self._tile_cap(s) for s in self.buckets),
                                    max_blocks=self.max_blocks, sampled=b, query_starts=b + 1)
         self.buf = self.layout.device(runner.device)
         self.reset_buffers()
@@ -402,19 +414,28 @@ class MixedGraphs(_StepGraphs):
                 and inputs.logits_indices.size <= self.b_max
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
+    @staticmethod
+    def _tile_rows(bucket: int) -> int:
+        """Rows of the bucket's LoRA tiles (MIXED_SHORT_TILES_MAX_TOKENS)."""
+        return DECODE_BLOCK_M if bucket <= MIXED_SHORT_TILES_MAX_TOKENS else PREFILL_BLOCK_M
+
+    def _tile_cap(self, bucket: int) -> int:
+        """At most one partial tile per segment plus bucket / tile rows full ones."""
+        return -(-bucket // self._tile_rows(bucket)) + min(self.b_max, bucket)
+
     def _tile_caps(self, bucket: int) -> list[int]:
-        # At most one partial tile per segment plus t / 64 full ones.
-        caps = [-(-bucket // PREFILL_BLOCK_M) + min(self.b_max, bucket)]
+        caps = [self._tile_cap(bucket)]
         return caps + [RIDE_GRAPH] if self.runner.ride is not None else caps
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, t, buf = self.runner, bucket, self.buf
         ride = tiles == RIDE_GRAPH  # the ride's rows, no kernel: no segments or tiles read
-        lora = LoraMeta(seg_starts=buf.seg_starts, seg_lens=buf.seg_lens,
+        lora = (LoraMeta(seg_starts=buf.seg_starts, seg_lens=buf.seg_lens,
                         seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
                         tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=PREFILL_BLOCK_M) if modules and not ride else None
+                        num_tiles=tiles, block_m=self._tile_rows(bucket))
+                if modules and not ride else None)
         return StepContext(
             positions=buf.positions[:t], slot_mapping=buf.slot_mapping[:t],
             block_tables=buf.block_tables, seq_lens=buf.seq_lens,
@@ -440,7 +461,7 @@ class MixedGraphs(_StepGraphs):
         _fill(host.token_slots, inputs.token_slots, -1)
         host.tile_segs[:] = -1
         if key[1]:
-            _fill_lora(inputs, PREFILL_BLOCK_M, host)
+            _fill_lora(inputs, self._tile_rows(bucket), host)
         nb = inputs.block_tables.shape[1]
         host.block_tables[:n_seq, :nb] = inputs.block_tables
         self._upload(host, patch)
