@@ -21,7 +21,12 @@ from slora_core.graph_buffers import BufferLayout, GraphBuffers
 from slora_core.lora_ride import SoleAdapterRide
 from slora_core.model import LlamaForCausalLM
 from slora_core.step_inputs import StepInputs, TokenPatch, apply_patch
-from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
+from slora_kernels.lora_meta import (
+    DECODE_BLOCK_M,
+    ROW_BLOCK_M,
+    LoraMeta,
+    tile_rows,
+)
 
 
 class ModelRunner(Protocol):
@@ -354,16 +359,6 @@ class DecodeGraphs(_StepGraphs):
         return key
 
 
-# Mixed-graph buckets of at most this many tokens run LoRA in 16-row tiles, larger ones in
-# 64-row tiles. H100, one 7B layer's LoRA launches as a mixed graph runs them
-# (`python -m bench.lora_distinct_layer`, lora-distinct-layer-mixed-a92205a-h100.json,
-# -prefill-a92205a-h100.json and -prefill-long-a92205a-h100.json): 64 one-row decode segments of ranks 8-64 beside a 256-token
-# prompt chunk 534.3 -> 244.8 us; 16 adapters x 4 rows beside 256 tokens 257.5 -> 124.2, beside
-# 1,024 tokens 332.8 -> 222.3; 64 rows of one adapter beside a 2,048-token chunk r16 354.7 ->
-# 324.2, r64 433.6 -> 432.3; beside 4,032 tokens r16 600.3 -> 584.7 but r64 721.5 -> 771.3. A
-# 64-row tile of one decode row reads its adapter with 2 K splits (PREFILL_TILES) into 64 rows
-# of mostly padding; the 16-row tiles split K up to 16 ways.
-MIXED_SHORT_TILES_MAX_TOKENS = 2048
 
 
 def _token_buckets(max_tokens: int) -> list[int]:
@@ -379,8 +374,8 @@ class MixedGraphs(_StepGraphs):
     write no KV; no attention tile and no LoRA tile covers them; their rows of the activations
     are garbage that nothing reads) and sequences are padded to `max_num_seqs` with zero
     queries. Attention runs the general (prefill) kernel and LoRA 16-row tiles (64-row ones in
-    buckets over MIXED_SHORT_TILES_MAX_TOKENS), whose grids are sized for the bucket's worst
-    case; unused programs exit at once."""
+    buckets over `slora_kernels.lora_meta.SHORT_TILES_MAX_TOKENS`), whose grids are sized for
+    the bucket's worst case; unused programs exit at once."""
 
     kind = "mixed"
 
@@ -416,8 +411,9 @@ class MixedGraphs(_StepGraphs):
 
     @staticmethod
     def _tile_rows(bucket: int) -> int:
-        """Rows of the bucket's LoRA tiles (MIXED_SHORT_TILES_MAX_TOKENS)."""
-        return DECODE_BLOCK_M if bucket <= MIXED_SHORT_TILES_MAX_TOKENS else PREFILL_BLOCK_M
+        """Rows of the bucket's LoRA tiles (`slora_kernels.lora_meta.tile_rows`, segments of up
+        to the bucket's tokens)."""
+        return tile_rows(bucket, bucket)
 
     def _tile_cap(self, bucket: int) -> int:
         """At most one partial tile per segment plus bucket / tile rows full ones."""

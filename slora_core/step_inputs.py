@@ -158,7 +158,7 @@ def step_arrays(inputs: StepInputs) -> tuple[list[np.ndarray], StepShape]:
     lora: dict[str, int] = {}
     if inputs.has_lora:
         max_seg_len = int(inputs.seg_lens.max())
-        block_m = tile_rows(max_seg_len)
+        block_m = tile_rows(max_seg_len, inputs.num_tokens)
         tiles = inputs.lora_tiles(block_m)
         arrays += [inputs.token_slots, inputs.seg_starts, inputs.seg_lens, inputs.seg_slots,
                    *tiles]

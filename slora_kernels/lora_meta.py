@@ -20,9 +20,25 @@ PREFILL_BLOCK_M = 64
 ROW_BLOCK_M = 1
 
 
-def tile_rows(max_seg_len: int) -> int:
-    """The tile height for a step whose longest segment has `max_seg_len` tokens."""
-    return DECODE_BLOCK_M if max_seg_len <= DECODE_BLOCK_M else PREFILL_BLOCK_M
+# Steps of at most this many tokens run 16-row tiles whatever their segments, larger ones
+# 64-row tiles when a segment is longer than 16. H100, one 7B layer's LoRA as a mixed graph
+# launches it (`python -m bench.lora_distinct_layer`, lora-distinct-layer-mixed-a92205a-h100.json,
+# -prefill-a92205a-h100.json and -prefill-long-a92205a-h100.json): 64 one-row decode segments
+# of ranks 8-64 beside a 256-token prompt chunk 534.3 -> 244.8 us; 16 adapters x 4 rows beside
+# 256 tokens 257.5 -> 124.2, beside 1,024 tokens 332.8 -> 222.3; 64 rows of one adapter
+# beside a 2,048-token chunk r16 354.7 -> 324.2, r64 433.6 -> 432.3; beside 4,032 tokens r16
+# 600.3 -> 584.7 but r64 721.5 -> 771.3. A 64-row tile of one decode row reads its adapter in
+# at most 2 K splits (PREFILL_TILES) into 64 rows of padding; 16-row tiles split up to 16 ways.
+SHORT_TILES_MAX_TOKENS = 2048
+
+
+def tile_rows(max_seg_len: int, num_tokens: int | None = None) -> int:
+    """The tile height for a step whose longest segment has `max_seg_len` tokens, of
+    `num_tokens` tokens in all (SHORT_TILES_MAX_TOKENS; None: by the segment alone)."""
+    if max_seg_len <= DECODE_BLOCK_M or (num_tokens is not None
+                                         and num_tokens <= SHORT_TILES_MAX_TOKENS):
+        return DECODE_BLOCK_M
+    return PREFILL_BLOCK_M
 
 
 @dataclass(frozen=True)

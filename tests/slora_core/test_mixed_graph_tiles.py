@@ -1,7 +1,7 @@
-"""Mixed-step graphs run LoRA in 16-row tiles up to MIXED_SHORT_TILES_MAX_TOKENS tokens and in
-64-row tiles past it: the padded step a graph replays gives the logits of the unpadded eager
-step, on several adapters (one-row decode segments beside prompt chunks), in both tile
-heights."""
+"""Steps with prompt tokens run LoRA in 16-row tiles up to SHORT_TILES_MAX_TOKENS tokens and in
+64-row tiles past it (slora_kernels.lora_meta.tile_rows), in mixed graphs and eager steps: the
+padded step a graph replays gives the logits of the unpadded eager step, on several adapters
+(one-row decode segments beside prompt chunks), in both tile heights."""
 
 from __future__ import annotations
 
@@ -12,22 +12,26 @@ from slora_core import cuda_graphs, ops
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
-from slora_core.step_inputs import build_step_inputs
-from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M
+from slora_core.step_inputs import build_step_inputs, step_arrays
+from slora_kernels import lora_meta
+from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, tile_rows
 
 
-def test_mixed_graph_tile_rows_by_bucket() -> None:
+def test_tile_rows_by_step_tokens() -> None:
     rows = cuda_graphs.MixedGraphs._tile_rows
-    limit = cuda_graphs.MIXED_SHORT_TILES_MAX_TOKENS
+    limit = lora_meta.SHORT_TILES_MAX_TOKENS
     assert rows(16) == rows(limit) == DECODE_BLOCK_M
     assert rows(limit + 1) == PREFILL_BLOCK_M
+    # Eager steps: by their tokens, and 16-row tiles whenever every segment fits one.
+    assert tile_rows(300, 320) == tile_rows(16, 4096) == DECODE_BLOCK_M
+    assert tile_rows(300, limit + 1) == tile_rows(300) == PREFILL_BLOCK_M
 
 
 def test_padded_mixed_steps_in_both_tile_heights_give_the_unpadded_logits(
         demo_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     # Buckets of 16 and 32 tokens run 16-row tiles, of 64 the 64-row ones; prompt chunks of
     # more than 16 tokens make the two tile lists differ in every bucket past 16.
-    monkeypatch.setattr(cuda_graphs, "MIXED_SHORT_TILES_MAX_TOKENS", 32)
+    monkeypatch.setattr(lora_meta, "SHORT_TILES_MAX_TOKENS", 32)
     # The CPU engine's LoRA is the torch reference, which reads segments, not the tile list:
     # the LoRA kernels (Triton's interpreter) read the tiles the graphs lay out.
     real_use_triton = ops._use_triton
@@ -42,6 +46,7 @@ def test_padded_mixed_steps_in_both_tile_heights_give_the_unpadded_logits(
     mixed = cuda_graphs.MixedGraphs(runner, 8, 64, engine.config.max_model_len)
     run = runner.run
     checked: list[tuple[int, int]] = []
+    eager_rows: set[int] = set()
 
     def both(scheduled, patch=None):  # type: ignore[no-untyped-def]
         with monkeypatch.context() as m:  # the unpadded step as the CPU runs it: no tiles
@@ -51,7 +56,13 @@ def test_padded_mixed_steps_in_both_tile_heights_give_the_unpadded_logits(
         if inputs.max_query_len > 1 and inputs.has_lora and mixed.can_run(inputs):
             with torch.inference_mode():
                 padded = mixed.run_padded_eager(inputs)
+                eager = run(scheduled, patch)  # the eager step's own tile list, on kernels
             torch.testing.assert_close(padded, logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(eager, logits, rtol=1e-4, atol=1e-4)
+            longest, tokens = int(inputs.seg_lens.max()), int(inputs.num_tokens)
+            rows = DECODE_BLOCK_M if tokens <= 32 or longest <= 16 else PREFILL_BLOCK_M
+            assert step_arrays(inputs)[1].block_m == rows
+            eager_rows.add(rows)
             bucket = mixed.prepare(inputs)[0]
             checked.append((bucket, mixed._tile_rows(bucket)))
         return logits
@@ -70,3 +81,4 @@ def test_padded_mixed_steps_in_both_tile_heights_give_the_unpadded_logits(
     while engine.has_unfinished():
         engine.step()
     assert {(32, DECODE_BLOCK_M), (64, PREFILL_BLOCK_M)} <= set(checked), checked
+    assert eager_rows == {DECODE_BLOCK_M, PREFILL_BLOCK_M}
