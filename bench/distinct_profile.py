@@ -25,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.distinct_adapters import ARMS, RANKS, distinct_requests
+from bench.kernel_families import family_of
 from bench.replay import sync
 from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import LORA_MODULES
@@ -38,18 +39,14 @@ FAMILIES = (
     ("lora_rows_shrink", ("_rows_shrink",)), ("lora_rows_expand", ("_rows_expand",)),
     ("lora_shrink", ("_lora_shrink",)), ("lora_expand", ("_lora_expand",)),
     ("attention", ("decode", "prefill", "attention")), ("write_kv", ("write_kv",)),
-    ("rmsnorm", ("rmsnorm",)), ("rotary", ("rotary",)), ("silu_mul", ("silu",)),
+    ("rmsnorm", ("rms_norm", "rmsnorm")), ("rotary", ("rotary",)), ("silu_mul", ("silu",)),
     ("gemm", ("gemm", "cutlass", "nvjet", "sm90", "xmma", "cublas", "gemv")),
     ("copy_fill", ("copy", "fill", "memcpy", "memset", "elementwise", "index")),
 )
 
 
 def family(name: str) -> str:
-    low = name.lower()
-    for fam, keys in FAMILIES:
-        if any(k in low for k in keys):
-            return fam
-    return "other"
+    return family_of(name, FAMILIES)
 
 
 def kernel_events(prof: profile, cuda: bool) -> list[tuple[float, float, str]]:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.kernel_families import family_of
 from bench.run_record import run_record
 from bench.serving import Bench
 from slora_core.engine import LLMEngine
@@ -27,18 +28,14 @@ from slora_kernels.jit_stats import compiled_kernel_variants
 FAMILIES = (
     ("lora_shrink", ("_lora_shrink",)), ("lora_expand", ("_lora_expand",)),
     ("attention_decode", ("decode",)), ("attention_prefill", ("prefill",)),
-    ("write_kv", ("write_kv",)), ("rmsnorm", ("rmsnorm",)), ("rotary", ("rotary",)),
+    ("write_kv", ("write_kv",)), ("rmsnorm", ("rms_norm", "rmsnorm")), ("rotary", ("rotary",)),
     ("silu_mul", ("silu",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90", "xmma", "cublas")),
     ("copy_fill", ("copy", "fill", "memcpy", "memset", "elementwise", "index")),
 )
 
 
 def family(name: str) -> str:
-    low = name.lower()
-    for fam, keys in FAMILIES:
-        if any(k in low for k in keys):
-            return fam
-    return "other"
+    return family_of(name, FAMILIES)
 
 
 def sync() -> None:
