@@ -106,7 +106,8 @@ def test_queue_is_captured_one_graph_at_a_time(demo_dir: Path,
     assert labels[:5] == [("decode", 4), ("decode", 2), ("decode", 1), ("mixed", 32),
                           ("mixed", 16)]
     assert labels[5:8] == [("decode+lora:4", 4), ("decode+lora:1", 4), ("decode+lora:rows", 4)]
-    assert labels[-2:] == [("mixed+lora:5", 32), ("mixed+lora:5", 16)]
+    # Mixed-step tile lists of 16-row tiles (lora_meta.tile_rows): cdiv(bucket, 16) + 4 seqs.
+    assert labels[-2:] == [("mixed+lora:6", 32), ("mixed+lora:5", 16)]
     assert len(set(labels)) == len(labels) == queued
     decode, mixed = engine.runner.graphs, engine.runner.mixed
     assert decode is not None and mixed is not None
