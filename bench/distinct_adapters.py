@@ -33,6 +33,8 @@ from slora_core.config import LORA_MODULES
 
 if TYPE_CHECKING:
     from bench.serving import Bench
+    from slora_core.engine import LLMEngine
+    from slora_core.lora_merge import SoleAdapterMerge
 
 RANKS = (8, 16, 32, 64)
 TARGETS = {"distinct16": 0.95, "distinct64": 0.92, "one_unmerged": 0.97}
@@ -62,7 +64,11 @@ def distinct_requests(b: Bench, num_distinct: int | None) -> list[BenchRequest]:
     return reqs
 
 
-def scenario_distinct(b: Bench) -> dict[str, Any]:
+def distinct_engine(b: Bench) -> tuple[LLMEngine, SoleAdapterMerge | None]:
+    """The engine every arm runs on: 64 adapters a0..a63 (ranks 8-64 in turn, all seven
+    modules) and the merge taken off, returned for the caller to put back. Every arm runs
+    LoRA unmerged: with the merge off, one adapter takes the path a refused merge takes, and
+    the many-adapter arms never merge anyway."""
     a = b.args
     engine = b.engine(0, RANKS, max_adapters_per_batch=max(64, a.distinct_batch),
                       max_num_seqs=max(a.distinct_batch, 64))
@@ -71,12 +77,16 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
                                pin_memory=pin) for r in RANKS}
     for i in range(64):
         engine.add_adapter(f"a{i}", shared_weight_view(bases[RANKS[i % len(RANKS)]], i))
-    # Every arm below runs LoRA unmerged: with the merge off, one adapter takes the path a
-    # refused merge takes, and the many-adapter arms never merge anyway.
     merge = engine.runner.merge
     if merge is not None:
         merge.unmerge()
         engine.runner.merge = None
+    return engine, merge
+
+
+def scenario_distinct(b: Bench) -> dict[str, Any]:
+    a = b.args
+    engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
             **{n: distinct_requests(b, d) for n, d in ARMS.items() if n in a.distinct_arms}}

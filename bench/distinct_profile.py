@@ -24,10 +24,9 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.distinct_adapters import ARMS, RANKS, distinct_requests
+from bench.distinct_adapters import ARMS, RANKS, distinct_engine, distinct_requests
 from bench.kernel_families import family_of
 from bench.replay import sync
-from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import LORA_MODULES
 from slora_core.sampling_params import SamplingParams
 
@@ -152,16 +151,7 @@ def _profile(b: Bench, engine: Any, name: str, reqs: list[Any], steps: int) -> d
 
 def scenario_distinct_profile(b: Bench) -> dict[str, Any]:
     a = b.args
-    engine = b.engine(0, RANKS, max_adapters_per_batch=max(64, a.distinct_batch),
-                      max_num_seqs=max(a.distinct_batch, 64))
-    bases = {r: random_adapter(b.cfg, r, modules=tuple(LORA_MODULES), dtype=b.dtype, seed=r,
-                               pin_memory=torch.cuda.is_available()) for r in RANKS}
-    for i in range(64):
-        engine.add_adapter(f"a{i}", shared_weight_view(bases[RANKS[i % len(RANKS)]], i))
-    merge = engine.runner.merge
-    if merge is not None:  # as in the distinct bench: LoRA unmerged on every arm
-        merge.unmerge()
-        engine.runner.merge = None
+    engine, merge = distinct_engine(b)  # as in the distinct bench: LoRA unmerged on every arm
     steps = a.profile_steps
     out: dict[str, Any] = {"ranks": RANKS, "modules": list(LORA_MODULES), "steps": steps,
                            "ride_sole_adapter": engine.runner.ride is not None}

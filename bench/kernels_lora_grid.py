@@ -86,9 +86,10 @@ BEFORE = dataclasses.replace(DECODE_TILES, wave_split=False)
 WIDE = dataclasses.replace(DECODE_TILES, expand_block_n=512, shrink_block_k=512)
 
 
-def padded_meta(slots: list[int], capacity: int) -> LoraMeta:
-    """The step's tile list padded with unused entries to the graph's capacity."""
-    meta = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
+def padded_meta(slots: list[int], capacity: int, block_m: int = DECODE_BLOCK_M) -> LoraMeta:
+    """The step's tile list (`block_m`-row tiles) padded with unused entries to the graph's
+    capacity."""
+    meta = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=block_m)
     pad = torch.full((capacity - meta.num_tiles,), -1, dtype=torch.int32, device=DEVICE)
     return dataclasses.replace(
         meta, tile_segs=torch.cat([meta.tile_segs, pad]),

@@ -150,14 +150,6 @@ def choices(slots: list[int]) -> dict[str, Choice]:
     return out
 
 
-def padded(meta: LoraMeta, capacity: int) -> LoraMeta:
-    """`meta`'s tile list padded with unused entries to a graph's capacity."""
-    pad = torch.full((capacity - meta.num_tiles,), -1, dtype=torch.int32, device=DEVICE)
-    return dataclasses.replace(
-        meta, tile_segs=torch.cat([meta.tile_segs, pad]),
-        tile_m0=torch.cat([meta.tile_m0, torch.zeros_like(pad)]), num_tiles=capacity)
-
-
 MixedChoice = list[Choice]  # launches one after another, each over its own meta
 
 
@@ -168,9 +160,9 @@ def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
     segment, and two launch sets: the row kernels over the decode rows and 64-row tiles over
     the chunk."""
     t = len(slots)
-    full = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=PREFILL_BLOCK_M)
+    real = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=PREFILL_BLOCK_M).num_tiles
     cap = -(-t // PREFILL_BLOCK_M) + min(ROWS, t)  # MixedGraphs' capacity for t tokens
-    graph = padded(full, max(cap, full.num_tiles))
+    graph = padded_meta(slots, max(cap, real), PREFILL_BLOCK_M)
     dec16 = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
     rows = LoraMeta.from_token_slots(slots[:decode_rows] + [-1] * (t - decode_rows),
                                      device=DEVICE, block_m=ROW_BLOCK_M)
@@ -188,7 +180,7 @@ def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
         "mixed_tiles64": [(graph, PREFILL_TILES, none)],
         "mixed_tiles64_split8": [(graph, wide, fixed(8))],
         "mixed_tiles64_split16": [(graph, wide, fixed(16))],
-        "mixed_tiles16": [(padded(dec16, dec16.num_tiles), DECODE_TILES, none)],
+        "mixed_tiles16": [(dec16, DECODE_TILES, none)],
         "mixed_rows_and_chunk_tiles": [(rows, RowTiles(), none), (chunk, PREFILL_TILES, none)],
     }
 
@@ -247,6 +239,32 @@ def base_gemms(shape: Shape, gen: torch.Generator) -> Callable[[], None]:
     return run
 
 
+def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
+    """`--cases`: D:RANKS[:chunkN],... -> (adapters, ranks, prompt chunk tokens or 0)."""
+    cases = []
+    for c in text.split(","):
+        if c.count(":") not in (1, 2):
+            raise ValueError(f"{c!r}: cases are D:RANKS or D:RANKS:chunkN")
+        d, rs, *mixed = c.split(":")
+        if len(mixed) > 1 or (mixed and not mixed[0].startswith("chunk")):
+            raise ValueError(f"{c!r}: the third field is chunkN")
+        chunk = int(mixed[0].removeprefix("chunk")) if mixed else 0
+        ranks = tuple(int(r) for r in rs.split("-"))
+        if int(d) < (2 if chunk else 1) or chunk < 0 or not all(0 < r <= MAX_RANK
+                                                                 for r in ranks):
+            raise ValueError(f"{c!r}: at least 1 adapter (2 with a chunk), ranks in "
+                             f"1..{MAX_RANK}")
+        cases.append((int(d), ranks, chunk))
+    return cases
+
+
+# The names `choices` and `mixed_choices` give their launch choices (`tiles_short` only where
+# one adapter's tiles fit the short list), for checking --choices before anything is built.
+CHOICE_NAMES = ("tiles", "rows", "rows_unbalanced", "rows_balanced_first", "tiles_short")
+MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
+                      "mixed_tiles16", "mixed_rows_and_chunk_tiles")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama2-7b" if DEVICE == "cuda" else "toy",
@@ -258,6 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--choices", default=None, help="comma-separated subset of the choices")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        cases = parse_cases(args.cases)
+    except ValueError as e:
+        ap.error(f"--cases {args.cases!r}: {e}")
+    names = set(args.choices.split(",")) if args.choices else None
+    known = {n for _, _, chunk in cases for n in (MIXED_CHOICE_NAMES if chunk else CHOICE_NAMES)}
+    if names is not None and not names <= known:
+        ap.error(f"--choices: unknown {', '.join(sorted(names - known))} (choose from "
+                 f"{', '.join(sorted(known))})")
     shape = SHAPES[args.shape]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     per_call = adapter_bytes(shape, 16, RANKS) + ROWS * 2 * sum(
@@ -269,11 +296,6 @@ def main(argv: list[str] | None = None) -> int:
                "copy_gbs": copy}
     rows: list[dict[str, Any]] = []
     result["rows_out"] = rows
-    cases = []
-    for c in args.cases.split(","):
-        d, rs, *mixed = c.split(":")
-        chunk = int(mixed[0].removeprefix("chunk")) if mixed else 0
-        cases.append((int(d), tuple(int(r) for r in rs.split("-")), chunk))
     result["base_gemms_us"] = graph_time_us([base_gemms(shape, gen)], replays=10)
     for d, ranks, chunk in cases:
         if chunk:  # ROWS decode rows on adapters 0..d-2, a prompt chunk on adapter d-1
@@ -292,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         cands: dict[str, Choice | MixedChoice] = (
             dict(mixed_choices(slots, ROWS)) if chunk else dict(choices(slots)))
         for name, choice in cands.items():
-            if args.choices and name not in args.choices.split(","):
+            if names is not None and name not in names:
                 continue
             row[f"{name}_us"] = graph_time_us([layer_calls(lay, shape, choice)
                                                for lay in layers], replays=10)
@@ -306,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         timed = sorted((v, k[:-3]) for k, v in row.items() if k.endswith("_us")
                        and k != "floor_us")
-        print(f"D={row['adapters']:3d} r{row['ranks']} chunk {row['prompt_chunk']} floor {row['floor_us']:6.1f} us | " + "  ".join(
-            f"{n} {v:.1f}" for v, n in timed))
+        print(f"D={row['adapters']:3d} r{row['ranks']} chunk {row['prompt_chunk']} "
+              f"floor {row['floor_us']:6.1f} us | "
+              + "  ".join(f"{n} {v:.1f}" for v, n in timed))
     return 0
 
 

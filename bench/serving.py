@@ -443,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.overhead_repeats < 1:
         p.error(f"--overhead-repeats must be 1 or more, got {args.overhead_repeats}")
+    if args.distinct_input < 64:  # bench.distinct_adapters draws prompts of 64..input tokens
+        p.error(f"--distinct-input must be 64 or more, got {args.distinct_input}")
+    if args.profile_steps < 1:
+        p.error(f"--profile-steps must be 1 or more, got {args.profile_steps}")
     if 1.0 not in args.churn_alphas:
         p.error(f"--churn-alphas must include 1.0 (the headline), got {args.churn_alphas}")
     bench = Bench(args)

@@ -212,11 +212,11 @@ SUITES["round"] = (
                  *SUITES["service-path"], *SUITES["churn-tiers"],
                  adapter_vs_base("inline")), gpu=1, OMP_NUM_THREADS="8"),
 )
-# Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 # Issue 37's engine figures in one device call (under 600 s): the distinct batch with the
 # one-adapter arm riding, then churn at 50 arrivals/s.
 SUITES["issue37"] = (
     dataclasses.replace(SUITES["distinct-adapters"][0], argv=(
         *SUITES["distinct-adapters"][0].argv, "--ride-sole-adapter")),
     dataclasses.replace(SUITES["churn"][0], limit_s=220))
+# Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))

@@ -21,12 +21,7 @@ from slora_core.graph_buffers import BufferLayout, GraphBuffers
 from slora_core.lora_ride import SoleAdapterRide
 from slora_core.model import LlamaForCausalLM
 from slora_core.step_inputs import StepInputs, TokenPatch, apply_patch
-from slora_kernels.lora_meta import (
-    DECODE_BLOCK_M,
-    ROW_BLOCK_M,
-    LoraMeta,
-    tile_rows,
-)
+from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta, tile_rows
 
 
 class ModelRunner(Protocol):
@@ -357,8 +352,6 @@ class DecodeGraphs(_StepGraphs):
         host.block_tables[:n, :nb] = inputs.block_tables
         self._upload(host, patch)
         return key
-
-
 
 
 def _token_buckets(max_tokens: int) -> list[int]:

@@ -136,7 +136,7 @@ def pick_split_k(programs: int, k: int, device: torch.device, max_split_k: int,
     """How many K splits the shrink needs to give every multiprocessor a few programs. The
     tiles' cap applies only once row tiles alone occupy a quarter of the multiprocessors: a
     single segment of a few dozen tokens still needs many splits to read A at full speed.
-    `ratio` (`balance_ratio`): rank-balanced launches, whose rank-16 rows use 1 / ratio of
+    `ratio` (`row_split_k`): rank-balanced launches, whose rank-16 rows use 1 / ratio of
     the splits, aim for ratio times the programs under ratio times the caps."""
     sms = _num_sms(device)
     want = triton.cdiv(programs_per_sm * ratio * sms, max(programs, 1))

@@ -173,8 +173,8 @@ def _rows_shrink_kernel(
 def _rows_expand_tiles(y_row, buf_row, b_base, rank, scale, n0, out_size, stride_yn,
                        stride_bs, split_k, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                        USE_PDL: tl.constexpr):
-    # split_k here: the splits the row's shrink wrote (`active_splits`).
-    """y_row[n0:n0+BLOCK_N] += scale * (sum of buf's K splits)[:rank] @ B[cols, :rank].T.
+    """y_row[n0:n0+BLOCK_N] += scale * (sum of buf's K splits)[:rank] @ B[cols, :rank].T,
+    `split_k` being the splits the row's shrink wrote (`active_splits`).
     The loads of y and of the B tile are issued before the K splits are summed, so their
     latency overlaps the sum's: 0.7-2.5 us faster a launch over the sweep's cases (r16 B256
     U256 28.8 vs 31.3 us, lora-rows-bodies-h200.json at 8142e3a). With USE_PDL they may also

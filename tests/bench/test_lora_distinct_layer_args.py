@@ -1,0 +1,52 @@
+"""bench.lora_distinct_layer's command line: its cases and choices, and bad ones refused
+before anything is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import lora_distinct_layer as ldl
+
+
+def test_cases_parse() -> None:
+    assert ldl.parse_cases("16:8-16-32-64,65:8-64:chunk256") == [
+        (16, (8, 16, 32, 64), 0), (65, (8, 64), 256)]
+
+
+@pytest.mark.parametrize("bad", ["16", "16:8:chunk4:x", "16:8:tail4", "0:16", "1:16:chunk8",
+                                 "4:0", "4:128", "x:16"])
+def test_bad_cases_are_a_usage_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        ldl.main(["--cases", bad])
+    assert e.value.code == 2 and "--cases" in capsys.readouterr().err
+
+
+def test_unknown_choices_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        ldl.main(["--cases", "1:16", "--choices", "tiles,rowz"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unknown rowz" in err and "tiles_short" in err
+    with pytest.raises(SystemExit):  # mixed-step cases have their own choices
+        ldl.main(["--cases", "2:16:chunk32", "--choices", "tiles"])
+
+
+def test_choice_names_are_the_choices_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import kernels_lora_grid
+
+    for mod in (ldl, kernels_lora_grid):
+        monkeypatch.setattr(mod, "DEVICE", "cpu")
+    assert tuple(ldl.choices([0] * ldl.ROWS)) == ldl.CHOICE_NAMES
+    assert "tiles_short" not in ldl.choices(list(range(ldl.ROWS)))  # 64 tiles: no short list
+    assert tuple(ldl.mixed_choices([0] * ldl.ROWS + [1] * 16, ldl.ROWS)) == (
+        ldl.MIXED_CHOICE_NAMES)
+
+
+@pytest.mark.parametrize("flag", [["--profile-steps", "0"], ["--distinct-input", "32"]])
+def test_distinct_scenario_flags_out_of_range_are_a_usage_error(
+        flag: list[str], capfd: pytest.CaptureFixture[str]) -> None:
+    from bench.serving import main
+
+    # capfd, not capsys: bench.serving registers faulthandler on the real stderr.
+    with pytest.raises(SystemExit) as e:
+        main(["--scenarios", "distinct_profile", *flag])
+    assert e.value.code == 2 and flag[0] in capfd.readouterr().err
