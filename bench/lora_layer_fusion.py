@@ -13,7 +13,15 @@ data flow):
   (B block-diagonal over the projection's modules), 2 launches a projection;
 - `k_concat`: the shrink as a cuBLAS GEMM into the columns after x, then one GEMM of [x, s]
   by [W, scale B] (the expand rides the base GEMM; y stays contiguous), 2 launches.
-Each variant's y is checked against float64 torch (base + delta) on the first layer.
+With the op that reads each output (rotary on qkv's, silu_mul on gate_up's; o's and down's
+go to the residual rms_norm, left out as it is the same in all three):
+- `base_ops`: the base GEMMs and those ops;
+- `n_concat_ops`: n_concat and those ops, as the ride ran before the fusion;
+- `fused_ops`: n_concat with qkv's and gate_up's expands fused into those ops (as the ride
+  runs them, slora_core/lora_ride.py), 1 launch a projection beyond base_ops for o and
+  down, none for qkv and gate_up.
+Each variant's y is checked against float64 torch (base + delta) on the first layer; the
+ops variants' outputs are checked against n_concat_ops'.
 
     python -m bench.lora_layer_fusion --out bench/results/lora-layer-fusion-h200.json
 """
@@ -42,12 +50,15 @@ PROJECTIONS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("gate_up", HIDDEN, (INTER, INTER)), ("down", INTER, (HIDDEN,)))
 CELLS: tuple[tuple[int, int], ...] = ((8, 64), (16, 64), (16, 256), (64, 64))
 VARIANTS = ("base", "lora", "n_concat", "k_concat")
+OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops")
+HEAD_DIM = 128
 
 
 @dataclass
 class Projection:
     """One projection's tensors for every variant (fp16), and its adapter in an arena."""
 
+    kind: str              # PROJECTIONS' name: qkv, o, gate_up or down
     x: torch.Tensor        # [T, K]
     w: torch.Tensor        # [N, K]
     y: torch.Tensor        # [T, N]
@@ -65,7 +76,7 @@ class Projection:
     slices: tuple[tuple[int, int], ...]
 
 
-def build(k: int, outs: tuple[int, ...], t: int, rank: int, gen: torch.Generator
+def build(kind: str, k: int, outs: tuple[int, ...], t: int, rank: int, gen: torch.Generator
           ) -> Projection:
     dt, dev, mods, n = torch.float16, DEVICE, len(outs), sum(outs)
     scale = 2.0
@@ -92,7 +103,7 @@ def build(k: int, outs: tuple[int, ...], t: int, rank: int, gen: torch.Generator
     x_k = torch.zeros(t, k + mods * rank, dtype=dt, device=dev)
     x_k[:, :k] = x
     return Projection(
-        x=x, w=w, y=torch.empty(t, n, dtype=dt, device=dev), a=a, b_diag=b_diag,
+        kind=kind, x=x, w=w, y=torch.empty(t, n, dtype=dt, device=dev), a=a, b_diag=b_diag,
         w_n=torch.cat([w, a]), y_n=torch.empty(t, n + mods * rank, dtype=dt, device=dev),
         w_k=torch.cat([w, b_diag], dim=1), x_k=x_k, arena=torch.cat(pieces),
         a_off=torch.tensor([a_offs], dtype=torch.int64, device=dev),
@@ -128,7 +139,55 @@ def variant(name: str, p: Projection, meta: Any, rank: int) -> Callable[[], torc
             torch.mm(p.x_k[:, :k], p.a.t(), out=p.x_k[:, k:])
             return torch.mm(p.x_k, p.w_k.t(), out=p.y)
         return k_concat
+    if name in OPS_VARIANTS:
+        return ops_variant(name, p, rank)
     raise ValueError(name)
+
+
+def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tensor]:
+    """A call computing what reads the projection: rotary's q, k, v for qkv, silu_mul's
+    output for gate_up, y itself for o and down; returns it."""
+    from slora_kernels.rotary import rotary_expand_triton, rotary_triton
+    from slora_kernels.silu_mul import silu_mul_expand_triton, silu_mul_triton
+
+    n, t = p.w.shape[0], p.x.shape[0]
+    mods = len(p.slices)
+    if name == "base_ops" or p.kind in ("o", "down"):
+        gemm = variant("base" if name == "base_ops" else "n_concat", p, None, rank)
+    else:
+        def gemm() -> torch.Tensor:
+            torch.mm(p.x, p.w_n.t(), out=p.y_n)
+            return p.y_n[:, :n]
+    b_t = p.b_diag.t().contiguous()  # the ride's layout (lora_ride.py)
+    if p.kind == "gate_up":
+        if name == "fused_ops":
+            return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank)
+        return lambda: silu_mul_triton(add_expand(name, p, gemm()))
+    if p.kind == "qkv":
+        heads = n // HEAD_DIM // mods
+        cos = torch.ones(t, HEAD_DIM, dtype=p.x.dtype, device=p.x.device) * 0.6
+        sin = torch.ones_like(cos) * 0.8
+
+        def rotate() -> torch.Tensor:
+            y = gemm()
+            if name == "fused_ops":
+                rotary_expand_triton(y, p.y_n[:, n:], b_t, rank, heads, heads, cos, sin)
+            else:
+                y = add_expand(name, p, y)
+                q = y[:, : heads * HEAD_DIM].view(t, heads, HEAD_DIM)
+                k = y[:, heads * HEAD_DIM : 2 * heads * HEAD_DIM].view(t, heads, HEAD_DIM)
+                rotary_triton(q, k, cos, sin)
+            return y
+
+        return rotate
+    return gemm
+
+
+def add_expand(name: str, p: Projection, y: torch.Tensor) -> torch.Tensor:
+    """n_concat_ops' addmm after the wide GEMM; base_ops has none."""
+    if name == "base_ops":
+        return y
+    return y.addmm_(p.y_n[:, p.w.shape[0]:], p.b_diag.t())
 
 
 def rel_err(p: Projection, got: torch.Tensor, delta: bool = True) -> float:
@@ -140,7 +199,8 @@ def rel_err(p: Projection, got: torch.Tensor, delta: bool = True) -> float:
 
 def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(rank * 1000 + t)
-    sets = [[build(k, outs, t, rank, gen) for _, k, outs in PROJECTIONS] for _ in range(layers)]
+    sets = [[build(kind, k, outs, t, rank, gen) for kind, k, outs in PROJECTIONS]
+            for _ in range(layers)]
     meta = padded_meta([0] * t, -(-t // DECODE_BLOCK_M))
     row: dict[str, Any] = {"rank": rank, "batch": t}
     for name in VARIANTS:
@@ -154,6 +214,16 @@ def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
         # What 32 such layers add to a decode step's base GEMMs, as a throughput ratio of
         # the GEMMs alone (the step has attention and norms too: the real ratio is higher).
         row[f"{name}_gemm_ratio"] = base / row[f"{name}_us"]
+    for name in OPS_VARIANTS:
+        calls = [ops_variant(name, p, rank) for layer in sets for p in layer]
+        row[f"{name}_us"] = graph_time_us(calls, replays=10) * len(PROJECTIONS)
+    for name in OPS_VARIANTS[1:]:
+        row[f"{name}_added_us"] = row[f"{name}_us"] - row["base_ops_us"]
+    # The fused ops against the unfused ones, on the first layer's inputs.
+    row["fused_ops_rel_err"] = max(
+        float((ops_variant("fused_ops", p, rank)().double()
+               - ops_variant("n_concat_ops", p, rank)().double()).norm()
+              / ops_variant("n_concat_ops", p, rank)().double().norm()) for p in sets[0])
     del sets
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -161,14 +231,14 @@ def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global HIDDEN, INTER, PROJECTIONS
+    global HIDDEN, INTER, PROJECTIONS, HEAD_DIM
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="CPU smoke sizes (hidden 64)")
     args = ap.parse_args(argv)
     cells, layers = CELLS, 2
     if args.toy:
-        HIDDEN, INTER = 64, 96
+        HIDDEN, INTER, HEAD_DIM = 64, 96, 16
         PROJECTIONS = (("qkv", 64, (64, 64, 64)), ("o", 64, (64,)), ("gate_up", 64, (96, 96)),
                        ("down", 96, (64,)))
         timing.MAX_ROTATION, cells, layers = 1, ((8, 16),), 1

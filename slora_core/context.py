@@ -53,7 +53,24 @@ class StepContext:
     lora_ride: bool = False
 
 
+@dataclass(frozen=True)
+class PendingExpand:
+    """A sole-adapter ride projection's expand (slora_core/lora_ride.py), left for the op that
+    reads the projection's output to fuse in: out += s @ b_t, s [T, modules * rank]."""
+
+    out: torch.Tensor  # the projection's [T, N] output (a strided view)
+    s: torch.Tensor  # [T, modules * rank]: x @ A.T of each module, side by side
+    b_t: torch.Tensor  # [modules * rank, N], block-diagonal, scale folded in
+    rank: int  # rows per module
+
+    def apply(self) -> None:
+        """The expand as its own launch (the consumer could not fuse it)."""
+        self.out.addmm_(self.s, self.b_t)
+
+
 _CONTEXT: StepContext | None = None
+# Expands deferred in the current step, by their output's data pointer (defer_expand).
+_PENDING: dict[int, PendingExpand] = {}
 
 
 def get_context() -> StepContext:
@@ -68,5 +85,30 @@ def step_context(ctx: StepContext) -> Iterator[StepContext]:
     prev, _CONTEXT = _CONTEXT, ctx
     try:
         yield ctx
+    except BaseException:
+        _PENDING.clear()
+        raise
     finally:
         _CONTEXT = prev
+    if _PENDING:
+        left = len(_PENDING)
+        _PENDING.clear()
+        raise RuntimeError(f"{left} deferred LoRA expand(s) were never taken by their consumer "
+                           "op: the step's outputs lack the adapter's delta")
+
+
+def defer_expand(pending: PendingExpand) -> None:
+    """Leave `pending` for the op that reads `pending.out` (take_expand); the step context
+    raises on exit if none took it."""
+    _PENDING[pending.out.data_ptr()] = pending
+
+
+def take_expand(t: torch.Tensor) -> PendingExpand | None:
+    """The expand deferred on the projection output `t` starts at (same first element, rows
+    and row stride: a one-row view may carry any), removed from the step's pending ones; None
+    when there is none."""
+    pending = _PENDING.get(t.data_ptr()) if _PENDING else None
+    if pending is None or pending.out.shape[0] != t.shape[0] \
+            or (t.shape[0] > 1 and pending.out.stride(0) != t.stride(0)):
+        return None
+    return _PENDING.pop(t.data_ptr())

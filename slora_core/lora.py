@@ -14,7 +14,7 @@ from torch import nn
 
 from slora_core import ops
 from slora_core.config import MODULE_INDEX, ModelConfig
-from slora_core.context import StepContext, get_context
+from slora_core.context import PendingExpand, StepContext, defer_expand, get_context
 from slora_core.model import LlamaForCausalLM
 
 
@@ -28,14 +28,20 @@ class RideRows:
     b_t: torch.Tensor
     out: int
     rank: int  # rows per module (the arena's max_rank)
+    # Leave the expand to the op reading the output (qkv: rotary, gate_up: silu_mul), which
+    # fuses it in (context.defer_expand); False: one addmm here.
+    defer: bool = False
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T (+ bias) + the loaded adapter's delta, one GEMM and one addmm; a strided
-        [T, out] view of the wide output."""
+        """x @ W.T (+ bias) + the loaded adapter's delta: one GEMM, then one addmm or the
+        expand deferred to the consumer; a strided [T, out] view of the wide output."""
         wide = torch.mm(x, self.weight.t())
         y = wide[:, : self.out]
         if bias is not None:
             y.add_(bias)
+        if self.defer:
+            defer_expand(PendingExpand(y, wide[:, self.out :], self.b_t, self.rank))
+            return y
         return y.addmm_(wide[:, self.out :], self.b_t)
 
 

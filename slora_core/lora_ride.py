@@ -44,6 +44,7 @@ from dataclasses import replace
 import torch
 
 from slora_core.arena import PageArena
+from slora_core.config import MODULE_INDEX
 from slora_core.lora import LoraLinear, RideRows
 from slora_core.lora_merge import sole_slot
 from slora_core.step_inputs import StepInputs
@@ -70,8 +71,16 @@ def attach_ride_rows(model: torch.nn.Module, max_rank: int) -> list[LoraLinear]:
         # (freeing the old storage once nothing else holds it).
         weight.data = wide[:out]
         b_t = torch.zeros(extra, out, dtype=weight.dtype, device=weight.device)
-        lin.ride = RideRows(wide, b_t, out, max_rank)
+        lin.ride = RideRows(wide, b_t, out, max_rank, defer=lin.module_ids in FUSED_CONSUMERS)
     return layers
+
+
+# Projections whose expand the op reading their output fuses in (ops.rotary for qkv,
+# ops.silu_mul for gate_up); o and down keep their addmm (their consumer, the residual
+# rms_norm, reduces whole rows).
+FUSED_CONSUMERS = frozenset({
+    tuple(MODULE_INDEX[m] for m in ("q_proj", "k_proj", "v_proj")),
+    tuple(MODULE_INDEX[m] for m in ("gate_proj", "up_proj"))})
 
 
 class SoleAdapterRide:
@@ -89,6 +98,19 @@ class SoleAdapterRide:
         self._streak: tuple[tuple[int, int] | None, int] = (None, 0)
         self.loads = 0
         self.ride_steps = 0  # steps run riding, over the engine's life
+
+    @property
+    def fused_consumers(self) -> bool:
+        """Whether qkv's and gate_up's expands are fused into rotary and silu_mul (the
+        default) rather than run as addmm launches. Set it before graphs are captured: a
+        captured graph keeps the launches it was captured with."""
+        return any(lin.ride is not None and lin.ride.defer for lin in self.layers)
+
+    @fused_consumers.setter
+    def fused_consumers(self, on: bool) -> None:
+        for lin in self.layers:
+            assert lin.ride is not None
+            lin.ride.defer = on and lin.module_ids in FUSED_CONSUMERS
 
     @property
     def nbytes(self) -> int:

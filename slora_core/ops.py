@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from slora_core.context import take_expand
 from slora_kernels.attention_reference import paged_attention_reference, write_kv_reference
 from slora_kernels.fused_reference import rms_norm_reference, rotary_reference, silu_mul_reference
 from slora_kernels.lora_meta import LoraMeta
@@ -73,7 +74,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos/sin [T, D]."""
+    """Rotate q [T, H, D] and k [T, Hkv, D] in place by cos/sin [T, D]. When q and k are views
+    of a ride projection's output whose expand was deferred (context.defer_expand), the expand
+    is applied first: fused into the rotation (q, k and the v heads after them) on CUDA."""
+    pending = take_expand(q)
+    if pending is not None:
+        qkv = pending.out
+        heads = qkv.shape[1] // q.shape[2]
+        fusable = (_use_triton(q) and k.data_ptr() == q.data_ptr() + q[0].numel() * q.element_size()
+                   and heads == q.shape[1] + 2 * k.shape[1] and qkv.shape[1] == heads * q.shape[2]
+                   and pending.s.shape[1] == 3 * pending.rank)
+        if fusable:
+            from slora_kernels.rotary import rotary_expand_triton
+
+            rotary_expand_triton(qkv, pending.s, pending.b_t, pending.rank, q.shape[1],
+                                 k.shape[1], cos, sin)
+            return
+        pending.apply()
     if _use_triton(q):
         from slora_kernels.rotary import rotary_triton
 
@@ -83,7 +100,15 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> silu(gate) * up, [T, I]."""
+    """[T, 2I] -> silu(gate) * up, [T, I]. When gate_up is a ride projection's output whose
+    expand was deferred (context.defer_expand), the expand is applied first: fused in on CUDA."""
+    pending = take_expand(gate_up)
+    if pending is not None:
+        if _use_triton(gate_up) and pending.s.shape[1] == 2 * pending.rank:
+            from slora_kernels.silu_mul import silu_mul_expand_triton
+
+            return silu_mul_expand_triton(gate_up, pending.s, pending.b_t, pending.rank)
+        pending.apply()
     if _use_triton(gate_up):
         from slora_kernels.silu_mul import silu_mul_triton
 

@@ -61,3 +61,75 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     _rotary_kernel[(q.shape[0],)](q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0),
                                   k.stride(1), cos.stride(0), q.shape[1], k.shape[1],
                                   HALF=d // 2, BLOCK_H=block_h)
+
+
+@triton.jit
+def _rotary_expand_kernel(x_ptr, s_ptr, b_ptr, cos_ptr, sin_ptr, num_tokens, rank, num_q_heads,
+                          num_kv_heads, stride_x, stride_s, stride_b, stride_ct,
+                          DOT_PRECISION: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1)  # over q heads, then k heads, then v heads
+    module = (head >= num_q_heads).to(tl.int32) + (head >= num_q_heads + num_kv_heads).to(
+        tl.int32)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, HALF)
+    mask_m, mask_r = rows < num_tokens, offs_r < rank
+    rows64 = rows.to(tl.int64)
+    col = head * (2 * HALF)  # q, k and v heads lie side by side in the fused output
+    s = tl.load(s_ptr + rows64[:, None] * stride_s + module * rank + offs_r[None, :],
+                mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    b_rows = b_ptr + (module * rank + offs_r[:, None]).to(tl.int64) * stride_b + col + offs_d[
+        None, :]
+    b1 = tl.load(b_rows, mask=mask_r[:, None], other=0.0)
+    b2 = tl.load(b_rows + HALF, mask=mask_r[:, None], other=0.0)
+    x_rows = x_ptr + rows64[:, None] * stride_x + col + offs_d[None, :]
+    x1 = tl.load(x_rows, mask=mask_m[:, None], other=0.0)
+    x2 = tl.load(x_rows + HALF, mask=mask_m[:, None], other=0.0)
+    # Each half's sum rounded to the model dtype once, as the unfused addmm's output is.
+    a = (x1.to(tl.float32) + tl.dot(s, b1, input_precision=DOT_PRECISION)).to(x1.dtype)
+    b = (x2.to(tl.float32) + tl.dot(s, b2, input_precision=DOT_PRECISION)).to(x1.dtype)
+    if module < 2:  # q or k: rotate
+        cs_rows = rows64[:, None] * stride_ct + offs_d[None, :]
+        c = tl.load(cos_ptr + cs_rows, mask=mask_m[:, None], other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + cs_rows, mask=mask_m[:, None], other=0.0).to(tl.float32)
+        af, bf = a.to(tl.float32), b.to(tl.float32)
+        a, b = (af * c - bf * sn).to(x1.dtype), (bf * c + af * sn).to(x1.dtype)
+    tl.store(x_rows, a, mask=mask_m[:, None])
+    tl.store(x_rows + HALF, b, mask=mask_m[:, None])
+
+
+def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, rank: int,
+                         num_q_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                         sin: torch.Tensor) -> None:
+    """qkv += s @ b_t, then q and k rotated, in place, in one launch (the sole-adapter ride's
+    qkv projection, slora_core/lora_ride.py): qkv [T, (H + 2 Hkv) D] (q heads, k heads, v
+    heads), s [T, 3 rank] (q's shrink, k's, v's), b_t [3 rank, (H + 2 Hkv) D]
+    block-diagonal. Same result as `qkv.addmm_(s, b_t)` then `rotary_triton` on q and k, up
+    to the dot's summation order."""
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or not cos.shape or cos.dim() != 2:
+        raise ValueError(f"qkv must be [T, (H + 2 Hkv) D] with unit column stride and cos/sin "
+                         f"[T, D]; got {tuple(qkv.shape)}, {tuple(cos.shape)}")
+    t, width = qkv.shape
+    heads = num_q_heads + 2 * num_kv_heads
+    d = cos.shape[1]
+    if width != heads * d or d % 2 or triton.next_power_of_2(d // 2) != d // 2:
+        raise ValueError(f"qkv's {width} columns are not {heads} heads of {d} (twice a power "
+                         "of two)")
+    if cos.shape != (t, d) or cos.stride() != sin.stride() or cos.stride(1) != 1 \
+            or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin must be [T, D] = {(t, d)} with unit stride along D, got "
+                         f"{tuple(cos.shape)}")
+    if s.shape != (t, 3 * rank) or s.stride(1) != 1 or b_t.shape != (3 * rank, width) \
+            or b_t.stride(1) != 1 or s.dtype != qkv.dtype or b_t.dtype != qkv.dtype:
+        raise ValueError(f"s must be [T, 3 rank] = {(t, 3 * rank)} and b_t [3 rank, width] = "
+                         f"{(3 * rank, width)} in {qkv.dtype}, unit column stride; got "
+                         f"{tuple(s.shape)} {s.dtype}, {tuple(b_t.shape)} {b_t.dtype}")
+    if t == 0:
+        return
+    block_m = 16
+    _rotary_expand_kernel[(triton.cdiv(t, block_m), heads)](
+        qkv, s, b_t, cos, sin, t, rank, num_q_heads, num_kv_heads, qkv.stride(0), s.stride(0),
+        b_t.stride(0), cos.stride(0),
+        DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", HALF=d // 2,
+        BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)))

@@ -40,3 +40,64 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(inter, block))](
         gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK_N=block)
     return out
+
+
+@triton.jit
+def _silu_mul_expand_kernel(x_ptr, s_ptr, b_ptr, y_ptr, num_tokens, inter, rank, stride_x,
+                            stride_s, stride_b, stride_y, DOT_PRECISION: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_m, mask_n, mask_r = rows < num_tokens, cols < inter, offs_r < rank
+    rows64 = rows.to(tl.int64)
+    s_mask = mask_m[:, None] & mask_r[None, :]
+    b_mask = mask_r[:, None] & mask_n[None, :]
+    s_rows = s_ptr + rows64[:, None] * stride_s + offs_r[None, :]
+    b_rows = b_ptr + offs_r[:, None].to(tl.int64) * stride_b + cols[None, :]
+    # Gate: s[:, :rank] @ b_t[:rank, :I]; up: s[:, rank:2 rank] @ b_t[rank:2 rank, I:].
+    s_g = tl.load(s_rows, mask=s_mask, other=0.0)
+    s_u = tl.load(s_rows + rank, mask=s_mask, other=0.0)
+    b_g = tl.load(b_rows, mask=b_mask, other=0.0)
+    b_u = tl.load(b_rows + rank * stride_b + inter, mask=b_mask, other=0.0)
+    mask = mask_m[:, None] & mask_n[None, :]
+    x_rows = x_ptr + rows64[:, None] * stride_x + cols[None, :]
+    g = tl.load(x_rows, mask=mask, other=0.0)
+    u = tl.load(x_rows + inter, mask=mask, other=0.0)
+    # Each sum rounded to the model dtype once, as the unfused addmm's output is.
+    gf = (g.to(tl.float32) + tl.dot(s_g, b_g, input_precision=DOT_PRECISION)
+          ).to(g.dtype).to(tl.float32)
+    uf = (u.to(tl.float32) + tl.dot(s_u, b_u, input_precision=DOT_PRECISION)
+          ).to(g.dtype).to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], (act * uf).to(g.dtype),
+             mask=mask)
+
+
+def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
+                           rank: int) -> torch.Tensor:
+    """silu_mul of gate_up + s @ b_t, with the expand fused in (the sole-adapter ride's
+    gate_up projection, slora_core/lora_ride.py): s [T, 2 rank] (gate's shrink, then up's),
+    b_t [2 rank, 2I] block-diagonal (gate's rows over the first I columns, up's over the
+    rest). Same result as `gate_up.addmm_(s, b_t)` then `silu_mul_triton`, up to the dot's
+    summation order; gate_up is not written."""
+    t, two_i = gate_up.shape if gate_up.dim() == 2 else (0, -1)
+    if gate_up.dim() != 2 or two_i % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be [T, 2I] with unit column stride, got "
+                         f"{tuple(gate_up.shape)}")
+    if s.shape != (t, 2 * rank) or s.stride(1) != 1 or b_t.shape != (2 * rank, two_i) \
+            or b_t.stride(1) != 1 or s.dtype != gate_up.dtype or b_t.dtype != gate_up.dtype:
+        raise ValueError(f"s must be [T, 2 rank] = {(t, 2 * rank)} and b_t [2 rank, 2I] = "
+                         f"{(2 * rank, two_i)} in {gate_up.dtype}, unit column stride; got "
+                         f"{tuple(s.shape)} {s.dtype}, {tuple(b_t.shape)} {b_t.dtype}")
+    inter = two_i // 2
+    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    block_m, block_n = 16, 64
+    _silu_mul_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(inter, block_n))](
+        gate_up, s, b_t, out, t, inter, rank, gate_up.stride(0), s.stride(0), b_t.stride(0),
+        out.stride(0), DOT_PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)))
+    return out

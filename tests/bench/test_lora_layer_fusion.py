@@ -1,6 +1,7 @@
 """bench.lora_layer_fusion at toy sizes on the CPU (Triton's interpreter): every variant
 computes the projection's base output plus the adapter's delta, checked against float64 torch,
-and the JSON records each variant's time and error."""
+the ops variants' fused expands against the unfused ones, and the JSON records each variant's
+time and error."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def test_every_variant_computes_base_plus_delta(tmp_path: Path,
     monkeypatch.setattr(lora_layer_fusion, "DEVICE", "cpu")
     monkeypatch.setattr("bench.kernels_lora_grid.DEVICE", "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for name in ("HIDDEN", "INTER", "PROJECTIONS"):  # --toy shrinks them: restored after
+    for name in ("HIDDEN", "INTER", "PROJECTIONS", "HEAD_DIM"):  # --toy shrinks them: restored after
         monkeypatch.setattr(lora_layer_fusion, name, getattr(lora_layer_fusion, name))
     out = tmp_path / "fusion.json"
     assert lora_layer_fusion.main(["--toy", "--out", str(out)]) == 0
@@ -26,3 +27,6 @@ def test_every_variant_computes_base_plus_delta(tmp_path: Path,
     for name in lora_layer_fusion.VARIANTS:
         assert row[f"{name}_rel_err"] < 2e-3, (name, row[f"{name}_rel_err"])
         assert row[f"{name}_us"] > 0
+    # The expands fused into rotary and silu_mul give what the addmm and the plain ops give.
+    assert row["fused_ops_rel_err"] < 2e-3
+    assert all(row[f"{name}_us"] > 0 for name in lora_layer_fusion.OPS_VARIANTS)

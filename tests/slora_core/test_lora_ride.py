@@ -214,3 +214,68 @@ def test_padded_ride_mixed_step_gives_the_unpadded_logits(demo_dir):
     while engine.has_unfinished():
         engine.step()
     assert len(checked) >= 2
+
+
+def test_fused_consumer_expands_give_the_addmm_logits(demo_dir, monkeypatch):
+    """qkv's and gate_up's expands fused into rotary and silu_mul (the kernels, on Triton's
+    interpreter) give the logits of the same ride steps with every expand an addmm."""
+    from slora_core import ops
+    from slora_kernels import rotary, silu_mul
+
+    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
+    calls = {"rotary": 0, "silu_mul": 0}
+    for mod, name, key in ((rotary, "rotary_expand_triton", "rotary"),
+                           (silu_mul, "silu_mul_expand_triton", "silu_mul")):
+        real = getattr(mod, name)
+
+        def counted(*args, _real=real, _key=key, **kwargs):  # type: ignore[no-untyped-def]
+            calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, counted)
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = _engine(demo_dir, names[:1])
+    runner, ride = engine.runner, _ride(engine)
+    assert ride.fused_consumers
+    run = runner.run
+    diffs: list[float] = []
+
+    def both(scheduled, patch=None):
+        before = dict(calls)
+        logits = run(scheduled, patch)
+        if calls != before:  # this step rode, with the fused expands
+            layers = engine.model_config.num_hidden_layers
+            assert calls["rotary"] - before["rotary"] == layers
+            assert calls["silu_mul"] - before["silu_mul"] == layers
+            ride.fused_consumers = False
+            try:
+                plain = run(scheduled, patch)
+            finally:
+                ride.fused_consumers = True
+            assert calls == {k: v + layers for k, v in before.items()}  # none the 2nd time
+            diffs.append(float((logits - plain).abs().max() / plain.abs().max()))
+        return logits
+
+    runner.run = both  # type: ignore[method-assign]
+    # Few tokens: every op runs on the interpreter. The ride starts after RIDE_AFTER_STEPS.
+    new_tokens = RIDE_AFTER_STEPS + 4
+    engine.add_request("0", PROMPTS[0], SamplingParams(
+        temperature=0, max_new_tokens=new_tokens, ignore_eos=True), adapter=names[0])
+    while engine.has_unfinished():
+        engine.step()
+    assert len(diffs) >= new_tokens - RIDE_AFTER_STEPS - 1
+    assert max(diffs) < 1e-4, diffs
+
+
+def test_a_deferred_expand_nobody_takes_fails_the_step():
+    from slora_core.context import PendingExpand, defer_expand, step_context, take_expand
+
+    out = torch.zeros(4, 8)
+    pending = PendingExpand(out, torch.ones(4, 2), torch.ones(2, 8), 2)
+    with pytest.raises(RuntimeError, match="never taken"), step_context(None):  # type: ignore[arg-type]
+        defer_expand(pending)
+    # Taken: the step ends cleanly, and a view of other rows or another stride is not it.
+    with step_context(None):  # type: ignore[arg-type]
+        defer_expand(pending)
+        assert take_expand(out[1:]) is None and take_expand(out.t()) is None
+        assert take_expand(out) is pending and take_expand(out) is None
