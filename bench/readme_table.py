@@ -442,19 +442,24 @@ def rows() -> list[str]:
                  "churn-rate50-tiles-3d9d85a-h200.json", "churn-rate50-4a1c7c8-h200.json",
                  "churn-rate40-h200.json", "churn-disk-h200.json",
                  "churn-rate50-balanced-0eecaa2-h100.json",
-                 "churn-rate50-unbalanced-0eecaa2-h100.json"):
+                 "churn-rate50-unbalanced-0eecaa2-h100.json",
+                 "churn-rate50-tiles16-8a69460-h200.json"):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
             churn = churn_rows(result, f"`{path.name}` @ {result['commit'][:8]}")
             if name == "churn-rate50-4a1c7c8-h200.json":
                 churn = [row for row in churn if "alpha 0.5" in row]
+            if name == "churn-rate50-tiles16-8a69460-h200.json":  # the first run with them
+                churn = [row.replace(", reloads", ", mixed steps of <= 2,048 tokens in 16-row "
+                                     "LoRA tiles, reloads") for row in churn]
             lines += churn if name != "churn-disk-h200.json" else churn[-1:]
     for name, make in (("cold-load-h200.json", cold_rows), ("lora-grid-h200.json", grid_rows),
                        ("prefix-cache-h200.json", prefix_rows),
                        ("structured-output-h200.json", structured_rows),
                        ("distinct-adapters-h200.json", distinct_rows),
                        ("distinct-adapters-0eecaa2-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-8a69460-h200.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
