@@ -13,8 +13,11 @@ block-diagonal expand matrix beside it:
 
 so a step pays one wider GEMM and one small one per projection instead of the base GEMM plus
 the Triton shrink and expand (H200, one 7B decode layer, one adapter on all 7 modules:
-+15.0-17.2 us against +28.8-52.3 us, lora-layer-fusion-h200.json). A module an adapter does
-not target, and a rank below `max_rank`, leaves zero rows and columns: they add nothing.
++15.0-17.2 us against +28.8-52.3 us, lora-layer-fusion-h200.json). qkv's and gate_up's
+addmm is not launched at all: the projection defers it (context.defer_expand) and the op that
+reads its output fuses it in (ops.rotary, ops.silu_mul; FUSED_CONSUMERS). A module an
+adapter does not target, and a rank below `max_rank`, leaves zero rows and columns: they add
+nothing.
 The projection's output is then a strided view (row stride `out + modules * max_rank`): every
 consumer (rotary, the KV write and attention for qkv, rms_norm with the residual for o and
 down, silu_mul for gate_up) takes row strides.
