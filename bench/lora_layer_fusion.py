@@ -19,7 +19,8 @@ go to the residual rms_norm, left out as it is the same in all three):
 - `n_concat_ops`: n_concat and those ops, as the ride ran before the fusion;
 - `fused_ops`: n_concat with qkv's and gate_up's expands fused into those ops (as the ride
   runs them, slora_core/lora_ride.py), 1 launch a projection beyond base_ops for o and
-  down, none for qkv and gate_up.
+  down, none for qkv and gate_up; the fused ops launch as programmatic dependents of the
+  GEMM (the default, lora_common.RIDE_EXPAND_PDL); `fused_ops_nopdl` launches them plainly.
 Each variant's y is checked against float64 torch (base + delta) on the first layer; the
 ops variants' outputs are checked against n_concat_ops'.
 
@@ -50,7 +51,7 @@ PROJECTIONS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("gate_up", HIDDEN, (INTER, INTER)), ("down", INTER, (HIDDEN,)))
 CELLS: tuple[tuple[int, int], ...] = ((8, 64), (16, 64), (16, 256), (64, 64))
 VARIANTS = ("base", "lora", "n_concat", "k_concat")
-OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops")
+OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops", "fused_ops_nopdl")
 HEAD_DIM = 128
 
 
@@ -159,9 +160,11 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
             torch.mm(p.x, p.w_n.t(), out=p.y_n)
             return p.y_n[:, :n]
     b_t = p.b_diag.t().contiguous()  # the ride's layout (lora_ride.py)
+    fused = name.startswith("fused_ops")
+    pdl = None if name == "fused_ops" else False
     if p.kind == "gate_up":
-        if name == "fused_ops":
-            return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank)
+        if fused:
+            return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank, pdl=pdl)
         return lambda: silu_mul_triton(add_expand(name, p, gemm()))
     if p.kind == "qkv":
         heads = n // HEAD_DIM // mods
@@ -170,8 +173,9 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
 
         def rotate() -> torch.Tensor:
             y = gemm()
-            if name == "fused_ops":
-                rotary_expand_triton(y, p.y_n[:, n:], b_t, rank, heads, heads, cos, sin)
+            if fused:
+                rotary_expand_triton(y, p.y_n[:, n:], b_t, rank, heads, heads, cos, sin,
+                                     pdl=pdl)
             else:
                 y = add_expand(name, p, y)
                 q = y[:, : heads * HEAD_DIM].view(t, heads, HEAD_DIM)
@@ -220,10 +224,11 @@ def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
     for name in OPS_VARIANTS[1:]:
         row[f"{name}_added_us"] = row[f"{name}_us"] - row["base_ops_us"]
     # The fused ops against the unfused ones, on the first layer's inputs.
-    row["fused_ops_rel_err"] = max(
-        float((ops_variant("fused_ops", p, rank)().double()
-               - ops_variant("n_concat_ops", p, rank)().double()).norm()
-              / ops_variant("n_concat_ops", p, rank)().double().norm()) for p in sets[0])
+    for name in ("fused_ops", "fused_ops_nopdl"):
+        row[f"{name}_rel_err"] = max(
+            float((ops_variant(name, p, rank)().double()
+                   - ops_variant("n_concat_ops", p, rank)().double()).norm()
+                  / ops_variant("n_concat_ops", p, rank)().double().norm()) for p in sets[0])
     del sets
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

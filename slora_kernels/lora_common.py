@@ -49,6 +49,11 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     return positions.to(tl.int64)
 
 
+# The sole-adapter ride's fused expands (silu_mul_expand_triton, rotary_expand_triton) launch
+# as programmatic dependents of the projection GEMM before them, where supported.
+RIDE_EXPAND_PDL = True
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether launches on `device` can overlap their predecessor (programmatic dependent
     launch, `griddepcontrol`): compiled kernels (not Triton's interpreter) on a GPU of compute

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from slora_kernels import lora_common
+from slora_kernels.lora_common import pdl_options, pdl_supported, wait_for_producer
+
 BLOCK = 1024
 
 
@@ -46,7 +49,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 def _silu_mul_expand_kernel(x_ptr, s_ptr, b_ptr, y_ptr, num_tokens, inter, rank, stride_x,
                             stride_s, stride_b, stride_y, DOT_PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_R: tl.constexpr):
+                            BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
@@ -56,11 +59,13 @@ def _silu_mul_expand_kernel(x_ptr, s_ptr, b_ptr, y_ptr, num_tokens, inter, rank,
     b_mask = mask_r[:, None] & mask_n[None, :]
     s_rows = s_ptr + rows64[:, None] * stride_s + offs_r[None, :]
     b_rows = b_ptr + offs_r[:, None].to(tl.int64) * stride_b + cols[None, :]
-    # Gate: s[:, :rank] @ b_t[:rank, :I]; up: s[:, rank:2 rank] @ b_t[rank:2 rank, I:].
-    s_g = tl.load(s_rows, mask=s_mask, other=0.0)
-    s_u = tl.load(s_rows + rank, mask=s_mask, other=0.0)
+    # Gate: s[:, :rank] @ b_t[:rank, :I]; up: s[:, rank:2 rank] @ b_t[rank:2 rank, I:]. The
+    # expand matrix is not the GEMM's output: read before waiting for it (USE_PDL).
     b_g = tl.load(b_rows, mask=b_mask, other=0.0)
     b_u = tl.load(b_rows + rank * stride_b + inter, mask=b_mask, other=0.0)
+    wait_for_producer(USE_PDL)
+    s_g = tl.load(s_rows, mask=s_mask, other=0.0)
+    s_u = tl.load(s_rows + rank, mask=s_mask, other=0.0)
     mask = mask_m[:, None] & mask_n[None, :]
     x_rows = x_ptr + rows64[:, None] * stride_x + cols[None, :]
     g = tl.load(x_rows, mask=mask, other=0.0)
@@ -76,12 +81,14 @@ def _silu_mul_expand_kernel(x_ptr, s_ptr, b_ptr, y_ptr, num_tokens, inter, rank,
 
 
 def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
-                           rank: int) -> torch.Tensor:
+                           rank: int, pdl: bool | None = None) -> torch.Tensor:
     """silu_mul of gate_up + s @ b_t, with the expand fused in (the sole-adapter ride's
     gate_up projection, slora_core/lora_ride.py): s [T, 2 rank] (gate's shrink, then up's),
     b_t [2 rank, 2I] block-diagonal (gate's rows over the first I columns, up's over the
     rest). Same result as `gate_up.addmm_(s, b_t)` then `silu_mul_triton`, up to the dot's
-    summation order; gate_up is not written."""
+    summation order; gate_up is not written. `pdl`: launched as a programmatic dependent of
+    the GEMM before it (b_t read while the GEMM ends); None: lora_common.RIDE_EXPAND_PDL
+    where supported."""
     t, two_i = gate_up.shape if gate_up.dim() == 2 else (0, -1)
     if gate_up.dim() != 2 or two_i % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [T, 2I] with unit column stride, got "
@@ -96,8 +103,10 @@ def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Te
     if t == 0:
         return out
     block_m, block_n = 16, 64
+    pdl = (lora_common.RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(gate_up.device)
     _silu_mul_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(inter, block_n))](
         gate_up, s, b_t, out, t, inter, rank, gate_up.stride(0), s.stride(0), b_t.stride(0),
         out.stride(0), DOT_PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        USE_PDL=pdl, **pdl_options(pdl))
     return out
