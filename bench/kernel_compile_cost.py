@@ -38,6 +38,8 @@ POINTERS = {
     "b_off_ptr": I64, "ranks_ptr": I32, "scales_ptr": F32, "slots_ptr": I32,
     "seg_starts_ptr": I32, "seg_lens_ptr": I32, "seg_slots_ptr": I32, "tile_segs_ptr": I32,
     "tile_m0_ptr": I32, "rows_ptr": I32,
+    # The ride's fused expands (silu_mul_expand_triton, rotary_expand_triton).
+    "s_ptr": F16, "b_ptr": F16, "cos_ptr": F16, "sin_ptr": F16,
 }
 
 

@@ -131,14 +131,15 @@ UNIT_SECONDS = {
     "tests/test_static_checks.py": 45,  # mypy with a cold cache (a fresh clone)
     "tests/test_readme_examples.py": 63,
     "tests/services/dataplane/test_stack_e2e.py": 51,
-    "tests/slora_core/test_tp_keepalive.py": 47,  # sleeps mostly
+    "tests/slora_core/test_tp_keepalive.py": 50,  # sleeps mostly
     "tests/services/dataplane/test_worker_process.py": 38,
     "http_stack": 35,
     "tests/kernel_tests/test_lora.py": 31,
     "tests/services/dataplane/test_gateway_processes.py": 30,
     "tests/slora_core/test_tensor_parallel.py": 27,
-    "tests/kernel_tests/test_sm90_compile.py": 21,
+    "tests/kernel_tests/test_sm90_compile.py": 37,
     "tests/slora_core/test_mixed_graph_tiles.py": 20,  # the step on Triton's interpreter
+    "tests/slora_core/test_lora_ride.py": 12,  # fused ride steps on Triton's interpreter
     "tests/kernel_tests/test_lora_variants.py": 21,
     "tests/services/dataplane/test_rollout_e2e.py": 19,
     "tests/services/dataplane/test_http_errors.py": 18,

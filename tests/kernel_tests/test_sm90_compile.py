@@ -38,6 +38,19 @@ for case in sys.argv[1:]:
                       "pdl_launch": "griddepcontrol.launch_dependents" in ptx}))
 """
 CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand") for gather in (0, 1)]
+# The sole-adapter ride's fused expands, as the ride launches them (PDL, rank bound 64, fp16).
+RIDE_CHILD = """
+import json, re
+from bench.kernel_compile_cost import compile_cost
+from slora_kernels import rotary, silu_mul
+common = {"DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64, "USE_PDL": True}
+for name, fn, consts in (
+        ("silu_mul_expand", silu_mul._silu_mul_expand_kernel, {**common, "BLOCK_N": 64}),
+        ("rotary_expand", rotary._rotary_expand_kernel, {**common, "HALF": 64})):
+    ptx = compile_cost(fn, consts, 4)["ptx"]
+    print(json.dumps({"case": name, "mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
+                      "pdl_wait": "griddepcontrol.wait" in ptx}))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +80,18 @@ def test_expand_compiles_for_sm90(compiled: dict[str, dict[str, object]],
     assert out["pdl_wait"]
     kinds = " ".join(out["mma"])  # type: ignore[arg-type]
     assert "tf32" in kinds and "f32.f16.f16.f32" not in kinds, kinds
+
+
+def test_ride_fused_expands_compile_for_sm90() -> None:
+    """silu_mul's and rotary's fused expands: 16-bit tensor-core dots, and the wait for the
+    GEMM they launch behind."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", RIDE_CHILD], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_case = {o.pop("case"): o for o in (json.loads(line) for line in done.stdout.splitlines()
+                                          if line.startswith("{"))}
+    assert sorted(by_case) == ["rotary_expand", "silu_mul_expand"], done.stdout[-3000:]
+    for name, out in by_case.items():
+        assert out["pdl_wait"], name
+        assert any("f16.f16" in kind for kind in out["mma"]), (name, out["mma"])
