@@ -218,5 +218,18 @@ SUITES["issue37"] = (
     dataclasses.replace(SUITES["distinct-adapters"][0], argv=(
         *SUITES["distinct-adapters"][0].argv, "--ride-sole-adapter")),
     dataclasses.replace(SUITES["churn"][0], limit_s=220))
+# The ride's fused expands (qkv's into rotary, gate_up's into silu_mul, 7c40866) in one call:
+# their kernel tests compiled on the GPU, one layer's ops with and without the fusion (and
+# PDL), the ride's logits against HF fp32 / fp16 at 7B width, then issue37's engine figures
+# with the one-adapter arm alone beside base, and churn again.
+SUITES["issue37-ride"] = (
+    step("ride-kernel-tests", 120, "pytest", "-q", "-p", "no:cacheprovider", "-m",
+         "slow or not slow", "tests/kernel_tests/test_ride_expand.py"),
+    step("layer-fusion", 120, "bench.lora_layer_fusion", "--out", OUT("lora-layer-fusion-ops")),
+    step("ride-agreement", 150, "bench.gpu_suite", "--shapes", "llama2-7b", "--modes",
+         "ride_sole_adapter", "--out", OUT("gpu-suite-ride-fused-llama2-7b")),
+    dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
+        *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged")),
+    SUITES["issue37"][1])
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
