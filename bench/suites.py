@@ -220,8 +220,9 @@ SUITES["issue37"] = (
     dataclasses.replace(SUITES["churn"][0], limit_s=220))
 # The ride's fused expands (qkv's into rotary, gate_up's into silu_mul, 7c40866) in one call:
 # their kernel tests compiled on the GPU, one layer's ops with and without the fusion (and
-# PDL), the ride's logits against HF fp32 / fp16 at 7B width, then issue37's engine figures
-# with the one-adapter arm alone beside base, and churn again.
+# PDL), the ride's logits against HF fp32 / fp16 at 7B width, issue37's engine figures with
+# the one-adapter arm alone beside base, churn again, and last the ride's step by kernel family
+# (what a call cut short by its 600 s loses first).
 SUITES["issue37-ride"] = (
     step("ride-kernel-tests", 120, "pytest", "-q", "-p", "no:cacheprovider", "-m",
          "slow or not slow", "tests/kernel_tests/test_ride_expand.py"),
@@ -230,6 +231,9 @@ SUITES["issue37-ride"] = (
          "ride_sole_adapter", "--out", OUT("gpu-suite-ride-fused-llama2-7b")),
     dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged")),
-    SUITES["issue37"][1])
+    SUITES["issue37"][1],
+    dataclasses.replace(SUITES["distinct-profile"][0], limit_s=150, argv=(
+        *SUITES["distinct-profile"][0].argv[:-1], OUT("distinct-profile-ride"),
+        "--distinct-arms", "one_unmerged", "--ride-sole-adapter")))
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
