@@ -20,7 +20,10 @@ go to the residual rms_norm, left out as it is the same in all three):
 - `fused_ops`: n_concat with qkv's and gate_up's expands fused into those ops (as the ride
   runs them, slora_core/lora_ride.py), 1 launch a projection beyond base_ops for o and
   down, none for qkv and gate_up; the fused ops launch as programmatic dependents of the
-  GEMM (the default, lora_common.RIDE_EXPAND_PDL); `fused_ops_nopdl` launches them plainly.
+  GEMM (the default, lora_common.RIDE_EXPAND_PDL); `fused_ops_nopdl` launches them plainly;
+- `fused_ops_all`: fused_ops with o's and down's expands a Triton launch behind their GEMM
+  (slora_kernels.ride_expand, PDL) instead of the addmm (SoleAdapterRide.triton_expands, off
+  in the engine until this wins).
 Each variant's y is checked against float64 torch (base + delta) on the first layer; the
 ops variants' outputs are checked against n_concat_ops'.
 
@@ -51,7 +54,7 @@ PROJECTIONS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("gate_up", HIDDEN, (INTER, INTER)), ("down", INTER, (HIDDEN,)))
 CELLS: tuple[tuple[int, int], ...] = ((8, 64), (16, 64), (16, 256), (64, 64))
 VARIANTS = ("base", "lora", "n_concat", "k_concat")
-OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops", "fused_ops_nopdl")
+OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops", "fused_ops_nopdl", "fused_ops_all")
 HEAD_DIM = 128
 
 
@@ -153,15 +156,21 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
 
     n, t = p.w.shape[0], p.x.shape[0]
     mods = len(p.slices)
-    if name == "base_ops" or p.kind in ("o", "down"):
+    b_t = p.b_diag.t().contiguous()  # the ride's layout (lora_ride.py)
+    if name == "fused_ops_all" and p.kind in ("o", "down"):
+        from slora_kernels.ride_expand import expand_add_triton
+
+        def gemm() -> torch.Tensor:
+            torch.mm(p.x, p.w_n.t(), out=p.y_n)
+            return expand_add_triton(p.y_n[:, :n], p.y_n[:, n:], b_t)
+    elif name == "base_ops" or p.kind in ("o", "down"):
         gemm = variant("base" if name == "base_ops" else "n_concat", p, None, rank)
     else:
         def gemm() -> torch.Tensor:
             torch.mm(p.x, p.w_n.t(), out=p.y_n)
             return p.y_n[:, :n]
-    b_t = p.b_diag.t().contiguous()  # the ride's layout (lora_ride.py)
     fused = name.startswith("fused_ops")
-    pdl = None if name == "fused_ops" else False
+    pdl = False if name == "fused_ops_nopdl" else None
     if p.kind == "gate_up":
         if fused:
             return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank, pdl=pdl)
@@ -224,7 +233,7 @@ def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
     for name in OPS_VARIANTS[1:]:
         row[f"{name}_added_us"] = row[f"{name}_us"] - row["base_ops_us"]
     # The fused ops against the unfused ones, on the first layer's inputs.
-    for name in ("fused_ops", "fused_ops_nopdl"):
+    for name in ("fused_ops", "fused_ops_nopdl", "fused_ops_all"):
         row[f"{name}_rel_err"] = max(
             float((ops_variant(name, p, rank)().double()
                    - ops_variant("n_concat_ops", p, rank)().double()).norm()

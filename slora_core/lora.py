@@ -31,6 +31,9 @@ class RideRows:
     # Leave the expand to the op reading the output (qkv: rotary, gate_up: silu_mul), which
     # fuses it in (context.defer_expand); False: one addmm here.
     defer: bool = False
+    # Not deferred: the expand as a Triton launch behind the GEMM (slora_kernels.ride_expand,
+    # on CUDA) instead of cuBLAS's addmm.
+    triton_expand: bool = False
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T (+ bias) + the loaded adapter's delta: one GEMM, then one addmm or the
@@ -42,6 +45,10 @@ class RideRows:
         if self.defer:
             defer_expand(PendingExpand(y, wide[:, self.out :], self.b_t, self.rank))
             return y
+        if self.triton_expand and ops._use_triton(y):
+            from slora_kernels.ride_expand import expand_add_triton
+
+            return expand_add_triton(y, wide[:, self.out :], self.b_t)
         return y.addmm_(wide[:, self.out :], self.b_t)
 
 

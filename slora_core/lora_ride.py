@@ -116,6 +116,19 @@ class SoleAdapterRide:
             lin.ride.defer = on and lin.module_ids in FUSED_CONSUMERS
 
     @property
+    def triton_expands(self) -> bool:
+        """Whether the expands not fused into an op (o's, down's) run as a Triton launch behind
+        their GEMM (slora_kernels.ride_expand) rather than cuBLAS's addmm. Off: not measured
+        on a GPU yet. Set it before graphs are captured."""
+        return any(lin.ride is not None and lin.ride.triton_expand for lin in self.layers)
+
+    @triton_expands.setter
+    def triton_expands(self, on: bool) -> None:
+        for lin in self.layers:
+            assert lin.ride is not None
+            lin.ride.triton_expand = on
+
+    @property
     def nbytes(self) -> int:
         """Device bytes the appended rows and expand matrices take."""
         return sum((lin.ride.weight.numel() - lin.base.weight.numel() + lin.ride.b_t.numel())

@@ -118,3 +118,25 @@ def test_fused_expands_refuse_mismatched_shapes():
         rotary_expand_triton(qkv, s3, b3, 8, 2, 1, cos, sin)
     with pytest.raises(ValueError, match="3 rank"):
         rotary_expand_triton(qkv, s3[:, :16], b3, 8, 1, 1, cos, sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,n,k", [(1, 96, 8), (19, 200, 64), (40, 64, 192)])
+def test_expand_add_matches_addmm(dtype, tokens, n, k):
+    """o's and down's expand as a Triton launch (ride_expand), on a strided view of the wide
+    GEMM output, against float64 torch and cuBLAS's (here torch's) addmm."""
+    from slora_kernels.ride_expand import expand_add_triton
+
+    gen = generator(tokens * n + k)
+    wide = randn(tokens, n + k, dtype=dtype, gen=gen)
+    y, s = wide[:, :n], wide[:, n:]
+    b_t = randn(k, n, dtype=dtype, gen=gen, std=0.1)
+    ref = y.double() + s.double() @ b_t.double()
+    unfused = y.clone().addmm_(s, b_t)
+    shrink = s.clone()
+    assert rel_err(y, ref) > 10 * TOLERANCE[dtype]  # the delta matters
+    assert expand_add_triton(y, s, b_t) is y
+    assert rel_err(y, ref) < TOLERANCE[dtype] and rel_err(y, unfused) < TOLERANCE[dtype]
+    assert torch.equal(s, shrink)
+    with pytest.raises(ValueError, match="K <= 256"):
+        expand_add_triton(y, s, b_t[:, :-1])

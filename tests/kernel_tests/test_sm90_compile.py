@@ -42,11 +42,14 @@ CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand") for gather in (
 RIDE_CHILD = """
 import json, re
 from bench.kernel_compile_cost import compile_cost
-from slora_kernels import rotary, silu_mul
-common = {"DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64, "USE_PDL": True}
+from slora_kernels import ride_expand, rotary, silu_mul
+common = {"DOT_PRECISION": "tf32", "BLOCK_M": 16, "USE_PDL": True}
 for name, fn, consts in (
-        ("silu_mul_expand", silu_mul._silu_mul_expand_kernel, {**common, "BLOCK_N": 64}),
-        ("rotary_expand", rotary._rotary_expand_kernel, {**common, "HALF": 64})):
+        ("silu_mul_expand", silu_mul._silu_mul_expand_kernel,
+         {**common, "BLOCK_R": 64, "BLOCK_N": 64}),
+        ("rotary_expand", rotary._rotary_expand_kernel, {**common, "BLOCK_R": 64, "HALF": 64}),
+        ("expand_add", ride_expand._expand_add_kernel,
+         {**common, "BLOCK_N": 128, "BLOCK_K": 64})):
     ptx = compile_cost(fn, consts, 4)["ptx"]
     print(json.dumps({"case": name, "mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
                       "pdl_wait": "griddepcontrol.wait" in ptx}))
@@ -83,15 +86,16 @@ def test_expand_compiles_for_sm90(compiled: dict[str, dict[str, object]],
 
 
 def test_ride_fused_expands_compile_for_sm90() -> None:
-    """silu_mul's and rotary's fused expands: 16-bit tensor-core dots, and the wait for the
-    GEMM they launch behind."""
+    """silu_mul's and rotary's fused expands and the Triton expand for o and down: 16-bit
+    tensor-core dots, and the wait for the GEMM they launch behind."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", RIDE_CHILD], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     by_case = {o.pop("case"): o for o in (json.loads(line) for line in done.stdout.splitlines()
                                           if line.startswith("{"))}
-    assert sorted(by_case) == ["rotary_expand", "silu_mul_expand"], done.stdout[-3000:]
+    assert sorted(by_case) == ["expand_add", "rotary_expand", "silu_mul_expand"], \
+        done.stdout[-3000:]
     for name, out in by_case.items():
         assert out["pdl_wait"], name
         assert any("f16.f16" in kind for kind in out["mma"]), (name, out["mma"])

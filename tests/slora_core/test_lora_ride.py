@@ -217,15 +217,17 @@ def test_padded_ride_mixed_step_gives_the_unpadded_logits(demo_dir):
 
 
 def test_fused_consumer_expands_give_the_addmm_logits(demo_dir, monkeypatch):
-    """qkv's and gate_up's expands fused into rotary and silu_mul (the kernels, on Triton's
-    interpreter) give the logits of the same ride steps with every expand an addmm."""
+    """qkv's and gate_up's expands fused into rotary and silu_mul, and o's and down's as a
+    Triton launch (triton_expands; the kernels on Triton's interpreter), give the logits of
+    the same ride steps with every expand an addmm."""
     from slora_core import ops
-    from slora_kernels import rotary, silu_mul
+    from slora_kernels import ride_expand, rotary, silu_mul
 
     monkeypatch.setattr(ops, "_use_triton", lambda t: True)
-    calls = {"rotary": 0, "silu_mul": 0}
+    calls = {"rotary": 0, "silu_mul": 0, "expand": 0}
     for mod, name, key in ((rotary, "rotary_expand_triton", "rotary"),
-                           (silu_mul, "silu_mul_expand_triton", "silu_mul")):
+                           (silu_mul, "silu_mul_expand_triton", "silu_mul"),
+                           (ride_expand, "expand_add_triton", "expand")):
         real = getattr(mod, name)
 
         def counted(*args, _real=real, _key=key, **kwargs):  # type: ignore[no-untyped-def]
@@ -236,7 +238,8 @@ def test_fused_consumer_expands_give_the_addmm_logits(demo_dir, monkeypatch):
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
     engine = _engine(demo_dir, names[:1])
     runner, ride = engine.runner, _ride(engine)
-    assert ride.fused_consumers
+    assert ride.fused_consumers and not ride.triton_expands
+    ride.triton_expands = True
     run = runner.run
     diffs: list[float] = []
 
@@ -245,14 +248,15 @@ def test_fused_consumer_expands_give_the_addmm_logits(demo_dir, monkeypatch):
         logits = run(scheduled, patch)
         if calls != before:  # this step rode, with the fused expands
             layers = engine.model_config.num_hidden_layers
-            assert calls["rotary"] - before["rotary"] == layers
-            assert calls["silu_mul"] - before["silu_mul"] == layers
-            ride.fused_consumers = False
+            want = {"rotary": layers, "silu_mul": layers, "expand": 2 * layers}
+            assert {k: calls[k] - before[k] for k in calls} == want
+            ride.fused_consumers = ride.triton_expands = False
             try:
                 plain = run(scheduled, patch)
             finally:
-                ride.fused_consumers = True
-            assert calls == {k: v + layers for k, v in before.items()}  # none the 2nd time
+                ride.fused_consumers = ride.triton_expands = True
+            # None the second time: every expand an addmm.
+            assert calls == {k: before[k] + want[k] for k in calls}
             diffs.append(float((logits - plain).abs().max() / plain.abs().max()))
         return logits
 

@@ -1,0 +1,71 @@
+"""The sole-adapter ride's expand as a Triton launch (slora_core/lora_ride.py), for the
+projections whose output no op fuses it into (o and down, read by the residual rms_norm):
+
+    y[t, n] += sum_j s[t, j] * b_t[j, n]        s [T, K], b_t [K, N], K <= 256
+
+the same sum cuBLAS's `y.addmm_(s, b_t)` makes, but launched as a programmatic dependent of
+the projection GEMM before it (Hopper+): the expand matrix, which that GEMM does not write, is
+read while the GEMM ends. Opt-in (SoleAdapterRide.triton_expands) until a GPU run shows it
+beats the addmm (bench.lora_layer_fusion's `fused_ops_all`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slora_kernels import lora_common
+from slora_kernels.lora_common import pdl_options, pdl_supported, wait_for_producer
+
+MAX_K = 256
+
+
+@triton.jit
+def _expand_add_kernel(y_ptr, s_ptr, b_ptr, num_tokens, n, k, stride_y, stride_s, stride_b,
+                       DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n, mask_k = rows < num_tokens, cols < n, offs_k < k
+    rows64 = rows.to(tl.int64)
+    b = tl.load(b_ptr + offs_k[:, None].to(tl.int64) * stride_b + cols[None, :],
+                mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    wait_for_producer(USE_PDL)
+    s = tl.load(s_ptr + rows64[:, None] * stride_s + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + rows64[:, None] * stride_y + cols[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    # One rounding to the output dtype, as the addmm's.
+    out = y.to(tl.float32) + tl.dot(s, b, input_precision=DOT_PRECISION)
+    tl.store(y_ptrs, out.to(y.dtype), mask=mask)
+
+
+def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
+                      pdl: bool | None = None) -> torch.Tensor:
+    """y += s @ b_t in place (y [T, N] and s [T, K] may be strided views, unit column stride;
+    b_t [K, N]); returns y. `pdl`: launched as a programmatic dependent of the previous
+    kernel; None: lora_common.RIDE_EXPAND_PDL where supported."""
+    if y.dim() != 2 or s.dim() != 2 or b_t.dim() != 2:
+        raise ValueError("y, s and b_t must be 2-D")
+    t, n = y.shape
+    k = s.shape[1]
+    if s.shape[0] != t or b_t.shape != (k, n) or not 0 < k <= MAX_K:
+        raise ValueError(f"s must be [T, K] and b_t [K, N] with 0 < K <= {MAX_K}: y "
+                         f"{tuple(y.shape)}, s {tuple(s.shape)}, b_t {tuple(b_t.shape)}")
+    if y.stride(1) != 1 or s.stride(1) != 1 or b_t.stride(1) != 1 \
+            or s.dtype != y.dtype or b_t.dtype != y.dtype:
+        raise ValueError(f"y, s and b_t need unit column stride and one dtype; got "
+                         f"{y.dtype}, {s.dtype}, {b_t.dtype}")
+    if t == 0:
+        return y
+    block_m, block_n = 16, 128
+    pdl = (lora_common.RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(y.device)
+    _expand_add_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
+        y, s, b_t, t, n, k, y.stride(0), s.stride(0), b_t.stride(0),
+        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(k)), USE_PDL=pdl,
+        **pdl_options(pdl))
+    return y
