@@ -54,6 +54,17 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
 RIDE_EXPAND_PDL = True
 
 
+def check_expand_operands(s: torch.Tensor, b_t: torch.Tensor, rows: int, k: int, n: int,
+                          dtype: torch.dtype, what: str) -> None:
+    """Raise ValueError unless the ride's shrink output s is [rows, k] and its expand matrix
+    b_t [k, n], both in `dtype` with unit column stride; `what` names k in the message."""
+    if s.shape != (rows, k) or b_t.shape != (k, n) or s.stride(-1) != 1 \
+            or b_t.stride(-1) != 1 or s.dtype != dtype or b_t.dtype != dtype:
+        raise ValueError(f"s must be [T, {what}] = {(rows, k)} and b_t [{what}, N] = {(k, n)} "
+                         f"in {dtype}, unit column stride; got {tuple(s.shape)} {s.dtype}, "
+                         f"{tuple(b_t.shape)} {b_t.dtype}")
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether launches on `device` can overlap their predecessor (programmatic dependent
     launch, `griddepcontrol`): compiled kernels (not Triton's interpreter) on a GPU of compute

@@ -16,7 +16,12 @@ import triton
 import triton.language as tl
 
 from slora_kernels import lora_common
-from slora_kernels.lora_common import pdl_options, pdl_supported, wait_for_producer
+from slora_kernels.lora_common import (
+    check_expand_operands,
+    pdl_options,
+    pdl_supported,
+    wait_for_producer,
+)
 
 MAX_K = 256
 
@@ -48,17 +53,14 @@ def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
     """y += s @ b_t in place (y [T, N] and s [T, K] may be strided views, unit column stride;
     b_t [K, N]); returns y. `pdl`: launched as a programmatic dependent of the previous
     kernel; None: lora_common.RIDE_EXPAND_PDL where supported."""
-    if y.dim() != 2 or s.dim() != 2 or b_t.dim() != 2:
-        raise ValueError("y, s and b_t must be 2-D")
+    if y.dim() != 2 or s.dim() != 2 or y.stride(1) != 1:
+        raise ValueError(f"y [T, N] and s [T, K] expected, y with unit column stride; got y "
+                         f"{tuple(y.shape)}, s {tuple(s.shape)}")
     t, n = y.shape
     k = s.shape[1]
-    if s.shape[0] != t or b_t.shape != (k, n) or not 0 < k <= MAX_K:
-        raise ValueError(f"s must be [T, K] and b_t [K, N] with 0 < K <= {MAX_K}: y "
-                         f"{tuple(y.shape)}, s {tuple(s.shape)}, b_t {tuple(b_t.shape)}")
-    if y.stride(1) != 1 or s.stride(1) != 1 or b_t.stride(1) != 1 \
-            or s.dtype != y.dtype or b_t.dtype != y.dtype:
-        raise ValueError(f"y, s and b_t need unit column stride and one dtype; got "
-                         f"{y.dtype}, {s.dtype}, {b_t.dtype}")
+    if not 0 < k <= MAX_K:
+        raise ValueError(f"K = {k}: the expand takes 0 < K <= {MAX_K}")
+    check_expand_operands(s, b_t, t, k, n, y.dtype, "K")
     if t == 0:
         return y
     block_m, block_n = 16, 128

@@ -14,7 +14,12 @@ import triton
 import triton.language as tl
 
 from slora_kernels import lora_common
-from slora_kernels.lora_common import pdl_options, pdl_supported, wait_for_producer
+from slora_kernels.lora_common import (
+    check_expand_operands,
+    pdl_options,
+    pdl_supported,
+    wait_for_producer,
+)
 
 
 @triton.jit
@@ -126,11 +131,7 @@ def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, 
             or sin.shape != cos.shape:
         raise ValueError(f"cos/sin must be [T, D] = {(t, d)} with unit stride along D, got "
                          f"{tuple(cos.shape)}")
-    if s.shape != (t, 3 * rank) or s.stride(1) != 1 or b_t.shape != (3 * rank, width) \
-            or b_t.stride(1) != 1 or s.dtype != qkv.dtype or b_t.dtype != qkv.dtype:
-        raise ValueError(f"s must be [T, 3 rank] = {(t, 3 * rank)} and b_t [3 rank, width] = "
-                         f"{(3 * rank, width)} in {qkv.dtype}, unit column stride; got "
-                         f"{tuple(s.shape)} {s.dtype}, {tuple(b_t.shape)} {b_t.dtype}")
+    check_expand_operands(s, b_t, t, 3 * rank, width, qkv.dtype, "3 rank")
     if t == 0:
         return
     block_m = 16

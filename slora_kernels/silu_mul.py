@@ -12,7 +12,12 @@ import triton
 import triton.language as tl
 
 from slora_kernels import lora_common
-from slora_kernels.lora_common import pdl_options, pdl_supported, wait_for_producer
+from slora_kernels.lora_common import (
+    check_expand_operands,
+    pdl_options,
+    pdl_supported,
+    wait_for_producer,
+)
 
 BLOCK = 1024
 
@@ -93,11 +98,7 @@ def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Te
     if gate_up.dim() != 2 or two_i % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [T, 2I] with unit column stride, got "
                          f"{tuple(gate_up.shape)}")
-    if s.shape != (t, 2 * rank) or s.stride(1) != 1 or b_t.shape != (2 * rank, two_i) \
-            or b_t.stride(1) != 1 or s.dtype != gate_up.dtype or b_t.dtype != gate_up.dtype:
-        raise ValueError(f"s must be [T, 2 rank] = {(t, 2 * rank)} and b_t [2 rank, 2I] = "
-                         f"{(2 * rank, two_i)} in {gate_up.dtype}, unit column stride; got "
-                         f"{tuple(s.shape)} {s.dtype}, {tuple(b_t.shape)} {b_t.dtype}")
+    check_expand_operands(s, b_t, t, 2 * rank, two_i, gate_up.dtype, "2 rank")
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:

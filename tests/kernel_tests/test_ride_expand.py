@@ -138,5 +138,8 @@ def test_expand_add_matches_addmm(dtype, tokens, n, k):
     assert expand_add_triton(y, s, b_t) is y
     assert rel_err(y, ref) < TOLERANCE[dtype] and rel_err(y, unfused) < TOLERANCE[dtype]
     assert torch.equal(s, shrink)
-    with pytest.raises(ValueError, match="K <= 256"):
+    with pytest.raises(ValueError, match=r"b_t \[K, N\]"):
         expand_add_triton(y, s, b_t[:, :-1])
+    with pytest.raises(ValueError, match="K <= 256"):
+        expand_add_triton(y, randn(tokens, 264, dtype=dtype, gen=gen),
+                          randn(264, n, dtype=dtype, gen=gen))
