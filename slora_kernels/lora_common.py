@@ -54,6 +54,13 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
 RIDE_EXPAND_PDL = True
 
 
+def ride_block_m(tokens: int) -> int:
+    """Rows a program of the ride's expand launchers covers: 16 for decode-sized steps (more
+    programs), 64 past 128 tokens, where each program re-reads its expand-matrix tile and 16
+    rows would re-read it 4x as often (prefill chunks in the mixed graphs)."""
+    return 16 if tokens <= 128 else 64
+
+
 def check_expand_operands(s: torch.Tensor, b_t: torch.Tensor, rows: int, k: int, n: int,
                           dtype: torch.dtype, what: str) -> None:
     """Raise ValueError unless the ride's shrink output s is [rows, k] and its expand matrix

@@ -20,6 +20,7 @@ from slora_kernels.lora_common import (
     check_expand_operands,
     pdl_options,
     pdl_supported,
+    ride_block_m,
     wait_for_producer,
 )
 
@@ -63,7 +64,7 @@ def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
     check_expand_operands(s, b_t, t, k, n, y.dtype, "K")
     if t == 0:
         return y
-    block_m, block_n = 16, 128
+    block_m, block_n = ride_block_m(t), 128
     pdl = (lora_common.RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(y.device)
     _expand_add_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
         y, s, b_t, t, n, k, y.stride(0), s.stride(0), b_t.stride(0),

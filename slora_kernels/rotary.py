@@ -18,6 +18,7 @@ from slora_kernels.lora_common import (
     check_expand_operands,
     pdl_options,
     pdl_supported,
+    ride_block_m,
     wait_for_producer,
 )
 
@@ -134,7 +135,7 @@ def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, 
     check_expand_operands(s, b_t, t, 3 * rank, width, qkv.dtype, "3 rank")
     if t == 0:
         return
-    block_m = 16
+    block_m = ride_block_m(t)
     pdl = (lora_common.RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(qkv.device)
     _rotary_expand_kernel[(triton.cdiv(t, block_m), heads)](
         qkv, s, b_t, cos, sin, t, rank, num_q_heads, num_kv_heads, qkv.stride(0), s.stride(0),

@@ -16,6 +16,7 @@ from slora_kernels.lora_common import (
     check_expand_operands,
     pdl_options,
     pdl_supported,
+    ride_block_m,
     wait_for_producer,
 )
 
@@ -103,7 +104,7 @@ def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Te
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    block_m, block_n = 16, 64
+    block_m, block_n = ride_block_m(t), 64
     pdl = (lora_common.RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(gate_up.device)
     _silu_mul_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(inter, block_n))](
         gate_up, s, b_t, out, t, inter, rank, gate_up.stride(0), s.stride(0), b_t.stride(0),

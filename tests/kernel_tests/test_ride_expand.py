@@ -38,7 +38,8 @@ def _silu_mul64(gu: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,inter,rank,used", [(1, 96, 8, 8), (19, 160, 16, 16),
-                                                     (40, 64, 48, 24), (16, 200, 64, 8)])
+                                                     (40, 64, 48, 24), (16, 200, 64, 8),
+                                                     (150, 64, 16, 16)])
 def test_silu_mul_expand_matches_addmm_then_silu_mul(dtype, tokens, inter, rank, used):
     gen = generator(tokens * inter + rank)
     y, s, b_t = _wide(tokens, 2 * inter, 2, rank, used, dtype, gen)
@@ -62,7 +63,8 @@ def _cos_sin(tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,rank,used", [
-    (1, 4, 4, 16, 8, 8), (21, 4, 2, 32, 16, 16), (33, 6, 1, 64, 64, 40)])
+    (1, 4, 4, 16, 8, 8), (21, 4, 2, 32, 16, 16), (33, 6, 1, 64, 64, 40),
+    (140, 2, 1, 32, 16, 16)])
 def test_rotary_expand_matches_addmm_then_rotary(dtype, tokens, heads, kv_heads, head_dim,
                                                  rank, used):
     gen = generator(tokens * heads + rank)
@@ -121,7 +123,8 @@ def test_fused_expands_refuse_mismatched_shapes():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens,n,k", [(1, 96, 8), (19, 200, 64), (40, 64, 192)])
+@pytest.mark.parametrize("tokens,n,k", [(1, 96, 8), (19, 200, 64), (40, 64, 192),
+                                         (130, 64, 16)])
 def test_expand_add_matches_addmm(dtype, tokens, n, k):
     """o's and down's expand as a Triton launch (ride_expand), on a strided view of the wide
     GEMM output, against float64 torch and cuBLAS's (here torch's) addmm."""

@@ -44,10 +44,15 @@ import json, re
 from bench.kernel_compile_cost import compile_cost
 from slora_kernels import ride_expand, rotary, silu_mul
 common = {"DOT_PRECISION": "tf32", "BLOCK_M": 16, "USE_PDL": True}
+# BLOCK_M 16 for decode steps, 64 for prefill chunks (lora_common.ride_block_m).
 for name, fn, consts in (
         ("silu_mul_expand", silu_mul._silu_mul_expand_kernel,
          {**common, "BLOCK_R": 64, "BLOCK_N": 64}),
+        ("silu_mul_expand_m64", silu_mul._silu_mul_expand_kernel,
+         {**common, "BLOCK_R": 64, "BLOCK_N": 64, "BLOCK_M": 64}),
         ("rotary_expand", rotary._rotary_expand_kernel, {**common, "BLOCK_R": 64, "HALF": 64}),
+        ("rotary_expand_m64", rotary._rotary_expand_kernel,
+         {**common, "BLOCK_R": 64, "HALF": 64, "BLOCK_M": 64}),
         ("expand_add", ride_expand._expand_add_kernel,
          {**common, "BLOCK_N": 128, "BLOCK_K": 64})):
     ptx = compile_cost(fn, consts, 4)["ptx"]
@@ -94,8 +99,8 @@ def test_ride_fused_expands_compile_for_sm90() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     by_case = {o.pop("case"): o for o in (json.loads(line) for line in done.stdout.splitlines()
                                           if line.startswith("{"))}
-    assert sorted(by_case) == ["expand_add", "rotary_expand", "silu_mul_expand"], \
-        done.stdout[-3000:]
+    assert sorted(by_case) == ["expand_add", "rotary_expand", "rotary_expand_m64",
+                               "silu_mul_expand", "silu_mul_expand_m64"], done.stdout[-3000:]
     for name, out in by_case.items():
         assert out["pdl_wait"], name
         assert any("f16.f16" in kind for kind in out["mma"]), (name, out["mma"])
