@@ -79,15 +79,11 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     is applied first: fused into the rotation (q, k and the v heads after them) on CUDA."""
     pending = take_expand(q)
     if pending is not None:
-        qkv = pending.out
-        heads = qkv.shape[1] // q.shape[2]
-        fusable = (_use_triton(q) and k.data_ptr() == q.data_ptr() + q[0].numel() * q.element_size()
-                   and heads == q.shape[1] + 2 * k.shape[1] and qkv.shape[1] == heads * q.shape[2]
-                   and pending.s.shape[1] == 3 * pending.rank)
-        if fusable:
+        if _use_triton(q):
             from slora_kernels.rotary import rotary_expand_triton
 
-            rotary_expand_triton(qkv, pending.s, pending.b_t, pending.rank, q.shape[1],
+            # q, k and v heads of the fused output (the launcher refuses another layout).
+            rotary_expand_triton(pending.out, pending.s, pending.b_t, pending.rank, q.shape[1],
                                  k.shape[1], cos, sin)
             return
         pending.apply()
@@ -104,7 +100,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     expand was deferred (context.defer_expand), the expand is applied first: fused in on CUDA."""
     pending = take_expand(gate_up)
     if pending is not None:
-        if _use_triton(gate_up) and pending.s.shape[1] == 2 * pending.rank:
+        if _use_triton(gate_up):
             from slora_kernels.silu_mul import silu_mul_expand_triton
 
             return silu_mul_expand_triton(gate_up, pending.s, pending.b_t, pending.rank)

@@ -54,6 +54,12 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
 RIDE_EXPAND_PDL = True
 
 
+def ride_pdl(pdl: bool | None, device: torch.device) -> bool:
+    """Whether a ride expand launcher runs as a programmatic dependent: `pdl`, or
+    RIDE_EXPAND_PDL when None, and only where supported."""
+    return (RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(device)
+
+
 def ride_block_m(tokens: int) -> int:
     """Rows a program of the ride's expand launchers covers: 16 for decode-sized steps (more
     programs), 64 past 128 tokens, where each program re-reads its expand-matrix tile and 16

@@ -15,12 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels import lora_common
 from slora_kernels.lora_common import (
     check_expand_operands,
+    dot_precision,
     pdl_options,
-    pdl_supported,
     ride_block_m,
+    ride_pdl,
     wait_for_producer,
 )
 
@@ -65,10 +65,10 @@ def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
     if t == 0:
         return y
     block_m, block_n = ride_block_m(t), 128
-    pdl = (lora_common.RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(y.device)
+    pdl = ride_pdl(pdl, y.device)
     _expand_add_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
         y, s, b_t, t, n, k, y.stride(0), s.stride(0), b_t.stride(0),
-        DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32", BLOCK_M=block_m,
+        DOT_PRECISION=dot_precision(y.dtype), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(k)), USE_PDL=pdl,
         **pdl_options(pdl))
     return y

@@ -13,12 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels import lora_common
 from slora_kernels.lora_common import (
     check_expand_operands,
+    dot_precision,
     pdl_options,
-    pdl_supported,
     ride_block_m,
+    ride_pdl,
     wait_for_producer,
 )
 
@@ -119,7 +119,7 @@ def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, 
     block-diagonal. Same result as `qkv.addmm_(s, b_t)` then `rotary_triton` on q and k, up
     to the dot's summation order. `pdl` as in `silu_mul.silu_mul_expand_triton` (cos and sin
     come from before the GEMM, which waits for them)."""
-    if qkv.dim() != 2 or qkv.stride(1) != 1 or not cos.shape or cos.dim() != 2:
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or cos.dim() != 2:
         raise ValueError(f"qkv must be [T, (H + 2 Hkv) D] with unit column stride and cos/sin "
                          f"[T, D]; got {tuple(qkv.shape)}, {tuple(cos.shape)}")
     t, width = qkv.shape
@@ -136,10 +136,10 @@ def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, 
     if t == 0:
         return
     block_m = ride_block_m(t)
-    pdl = (lora_common.RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(qkv.device)
+    pdl = ride_pdl(pdl, qkv.device)
     _rotary_expand_kernel[(triton.cdiv(t, block_m), heads)](
         qkv, s, b_t, cos, sin, t, rank, num_q_heads, num_kv_heads, qkv.stride(0), s.stride(0),
         b_t.stride(0), cos.stride(0),
-        DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", HALF=d // 2,
+        DOT_PRECISION=dot_precision(qkv.dtype), HALF=d // 2,
         BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)), USE_PDL=pdl,
         **pdl_options(pdl))

@@ -11,12 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels import lora_common
 from slora_kernels.lora_common import (
     check_expand_operands,
+    dot_precision,
     pdl_options,
-    pdl_supported,
     ride_block_m,
+    ride_pdl,
     wait_for_producer,
 )
 
@@ -95,20 +95,20 @@ def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Te
     summation order; gate_up is not written. `pdl`: launched as a programmatic dependent of
     the GEMM before it (b_t read while the GEMM ends); None: lora_common.RIDE_EXPAND_PDL
     where supported."""
-    t, two_i = gate_up.shape if gate_up.dim() == 2 else (0, -1)
-    if gate_up.dim() != 2 or two_i % 2 or gate_up.stride(1) != 1:
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [T, 2I] with unit column stride, got "
                          f"{tuple(gate_up.shape)}")
+    t, two_i = gate_up.shape
     check_expand_operands(s, b_t, t, 2 * rank, two_i, gate_up.dtype, "2 rank")
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
     block_m, block_n = ride_block_m(t), 64
-    pdl = (lora_common.RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(gate_up.device)
+    pdl = ride_pdl(pdl, gate_up.device)
     _silu_mul_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(inter, block_n))](
         gate_up, s, b_t, out, t, inter, rank, gate_up.stride(0), s.stride(0), b_t.stride(0),
-        out.stride(0), DOT_PRECISION="ieee" if gate_up.dtype == torch.float32 else "tf32",
+        out.stride(0), DOT_PRECISION=dot_precision(gate_up.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         USE_PDL=pdl, **pdl_options(pdl))
     return out

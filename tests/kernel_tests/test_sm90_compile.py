@@ -2,8 +2,8 @@
 Triton's bundled ptxas: what the interpreter cannot catch (a global a kernel may not read, a
 type the compiler refuses) fails here, before a GPU run does. Both are compiled as decode
 graphs launch them (PDL, rows gathered or not) at the engine's
-largest rank tile, in a child process (the kernels are compiled only when imported with
-TRITON_INTERPRET=0)."""
+largest rank tile, with the sole-adapter ride's expands beside them, in one child process (the
+kernels are compiled only when imported with TRITON_INTERPRET=0)."""
 
 from __future__ import annotations
 
@@ -21,49 +21,48 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import json, re, sys
 from bench.kernel_compile_cost import compile_cost
-from slora_kernels import lora_expand, lora_shrink
+from slora_kernels import lora_expand, lora_shrink, ride_expand, rotary, silu_mul
+# The sole-adapter ride's expands as the ride launches them (PDL, rank bound 64, fp16), with
+# BLOCK_M 16 for decode steps and 64 for prefill chunks (lora_common.ride_block_m).
+ride = {"DOT_PRECISION": "tf32", "BLOCK_M": 16, "USE_PDL": True}
+RIDE = {
+    "silu_mul_expand": (silu_mul._silu_mul_expand_kernel,
+                        {**ride, "BLOCK_R": 64, "BLOCK_N": 64}),
+    "silu_mul_expand_m64": (silu_mul._silu_mul_expand_kernel,
+                            {**ride, "BLOCK_R": 64, "BLOCK_N": 64, "BLOCK_M": 64}),
+    "rotary_expand": (rotary._rotary_expand_kernel, {**ride, "BLOCK_R": 64, "HALF": 64}),
+    "rotary_expand_m64": (rotary._rotary_expand_kernel,
+                          {**ride, "BLOCK_R": 64, "HALF": 64, "BLOCK_M": 64}),
+    "expand_add": (ride_expand._expand_add_kernel, {**ride, "BLOCK_N": 128, "BLOCK_K": 64}),
+}
 for case in sys.argv[1:]:
-    kernel, gather = case.split(":")
-    common = {"MAX_RANK": 64, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64,
-              "RANK_BUCKETS": True, "GATHER_ROWS": gather == "1"}
-    if kernel == "shrink":
-        out = compile_cost(lora_shrink._lora_shrink_kernel,
-                           {**common, "BLOCK_K": 256, "LAUNCH_DEPENDENTS": True}, 4)
+    if case in RIDE:
+        out = compile_cost(*RIDE[case], 4)
     else:
-        out = compile_cost(lora_expand._lora_expand_kernel,
-                           {**common, "BLOCK_N": 256, "EARLY_LOADS": True, "USE_PDL": True}, 4)
+        kernel, gather = case.split(":")
+        common = {"MAX_RANK": 64, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": 64,
+                  "RANK_BUCKETS": True, "GATHER_ROWS": gather == "1"}
+        if kernel == "shrink":
+            out = compile_cost(lora_shrink._lora_shrink_kernel,
+                               {**common, "BLOCK_K": 256, "LAUNCH_DEPENDENTS": True}, 4)
+        else:
+            out = compile_cost(lora_expand._lora_expand_kernel,
+                               {**common, "BLOCK_N": 256, "EARLY_LOADS": True, "USE_PDL": True},
+                               4)
     ptx = out["ptx"]
     print(json.dumps({"case": case, "mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
                       "pdl_wait": "griddepcontrol.wait" in ptx,
                       "pdl_launch": "griddepcontrol.launch_dependents" in ptx}))
 """
-CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand") for gather in (0, 1)]
-# The sole-adapter ride's fused expands, as the ride launches them (PDL, rank bound 64, fp16).
-RIDE_CHILD = """
-import json, re
-from bench.kernel_compile_cost import compile_cost
-from slora_kernels import ride_expand, rotary, silu_mul
-common = {"DOT_PRECISION": "tf32", "BLOCK_M": 16, "USE_PDL": True}
-# BLOCK_M 16 for decode steps, 64 for prefill chunks (lora_common.ride_block_m).
-for name, fn, consts in (
-        ("silu_mul_expand", silu_mul._silu_mul_expand_kernel,
-         {**common, "BLOCK_R": 64, "BLOCK_N": 64}),
-        ("silu_mul_expand_m64", silu_mul._silu_mul_expand_kernel,
-         {**common, "BLOCK_R": 64, "BLOCK_N": 64, "BLOCK_M": 64}),
-        ("rotary_expand", rotary._rotary_expand_kernel, {**common, "BLOCK_R": 64, "HALF": 64}),
-        ("rotary_expand_m64", rotary._rotary_expand_kernel,
-         {**common, "BLOCK_R": 64, "HALF": 64, "BLOCK_M": 64}),
-        ("expand_add", ride_expand._expand_add_kernel,
-         {**common, "BLOCK_N": 128, "BLOCK_K": 64})):
-    ptx = compile_cost(fn, consts, 4)["ptx"]
-    print(json.dumps({"case": name, "mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
-                      "pdl_wait": "griddepcontrol.wait" in ptx}))
-"""
+RIDE_CASES = ["silu_mul_expand", "silu_mul_expand_m64", "rotary_expand", "rotary_expand_m64",
+              "expand_add"]
+CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand") for gather in (0, 1)] \
+    + RIDE_CASES
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict[str, object]]:
-    """Each case's PTX facts, by "kernel:gather_rows" (0 or 1)."""
+    """Each case's PTX facts, by "kernel:gather_rows" (0 or 1) or ride kernel name."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", CHILD, *CASES], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
@@ -90,17 +89,11 @@ def test_expand_compiles_for_sm90(compiled: dict[str, dict[str, object]],
     assert "tf32" in kinds and "f32.f16.f16.f32" not in kinds, kinds
 
 
-def test_ride_fused_expands_compile_for_sm90() -> None:
+@pytest.mark.parametrize("case", RIDE_CASES)
+def test_ride_expands_compile_for_sm90(compiled: dict[str, dict[str, object]],
+                                       case: str) -> None:
     """silu_mul's and rotary's fused expands and the Triton expand for o and down: 16-bit
     tensor-core dots, and the wait for the GEMM they launch behind."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", RIDE_CHILD], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    by_case = {o.pop("case"): o for o in (json.loads(line) for line in done.stdout.splitlines()
-                                          if line.startswith("{"))}
-    assert sorted(by_case) == ["expand_add", "rotary_expand", "rotary_expand_m64",
-                               "silu_mul_expand", "silu_mul_expand_m64"], done.stdout[-3000:]
-    for name, out in by_case.items():
-        assert out["pdl_wait"], name
-        assert any("f16.f16" in kind for kind in out["mma"]), (name, out["mma"])
+    out = compiled[case]
+    assert out["pdl_wait"]
+    assert any("f16.f16" in kind for kind in out["mma"]), out["mma"]  # type: ignore[attr-defined]
