@@ -12,7 +12,9 @@ limit keeps what it measured, marked `cut_short`, and never reads `met`. `--dist
 runs a subset of the arms beside base.
 
 With `--ride-sole-adapter` the one-adapter arm rides (slora_core/lora_ride.py) and a
-`one_kernels` arm runs the same requests on the LoRA kernels, side by side.
+`one_kernels` arm runs the same requests on the LoRA kernels, side by side. `--ride-variants`
+adds one-adapter arms riding with other launches (RIDE_VARIANTS: the expands as addmm, without
+PDL, o's and down's as Triton), each on its own captured graphs, in the same interleaving.
 
 Targets (issue 37): D=16 at least 0.95x base throughput, D=64 at least 0.92x, one adapter with
 the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with distinct adapters.
@@ -30,15 +32,59 @@ from bench.replay import replay
 from bench.workload import BenchRequest
 from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import LORA_MODULES
+from slora_core.cuda_graphs import RIDE_GRAPH
+from slora_kernels import lora_common
 
 if TYPE_CHECKING:
     from bench.serving import Bench
     from slora_core.engine import LLMEngine
     from slora_core.lora_merge import SoleAdapterMerge
+    from slora_core.lora_ride import SoleAdapterRide
 
 RANKS = (8, 16, 32, 64)
 TARGETS = {"distinct16": 0.95, "distinct64": 0.92, "one_unmerged": 0.97}
 ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinct adapters
+
+
+# --ride-variants: one-adapter arms riding with other launches than the default's, as
+# (SoleAdapterRide.fused_consumers, SoleAdapterRide.triton_expands, lora_common.RIDE_EXPAND_PDL).
+RIDE_VARIANTS = {"addmm": (False, False, True), "nopdl": (True, False, False),
+                 "triton": (True, True, True)}
+RideMode = tuple[bool, bool, bool]
+
+
+def parse_ride_variants(text: str) -> tuple[str, ...]:
+    """`--ride-variants`: comma-separated names from RIDE_VARIANTS (may be empty)."""
+    chosen = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in chosen if n not in RIDE_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown ride variants {', '.join(unknown)} "
+            f"(choose from {', '.join(RIDE_VARIANTS)})")
+    return chosen
+
+
+class RideModes:
+    """Switches the ride's launches between arms, keeping each mode's captured ride graphs
+    (a captured graph replays the launches it was captured with)."""
+
+    def __init__(self, engine: LLMEngine, ride: SoleAdapterRide) -> None:
+        self.runner, self.ride = engine.runner, ride
+        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands,
+                               lora_common.RIDE_EXPAND_PDL)
+        self.default = self.mode
+        self.stash: dict[tuple[RideMode, int], dict[Any, Any]] = {}
+
+    def set(self, mode: RideMode) -> None:
+        if mode == self.mode:
+            return
+        for i, graphs in enumerate((self.runner.graphs, self.runner.mixed)):
+            if graphs is not None:
+                self.stash[(self.mode, i)] = graphs.take(RIDE_GRAPH)
+                graphs.put(self.stash.pop((mode, i), {}))
+        self.ride.fused_consumers, self.ride.triton_expands = mode[0], mode[1]
+        lora_common.RIDE_EXPAND_PDL = mode[2]
+        self.mode = mode
 
 
 def parse_arms(text: str) -> tuple[str, ...]:
@@ -93,12 +139,20 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     # With the sole-adapter ride on (--ride-sole-adapter), one_unmerged rides and the same
     # requests also run on the LoRA kernels (the ride switched off for that arm).
     ride = engine.runner.ride
+    modes = RideModes(engine, ride) if ride is not None else None
+    variants = {f"one_ride_{v}": RIDE_VARIANTS[v] for v in a.ride_variants}
     if ride is not None and "one_unmerged" in arms:
         arms["one_kernels"] = arms["one_unmerged"]
-    ratio_arms = (*targets, "one_kernels") if "one_kernels" in arms else tuple(targets)
+        arms.update({name: arms["one_unmerged"] for name in variants})
+    elif variants:
+        raise SystemExit("--ride-variants needs --ride-sole-adapter and the one_unmerged arm")
+    extra_arms = tuple(n for n in ("one_kernels", *variants) if n in arms)
+    ratio_arms = (*targets, *extra_arms)
 
     def run_arm(name: str, label: str) -> dict[str, Any]:
         engine.runner.ride = None if name == "one_kernels" else ride
+        if modes is not None:
+            modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)
 
     bound = bytes_bound(b, arms)
@@ -124,12 +178,17 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         # Met only when every target's arm ran, every repeat, and met it.
         out["met"] = (not out["arms_left_out"] and "cut_short" not in out
                       and all(out[name]["met"] for name in targets))
-        if "one_kernels" in arms and ride is not None:
-            kernels = [r["one_kernels_ratio"] for r in runs]
-            out["one_kernels"] = {"throughput_ratio": float(np.median(kernels)),
-                                  "ratio_min": min(kernels), "ratio_max": max(kernels)}
+        for name in extra_arms:
+            ratios = [r[f"{name}_ratio"] for r in runs]
+            out[name] = {"throughput_ratio": float(np.median(ratios)),
+                         "ratio_min": min(ratios), "ratio_max": max(ratios)}
+            if name in variants:
+                out[name]["fused_consumers, triton_expands, pdl"] = list(variants[name])
+        if ride is not None and modes is not None:
             out["ride"] = {"loads": ride.loads, "ride_steps": ride.ride_steps,
-                           "rows_bytes": ride.nbytes}
+                           "rows_bytes": ride.nbytes,
+                           "one_unmerged fused_consumers, triton_expands, pdl":
+                               list(modes.default)}
         out["bytes_bound"] = bound
         return out
 
@@ -146,6 +205,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         if len(runs) < a.overhead_repeats:
             b.checkpoint("distinct", summary(runs))
     engine.runner.merge, engine.runner.ride = merge, ride
+    if modes is not None:
+        modes.set(modes.default)
     return summary(runs)
 
 

@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from bench.churn import scenario_churn, scenario_churndisk, scenario_coldttft
-from bench.distinct_adapters import ARMS, parse_arms, scenario_distinct
+from bench.distinct_adapters import (
+    ARMS,
+    RIDE_VARIANTS,
+    parse_arms,
+    parse_ride_variants,
+    scenario_distinct,
+)
 from bench.distinct_profile import scenario_distinct_profile
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
@@ -413,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distinct-arms", type=parse_arms, default=tuple(ARMS),
                    help="arms of 'distinct' beside base (a subset: a shorter run; the JSON "
                         "says which were left out)")
+    p.add_argument("--ride-variants", type=parse_ride_variants, default=(),
+                   help="with --ride-sole-adapter: more one-adapter arms riding with other "
+                        f"launches ({', '.join(RIDE_VARIANTS)}), side by side")
     p.add_argument("--distinct-input", type=int, default=512)
     p.add_argument("--profile-steps", type=int, default=10,
                    help="decode steps timed, then profiled, per arm of 'distinct_profile'")

@@ -221,7 +221,8 @@ SUITES["issue37"] = (
 # The ride's fused expands (qkv's into rotary, gate_up's into silu_mul, 7c40866) in one call:
 # their kernel tests compiled on the GPU, one layer's ops with and without the fusion (and
 # PDL), the ride's logits against HF fp32 / fp16 at 7B width, issue37's engine figures with
-# the one-adapter arm alone beside base, churn again, and last the ride's step by kernel family
+# the one-adapter arm alone beside base (and riding with the expands as addmm, without PDL,
+# with o's and down's in Triton: --ride-variants), churn again, and last the ride's step by kernel family
 # (what a call cut short by its 600 s loses first).
 SUITES["issue37-ride"] = (
     step("ride-kernel-tests", 120, "pytest", "-q", "-p", "no:cacheprovider", "-m",
@@ -230,7 +231,8 @@ SUITES["issue37-ride"] = (
     step("ride-agreement", 150, "bench.gpu_suite", "--shapes", "llama2-7b", "--modes",
          "ride_sole_adapter", "--out", OUT("gpu-suite-ride-fused-llama2-7b")),
     dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
-        *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged")),
+        *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged",
+        "--ride-variants", "addmm,nopdl,triton")),
     SUITES["issue37"][1],
     dataclasses.replace(SUITES["distinct-profile"][0], limit_s=150, argv=(
         *SUITES["distinct-profile"][0].argv[:-1], OUT("distinct-profile-ride"),

@@ -125,6 +125,18 @@ class _StepGraphs:
                 self._capture(*key)
         self.deferred.remove(key)  # after the capture: should it fail, its steps stay eager
 
+    def take(self, tiles: int) -> dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]:
+        """Remove the captured graphs of one tile kind (RIDE_GRAPH: the ride's) with their
+        logits and contexts, and return them for `put` to restore: a benchmark switching the
+        launches those graphs hold (SoleAdapterRide.fused_consumers) keeps each variant's."""
+        keys = [k for k in self.graphs if k[2] == tiles]
+        return {k: (self.graphs.pop(k), self.logits.pop(k), self.contexts.pop(k)) for k in keys}
+
+    def put(self, taken: dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]) -> None:
+        """Restore graphs `take` removed."""
+        for k, (graph, logits, ctx) in taken.items():
+            self.graphs[k], self.logits[k], self.contexts[k] = graph, logits, ctx
+
     def dry_forward(self, key: GraphKey) -> None:
         """Run a graph's forward once from inert buffers without capturing it (for
         slora_core.precompile, which records and skips the kernels not compiled yet)."""

@@ -283,3 +283,46 @@ def test_a_deferred_expand_nobody_takes_fails_the_step():
         defer_expand(pending)
         assert take_expand(out[1:]) is None and take_expand(out.t()) is None
         assert take_expand(out) is pending and take_expand(out) is None
+
+
+def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, monkeypatch):
+    """bench.distinct_adapters' --ride-variants: RideModes sets the ride's launches per arm and
+    keeps each mode's captured ride graphs apart (take/put); other graphs stay put."""
+    from bench.distinct_adapters import RIDE_VARIANTS, RideModes, parse_ride_variants
+    from slora_core.cuda_graphs import RIDE_GRAPH, DecodeGraphs
+    from slora_kernels import lora_common
+
+    monkeypatch.setattr(lora_common, "RIDE_EXPAND_PDL", True)
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = _engine(demo_dir, names[:1])
+    ride = _ride(engine)
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, 8,
+                                                 engine.config.max_model_len)
+    ride_key, tile_key = (8, frozenset({0}), RIDE_GRAPH), (8, frozenset({0}), 4)
+    for key in (ride_key, tile_key):  # stand-ins for captured graphs, told apart by identity
+        graphs.graphs[key], graphs.logits[key], graphs.contexts[key] = (
+            object(), torch.zeros(1), object())
+    fused_graph, tile_graph = graphs.graphs[ride_key], graphs.graphs[tile_key]
+    modes = RideModes(engine, ride)
+    assert modes.default == (True, False, True)
+
+    modes.set(RIDE_VARIANTS["addmm"])
+    assert (ride.fused_consumers, ride.triton_expands) == (False, False)
+    assert ride_key not in graphs.graphs and graphs.graphs[tile_key] is tile_graph
+    addmm_graph = graphs.graphs[ride_key] = object()  # captured in the addmm mode
+    graphs.logits[ride_key], graphs.contexts[ride_key] = torch.zeros(1), object()
+
+    modes.set(RIDE_VARIANTS["nopdl"])
+    assert ride.fused_consumers and lora_common.RIDE_EXPAND_PDL is False
+    assert ride_key not in graphs.graphs
+    modes.set(RIDE_VARIANTS["addmm"])
+    assert graphs.graphs[ride_key] is addmm_graph
+    modes.set(modes.default)
+    assert graphs.graphs[ride_key] is fused_graph and graphs.graphs[tile_key] is tile_graph
+    assert (ride.fused_consumers, ride.triton_expands, lora_common.RIDE_EXPAND_PDL) == (
+        True, False, True)
+
+    assert parse_ride_variants("addmm, triton") == ("addmm", "triton")
+    assert parse_ride_variants("") == ()
+    with pytest.raises(Exception, match="unknown ride variants fused2"):
+        parse_ride_variants("addmm,fused2")
