@@ -218,22 +218,22 @@ SUITES["issue37"] = (
     dataclasses.replace(SUITES["distinct-adapters"][0], argv=(
         *SUITES["distinct-adapters"][0].argv, "--ride-sole-adapter")),
     dataclasses.replace(SUITES["churn"][0], limit_s=220))
-# The ride's fused expands (qkv's into rotary, gate_up's into silu_mul, 7c40866) in one call:
-# their kernel tests compiled on the GPU, one layer's ops with and without the fusion (and
-# PDL), the ride's logits against HF fp32 / fp16 at 7B width, issue37's engine figures with
-# the one-adapter arm alone beside base (and riding with the expands as addmm, without PDL,
-# with o's and down's in Triton: --ride-variants), churn again, and last the ride's step by kernel family
-# (what a call cut short by its 600 s loses first).
+# The ride's fused expands (qkv's into rotary, gate_up's into silu_mul, 7c40866) in one call,
+# in the order a call cut short by its 600 s should keep them: their kernel tests compiled on
+# the GPU, the ride's logits against HF fp32 / fp16 at 7B width, issue37's one-adapter arm
+# beside base riding with the default launches and with the variants (--ride-variants: the
+# expands as addmm, without PDL, o's and down's in Triton) interleaved, churn again, one
+# layer's ops with and without the fusion (and PDL), and last the ride's step by kernel family.
 SUITES["issue37-ride"] = (
     step("ride-kernel-tests", 120, "pytest", "-q", "-p", "no:cacheprovider", "-m",
          "slow or not slow", "tests/kernel_tests/test_ride_expand.py"),
-    step("layer-fusion", 120, "bench.lora_layer_fusion", "--out", OUT("lora-layer-fusion-ops")),
     step("ride-agreement", 150, "bench.gpu_suite", "--shapes", "llama2-7b", "--modes",
          "ride_sole_adapter", "--out", OUT("gpu-suite-ride-fused-llama2-7b")),
     dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged",
         "--ride-variants", "addmm,nopdl,triton")),
     SUITES["issue37"][1],
+    step("layer-fusion", 120, "bench.lora_layer_fusion", "--out", OUT("lora-layer-fusion-ops")),
     dataclasses.replace(SUITES["distinct-profile"][0], limit_s=150, argv=(
         *SUITES["distinct-profile"][0].argv[:-1], OUT("distinct-profile-ride"),
         "--distinct-arms", "one_unmerged", "--ride-sole-adapter")))
