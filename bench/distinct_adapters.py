@@ -13,8 +13,8 @@ runs a subset of the arms beside base.
 
 With `--ride-sole-adapter` the one-adapter arm rides (slora_core/lora_ride.py) and a
 `one_kernels` arm runs the same requests on the LoRA kernels, side by side. `--ride-variants`
-adds one-adapter arms riding with other launches (RIDE_VARIANTS: the expands as addmm, without
-PDL, o's and down's as Triton), each on its own captured graphs, in the same interleaving.
+adds one-adapter arms riding with other launches (RIDE_VARIANTS: the expands as addmm, with
+or without PDL, o's and down's as Triton), each on its own captured graphs, in the same interleaving.
 
 Targets (issue 37): D=16 at least 0.95x base throughput, D=64 at least 0.92x, one adapter with
 the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with distinct adapters.
@@ -48,8 +48,8 @@ ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinc
 
 # --ride-variants: one-adapter arms riding with other launches than the default's, as
 # (SoleAdapterRide.fused_consumers, SoleAdapterRide.triton_expands, lora_common.RIDE_EXPAND_PDL).
-RIDE_VARIANTS = {"addmm": (False, False, True), "nopdl": (True, False, False),
-                 "triton": (True, True, True)}
+RIDE_VARIANTS = {"addmm": (False, False, False), "pdl": (True, False, True),
+                 "nopdl": (True, False, False), "triton": (True, True, False)}
 RideMode = tuple[bool, bool, bool]
 
 

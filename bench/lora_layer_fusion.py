@@ -20,10 +20,13 @@ go to the residual rms_norm, left out as it is the same in all three):
 - `fused_ops`: n_concat with qkv's and gate_up's expands fused into those ops (as the ride
   runs them, slora_core/lora_ride.py), 1 launch a projection beyond base_ops for o and
   down, none for qkv and gate_up; the fused ops launch as programmatic dependents of the
-  GEMM (the default, lora_common.RIDE_EXPAND_PDL); `fused_ops_nopdl` launches them plainly;
+  GEMM; `fused_ops_nopdl` launches them plainly (the engine's default since the H100 run of
+  3b09231, lora-layer-fusion-ops-3b09231-h100.json: PDL lost 0.1-0.9 us a layer in all four
+  shapes, lora_common.RIDE_EXPAND_PDL);
 - `fused_ops_all`: fused_ops with o's and down's expands a Triton launch behind their GEMM
   (slora_kernels.ride_expand, PDL) instead of the addmm (SoleAdapterRide.triton_expands, off
-  in the engine until this wins).
+  in the engine: it lost at rank 64, the rows the engine's ride has with an arena of max_rank
+  64); `fused_ops_all_nopdl` the same without PDL.
 Each variant's y is checked against float64 torch (base + delta) on the first layer; the
 ops variants' outputs are checked against n_concat_ops'.
 
@@ -54,7 +57,8 @@ PROJECTIONS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("gate_up", HIDDEN, (INTER, INTER)), ("down", INTER, (HIDDEN,)))
 CELLS: tuple[tuple[int, int], ...] = ((8, 64), (16, 64), (16, 256), (64, 64))
 VARIANTS = ("base", "lora", "n_concat", "k_concat")
-OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops", "fused_ops_nopdl", "fused_ops_all")
+OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops", "fused_ops_nopdl", "fused_ops_all",
+               "fused_ops_all_nopdl")
 HEAD_DIM = 128
 
 
@@ -157,12 +161,13 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
     n, t = p.w.shape[0], p.x.shape[0]
     mods = len(p.slices)
     b_t = p.b_diag.t().contiguous()  # the ride's layout (lora_ride.py)
-    if name == "fused_ops_all" and p.kind in ("o", "down"):
+    if name.startswith("fused_ops_all") and p.kind in ("o", "down"):
         from slora_kernels.ride_expand import expand_add_triton
 
         def gemm() -> torch.Tensor:
             torch.mm(p.x, p.w_n.t(), out=p.y_n)
-            return expand_add_triton(p.y_n[:, :n], p.y_n[:, n:], b_t)
+            return expand_add_triton(p.y_n[:, :n], p.y_n[:, n:], b_t,
+                                     pdl=not name.endswith("_nopdl"))
     elif name == "base_ops" or p.kind in ("o", "down"):
         gemm = variant("base" if name == "base_ops" else "n_concat", p, None, rank)
     else:
@@ -170,7 +175,7 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
             torch.mm(p.x, p.w_n.t(), out=p.y_n)
             return p.y_n[:, :n]
     fused = name.startswith("fused_ops")
-    pdl = False if name == "fused_ops_nopdl" else None
+    pdl = not name.endswith("_nopdl")  # explicit: the names mean the same in every run
     if p.kind == "gate_up":
         if fused:
             return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank, pdl=pdl)
@@ -233,7 +238,7 @@ def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
     for name in OPS_VARIANTS[1:]:
         row[f"{name}_added_us"] = row[f"{name}_us"] - row["base_ops_us"]
     # The fused ops against the unfused ones, on the first layer's inputs.
-    for name in ("fused_ops", "fused_ops_nopdl", "fused_ops_all"):
+    for name in OPS_VARIANTS[2:]:
         row[f"{name}_rel_err"] = max(
             float((ops_variant(name, p, rank)().double()
                    - ops_variant("n_concat_ops", p, rank)().double()).norm()

@@ -115,6 +115,24 @@ def fusion_rows(result: dict[str, Any], source: str) -> list[str]:
             f"+{r['k_concat_added_us']:.1f} us | | {source} |" for r in result["rows"]]
 
 
+def fusion_ops_rows(result: dict[str, Any], source: str) -> list[str]:
+    """bench.lora_layer_fusion's ops variants: the ride's expands fused into the ops reading
+    the projections (rotary, silu_mul), against the ride's addmm, over base."""
+    rows = []
+    for r in result["rows"]:
+        cell = (f"base GEMMs and ops {r['base_ops_us']:.1f} us; ride with addmm expands "
+                f"+{r['n_concat_ops_added_us']:.1f} us; qkv's and gate_up's fused into rotary "
+                f"and silu_mul +{r['fused_ops_added_us']:.1f} us with PDL, "
+                f"+{r['fused_ops_nopdl_added_us']:.1f} us without; also o's and down's in "
+                f"Triton (PDL) +{r['fused_ops_all_added_us']:.1f} us")
+        if "fused_ops_all_nopdl_added_us" in r:
+            cell += f", without PDL +{r['fused_ops_all_nopdl_added_us']:.1f} us"
+        rows.append(f"| one 7B decode layer's four projections and the ops reading them, the "
+                    f"ride's rows for rank {r['rank']}, {r['batch']} rows, graph replay | {cell} "
+                    f"| | {source} |")
+    return rows
+
+
 def hop_rows(result: dict[str, Any], source: str) -> list[str]:
     """The gateway hop alone: the gateway path against the worker path of the same repeat."""
     rows = []
@@ -396,7 +414,8 @@ def rows() -> list[str]:
             # mux did not win there, and the default went back to one call a request.
             ("service-overhead-7b-gw4-mux-d97d349-h100.json", service_rows),
             ("service-overhead-7b-open-mux-d97d349-h100.json", service_rows),
-            ("lora-layer-fusion-h200.json", fusion_rows)):
+            ("lora-layer-fusion-h200.json", fusion_rows),
+            ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows)):
         lines += _rows_of(name, make)
     path = RESULTS / "profile-async-h200.json"
     if path.exists():

@@ -49,9 +49,11 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     return positions.to(tl.int64)
 
 
-# The sole-adapter ride's fused expands (silu_mul_expand_triton, rotary_expand_triton) launch
-# as programmatic dependents of the projection GEMM before them, where supported.
-RIDE_EXPAND_PDL = True
+# Whether the sole-adapter ride's fused expands (silu_mul_expand_triton, rotary_expand_triton,
+# expand_add_triton) launch as programmatic dependents of the projection GEMM before them,
+# where supported. Off: on an H100 PDL cost 0.1-0.9 us a 7B layer in all four shapes
+# measured (fused_ops vs fused_ops_nopdl, lora-layer-fusion-ops-3b09231-h100.json).
+RIDE_EXPAND_PDL = False
 
 
 def ride_pdl(pdl: bool | None, device: torch.device) -> bool:

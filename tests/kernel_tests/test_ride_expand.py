@@ -76,10 +76,13 @@ def test_rotary_expand_matches_addmm_then_rotary(dtype, tokens, heads, kv_heads,
     keep = (torch.arange(3 * rank, device=DEVICE) % rank < used)[None, :]
     s[:, :] = torch.where(keep, s, 0.0)
     b_t = torch.zeros(3 * rank, width, dtype=dtype, device=DEVICE)
+    # std 0.25: the delta is 0.3-0.85 of the output in every shape, so dropping it fails
+    # the check 10 tolerances away in bf16 too (std 0.1 left one token's v heads at 0.127,
+    # under bf16's 0.2: the H100 run of 3b09231).
     for m, (start, size) in enumerate(((0, q_size), (q_size, kv_size),
                                        (q_size + kv_size, kv_size))):
         b_t[m * rank : m * rank + used, start : start + size] = randn(
-            used, size, dtype=dtype, gen=gen, std=0.1)
+            used, size, dtype=dtype, gen=gen, std=0.25)
     cos, sin = _cos_sin(tokens, head_dim, dtype)
 
     def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
