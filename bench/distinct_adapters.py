@@ -14,7 +14,8 @@ runs a subset of the arms beside base.
 With `--ride-sole-adapter` the one-adapter arm rides (slora_core/lora_ride.py) and a
 `one_kernels` arm runs the same requests on the LoRA kernels, side by side. `--ride-variants`
 adds one-adapter arms riding with other launches (RIDE_VARIANTS: the expands as addmm, with
-or without PDL, o's and down's as Triton), each on its own captured graphs, in the same interleaving.
+or without PDL, o's and down's as Triton), each on its own captured graphs, in the same
+interleaving.
 
 Targets (issue 37): D=16 at least 0.95x base throughput, D=64 at least 0.92x, one adapter with
 the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with distinct adapters.
@@ -132,6 +133,8 @@ def distinct_engine(b: Bench) -> tuple[LLMEngine, SoleAdapterMerge | None]:
 
 def scenario_distinct(b: Bench) -> dict[str, Any]:
     a = b.args
+    if a.ride_variants and not (a.ride_sole_adapter and "one_unmerged" in a.distinct_arms):
+        raise SystemExit("--ride-variants needs --ride-sole-adapter and the one_unmerged arm")
     engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
@@ -144,8 +147,6 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     if ride is not None and "one_unmerged" in arms:
         arms["one_kernels"] = arms["one_unmerged"]
         arms.update({name: arms["one_unmerged"] for name in variants})
-    elif variants:
-        raise SystemExit("--ride-variants needs --ride-sole-adapter and the one_unmerged arm")
     extra_arms = tuple(n for n in ("one_kernels", *variants) if n in arms)
     ratio_arms = (*targets, *extra_arms)
 
@@ -184,7 +185,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
                          "ratio_min": min(ratios), "ratio_max": max(ratios)}
             if name in variants:
                 out[name]["fused_consumers, triton_expands, pdl"] = list(variants[name])
-        if ride is not None and modes is not None:
+        if modes is not None:
             out["ride"] = {"loads": ride.loads, "ride_steps": ride.ride_steps,
                            "rows_bytes": ride.nbytes,
                            "one_unmerged fused_consumers, triton_expands, pdl":

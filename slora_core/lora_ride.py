@@ -118,8 +118,10 @@ class SoleAdapterRide:
     @property
     def triton_expands(self) -> bool:
         """Whether the expands not fused into an op (o's, down's) run as a Triton launch behind
-        their GEMM (slora_kernels.ride_expand) rather than cuBLAS's addmm. Off: not measured
-        on a GPU yet. Set it before graphs are captured."""
+        their GEMM (slora_kernels.ride_expand) rather than cuBLAS's addmm. Off: on an H100 it
+        lost 0.6 us a layer with the 64 rows of an arena of max_rank 64, though it won at
+        ranks 8 and 16 (lora-layer-fusion-ops-3b09231-h100.json). Set it before graphs are
+        captured."""
         return any(lin.ride is not None and lin.ride.triton_expand for lin in self.layers)
 
     @triton_expands.setter

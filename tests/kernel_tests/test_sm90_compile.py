@@ -22,7 +22,8 @@ CHILD = """
 import json, re, sys
 from bench.kernel_compile_cost import compile_cost
 from slora_kernels import lora_expand, lora_shrink, ride_expand, rotary, silu_mul
-# The sole-adapter ride's expands as the ride launches them (PDL, rank bound 64, fp16), with
+# The sole-adapter ride's expands with PDL (a superset of the engine's default launch, which
+# has no griddepcontrol; both ran on an H100 at 3b09231), rank bound 64, fp16, with
 # BLOCK_M 16 for decode steps and 64 for prefill chunks (lora_common.ride_block_m).
 ride = {"DOT_PRECISION": "tf32", "BLOCK_M": 16, "USE_PDL": True}
 RIDE = {
