@@ -186,8 +186,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
             if name in variants:
                 out[name]["fused_consumers, triton_expands, pdl"] = list(variants[name])
         if modes is not None:
-            out["ride"] = {"loads": ride.loads, "ride_steps": ride.ride_steps,
-                           "rows_bytes": ride.nbytes,
+            out["ride"] = {"loads": modes.ride.loads, "ride_steps": modes.ride.ride_steps,
+                           "rows_bytes": modes.ride.nbytes,
                            "one_unmerged fused_consumers, triton_expands, pdl":
                                list(modes.default)}
         out["bytes_bound"] = bound
