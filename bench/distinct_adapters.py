@@ -33,7 +33,6 @@ from bench.replay import replay
 from bench.workload import BenchRequest
 from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import LORA_MODULES
-from slora_core.cuda_graphs import RIDE_GRAPH
 from slora_kernels import lora_common
 
 if TYPE_CHECKING:
@@ -48,10 +47,13 @@ ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinc
 
 
 # --ride-variants: one-adapter arms riding with other launches than the default's, as
-# (SoleAdapterRide.fused_consumers, SoleAdapterRide.triton_expands, lora_common.RIDE_EXPAND_PDL).
-RIDE_VARIANTS = {"addmm": (False, False, False), "pdl": (True, False, True),
-                 "nopdl": (True, False, False), "triton": (True, True, False)}
-RideMode = tuple[bool, bool, bool]
+# (SoleAdapterRide.fused_consumers, SoleAdapterRide.triton_expands, lora_common.RIDE_EXPAND_PDL,
+# SoleAdapterRide.rank_sized). maxrows: every module's rows at max_rank (before 2026-12-06).
+RIDE_VARIANTS = {"addmm": (False, False, False, True), "pdl": (True, False, True, True),
+                 "nopdl": (True, False, False, True), "triton": (True, True, False, True),
+                 "maxrows": (True, False, False, False)}
+RIDE_MODE_FIELDS = "fused_consumers, triton_expands, pdl, rank_sized"
+RideMode = tuple[bool, bool, bool, bool]
 
 
 def parse_ride_variants(text: str) -> tuple[str, ...]:
@@ -72,7 +74,7 @@ class RideModes:
     def __init__(self, engine: LLMEngine, ride: SoleAdapterRide) -> None:
         self.runner, self.ride = engine.runner, ride
         self.mode: RideMode = (ride.fused_consumers, ride.triton_expands,
-                               lora_common.RIDE_EXPAND_PDL)
+                               lora_common.RIDE_EXPAND_PDL, ride.rank_sized)
         self.default = self.mode
         self.stash: dict[tuple[RideMode, int], dict[Any, Any]] = {}
 
@@ -81,10 +83,12 @@ class RideModes:
             return
         for i, graphs in enumerate((self.runner.graphs, self.runner.mixed)):
             if graphs is not None:
-                self.stash[(self.mode, i)] = graphs.take(RIDE_GRAPH)
+                self.stash[(self.mode, i)] = graphs.take_ride()
                 graphs.put(self.stash.pop((mode, i), {}))
         self.ride.fused_consumers, self.ride.triton_expands = mode[0], mode[1]
         lora_common.RIDE_EXPAND_PDL = mode[2]
+        if mode[3] != self.ride.rank_sized:  # the rows' layout changes: load them again
+            self.ride.rank_sized, self.ride.loaded = mode[3], None
         self.mode = mode
 
 
@@ -184,12 +188,11 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
             out[name] = {"throughput_ratio": float(np.median(ratios)),
                          "ratio_min": min(ratios), "ratio_max": max(ratios)}
             if name in variants:
-                out[name]["fused_consumers, triton_expands, pdl"] = list(variants[name])
+                out[name][RIDE_MODE_FIELDS] = list(variants[name])
         if modes is not None:
             out["ride"] = {"loads": modes.ride.loads, "ride_steps": modes.ride.ride_steps,
                            "rows_bytes": modes.ride.nbytes,
-                           "one_unmerged fused_consumers, triton_expands, pdl":
-                               list(modes.default)}
+                           f"one_unmerged {RIDE_MODE_FIELDS}": list(modes.default)}
         out["bytes_bound"] = bound
         return out
 

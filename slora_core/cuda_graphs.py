@@ -37,11 +37,23 @@ class ModelRunner(Protocol):
 
 
 # (bucket, LoRA module ids the graph runs, LoRA tile-list capacity; 0 without LoRA,
-# ROW_GRAPH for a decode graph whose LoRA runs the row kernels and RIDE_GRAPH for one whose
-# every row reads the sole adapter loaded in the ride's rows, slora_core/lora_ride.py)
+# ROW_GRAPH for a decode graph whose LoRA runs the row kernels and ride_tiles(rows) for one
+# whose every row reads the sole adapter loaded in the ride's rows, `rows` a module:
+# slora_core/lora_ride.py)
 GraphKey = tuple[int, frozenset[int], int]
 ROW_GRAPH = -1
-RIDE_GRAPH = -2
+RIDE_GRAPH = -2  # ride graphs' tiles are RIDE_GRAPH - rows: at most this
+
+
+def ride_tiles(rows: int) -> int:
+    """The tiles entry of a ride graph's key whose GEMMs read `rows` rows a module (a
+    captured graph keeps its shapes: each row count has its own graphs)."""
+    return RIDE_GRAPH - rows
+
+
+def is_ride(tiles: int) -> bool:
+    """Whether a key's tiles entry is a ride graph's (ride_tiles)."""
+    return tiles <= RIDE_GRAPH
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
 # (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
 # which read an adapter once for all its rows, hold their own (H200, lora-grid-h200.json at
@@ -125,11 +137,11 @@ class _StepGraphs:
                 self._capture(*key)
         self.deferred.remove(key)  # after the capture: should it fail, its steps stay eager
 
-    def take(self, tiles: int) -> dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]:
-        """Remove the captured graphs of one tile kind (RIDE_GRAPH: the ride's) with their
-        logits and contexts, and return them for `put` to restore: a benchmark switching the
-        launches those graphs hold (SoleAdapterRide.fused_consumers) keeps each variant's."""
-        keys = [k for k in self.graphs if k[2] == tiles]
+    def take_ride(self) -> dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]:
+        """Remove the captured ride graphs (every row count's) with their logits and
+        contexts, and return them for `put` to restore: a benchmark switching the launches
+        those graphs hold (SoleAdapterRide.fused_consumers) keeps each variant's."""
+        keys = [k for k in self.graphs if is_ride(k[2])]
         return {k: (self.graphs.pop(k), self.logits.pop(k), self.contexts.pop(k)) for k in keys}
 
     def put(self, taken: dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]) -> None:
@@ -149,7 +161,8 @@ class _StepGraphs:
         LoRA tile list ("rows" for the row kernels', else its capacity)."""
         if not key[1]:
             return self.kind
-        tiles = {ROW_GRAPH: "rows", RIDE_GRAPH: "ride"}.get(key[2], key[2])
+        tiles = (f"ride{RIDE_GRAPH - key[2]}" if is_ride(key[2])
+                 else "rows" if key[2] == ROW_GRAPH else key[2])
         return f"{self.kind}+lora:{tiles}"
 
     def _capture(self, bucket: int, modules: frozenset[int], tiles: int) -> None:
@@ -301,7 +314,7 @@ class DecodeGraphs(_StepGraphs):
         if self.runner.lora_row_kernels:
             caps.append(ROW_GRAPH)
         if self.runner.ride is not None:
-            caps.append(RIDE_GRAPH)
+            caps.append(ride_tiles(self.runner.ride.rows))
         return caps
 
     def _lora_graph(self, bucket: int, inputs: StepInputs) -> int:
@@ -319,7 +332,7 @@ class DecodeGraphs(_StepGraphs):
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, b, buf = self.runner, bucket, self.buf
-        ride = tiles == RIDE_GRAPH  # the ride's rows, no kernel: no segments or tiles read
+        ride = is_ride(tiles)  # the ride's rows, no kernel: no segments or tiles read
         # Up to b segments and `tiles` tiles; prepare() fills them and marks unused tiles -1.
         # The row kernels read token_slots only; their meta keeps the full tile list's
         # buffers (filled, unread).
@@ -348,7 +361,8 @@ class DecodeGraphs(_StepGraphs):
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n, nb = inputs.num_seqs, inputs.block_tables.shape[1]
         bucket = next(s for s in self.buckets if s >= n)
-        tiles = (RIDE_GRAPH if inputs.ride and self.runner.ride is not None
+        ride = self.runner.ride
+        tiles = (ride_tiles(ride.rows) if inputs.ride and ride is not None
                  else self._lora_graph(bucket, inputs) if inputs.has_lora else 0)
         key = self._key(bucket, inputs, tiles)
         host = self.layout.host()
@@ -426,11 +440,12 @@ class MixedGraphs(_StepGraphs):
 
     def _tile_caps(self, bucket: int) -> list[int]:
         caps = [self._tile_cap(bucket)]
-        return caps + [RIDE_GRAPH] if self.runner.ride is not None else caps
+        ride = self.runner.ride
+        return caps + [ride_tiles(ride.rows)] if ride is not None else caps
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, t, buf = self.runner, bucket, self.buf
-        ride = tiles == RIDE_GRAPH  # the ride's rows, no kernel: no segments or tiles read
+        ride = is_ride(tiles)  # the ride's rows, no kernel: no segments or tiles read
         lora = (LoraMeta(seg_starts=buf.seg_starts, seg_lens=buf.seg_lens,
                         seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
@@ -450,7 +465,8 @@ class MixedGraphs(_StepGraphs):
     def prepare(self, inputs: StepInputs, patch: TokenPatch | None = None) -> GraphKey:
         n_tok, n_seq = int(inputs.input_ids.size), inputs.num_seqs
         bucket = next(s for s in self.buckets if s >= n_tok)
-        key = self._key(bucket, inputs, RIDE_GRAPH if inputs.ride and self.runner.ride is not None
+        ride = self.runner.ride
+        key = self._key(bucket, inputs, ride_tiles(ride.rows) if inputs.ride and ride is not None
                         else self._tile_caps(bucket)[0])
         host = self.layout.host()
         host.input_ids[:n_tok] = inputs.input_ids

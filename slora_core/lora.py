@@ -22,12 +22,17 @@ from slora_core.model import LlamaForCausalLM
 class RideRows:
     """A projection's weight with one adapter's A rows appended, and its expand matrix
     (slora_core/lora_ride.py): `weight` [out + modules * rank, in], the base Linear's weight
-    a view of its first `out` rows; `b_t` [modules * rank, out], scale * B^T block-diagonal."""
+    a view of its first `out` rows; `b_t` [modules * rank, out], scale * B^T block-diagonal;
+    of both, the first modules * rows appended rows in use (module i's block at i * rows)."""
 
     weight: torch.Tensor
     b_t: torch.Tensor
     out: int
-    rank: int  # rows per module (the arena's max_rank)
+    rank: int  # rows per module the buffers hold (the arena's max_rank)
+    modules: int  # the projection's modules, each a block of `rows` rows
+    # Rows per module in use now (<= rank): the loaded adapter's rank rounded up
+    # (SoleAdapterRide.rows_for); the GEMM and the expand read only modules * rows of them.
+    rows: int = 0
     # Leave the expand to the op reading the output (qkv: rotary, gate_up: silu_mul), which
     # fuses it in (context.defer_expand); False: one addmm here.
     defer: bool = False
@@ -35,21 +40,25 @@ class RideRows:
     # on CUDA) instead of cuBLAS's addmm.
     triton_expand: bool = False
 
+    def __post_init__(self) -> None:
+        self.rows = self.rows or self.rank
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T (+ bias) + the loaded adapter's delta: one GEMM, then one addmm or the
         expand deferred to the consumer; a strided [T, out] view of the wide output."""
-        wide = torch.mm(x, self.weight.t())
-        y = wide[:, : self.out]
+        extra = self.modules * self.rows
+        wide = torch.mm(x, self.weight[: self.out + extra].t())
+        y, s, b_t = wide[:, : self.out], wide[:, self.out :], self.b_t[:extra]
         if bias is not None:
             y.add_(bias)
         if self.defer:
-            defer_expand(PendingExpand(y, wide[:, self.out :], self.b_t, self.rank))
+            defer_expand(PendingExpand(y, s, b_t, self.rows))
             return y
         if self.triton_expand and ops._use_triton(y):
             from slora_kernels.ride_expand import expand_add_triton
 
-            return expand_add_triton(y, wide[:, self.out :], self.b_t)
-        return y.addmm_(wide[:, self.out :], self.b_t)
+            return expand_add_triton(y, s, b_t)
+        return y.addmm_(s, b_t)
 
 
 class LoraLinear(nn.Module):

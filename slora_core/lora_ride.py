@@ -3,10 +3,13 @@ adapter and that adapter is not merged, its shrink rides the base projection's G
 
 Each wrapped projection's weight is stored with room for `max_rank` more rows per module
 after its own `out` rows (the Linear's weight is a view of the first `out`), and a
-block-diagonal expand matrix beside it:
+block-diagonal expand matrix beside it. Of that room a step reads `rows` a module: the loaded
+adapter's largest rank rounded up to a power of two from 8 (SoleAdapterRide.rows_for), so a
+rank-8 adapter's GEMMs read 8 more rows a module, not max_rank's 64 (`rank_sized`; the ride
+graphs are captured per row count, cuda_graphs.ride_tiles, a count first met on first use):
 
-    W_ext = [W; A_0; A_1; ...]                  [out + modules * max_rank, in]
-    B_t[m * max_rank + j, slice_m] = scale_m * B_m[:, j]        [modules * max_rank, out]
+    W_ext = [W; A_0; A_1; ...]                  [out + modules * rows, in]
+    B_t[m * rows + j, slice_m] = scale_m * B_m[:, j]            [modules * rows, out]
 
     y_ext = x @ W_ext.T            one GEMM: y = y_ext[:, :out] and x @ A.T = y_ext[:, out:]
     y    += y_ext[:, out:] @ B_t   one cuBLAS addmm into y's columns, in place
@@ -16,9 +19,9 @@ the Triton shrink and expand (H200, one 7B decode layer, one adapter on all 7 mo
 +15.0-17.2 us against +28.8-52.3 us, lora-layer-fusion-h200.json). qkv's and gate_up's
 addmm is not launched at all: the projection defers it (context.defer_expand) and the op that
 reads its output fuses it in (ops.rotary, ops.silu_mul; FUSED_CONSUMERS). A module an
-adapter does not target, and a rank below `max_rank`, leaves zero rows and columns: they add
+adapter does not target, and a rank below `rows`, leaves zero rows and columns: they add
 nothing.
-The projection's output is then a strided view (row stride `out + modules * max_rank`): every
+The projection's output is then a strided view (row stride `out + modules * rows`): every
 consumer (rotary, the KV write and attention for qkv, rms_norm with the residual for o and
 down, silu_mul for gate_up) takes row strides.
 
@@ -27,7 +30,7 @@ sole adapter (slot and slot generation) has held RIDE_AFTER_STEPS steps in a row
 is ~7 small copies per projection (about 900 launches at 32 layers) while a step saves tens of
 microseconds per layer. Loads are stream-ordered device copies: a step still in flight finishes
 with the rows it was launched with. Decode and mixed (prefill) graphs capture a ride graph per
-bucket (`cuda_graphs.RIDE_GRAPH`). Steps that read several adapters, or base-model rows
+bucket and row count (`cuda_graphs.ride_tiles`). Steps that read several adapters, or base-model rows
 beside adapter rows, run the Triton kernels as before; so does a step whose adapter is merged
 (lora_merge), which runs as the base model.
 
@@ -74,7 +77,8 @@ def attach_ride_rows(model: torch.nn.Module, max_rank: int) -> list[LoraLinear]:
         # (freeing the old storage once nothing else holds it).
         weight.data = wide[:out]
         b_t = torch.zeros(extra, out, dtype=weight.dtype, device=weight.device)
-        lin.ride = RideRows(wide, b_t, out, max_rank, defer=lin.module_ids in FUSED_CONSUMERS)
+        lin.ride = RideRows(wide, b_t, out, max_rank, len(lin.module_ids),
+                            defer=lin.module_ids in FUSED_CONSUMERS)
     return layers
 
 
@@ -98,6 +102,8 @@ class SoleAdapterRide:
         if not self.layers:
             raise ValueError("no LoRA-wrapped projections to ride (wrap_lora first)")
         self.loaded: tuple[int, int] | None = None  # (slot, slot generation) in the rows now
+        # Rows per module sized to the loaded adapter's rank (rows_for) rather than max_rank.
+        self.rank_sized = True
         self._streak: tuple[tuple[int, int] | None, int] = (None, 0)
         self.loads = 0
         self.ride_steps = 0  # steps run riding, over the engine's life
@@ -129,6 +135,22 @@ class SoleAdapterRide:
         for lin in self.layers:
             assert lin.ride is not None
             lin.ride.triton_expand = on
+
+    @property
+    def rows(self) -> int:
+        """Rows per module the projections' GEMMs and expands read now (the graphs' key)."""
+        ride = self.layers[0].ride
+        assert ride is not None
+        return ride.rows
+
+    def rows_for(self, rank: int) -> int:
+        """Rows per module for an adapter of largest rank `rank`: the power of two at or
+        above it (at least 8, so few ride graphs are captured; at most max_rank), or max_rank
+        when not `rank_sized`."""
+        max_rank = self.arena.tables.max_rank
+        if not self.rank_sized:
+            return max_rank
+        return min(max_rank, max(8, 1 << (max(rank, 1) - 1).bit_length()))
 
     @property
     def nbytes(self) -> int:
@@ -163,13 +185,15 @@ class SoleAdapterRide:
         ranks, a_off, b_off, scales = (x[:, slot].cpu() for x in
                                        (t.ranks, t.a_offsets, t.b_offsets, t.scales))
         flat = t.arena
+        rank = self.rows_for(int(ranks.max()))
         for lin in self.layers:
             ride = lin.ride
             assert ride is not None
-            k, rank = lin.base.in_features, ride.rank
+            k = lin.base.in_features
             rows = ride.weight[ride.out:]
             rows.zero_()
             ride.b_t.zero_()
+            ride.rows = rank
             for i, (m, (start, size)) in enumerate(zip(lin.module_ids, lin.out_slices,
                                                        strict=True)):
                 r = int(ranks[lin.layer, m])

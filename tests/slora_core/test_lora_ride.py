@@ -104,16 +104,16 @@ def test_a_ride_step_gives_the_kernel_path_logits(demo_dir, dtype):
 
 
 def test_padded_ride_decode_step_gives_the_unpadded_logits(demo_dir):
-    """The decode graphs' ride key (RIDE_GRAPH) run eagerly on padded rows gives the logits of
+    """The decode graphs' ride key (ride_tiles) run eagerly on padded rows gives the logits of
     the unpadded ride step."""
-    from slora_core.cuda_graphs import RIDE_GRAPH, DecodeGraphs
+    from slora_core.cuda_graphs import DecodeGraphs, is_ride, ride_tiles
     from slora_core.step_inputs import build_step_inputs
 
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
     engine = _engine(demo_dir, names[:1])
     runner, ride = engine.runner, _ride(engine)
     graphs = DecodeGraphs(runner, 8, engine.config.max_model_len)
-    assert RIDE_GRAPH in graphs._tile_caps(8)
+    assert ride_tiles(ride.rows) in graphs._tile_caps(8) and is_ride(ride_tiles(8))
     run = runner.run
     checked = []
 
@@ -121,7 +121,8 @@ def test_padded_ride_decode_step_gives_the_unpadded_logits(demo_dir):
         logits = run(scheduled, patch)
         inputs = ride.route(build_step_inputs(scheduled, runner.arena.block_size))
         if inputs.ride and graphs.can_run(inputs):
-            assert graphs.prepare(inputs)[2] == RIDE_GRAPH
+            # all-r16's rows: 16 a module, not max_rank's 64.
+            assert graphs.prepare(inputs)[2] == ride_tiles(16) and ride.rows == 16
             with torch.inference_mode():
                 padded = graphs.run_padded_eager(inputs)
             torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-5)
@@ -134,8 +135,9 @@ def test_padded_ride_decode_step_gives_the_unpadded_logits(demo_dir):
 
 
 def test_ride_rows_follow_the_arena_slot(demo_dir):
-    """A load copies the slot's A rows and scale * B^T into the wide weight and expand matrix;
-    modules the adapter lacks and ranks below max_rank stay zero."""
+    """A load copies the slot's A rows and scale * B^T into the wide weight and expand matrix,
+    `rows` (the adapter's rank rounded up) a module; modules the adapter lacks and ranks
+    below `rows` stay zero."""
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
     engine = _engine(demo_dir, names[:1])
     ride = _ride(engine)
@@ -151,8 +153,8 @@ def test_ride_rows_follow_the_arena_slot(demo_dir):
         for i, (m, (start, size)) in enumerate(zip(lin.module_ids, lin.out_slices,
                                                    strict=True)):
             r = int(ranks[lin.layer, m])
-            rows = rr.weight[rr.out + i * rr.rank : rr.out + (i + 1) * rr.rank]
-            block = rr.b_t[i * rr.rank : (i + 1) * rr.rank, start : start + size]
+            rows = rr.weight[rr.out + i * rr.rows : rr.out + (i + 1) * rr.rows]
+            block = rr.b_t[i * rr.rows : (i + 1) * rr.rows, start : start + size]
             assert not rows[r:].any() and not block[r:].any()
             if r:
                 # The tables are [layers, slots, modules].
@@ -166,7 +168,12 @@ def test_ride_rows_follow_the_arena_slot(demo_dir):
             # Other modules' columns of these rows are zero: block-diagonal.
             others = torch.ones(rr.out, dtype=torch.bool)
             others[start : start + size] = False
-            assert not rr.b_t[i * rr.rank : (i + 1) * rr.rank][:, others].any()
+            assert not rr.b_t[i * rr.rows : (i + 1) * rr.rows][:, others].any()
+        # all-r16: 16 rows a module in use; the buffers' rows past them (up to max_rank's)
+        # hold nothing.
+        assert rr.rows == 16 and rr.rank == engine.config.max_rank == 64
+        used = rr.modules * rr.rows
+        assert not rr.weight[rr.out + used :].any() and not rr.b_t[used:].any()
     assert np.isfinite(float(ride.nbytes))
 
 
@@ -179,7 +186,7 @@ def test_padded_ride_mixed_step_gives_the_unpadded_logits(demo_dir):
     """Steps with prefill tokens ride too: the mixed graphs' ride key run eagerly on padded
     tokens gives the logits of the unpadded ride step (the later prompts' prefill chunks
     arrive while the first ones decode, all on the one adapter)."""
-    from slora_core.cuda_graphs import RIDE_GRAPH, MixedGraphs
+    from slora_core.cuda_graphs import MixedGraphs, ride_tiles
     from slora_core.step_inputs import build_step_inputs
 
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
@@ -196,7 +203,7 @@ def test_padded_ride_mixed_step_gives_the_unpadded_logits(demo_dir):
         logits = run(scheduled, patch)
         inputs = ride.route(build_step_inputs(scheduled, runner.arena.block_size))
         if inputs.ride and inputs.max_query_len > 1:
-            assert mixed.prepare(inputs)[2] == RIDE_GRAPH
+            assert mixed.prepare(inputs)[2] == ride_tiles(ride.rows)
             with torch.inference_mode():
                 padded = mixed.run_padded_eager(inputs)
             torch.testing.assert_close(padded, logits, rtol=1e-5, atol=1e-5)
@@ -289,7 +296,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
     """bench.distinct_adapters' --ride-variants: RideModes sets the ride's launches per arm and
     keeps each mode's captured ride graphs apart (take/put); other graphs stay put."""
     from bench.distinct_adapters import RIDE_VARIANTS, RideModes, parse_ride_variants
-    from slora_core.cuda_graphs import RIDE_GRAPH, DecodeGraphs
+    from slora_core.cuda_graphs import DecodeGraphs, ride_tiles
     from slora_kernels import lora_common
 
     monkeypatch.setattr(lora_common, "RIDE_EXPAND_PDL", True)
@@ -298,17 +305,19 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
     ride = _ride(engine)
     graphs = engine.runner.graphs = DecodeGraphs(engine.runner, 8,
                                                  engine.config.max_model_len)
-    ride_key, tile_key = (8, frozenset({0}), RIDE_GRAPH), (8, frozenset({0}), 4)
-    for key in (ride_key, tile_key):  # stand-ins for captured graphs, told apart by identity
+    ride_key, tile_key = (8, frozenset({0}), ride_tiles(16)), (8, frozenset({0}), 4)
+    wide_key = (8, frozenset({0}), ride_tiles(64))  # another row count's: taken alike
+    for key in (ride_key, tile_key, wide_key):  # stand-ins for graphs, told apart by identity
         graphs.graphs[key], graphs.logits[key], graphs.contexts[key] = (
             object(), torch.zeros(1), object())
     fused_graph, tile_graph = graphs.graphs[ride_key], graphs.graphs[tile_key]
     modes = RideModes(engine, ride)
-    assert modes.default == (True, False, True)
+    assert modes.default == (True, False, True, True)
 
     modes.set(RIDE_VARIANTS["addmm"])
     assert (ride.fused_consumers, ride.triton_expands) == (False, False)
     assert ride_key not in graphs.graphs and graphs.graphs[tile_key] is tile_graph
+    assert wide_key not in graphs.graphs
     addmm_graph = graphs.graphs[ride_key] = object()  # captured in the addmm mode
     graphs.logits[ride_key], graphs.contexts[ride_key] = torch.zeros(1), object()
 
@@ -317,8 +326,13 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
     assert ride_key not in graphs.graphs
     modes.set(RIDE_VARIANTS["addmm"])
     assert graphs.graphs[ride_key] is addmm_graph
+    # maxrows: the rows' layout changes, so the next ride step loads them again.
+    ride.loaded = (0, 0)
+    modes.set(RIDE_VARIANTS["maxrows"])
+    assert not ride.rank_sized and ride.loaded is None and ride.rows_for(8) == 64
     modes.set(modes.default)
     assert graphs.graphs[ride_key] is fused_graph and graphs.graphs[tile_key] is tile_graph
+    assert graphs.graphs[wide_key] is not None and ride.rank_sized and ride.rows_for(8) == 8
     assert (ride.fused_consumers, ride.triton_expands, lora_common.RIDE_EXPAND_PDL) == (
         True, False, True)
 
@@ -326,3 +340,34 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
     assert parse_ride_variants("") == ()
     with pytest.raises(Exception, match="unknown ride variants fused2"):
         parse_ride_variants("addmm,fused2")
+
+
+def test_ride_rows_sized_to_the_adapter_rank_give_the_max_rank_rows_logits(demo_dir):
+    """Rows a module sized to the loaded adapter's rank (powers of two from 8, up to
+    max_rank) or at max_rank (rank_sized off): the same decode steps give the same logits
+    (the extra rows are zeros), and the GEMMs read fewer rows."""
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
+    engine = _engine(demo_dir, ["attn-r12"])
+    runner, ride = engine.runner, _ride(engine)
+    assert [ride.rows_for(r) for r in (1, 4, 8, 9, 12, 16, 17, 40, 64)] == [
+        8, 8, 8, 16, 16, 16, 32, 64, 64]
+    assert "attn-r12" in names
+    run = runner.run
+    diffs: list[float] = []
+    rows_seen: set[tuple[int, int]] = set()
+
+    def both(scheduled, patch=None):
+        ride.rank_sized, ride.loaded = True, None if ride.rows != 16 else ride.loaded
+        logits = run(scheduled, patch)
+        if ride.loaded is not None and ride._streak[0] == ride.loaded:
+            sized = ride.rows
+            ride.rank_sized, ride.loaded = False, None  # loads again, at max_rank's rows
+            wide = run(scheduled, patch)
+            rows_seen.add((sized, ride.rows))
+            diffs.append(float((logits - wide).abs().max() / wide.abs().max()))
+        return logits
+
+    runner.run = both  # type: ignore[method-assign]
+    _generate(engine, [(p, "attn-r12") for p in PROMPTS])
+    assert rows_seen == {(16, 64)} and len(diffs) >= NEW_TOKENS - RIDE_AFTER_STEPS - 1
+    assert max(diffs) < 1e-5, diffs
