@@ -47,17 +47,13 @@ ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinc
 
 
 # --ride-variants: one-adapter arms riding with other launches than the default's, as
-# (SoleAdapterRide.fused_consumers, .triton_expands, lora_common.RIDE_EXPAND_PDL,
-# SoleAdapterRide.rank_sized, .norm_expands). maxrows: every module's rows at max_rank (the
-# ride before 2026-12-06); norm: o's and down's expands fused into the residual rms_norm.
-RIDE_VARIANTS = {"addmm": (False, False, False, True, False),
-                 "pdl": (True, False, True, True, False),
-                 "nopdl": (True, False, False, True, False),
-                 "triton": (True, True, False, True, False),
-                 "maxrows": (True, False, False, False, False),
-                 "norm": (True, False, False, True, True)}
-RIDE_MODE_FIELDS = "fused_consumers, triton_expands, pdl, rank_sized, norm_expands"
-RideMode = tuple[bool, bool, bool, bool, bool]
+# (SoleAdapterRide.fused_consumers, SoleAdapterRide.triton_expands, lora_common.RIDE_EXPAND_PDL,
+# SoleAdapterRide.rank_sized). maxrows: every module's rows at max_rank (before 2026-12-06).
+RIDE_VARIANTS = {"addmm": (False, False, False, True), "pdl": (True, False, True, True),
+                 "nopdl": (True, False, False, True), "triton": (True, True, False, True),
+                 "maxrows": (True, False, False, False)}
+RIDE_MODE_FIELDS = "fused_consumers, triton_expands, pdl, rank_sized"
+RideMode = tuple[bool, bool, bool, bool]
 
 
 def parse_ride_variants(text: str) -> tuple[str, ...]:
@@ -78,7 +74,7 @@ class RideModes:
     def __init__(self, engine: LLMEngine, ride: SoleAdapterRide) -> None:
         self.runner, self.ride = engine.runner, ride
         self.mode: RideMode = (ride.fused_consumers, ride.triton_expands,
-                               lora_common.RIDE_EXPAND_PDL, ride.rank_sized, ride.norm_expands)
+                               lora_common.RIDE_EXPAND_PDL, ride.rank_sized)
         self.default = self.mode
         self.stash: dict[tuple[RideMode, int], dict[Any, Any]] = {}
 
@@ -90,7 +86,6 @@ class RideModes:
                 self.stash[(self.mode, i)] = graphs.take_ride()
                 graphs.put(self.stash.pop((mode, i), {}))
         self.ride.fused_consumers, self.ride.triton_expands = mode[0], mode[1]
-        self.ride.norm_expands = mode[4]
         lora_common.RIDE_EXPAND_PDL = mode[2]
         if mode[3] != self.ride.rank_sized:  # the rows' layout changes: load them again
             self.ride.rank_sized, self.ride.loaded = mode[3], None

@@ -27,15 +27,8 @@ go to the residual rms_norm, left out as it is the same in all three):
   (slora_kernels.ride_expand, PDL) instead of the addmm (SoleAdapterRide.triton_expands, off
   in the engine: it lost at rank 64, the rows the engine's ride has with an arena of max_rank
   64); `fused_ops_all_nopdl` the same without PDL.
-With the residual rms_norm after o and down as well (qkv and gate_up as fused_ops_nopdl):
-- `base_norm`: base_ops and the two norms, the floor;
-- `fused_norm_addmm`: fused_ops_nopdl and the two norms (the engine's ride by default);
-- `fused_norm`: o's and down's expands fused into their norms instead of the addmm
-  (SoleAdapterRide.norm_expands, slora_kernels.rmsnorm's `expand`), 0 launches beyond
-  base_norm.
 Each variant's y is checked against float64 torch (base + delta) on the first layer; the
-ops variants' outputs are checked against n_concat_ops', fused_norm's against
-fused_norm_addmm's.
+ops variants' outputs are checked against n_concat_ops'.
 
     python -m bench.lora_layer_fusion --out bench/results/lora-layer-fusion-h200.json
 """
@@ -66,8 +59,6 @@ CELLS: tuple[tuple[int, int], ...] = ((8, 64), (16, 64), (16, 256), (64, 64))
 VARIANTS = ("base", "lora", "n_concat", "k_concat")
 OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops", "fused_ops_nopdl", "fused_ops_all",
                "fused_ops_all_nopdl")
-NORM_VARIANTS = ("base_norm", "fused_norm_addmm", "fused_norm")
-EPS = 1e-5
 HEAD_DIM = 128
 
 
@@ -210,28 +201,6 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
     return gemm
 
 
-def norm_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tensor]:
-    """A call computing what reads the projection with the residual rms_norm after o and
-    down (NORM_VARIANTS; its own residual stream and norm weight); returns it."""
-    from slora_kernels.rmsnorm import rms_norm_triton
-
-    n = p.w.shape[0]
-    if p.kind not in ("o", "down"):
-        return ops_variant("base_ops" if name == "base_norm" else "fused_ops_nopdl", p, rank)
-    res = torch.zeros_like(p.y)
-    weight = torch.ones(n, dtype=p.y.dtype, device=p.y.device)
-    b_t = p.b_diag.t().contiguous()
-    if name == "fused_norm":
-        def fused() -> torch.Tensor:
-            torch.mm(p.x, p.w_n.t(), out=p.y_n)
-            return rms_norm_triton(p.y_n[:, :n], weight, EPS, res,
-                                   (p.y_n[:, n:], b_t))[0]
-
-        return fused
-    gemm = variant("base" if name == "base_norm" else "n_concat", p, None, rank)
-    return lambda: rms_norm_triton(gemm(), weight, EPS, res)[0]
-
-
 def add_expand(name: str, p: Projection, y: torch.Tensor) -> torch.Tensor:
     """n_concat_ops' addmm after the wide GEMM; base_ops has none."""
     if name == "base_ops":
@@ -274,16 +243,6 @@ def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
             float((ops_variant(name, p, rank)().double()
                    - ops_variant("n_concat_ops", p, rank)().double()).norm()
                   / ops_variant("n_concat_ops", p, rank)().double().norm()) for p in sets[0])
-    for name in NORM_VARIANTS:
-        calls = [norm_variant(name, p, rank) for layer in sets for p in layer]
-        row[f"{name}_us"] = graph_time_us(calls, replays=10) * len(PROJECTIONS)
-    for name in NORM_VARIANTS[1:]:
-        row[f"{name}_added_us"] = row[f"{name}_us"] - row["base_norm_us"]
-    # Each on its own fresh residual stream: the same inputs.
-    row["fused_norm_rel_err"] = max(
-        float((norm_variant("fused_norm", p, rank)().double()
-               - (ref := norm_variant("fused_norm_addmm", p, rank)().double())).norm()
-              / ref.norm()) for p in sets[0])
     del sets
     if DEVICE == "cuda":
         torch.cuda.empty_cache()

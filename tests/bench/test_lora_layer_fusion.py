@@ -31,7 +31,3 @@ def test_every_variant_computes_base_plus_delta(tmp_path: Path,
     for name in ("fused_ops", "fused_ops_nopdl", "fused_ops_all"):
         assert row[f"{name}_rel_err"] < 2e-3, (name, row[f"{name}_rel_err"])
     assert all(row[f"{name}_us"] > 0 for name in lora_layer_fusion.OPS_VARIANTS)
-    # o's and down's expands fused into the residual norms give the addmm-then-norm output.
-    assert row["fused_norm_rel_err"] < 2e-3, row["fused_norm_rel_err"]
-    assert all(row[f"{name}_us"] > 0 for name in lora_layer_fusion.NORM_VARIANTS)
-    assert "fused_norm_added_us" in row and "fused_norm_addmm_added_us" in row
