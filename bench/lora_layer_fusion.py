@@ -24,9 +24,12 @@ go to the residual rms_norm, left out as it is the same in all three):
   3b09231, lora-layer-fusion-ops-3b09231-h100.json: PDL lost 0.1-0.9 us a layer in all four
   shapes, lora_common.RIDE_EXPAND_PDL);
 - `fused_ops_all`: fused_ops with o's and down's expands a Triton launch behind their GEMM
-  (slora_kernels.ride_expand, PDL) instead of the addmm (SoleAdapterRide.triton_expands, off
-  in the engine: it lost at rank 64, the rows the engine's ride has with an arena of max_rank
-  64); `fused_ops_all_nopdl` the same without PDL.
+  (slora_kernels.ride_expand, PDL) instead of the addmm; `fused_ops_all_nopdl` the same
+  without PDL, the engine's ride since 5be1284 (SoleAdapterRide.triton_expands: it beat
+  fused_ops_nopdl in all four shapes, lora-layer-fusion-ops-5be1284-h100.json).
+(At 5be1284 three more variants measured o's and down's expands fused into the residual
+rms_norm, against the addmm then the norm: they lost, +6.5 vs +5.6 us a layer at rank 8 and
++16.3 vs +8.5 at 16, and were removed.)
 Each variant's y is checked against float64 torch (base + delta) on the first layer; the
 ops variants' outputs are checked against n_concat_ops'.
 

@@ -127,6 +127,11 @@ def fusion_ops_rows(result: dict[str, Any], source: str) -> list[str]:
                 f"Triton (PDL) +{r['fused_ops_all_added_us']:.1f} us")
         if "fused_ops_all_nopdl_added_us" in r:
             cell += f", without PDL +{r['fused_ops_all_nopdl_added_us']:.1f} us"
+        if "fused_norm_added_us" in r:  # 5be1284 only: the variants were removed after it
+            cell += (f"; with the residual norms after o and down, base "
+                     f"{r['base_norm_us']:.1f} us, o's and down's addmm "
+                     f"+{r['fused_norm_addmm_added_us']:.1f} us, fused into the norms "
+                     f"+{r['fused_norm_added_us']:.1f} us")
         rows.append(f"| one 7B decode layer's four projections and the ops reading them, the "
                     f"ride's rows for rank {r['rank']}, {r['batch']} rows, graph replay | {cell} "
                     f"| | {source} |")
@@ -338,10 +343,14 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
     rows = []
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters"),
                        ("one_unmerged", "one adapter, merge off")):
+        if arm not in d:  # a run of some arms only (--distinct-arms)
+            continue
         r = d[arm]
         bound = (f"; bytes bound {r['bytes_bound']:.3f}x ({r['of_bytes_bound']:.0%} of it)"
                  if "bytes_bound" in r else "")
-        rows.append(f"| {label} in a batch of {d['batch']} (ranks 8-64, all 7 modules) vs base, "
+        what = ("rank 8, all 7 modules" if arm == "one_unmerged"  # adapter a0 of RANKS
+                else "ranks 8-64, all 7 modules")
+        rows.append(f"| {label} in a batch of {d['batch']} ({what}) vs base, "
                     f"decode-heavy{on_card(result)} | {r['throughput_ratio']:.3f} [{r['ratio_min']:.3f}, "
                     f"{r['ratio_max']:.3f}]x{bound} | {r['target']}x | {source} |")
     if "one_kernels" in d:  # the one-adapter arm rode; the same requests on the kernels
@@ -349,6 +358,20 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
         rows[-1] = rows[-1].replace("merge off", "merge off, riding the base GEMMs")
         rows.append(f"| one adapter, merge off, on the LoRA kernels (same run{on_card(result)}) | "
                     f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x"
+                    f" | | {source} |")
+    # --ride-variants: the same requests riding with other launches, interleaved.
+    default = next((v for k, v in d.get("ride", {}).items() if k.startswith("one_unmerged ")),
+                   None)
+    for name, v in d.items():
+        if not name.startswith("one_ride_"):
+            continue
+        fields = next(k for k in v if "," in k)
+        diff = ", ".join(f"{f} {'on' if on else 'off'}" for f, on, was in
+                         zip(fields.split(", "), v[fields], default or v[fields], strict=True)
+                         if on != was)
+        rows.append(f"| one adapter, merge off, riding with {diff or 'the default launches'} "
+                    f"(variant {name[len('one_ride_'):]}, same run{on_card(result)}) | "
+                    f"{v['throughput_ratio']:.3f} [{v['ratio_min']:.3f}, {v['ratio_max']:.3f}]x"
                     f" | | {source} |")
     return rows
 
@@ -415,7 +438,8 @@ def rows() -> list[str]:
             ("service-overhead-7b-gw4-mux-d97d349-h100.json", service_rows),
             ("service-overhead-7b-open-mux-d97d349-h100.json", service_rows),
             ("lora-layer-fusion-h200.json", fusion_rows),
-            ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows)):
+            ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
+            ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows)):
         lines += _rows_of(name, make)
     path = RESULTS / "profile-async-h200.json"
     if path.exists():
@@ -462,7 +486,7 @@ def rows() -> list[str]:
                  "churn-rate40-h200.json", "churn-disk-h200.json",
                  "churn-rate50-balanced-0eecaa2-h100.json",
                  "churn-rate50-unbalanced-0eecaa2-h100.json",
-                 "churn-rate50-tiles16-8a69460-h200.json"):
+                 "churn-rate50-tiles16-8a69460-h200.json", "churn-rate50-5be1284-h100.json"):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
@@ -479,6 +503,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-h200.json", distinct_rows),
                        ("distinct-adapters-0eecaa2-h100.json", distinct_rows),
                        ("distinct-adapters-ride-8a69460-h200.json", distinct_rows),
+                       ("distinct-adapters-ride-5be1284-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

@@ -218,14 +218,14 @@ SUITES["issue37"] = (
     dataclasses.replace(SUITES["distinct-adapters"][0], argv=(
         *SUITES["distinct-adapters"][0].argv, "--ride-sole-adapter")),
     dataclasses.replace(SUITES["churn"][0], limit_s=220))
-# The ride's fused expands (qkv's into rotary, gate_up's into silu_mul, 7c40866; o's and
-# down's into the residual rms_norm, 3045c3f) and its rows sized to the adapter's rank
-# (960db69) in one call, in the order a call cut short by its 600 s should keep them: their
+# The sole-adapter ride (qkv's and gate_up's expands fused into rotary and silu_mul, 7c40866;
+# rows sized to the adapter's rank, 960db69; o's and down's expands a Triton launch, on since
+# 5be1284) in one call, in the order a call cut short by its 600 s should keep them: the
 # kernel tests compiled on the GPU, the ride's logits against HF fp32 / fp16 at 7B width,
 # issue37's one-adapter arm beside base riding with the default launches and with the
-# variants (--ride-variants: every module's rows at max_rank, o's and down's expands in the
-# norm, the expands as addmm, o's and down's in Triton) interleaved, one layer's ops with and
-# without each fusion, churn again, and last the ride's step by kernel family.
+# variants (--ride-variants: every module's rows at max_rank, o's and down's expands as
+# addmm, every expand as addmm) interleaved, one layer's ops with and without each fusion,
+# churn again, and last the ride's step by kernel family.
 SUITES["issue37-ride"] = (
     step("ride-kernel-tests", 120, "pytest", "-q", "-p", "no:cacheprovider", "-m",
          "slow or not slow", "tests/kernel_tests/test_ride_expand.py"),
@@ -233,7 +233,7 @@ SUITES["issue37-ride"] = (
          "ride_sole_adapter", "--out", OUT("gpu-suite-ride-fused-llama2-7b")),
     dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged",
-        "--ride-variants", "maxrows,norm,addmm,triton")),
+        "--ride-variants", "maxrows,nopdl,addmm")),
     step("layer-fusion", 120, "bench.lora_layer_fusion", "--out", OUT("lora-layer-fusion-ops")),
     SUITES["issue37"][1],
     dataclasses.replace(SUITES["distinct-profile"][0], limit_s=150, argv=(

@@ -37,8 +37,8 @@ class RideRows:
     # fuses it in (context.defer_expand); False: one addmm here.
     defer: bool = False
     # Not deferred: the expand as a Triton launch behind the GEMM (slora_kernels.ride_expand,
-    # on CUDA) instead of cuBLAS's addmm.
-    triton_expand: bool = False
+    # on CUDA) instead of cuBLAS's addmm (SoleAdapterRide.triton_expands says why).
+    triton_expand: bool = True
 
     def __post_init__(self) -> None:
         self.rows = self.rows or self.rank

@@ -124,10 +124,11 @@ class SoleAdapterRide:
     @property
     def triton_expands(self) -> bool:
         """Whether the expands not fused into an op (o's, down's) run as a Triton launch behind
-        their GEMM (slora_kernels.ride_expand) rather than cuBLAS's addmm. Off: on an H100 it
-        lost 0.6 us a layer with the 64 rows of an arena of max_rank 64, though it won at
-        ranks 8 and 16 (lora-layer-fusion-ops-3b09231-h100.json). Set it before graphs are
-        captured."""
+        their GEMM (slora_kernels.ride_expand) rather than cuBLAS's addmm. On (the default):
+        without PDL it beat the addmm in every shape on an H100, by 0.5-2.4 us a layer, and
+        the one-adapter ride went from 0.973x to 0.977x of base in the engine
+        (lora-layer-fusion-ops-5be1284-h100.json, distinct-adapters-ride-5be1284-h100.json).
+        Set it before graphs are captured."""
         return any(lin.ride is not None and lin.ride.triton_expand for lin in self.layers)
 
     @triton_expands.setter

@@ -3,11 +3,14 @@ projections whose output no op fuses it into (o and down, read by the residual r
 
     y[t, n] += sum_j s[t, j] * b_t[j, n]        s [T, K], b_t [K, N], K <= 256
 
-the same sum cuBLAS's `y.addmm_(s, b_t)` makes, but launched as a programmatic dependent of
-the projection GEMM before it (Hopper+): the expand matrix, which that GEMM does not write, is
-read while the GEMM ends. Opt-in (SoleAdapterRide.triton_expands): on an H100 it beat the
-addmm at ranks 8 and 16 but lost at rank 64, the engine's rows with an arena of max_rank 64
-(bench.lora_layer_fusion's `fused_ops_all`, lora-layer-fusion-ops-3b09231-h100.json).
+the same sum cuBLAS's `y.addmm_(s, b_t)` makes, in one launch of 16-row programs (64 past
+128 tokens) that each read their expand-matrix tile once. The ride's default
+(SoleAdapterRide.triton_expands): launched plainly it beat the addmm in all four shapes of
+bench.lora_layer_fusion on an H100 (`fused_ops_all_nopdl` against `fused_ops_nopdl`, +4.4
+vs +5.8, +7.4 vs +9.2, +13.6 vs +16.0 and +10.3 vs +10.8 us a layer at rank 8, 16, 16 with
+256 tokens and 64; lora-layer-fusion-ops-5be1284-h100.json). With `pdl` it launches as a
+programmatic dependent of the projection GEMM (Hopper+), reading the expand matrix while the
+GEMM ends; that lost (lora_common.RIDE_EXPAND_PDL).
 """
 
 from __future__ import annotations

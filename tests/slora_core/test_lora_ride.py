@@ -245,8 +245,7 @@ def test_fused_consumer_expands_give_the_addmm_logits(demo_dir, monkeypatch):
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
     engine = _engine(demo_dir, names[:1])
     runner, ride = engine.runner, _ride(engine)
-    assert ride.fused_consumers and not ride.triton_expands
-    ride.triton_expands = True
+    assert ride.fused_consumers and ride.triton_expands  # the defaults
     run = runner.run
     diffs: list[float] = []
 
@@ -312,7 +311,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
             object(), torch.zeros(1), object())
     fused_graph, tile_graph = graphs.graphs[ride_key], graphs.graphs[tile_key]
     modes = RideModes(engine, ride)
-    assert modes.default == (True, False, True, True)
+    assert modes.default == (True, True, True, True)
 
     modes.set(RIDE_VARIANTS["addmm"])
     assert (ride.fused_consumers, ride.triton_expands) == (False, False)
@@ -322,7 +321,8 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
     graphs.logits[ride_key], graphs.contexts[ride_key] = torch.zeros(1), object()
 
     modes.set(RIDE_VARIANTS["nopdl"])
-    assert ride.fused_consumers and lora_common.RIDE_EXPAND_PDL is False
+    assert ride.fused_consumers and not ride.triton_expands
+    assert lora_common.RIDE_EXPAND_PDL is False
     assert ride_key not in graphs.graphs
     modes.set(RIDE_VARIANTS["addmm"])
     assert graphs.graphs[ride_key] is addmm_graph
@@ -334,7 +334,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
     assert graphs.graphs[ride_key] is fused_graph and graphs.graphs[tile_key] is tile_graph
     assert graphs.graphs[wide_key] is not None and ride.rank_sized and ride.rows_for(8) == 8
     assert (ride.fused_consumers, ride.triton_expands, lora_common.RIDE_EXPAND_PDL) == (
-        True, False, True)
+        True, True, True)
 
     assert parse_ride_variants("addmm, triton") == ("addmm", "triton")
     assert parse_ride_variants("") == ()
