@@ -33,7 +33,6 @@ from bench.replay import replay
 from bench.workload import BenchRequest
 from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import LORA_MODULES
-from slora_kernels import lora_common
 
 if TYPE_CHECKING:
     from bench.serving import Bench
@@ -47,13 +46,15 @@ ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinc
 
 
 # --ride-variants: one-adapter arms riding with other launches than the default's, as
-# (SoleAdapterRide.fused_consumers, SoleAdapterRide.triton_expands, lora_common.RIDE_EXPAND_PDL,
-# SoleAdapterRide.rank_sized). maxrows: every module's rows at max_rank (before 2026-12-06).
-RIDE_VARIANTS = {"addmm": (False, False, False, True), "pdl": (True, False, True, True),
-                 "nopdl": (True, False, False, True), "triton": (True, True, False, True),
-                 "maxrows": (True, False, False, False)}
-RIDE_MODE_FIELDS = "fused_consumers, triton_expands, pdl, rank_sized"
-RideMode = tuple[bool, bool, bool, bool]
+# (SoleAdapterRide.fused_consumers, .triton_expands, .rank_sized); each result records its
+# arms' fields. addmm: every expand an addmm (the ride before 7c40866); nopdl: o's and down's
+# expands an addmm (the default at 5be1284); triton: o's and down's in Triton (the default
+# since); maxrows: every module's rows at max_rank (the ride before 960db69). The PDL variant
+# went with the PDL launches (removed after 5be1284), and norm with the norm fusion (edc0696).
+RIDE_VARIANTS = {"addmm": (False, False, True), "nopdl": (True, False, True),
+                 "triton": (True, True, True), "maxrows": (True, True, False)}
+RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized"
+RideMode = tuple[bool, bool, bool]
 
 
 def parse_ride_variants(text: str) -> tuple[str, ...]:
@@ -73,8 +74,7 @@ class RideModes:
 
     def __init__(self, engine: LLMEngine, ride: SoleAdapterRide) -> None:
         self.runner, self.ride = engine.runner, ride
-        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands,
-                               lora_common.RIDE_EXPAND_PDL, ride.rank_sized)
+        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands, ride.rank_sized)
         self.default = self.mode
         self.stash: dict[tuple[RideMode, int], dict[Any, Any]] = {}
 
@@ -86,9 +86,8 @@ class RideModes:
                 self.stash[(self.mode, i)] = graphs.take_ride()
                 graphs.put(self.stash.pop((mode, i), {}))
         self.ride.fused_consumers, self.ride.triton_expands = mode[0], mode[1]
-        lora_common.RIDE_EXPAND_PDL = mode[2]
-        if mode[3] != self.ride.rank_sized:  # the rows' layout changes: load them again
-            self.ride.rank_sized, self.ride.loaded = mode[3], None
+        if mode[2] != self.ride.rank_sized:  # the rows' layout changes: load them again
+            self.ride.rank_sized, self.ride.loaded = mode[2], None
         self.mode = mode
 
 

@@ -17,19 +17,18 @@ With the op that reads each output (rotary on qkv's, silu_mul on gate_up's; o's 
 go to the residual rms_norm, left out as it is the same in all three):
 - `base_ops`: the base GEMMs and those ops;
 - `n_concat_ops`: n_concat and those ops, as the ride ran before the fusion;
-- `fused_ops`: n_concat with qkv's and gate_up's expands fused into those ops (as the ride
-  runs them, slora_core/lora_ride.py), 1 launch a projection beyond base_ops for o and
-  down, none for qkv and gate_up; the fused ops launch as programmatic dependents of the
-  GEMM; `fused_ops_nopdl` launches them plainly (the engine's default since the H100 run of
-  3b09231, lora-layer-fusion-ops-3b09231-h100.json: PDL lost 0.1-0.9 us a layer in all four
-  shapes, lora_common.RIDE_EXPAND_PDL);
-- `fused_ops_all`: fused_ops with o's and down's expands a Triton launch behind their GEMM
-  (slora_kernels.ride_expand, PDL) instead of the addmm; `fused_ops_all_nopdl` the same
-  without PDL, the engine's ride since 5be1284 (SoleAdapterRide.triton_expands: it beat
-  fused_ops_nopdl in all four shapes, lora-layer-fusion-ops-5be1284-h100.json).
-(At 5be1284 three more variants measured o's and down's expands fused into the residual
-rms_norm, against the addmm then the norm: they lost, +6.5 vs +5.6 us a layer at rank 8 and
-+16.3 vs +8.5 at 16, and were removed.)
+- `fused_ops_nopdl`: n_concat with qkv's and gate_up's expands fused into those ops, 1
+  launch a projection beyond base_ops for o and down (their addmm), none for qkv and
+  gate_up;
+- `fused_ops_all_nopdl`: fused_ops_nopdl with o's and down's expands a Triton launch behind
+  their GEMM (slora_kernels.ride_expand) instead of the addmm: the engine's ride since
+  5be1284 (SoleAdapterRide.triton_expands: it beat fused_ops_nopdl in all four shapes,
+  lora-layer-fusion-ops-5be1284-h100.json).
+Removed after they lost (their figures stay in the JSONs): `fused_ops` and `fused_ops_all`,
+the same launched as programmatic dependents of the GEMM (PDL; in all four shapes at 3b09231
+and 5be1284), and at 5be1284 o's and down's expands fused into the residual rms_norm (+6.5
+vs +5.6 us a layer at rank 8, +16.3 vs +8.5 at 16). The `_nopdl` names are kept so that a
+name means the same launches in every run.
 Each variant's y is checked against float64 torch (base + delta) on the first layer; the
 ops variants' outputs are checked against n_concat_ops'.
 
@@ -60,8 +59,7 @@ PROJECTIONS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
     ("gate_up", HIDDEN, (INTER, INTER)), ("down", INTER, (HIDDEN,)))
 CELLS: tuple[tuple[int, int], ...] = ((8, 64), (16, 64), (16, 256), (64, 64))
 VARIANTS = ("base", "lora", "n_concat", "k_concat")
-OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops", "fused_ops_nopdl", "fused_ops_all",
-               "fused_ops_all_nopdl")
+OPS_VARIANTS = ("base_ops", "n_concat_ops", "fused_ops_nopdl", "fused_ops_all_nopdl")
 HEAD_DIM = 128
 
 
@@ -169,8 +167,7 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
 
         def gemm() -> torch.Tensor:
             torch.mm(p.x, p.w_n.t(), out=p.y_n)
-            return expand_add_triton(p.y_n[:, :n], p.y_n[:, n:], b_t,
-                                     pdl=not name.endswith("_nopdl"))
+            return expand_add_triton(p.y_n[:, :n], p.y_n[:, n:], b_t)
     elif name == "base_ops" or p.kind in ("o", "down"):
         gemm = variant("base" if name == "base_ops" else "n_concat", p, None, rank)
     else:
@@ -178,10 +175,9 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
             torch.mm(p.x, p.w_n.t(), out=p.y_n)
             return p.y_n[:, :n]
     fused = name.startswith("fused_ops")
-    pdl = not name.endswith("_nopdl")  # explicit: the names mean the same in every run
     if p.kind == "gate_up":
         if fused:
-            return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank, pdl=pdl)
+            return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank)
         return lambda: silu_mul_triton(add_expand(name, p, gemm()))
     if p.kind == "qkv":
         heads = n // HEAD_DIM // mods
@@ -191,8 +187,7 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
         def rotate() -> torch.Tensor:
             y = gemm()
             if fused:
-                rotary_expand_triton(y, p.y_n[:, n:], b_t, rank, heads, heads, cos, sin,
-                                     pdl=pdl)
+                rotary_expand_triton(y, p.y_n[:, n:], b_t, rank, heads, heads, cos, sin)
             else:
                 y = add_expand(name, p, y)
                 q = y[:, : heads * HEAD_DIM].view(t, heads, HEAD_DIM)

@@ -49,18 +49,6 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     return positions.to(tl.int64)
 
 
-# Whether the sole-adapter ride's fused expands (silu_mul_expand_triton, rotary_expand_triton,
-# expand_add_triton) launch as programmatic dependents of the projection GEMM before them,
-# where supported. Off: on an H100 PDL cost 0.1-0.9 us a 7B layer in all four shapes
-# measured (fused_ops vs fused_ops_nopdl, lora-layer-fusion-ops-3b09231-h100.json).
-RIDE_EXPAND_PDL = False
-
-
-def ride_pdl(pdl: bool | None, device: torch.device) -> bool:
-    """Whether a ride expand launcher runs as a programmatic dependent: `pdl`, or
-    RIDE_EXPAND_PDL when None, and only where supported."""
-    return (RIDE_EXPAND_PDL if pdl is None else pdl) and pdl_supported(device)
-
 
 def ride_block_m(tokens: int) -> int:
     """Rows a program of the ride's expand launchers covers: 16 for decode-sized steps (more

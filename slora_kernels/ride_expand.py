@@ -8,9 +8,10 @@ the same sum cuBLAS's `y.addmm_(s, b_t)` makes, in one launch of 16-row programs
 (SoleAdapterRide.triton_expands): launched plainly it beat the addmm in all four shapes of
 bench.lora_layer_fusion on an H100 (`fused_ops_all_nopdl` against `fused_ops_nopdl`, +4.4
 vs +5.8, +7.4 vs +9.2, +13.6 vs +16.0 and +10.3 vs +10.8 us a layer at rank 8, 16, 16 with
-256 tokens and 64; lora-layer-fusion-ops-5be1284-h100.json). With `pdl` it launches as a
-programmatic dependent of the projection GEMM (Hopper+), reading the expand matrix while the
-GEMM ends; that lost (lora_common.RIDE_EXPAND_PDL).
+256 tokens and 64; lora-layer-fusion-ops-5be1284-h100.json). Launched as a programmatic
+dependent of the projection GEMM (reading the expand matrix while the GEMM ends) it did less
+well in all four shapes (+4.9, +7.7, +15.3, +11.0 us); that launch is gone, as from the
+other ride kernels.
 """
 
 from __future__ import annotations
@@ -19,14 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels.lora_common import (
-    check_expand_operands,
-    dot_precision,
-    pdl_options,
-    ride_block_m,
-    ride_pdl,
-    wait_for_producer,
-)
+from slora_kernels.lora_common import check_expand_operands, dot_precision, ride_block_m
 
 MAX_K = 256
 
@@ -34,7 +28,7 @@ MAX_K = 256
 @triton.jit
 def _expand_add_kernel(y_ptr, s_ptr, b_ptr, num_tokens, n, k, stride_y, stride_s, stride_b,
                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -42,7 +36,6 @@ def _expand_add_kernel(y_ptr, s_ptr, b_ptr, num_tokens, n, k, stride_y, stride_s
     rows64 = rows.to(tl.int64)
     b = tl.load(b_ptr + offs_k[:, None].to(tl.int64) * stride_b + cols[None, :],
                 mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-    wait_for_producer(USE_PDL)
     s = tl.load(s_ptr + rows64[:, None] * stride_s + offs_k[None, :],
                 mask=mask_m[:, None] & mask_k[None, :], other=0.0)
     mask = mask_m[:, None] & mask_n[None, :]
@@ -53,11 +46,9 @@ def _expand_add_kernel(y_ptr, s_ptr, b_ptr, num_tokens, n, k, stride_y, stride_s
     tl.store(y_ptrs, out.to(y.dtype), mask=mask)
 
 
-def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
-                      pdl: bool | None = None) -> torch.Tensor:
+def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     """y += s @ b_t in place (y [T, N] and s [T, K] may be strided views, unit column stride;
-    b_t [K, N]); returns y. `pdl`: launched as a programmatic dependent of the previous
-    kernel; None: lora_common.RIDE_EXPAND_PDL where supported."""
+    b_t [K, N]); returns y."""
     if y.dim() != 2 or s.dim() != 2 or y.stride(1) != 1:
         raise ValueError(f"y [T, N] and s [T, K] expected, y with unit column stride; got y "
                          f"{tuple(y.shape)}, s {tuple(s.shape)}")
@@ -69,10 +60,8 @@ def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
     if t == 0:
         return y
     block_m, block_n = ride_block_m(t), 128
-    pdl = ride_pdl(pdl, y.device)
     _expand_add_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
         y, s, b_t, t, n, k, y.stride(0), s.stride(0), b_t.stride(0),
         DOT_PRECISION=dot_precision(y.dtype), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(k)), USE_PDL=pdl,
-        **pdl_options(pdl))
+        BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(k)))
     return y

@@ -13,14 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels.lora_common import (
-    check_expand_operands,
-    dot_precision,
-    pdl_options,
-    ride_block_m,
-    ride_pdl,
-    wait_for_producer,
-)
+from slora_kernels.lora_common import check_expand_operands, dot_precision, ride_block_m
 
 
 @triton.jit
@@ -76,7 +69,7 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 def _rotary_expand_kernel(x_ptr, s_ptr, b_ptr, cos_ptr, sin_ptr, num_tokens, rank, num_q_heads,
                           num_kv_heads, stride_x, stride_s, stride_b, stride_ct,
                           DOT_PRECISION: tl.constexpr, HALF: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     head = tl.program_id(1)  # over q heads, then k heads, then v heads
     module = (head >= num_q_heads).to(tl.int32) + (head >= num_q_heads + num_kv_heads).to(
@@ -86,12 +79,10 @@ def _rotary_expand_kernel(x_ptr, s_ptr, b_ptr, cos_ptr, sin_ptr, num_tokens, ran
     mask_m, mask_r = rows < num_tokens, offs_r < rank
     rows64 = rows.to(tl.int64)
     col = head * (2 * HALF)  # q, k and v heads lie side by side in the fused output
-    # The expand matrix is not the GEMM's output: read before waiting for it (USE_PDL).
     b_rows = b_ptr + (module * rank + offs_r[:, None]).to(tl.int64) * stride_b + col + offs_d[
         None, :]
     b1 = tl.load(b_rows, mask=mask_r[:, None], other=0.0)
     b2 = tl.load(b_rows + HALF, mask=mask_r[:, None], other=0.0)
-    wait_for_producer(USE_PDL)
     s = tl.load(s_ptr + rows64[:, None] * stride_s + module * rank + offs_r[None, :],
                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     x_rows = x_ptr + rows64[:, None] * stride_x + col + offs_d[None, :]
@@ -112,13 +103,12 @@ def _rotary_expand_kernel(x_ptr, s_ptr, b_ptr, cos_ptr, sin_ptr, num_tokens, ran
 
 def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, rank: int,
                          num_q_heads: int, num_kv_heads: int, cos: torch.Tensor,
-                         sin: torch.Tensor, pdl: bool | None = None) -> None:
+                         sin: torch.Tensor) -> None:
     """qkv += s @ b_t, then q and k rotated, in place, in one launch (the sole-adapter ride's
     qkv projection, slora_core/lora_ride.py): qkv [T, (H + 2 Hkv) D] (q heads, k heads, v
     heads), s [T, 3 rank] (q's shrink, k's, v's), b_t [3 rank, (H + 2 Hkv) D]
     block-diagonal. Same result as `qkv.addmm_(s, b_t)` then `rotary_triton` on q and k, up
-    to the dot's summation order. `pdl` as in `silu_mul.silu_mul_expand_triton` (cos and sin
-    come from before the GEMM, which waits for them)."""
+    to the dot's summation order."""
     if qkv.dim() != 2 or qkv.stride(1) != 1 or cos.dim() != 2:
         raise ValueError(f"qkv must be [T, (H + 2 Hkv) D] with unit column stride and cos/sin "
                          f"[T, D]; got {tuple(qkv.shape)}, {tuple(cos.shape)}")
@@ -136,10 +126,8 @@ def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, 
     if t == 0:
         return
     block_m = ride_block_m(t)
-    pdl = ride_pdl(pdl, qkv.device)
     _rotary_expand_kernel[(triton.cdiv(t, block_m), heads)](
         qkv, s, b_t, cos, sin, t, rank, num_q_heads, num_kv_heads, qkv.stride(0), s.stride(0),
         b_t.stride(0), cos.stride(0),
         DOT_PRECISION=dot_precision(qkv.dtype), HALF=d // 2,
-        BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)), USE_PDL=pdl,
-        **pdl_options(pdl))
+        BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)))

@@ -11,14 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels.lora_common import (
-    check_expand_operands,
-    dot_precision,
-    pdl_options,
-    ride_block_m,
-    ride_pdl,
-    wait_for_producer,
-)
+from slora_kernels.lora_common import check_expand_operands, dot_precision, ride_block_m
 
 BLOCK = 1024
 
@@ -55,7 +48,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 def _silu_mul_expand_kernel(x_ptr, s_ptr, b_ptr, y_ptr, num_tokens, inter, rank, stride_x,
                             stride_s, stride_b, stride_y, DOT_PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+                            BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
@@ -65,11 +58,9 @@ def _silu_mul_expand_kernel(x_ptr, s_ptr, b_ptr, y_ptr, num_tokens, inter, rank,
     b_mask = mask_r[:, None] & mask_n[None, :]
     s_rows = s_ptr + rows64[:, None] * stride_s + offs_r[None, :]
     b_rows = b_ptr + offs_r[:, None].to(tl.int64) * stride_b + cols[None, :]
-    # Gate: s[:, :rank] @ b_t[:rank, :I]; up: s[:, rank:2 rank] @ b_t[rank:2 rank, I:]. The
-    # expand matrix is not the GEMM's output: read before waiting for it (USE_PDL).
+    # Gate: s[:, :rank] @ b_t[:rank, :I]; up: s[:, rank:2 rank] @ b_t[rank:2 rank, I:].
     b_g = tl.load(b_rows, mask=b_mask, other=0.0)
     b_u = tl.load(b_rows + rank * stride_b + inter, mask=b_mask, other=0.0)
-    wait_for_producer(USE_PDL)
     s_g = tl.load(s_rows, mask=s_mask, other=0.0)
     s_u = tl.load(s_rows + rank, mask=s_mask, other=0.0)
     mask = mask_m[:, None] & mask_n[None, :]
@@ -87,14 +78,15 @@ def _silu_mul_expand_kernel(x_ptr, s_ptr, b_ptr, y_ptr, num_tokens, inter, rank,
 
 
 def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
-                           rank: int, pdl: bool | None = None) -> torch.Tensor:
+                           rank: int) -> torch.Tensor:
     """silu_mul of gate_up + s @ b_t, with the expand fused in (the sole-adapter ride's
     gate_up projection, slora_core/lora_ride.py): s [T, 2 rank] (gate's shrink, then up's),
     b_t [2 rank, 2I] block-diagonal (gate's rows over the first I columns, up's over the
     rest). Same result as `gate_up.addmm_(s, b_t)` then `silu_mul_triton`, up to the dot's
-    summation order; gate_up is not written. `pdl`: launched as a programmatic dependent of
-    the GEMM before it (b_t read while the GEMM ends); None: lora_common.RIDE_EXPAND_PDL
-    where supported."""
+    summation order; gate_up is not written. Launched plainly: as a programmatic dependent
+    of the GEMM (b_t read while the GEMM ends) it lost 0.1-1.0 us a layer in every shape
+    measured on an H100 (lora-layer-fusion-ops-3b09231-h100.json, -5be1284-h100.json), and
+    that launch is gone."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [T, 2I] with unit column stride, got "
                          f"{tuple(gate_up.shape)}")
@@ -105,10 +97,8 @@ def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Te
     if t == 0:
         return out
     block_m, block_n = ride_block_m(t), 64
-    pdl = ride_pdl(pdl, gate_up.device)
     _silu_mul_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(inter, block_n))](
         gate_up, s, b_t, out, t, inter, rank, gate_up.stride(0), s.stride(0), b_t.stride(0),
         out.stride(0), DOT_PRECISION=dot_precision(gate_up.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        USE_PDL=pdl, **pdl_options(pdl))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)))
     return out

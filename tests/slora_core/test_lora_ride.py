@@ -291,14 +291,12 @@ def test_a_deferred_expand_nobody_takes_fails_the_step():
         assert take_expand(out) is pending and take_expand(out) is None
 
 
-def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, monkeypatch):
+def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
     """bench.distinct_adapters' --ride-variants: RideModes sets the ride's launches per arm and
     keeps each mode's captured ride graphs apart (take/put); other graphs stay put."""
     from bench.distinct_adapters import RIDE_VARIANTS, RideModes, parse_ride_variants
     from slora_core.cuda_graphs import DecodeGraphs, ride_tiles
-    from slora_kernels import lora_common
 
-    monkeypatch.setattr(lora_common, "RIDE_EXPAND_PDL", True)
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())
     engine = _engine(demo_dir, names[:1])
     ride = _ride(engine)
@@ -311,7 +309,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
             object(), torch.zeros(1), object())
     fused_graph, tile_graph = graphs.graphs[ride_key], graphs.graphs[tile_key]
     modes = RideModes(engine, ride)
-    assert modes.default == (True, True, True, True)
+    assert modes.default == (True, True, True)
 
     modes.set(RIDE_VARIANTS["addmm"])
     assert (ride.fused_consumers, ride.triton_expands) == (False, False)
@@ -322,7 +320,6 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
 
     modes.set(RIDE_VARIANTS["nopdl"])
     assert ride.fused_consumers and not ride.triton_expands
-    assert lora_common.RIDE_EXPAND_PDL is False
     assert ride_key not in graphs.graphs
     modes.set(RIDE_VARIANTS["addmm"])
     assert graphs.graphs[ride_key] is addmm_graph
@@ -333,8 +330,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir, m
     modes.set(modes.default)
     assert graphs.graphs[ride_key] is fused_graph and graphs.graphs[tile_key] is tile_graph
     assert graphs.graphs[wide_key] is not None and ride.rank_sized and ride.rows_for(8) == 8
-    assert (ride.fused_consumers, ride.triton_expands, lora_common.RIDE_EXPAND_PDL) == (
-        True, True, True)
+    assert (ride.fused_consumers, ride.triton_expands, ride.rank_sized) == (True, True, True)
 
     assert parse_ride_variants("addmm, triton") == ("addmm", "triton")
     assert parse_ride_variants("") == ()
