@@ -506,6 +506,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-0eecaa2-h100.json", distinct_rows),
                        ("distinct-adapters-ride-8a69460-h200.json", distinct_rows),
                        ("distinct-adapters-ride-5be1284-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-c4cb6f6-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
