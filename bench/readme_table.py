@@ -34,6 +34,7 @@ HEADLINES = (
     ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-h200.json"),
     ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
      "256 streams", "service-overhead-7b-gw4-h200.json"),
+    ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-c4cb6f6-h100.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
     ("| decode LoRA r16 B256 U256, graph replay", "lora-grid-h200.json"),
