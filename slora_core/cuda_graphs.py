@@ -54,6 +54,8 @@ def ride_tiles(rows: int) -> int:
 def is_ride(tiles: int) -> bool:
     """Whether a key's tiles entry is a ride graph's (ride_tiles)."""
     return tiles <= RIDE_GRAPH
+
+
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
 # (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
 # which read an adapter once for all its rows, hold their own (H200, lora-grid-h200.json at

@@ -12,13 +12,14 @@ graphs are captured per row count, cuda_graphs.ride_tiles, a count first met on 
     B_t[m * rows + j, slice_m] = scale_m * B_m[:, j]            [modules * rows, out]
 
     y_ext = x @ W_ext.T            one GEMM: y = y_ext[:, :out] and x @ A.T = y_ext[:, out:]
-    y    += y_ext[:, out:] @ B_t   one cuBLAS addmm into y's columns, in place
+    y    += y_ext[:, out:] @ B_t   one small launch into y's columns, in place
 
 so a step pays one wider GEMM and one small one per projection instead of the base GEMM plus
 the Triton shrink and expand (H200, one 7B decode layer, one adapter on all 7 modules:
 +15.0-17.2 us against +28.8-52.3 us, lora-layer-fusion-h200.json). qkv's and gate_up's
-addmm is not launched at all: the projection defers it (context.defer_expand) and the op that
-reads its output fuses it in (ops.rotary, ops.silu_mul; FUSED_CONSUMERS). A module an
+expand is not launched at all: the projection defers it (context.defer_expand) and the op that
+reads its output fuses it in (ops.rotary, ops.silu_mul; FUSED_CONSUMERS). o's and down's is a
+Triton launch (slora_kernels.ride_expand; cuBLAS's addmm where Triton does not run). A module an
 adapter does not target, and a rank below `rows`, leaves zero rows and columns: they add
 nothing.
 The projection's output is then a strided view (row stride `out + modules * rows`): every
@@ -126,8 +127,9 @@ class SoleAdapterRide:
         """Whether the expands not fused into an op (o's, down's) run as a Triton launch behind
         their GEMM (slora_kernels.ride_expand) rather than cuBLAS's addmm. On (the default):
         without PDL it beat the addmm in every shape on an H100, by 0.5-2.4 us a layer, and
-        the one-adapter ride went from 0.973x to 0.977x of base in the engine
-        (lora-layer-fusion-ops-5be1284-h100.json, distinct-adapters-ride-5be1284-h100.json).
+        the one-adapter ride went from 0.973x to 0.977x of base in the engine, and from 0.970x
+        to 0.973x in a second run (lora-layer-fusion-ops-5be1284-h100.json,
+        distinct-adapters-ride-5be1284-h100.json, distinct-adapters-ride-c4cb6f6-h100.json).
         Set it before graphs are captured."""
         return any(lin.ride is not None and lin.ride.triton_expand for lin in self.layers)
 
