@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 import numpy as np
@@ -154,9 +154,17 @@ class _StepGraphs:
     def dry_forward(self, key: GraphKey) -> None:
         """Run a graph's forward once from inert buffers without capturing it (for
         slora_core.precompile, which records and skips the kernels not compiled yet)."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self._ride_rows(key[2]):
             self.reset_buffers()
             self._forward(key[0], self._context(*key))
+
+    def _ride_rows(self, tiles: int) -> AbstractContextManager[None]:
+        """For a ride graph's key: its row count in the ride's projections while the graph is
+        captured or dry-run (it may not be the loaded adapter's); otherwise nothing."""
+        ride = self.runner.ride
+        if ride is None or not is_ride(tiles):
+            return nullcontext()
+        return ride.using_rows(RIDE_GRAPH - tiles)
 
     def label(self, key: GraphKey) -> str:
         """The graph set a key belongs to, for reports: "decode" or "mixed", "+lora" with the
@@ -172,18 +180,19 @@ class _StepGraphs:
         ctx = self.contexts[key] = self._context(bucket, modules, tiles)
         if step_checks.ENABLED:
             step_checks.check_context(ctx, bucket, self.runner.arena, f"capture of {key[:1]}")
-        for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-            self._forward(bucket, ctx)
-        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # "thread_local": only this thread's capture-unsafe CUDA calls break the capture. In
-        # "global" mode (torch's default) any thread's do: the engine core loads adapters on a
-        # thread pool beside the steps, and pin_memory (cudaHostAlloc, cudaEventQuery) there
-        # would invalidate a graph captured mid-serving. That thread launches nothing on the
-        # capture stream, so nothing of it belongs in the graph.
-        with _gc_paused(), torch.cuda.graph(graph, pool=self.pool,
-                                             capture_error_mode="thread_local"):
-            self.logits[key] = self._forward(bucket, ctx)
+        with self._ride_rows(tiles):
+            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
+                self._forward(bucket, ctx)
+            torch.cuda.synchronize()
+            # "thread_local": only this thread's capture-unsafe CUDA calls break the capture.
+            # In "global" mode (torch's default) any thread's do: the engine core loads
+            # adapters on a thread pool beside the steps, and pin_memory (cudaHostAlloc,
+            # cudaEventQuery) there would invalidate a graph captured mid-serving. That thread
+            # launches nothing on the capture stream, so nothing of it belongs in the graph.
+            with _gc_paused(), torch.cuda.graph(graph, pool=self.pool,
+                                                 capture_error_mode="thread_local"):
+                self.logits[key] = self._forward(bucket, ctx)
         self.graphs[key] = graph
 
     def run(self, inputs: StepInputs, patch: TokenPatch | None = None) -> torch.Tensor:
@@ -316,7 +325,7 @@ class DecodeGraphs(_StepGraphs):
         if self.runner.lora_row_kernels:
             caps.append(ROW_GRAPH)
         if self.runner.ride is not None:
-            caps.append(ride_tiles(self.runner.ride.rows))
+            caps += [ride_tiles(rows) for rows in self.runner.ride.row_counts]
         return caps
 
     def _lora_graph(self, bucket: int, inputs: StepInputs) -> int:
@@ -443,7 +452,7 @@ class MixedGraphs(_StepGraphs):
     def _tile_caps(self, bucket: int) -> list[int]:
         caps = [self._tile_cap(bucket)]
         ride = self.runner.ride
-        return caps + [ride_tiles(ride.rows)] if ride is not None else caps
+        return caps + [ride_tiles(rows) for rows in ride.row_counts] if ride is not None else caps
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, t, buf = self.runner, bucket, self.buf

@@ -6,7 +6,7 @@ after its own `out` rows (the Linear's weight is a view of the first `out`), and
 block-diagonal expand matrix beside it. Of that room a step reads `rows` a module: the loaded
 adapter's largest rank rounded up to a power of two from 8 (SoleAdapterRide.rows_for), so a
 rank-8 adapter's GEMMs read 8 more rows a module, not max_rank's 64 (`rank_sized`; the ride
-graphs are captured per row count, cuda_graphs.ride_tiles, a count first met on first use):
+graphs are captured per row count, cuda_graphs.ride_tiles, every count at start-up):
 
     W_ext = [W; A_0; A_1; ...]                  [out + modules * rows, in]
     B_t[m * rows + j, slice_m] = scale_m * B_m[:, j]            [modules * rows, out]
@@ -46,6 +46,8 @@ result differs from the kernels' (which keep x @ A.T in float32) within the dtyp
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -145,6 +147,29 @@ class SoleAdapterRide:
         ride = self.layers[0].ride
         assert ride is not None
         return ride.rows
+
+    @property
+    def row_counts(self) -> tuple[int, ...]:
+        """Every `rows` a load can choose (rows_for over ranks 1..max_rank): the ride graphs
+        start-up captures, so that no rank's first ride compiles or captures mid-serving."""
+        max_rank = self.arena.tables.max_rank
+        return tuple(sorted({self.rows_for(r) for r in range(1, max_rank + 1)}))
+
+    @contextmanager
+    def using_rows(self, rows: int) -> Iterator[None]:
+        """Every projection's GEMM and expand read `rows` rows a module inside the block (a
+        graph captured for that row count before any adapter of it is loaded), then the
+        loaded adapter's again. Host state only: what the rows hold is not touched."""
+        before = self.rows
+        for lin in self.layers:
+            assert lin.ride is not None
+            lin.ride.rows = rows
+        try:
+            yield
+        finally:
+            for lin in self.layers:
+                assert lin.ride is not None
+                lin.ride.rows = before
 
     def rows_for(self, rank: int) -> int:
         """Rows per module for an adapter of largest rank `rank`: the power of two at or

@@ -367,3 +367,35 @@ def test_ride_rows_sized_to_the_adapter_rank_give_the_max_rank_rows_logits(demo_
     _generate(engine, [(p, "attn-r12") for p in PROMPTS])
     assert rows_seen == {(16, 64)} and len(diffs) >= NEW_TOKENS - RIDE_AFTER_STEPS - 1
     assert max(diffs) < 1e-5, diffs
+
+
+def test_start_up_queues_a_ride_graph_for_every_row_count(demo_dir, monkeypatch):
+    """Every row count a load can choose has its ride graphs in the warm-up queue (so no
+    rank's first ride compiles or captures mid-serving), and a ride key's dry run (what
+    slora_core.precompile runs) reads its own row count, not the loaded adapter's, which it
+    leaves as it was."""
+    from slora_core.cuda_graphs import DecodeGraphs, MixedGraphs, ride_tiles
+    from slora_core.lora import RideRows
+
+    engine = _engine(demo_dir, ["all-r16"])
+    runner, ride = engine.runner, _ride(engine)
+    assert ride.row_counts == (8, 16, 32, 64)
+    decode = DecodeGraphs(runner, 8, engine.config.max_model_len)
+    mixed = MixedGraphs(runner, 4, 16, engine.config.max_model_len)
+    for graphs, bucket in ((decode, 8), (mixed, 16)):
+        assert {ride_tiles(r) for r in (8, 16, 32, 64)} <= set(graphs._tile_caps(bucket))
+    _generate(engine, [(PROMPTS[0], "all-r16")])
+    assert ride.rows == 16
+    seen: list[int] = []
+    real = RideRows.forward
+
+    def recorded(self, x, bias):  # type: ignore[no-untyped-def]
+        seen.append(self.rows)
+        return real(self, x, bias)
+
+    monkeypatch.setattr(RideRows, "forward", recorded)
+    key = (8, engine.arena.active_lora_modules, ride_tiles(64))
+    decode.dry_forward(key)
+    assert seen and set(seen) == {64} and ride.rows == 16
+    ride.rank_sized = False
+    assert ride.row_counts == (64,)
