@@ -103,13 +103,16 @@ def parse_arms(text: str) -> tuple[str, ...]:
 
 
 def distinct_requests(b: Bench, num_distinct: int | None) -> list[BenchRequest]:
-    """The batch: the same prompts and lengths for every arm, adapter i % D (None: base)."""
+    """The batch: the same prompts and lengths for every arm, adapter i % D (None: base); with
+    one adapter, the first of rank --one-adapter-rank (a0, rank 8, by default)."""
     a = b.args
     rng = np.random.default_rng(7)
+    one = RANKS.index(a.one_adapter_rank)
     reqs = []
     for i in range(a.distinct_batch):
         prompt = rng.integers(3, b.cfg.vocab_size, int(rng.integers(64, a.distinct_input + 1)))
-        adapter = None if num_distinct is None else i % num_distinct
+        adapter = (None if num_distinct is None else one if num_distinct == 1
+                   else i % num_distinct)
         reqs.append(BenchRequest(0.0, adapter, prompt.tolist(), a.distinct_output))
     return reqs
 
@@ -163,6 +166,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
 
     def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"repeats": runs, "batch": a.distinct_batch, "ranks": RANKS,
+                               "one_adapter_rank": a.one_adapter_rank,
                                "modules": list(LORA_MODULES), "targets": TARGETS,
                                "arms_left_out": [n for n in TARGETS if n not in targets]}
         if len(runs) < a.overhead_repeats:  # written after each repeat; a cut run keeps it
@@ -190,6 +194,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
                 out[name][RIDE_MODE_FIELDS] = list(variants[name])
         if modes is not None:
             out["ride"] = {"loads": modes.ride.loads, "ride_steps": modes.ride.ride_steps,
+                           "rows_last_load": modes.ride.rows,
                            "rows_bytes": modes.ride.nbytes,
                            f"one_unmerged {RIDE_MODE_FIELDS}": list(modes.default)}
         out["bytes_bound"] = bound

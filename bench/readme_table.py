@@ -351,7 +351,7 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
         r = d[arm]
         bound = (f"; bytes bound {r['bytes_bound']:.3f}x ({r['of_bytes_bound']:.0%} of it)"
                  if "bytes_bound" in r else "")
-        what = ("rank 8, all 7 modules" if arm == "one_unmerged"  # adapter a0 of RANKS
+        what = (f"rank {d.get('one_adapter_rank', 8)}, all 7 modules" if arm == "one_unmerged"
                 else "ranks 8-64, all 7 modules")
         rows.append(f"| {label} in a batch of {d['batch']} ({what}) vs base, "
                     f"decode-heavy{on_card(result)} | {r['throughput_ratio']:.3f} [{r['ratio_min']:.3f}, "

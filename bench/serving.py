@@ -28,6 +28,7 @@ import torch
 from bench.churn import scenario_churn, scenario_churndisk, scenario_coldttft
 from bench.distinct_adapters import (
     ARMS,
+    RANKS,
     RIDE_VARIANTS,
     parse_arms,
     parse_ride_variants,
@@ -422,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ride-variants", type=parse_ride_variants, default=(),
                    help="with --ride-sole-adapter: more one-adapter arms riding with other "
                         f"launches ({', '.join(RIDE_VARIANTS)}), side by side")
+    p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
+                   help="rank of the adapter on every request of 'distinct''s one-adapter "
+                        "arms (all 7 modules)")
     p.add_argument("--distinct-input", type=int, default=512)
     p.add_argument("--profile-steps", type=int, default=10,
                    help="decode steps timed, then profiled, per arm of 'distinct_profile'")

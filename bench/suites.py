@@ -222,20 +222,33 @@ SUITES["issue37"] = (
 # rows sized to the adapter's rank, 960db69; o's and down's expands a Triton launch, on since
 # 5be1284) in one call, in the order a call cut short by its 600 s should keep them: the
 # kernel tests compiled on the GPU, the ride's logits against HF fp32 / fp16 at 7B width,
-# issue37's one-adapter arm beside base riding with the default launches and with the
-# variants (--ride-variants: every module's rows at max_rank, o's and down's expands as
-# addmm, every expand as addmm) interleaved, one layer's ops with and without each fusion,
-# churn again, and last the ride's step by kernel family.
+# issue37's one-adapter arm (rank 8) beside base riding with the default launches and with
+# the variants (--ride-variants: every module's rows at max_rank, o's and down's expands as
+# addmm, every expand as addmm) interleaved, the same arm with a rank-64 adapter, one layer's
+# ops with and without each fusion, churn again, the arm with a rank-16 adapter, and last the
+# ride's step by kernel family.
+_RIDE_ONE = dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
+    *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged"))
+
+
+def _ride_one_rank(rank: int) -> Step:
+    argv = list(_RIDE_ONE.argv)
+    argv[argv.index(OUT("distinct-adapters"))] = OUT(f"distinct-adapters-ride-r{rank}")
+    return dataclasses.replace(_RIDE_ONE, name=f"distinct-r{rank}", limit_s=120,
+                               argv=(*argv, "--one-adapter-rank", str(rank)))
+
+
 SUITES["issue37-ride"] = (
     step("ride-kernel-tests", 120, "pytest", "-q", "-p", "no:cacheprovider", "-m",
          "slow or not slow", "tests/kernel_tests/test_ride_expand.py"),
     step("ride-agreement", 150, "bench.gpu_suite", "--shapes", "llama2-7b", "--modes",
          "ride_sole_adapter", "--out", OUT("gpu-suite-ride-fused-llama2-7b")),
-    dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
-        *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged",
-        "--ride-variants", "maxrows,nopdl,addmm")),
+    dataclasses.replace(_RIDE_ONE, argv=(*_RIDE_ONE.argv, "--ride-variants",
+                                         "maxrows,nopdl,addmm")),
+    _ride_one_rank(64),
     step("layer-fusion", 120, "bench.lora_layer_fusion", "--out", OUT("lora-layer-fusion-ops")),
     SUITES["issue37"][1],
+    _ride_one_rank(16),
     dataclasses.replace(SUITES["distinct-profile"][0], limit_s=150, argv=(
         *SUITES["distinct-profile"][0].argv[:-1], OUT("distinct-profile-ride"),
         "--distinct-arms", "one_unmerged", "--ride-sole-adapter")))

@@ -31,7 +31,7 @@ def test_distinct_writes_each_repeat_marked_cut_short_until_the_last(
         "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--scenarios", "distinct",
         "--distinct-arms", "one_unmerged", "--ride-sole-adapter", "--distinct-batch", "4",
         "--distinct-input", "80", "--distinct-output", "4", "--overhead-repeats", "2",
-        "--arena-gb", "0.2", "--out", str(out)]) == 0
+        "--arena-gb", "0.2", "--one-adapter-rank", "16", "--out", str(out)]) == 0
     # Before the warm-up, after repeat 1 of 2, and the final result.
     assert [w.get("cut_short") for w in written] == ["0 of 2 repeats", "1 of 2 repeats", None]
     first, final = written[1], written[2]
@@ -41,6 +41,8 @@ def test_distinct_writes_each_repeat_marked_cut_short_until_the_last(
     assert final["met"] is False  # arms were left out
     assert final["one_unmerged"]["throughput_ratio"] > 0
     assert final["ride"]["ride_steps"] > 0  # the one-adapter arm rode
+    # ... on a rank-16 adapter (--one-adapter-rank), its rows sized to it.
+    assert final["one_adapter_rank"] == 16 and final["ride"]["rows_last_load"] == 16
     assert "one_kernels" in final
     assert json.loads(out.read_text())["distinct"]["repeats"] == final["repeats"]
 
