@@ -50,7 +50,7 @@ ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinc
 # arms' fields. addmm: every expand an addmm (the ride before 7c40866); nopdl: o's and down's
 # expands an addmm (the default at 5be1284); triton: o's and down's in Triton (the default
 # since); maxrows: every module's rows at max_rank (the ride before 960db69). The PDL variant
-# went with the PDL launches (removed after 5be1284), and norm with the norm fusion (edc0696).
+# went with the PDL launches (removed after 5be1284), and norm with the norm fusion (ca134db).
 RIDE_VARIANTS = {"addmm": (False, False, True), "nopdl": (True, False, True),
                  "triton": (True, True, True), "maxrows": (True, True, False)}
 RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized"
