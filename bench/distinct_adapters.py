@@ -13,9 +13,9 @@ runs a subset of the arms beside base.
 
 With `--ride-sole-adapter` the one-adapter arm rides (slora_core/lora_ride.py) and a
 `one_kernels` arm runs the same requests on the LoRA kernels, side by side. `--ride-variants`
-adds one-adapter arms riding with other launches (RIDE_VARIANTS: the expands as addmm, with
-or without PDL, o's and down's as Triton), each on its own captured graphs, in the same
-interleaving.
+adds one-adapter arms riding with other launches or rows (RIDE_VARIANTS: every expand as addmm,
+o's and down's as addmm, every module's rows at max_rank), each on its own captured graphs, in
+the same interleaving. `--one-adapter-rank` picks the rank of that arm's adapter.
 
 Targets (issue 37): D=16 at least 0.95x base throughput, D=64 at least 0.92x, one adapter with
 the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with distinct adapters.

@@ -478,7 +478,7 @@ class MixedGraphs(_StepGraphs):
         bucket = next(s for s in self.buckets if s >= n_tok)
         ride = self.runner.ride
         key = self._key(bucket, inputs, ride_tiles(ride.rows) if inputs.ride and ride is not None
-                        else self._tile_caps(bucket)[0])
+                        else self._tile_cap(bucket))
         host = self.layout.host()
         host.input_ids[:n_tok] = inputs.input_ids
         host.positions[:n_tok] = inputs.positions

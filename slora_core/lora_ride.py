@@ -31,8 +31,8 @@ sole adapter (slot and slot generation) has held RIDE_AFTER_STEPS steps in a row
 is ~7 small copies per projection (about 900 launches at 32 layers) while a step saves tens of
 microseconds per layer. Loads are stream-ordered device copies: a step still in flight finishes
 with the rows it was launched with. Decode and mixed (prefill) graphs capture a ride graph per
-bucket and row count (`cuda_graphs.ride_tiles`). Steps that read several adapters, or base-model rows
-beside adapter rows, run the Triton kernels as before; so does a step whose adapter is merged
+bucket and row count (`cuda_graphs.ride_tiles`). Steps that read several adapters, or
+base-model rows beside adapter rows, run the Triton kernels as before; so does a step whose adapter is merged
 (lora_merge), which runs as the base model.
 
 The trade: modules x max_rank more weight rows and the expand matrix in device memory (at
@@ -161,15 +161,16 @@ class SoleAdapterRide:
         graph captured for that row count before any adapter of it is loaded), then the
         loaded adapter's again. Host state only: what the rows hold is not touched."""
         before = self.rows
-        for lin in self.layers:
-            assert lin.ride is not None
-            lin.ride.rows = rows
+        self._set_rows(rows)
         try:
             yield
         finally:
-            for lin in self.layers:
-                assert lin.ride is not None
-                lin.ride.rows = before
+            self._set_rows(before)
+
+    def _set_rows(self, rows: int) -> None:
+        for lin in self.layers:
+            assert lin.ride is not None
+            lin.ride.rows = rows
 
     def rows_for(self, rank: int) -> int:
         """Rows per module for an adapter of largest rank `rank`: the power of two at or
@@ -213,7 +214,8 @@ class SoleAdapterRide:
         ranks, a_off, b_off, scales = (x[:, slot].cpu() for x in
                                        (t.ranks, t.a_offsets, t.b_offsets, t.scales))
         flat = t.arena
-        rank = self.rows_for(int(ranks.max()))
+        per = self.rows_for(int(ranks.max()))  # rows a module, for every projection
+        self._set_rows(per)
         for lin in self.layers:
             ride = lin.ride
             assert ride is not None
@@ -221,15 +223,14 @@ class SoleAdapterRide:
             rows = ride.weight[ride.out:]
             rows.zero_()
             ride.b_t.zero_()
-            ride.rows = rank
             for i, (m, (start, size)) in enumerate(zip(lin.module_ids, lin.out_slices,
                                                        strict=True)):
                 r = int(ranks[lin.layer, m])
                 if r == 0:
                     continue
                 a0, b0 = int(a_off[lin.layer, m]), int(b_off[lin.layer, m])
-                rows[i * rank : i * rank + r].copy_(flat[a0 : a0 + r * k].view(r, k))
-                block = ride.b_t[i * rank : i * rank + r, start : start + size]
+                rows[i * per : i * per + r].copy_(flat[a0 : a0 + r * k].view(r, k))
+                block = ride.b_t[i * per : i * per + r, start : start + size]
                 block.copy_(flat[b0 : b0 + size * r].view(size, r).t())
                 block.mul_(float(scales[lin.layer, m]))
         self.loaded = key

@@ -49,7 +49,6 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     return positions.to(tl.int64)
 
 
-
 def ride_block_m(tokens: int) -> int:
     """Rows a program of the ride's expand launchers covers: 16 for decode-sized steps (more
     programs), 64 past 128 tokens, where each program re-reads its expand-matrix tile and 16
