@@ -308,6 +308,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
         graphs.graphs[key], graphs.logits[key], graphs.contexts[key] = (
             object(), torch.zeros(1), object())
     fused_graph, tile_graph = graphs.graphs[ride_key], graphs.graphs[tile_key]
+    wide_graph = graphs.graphs[wide_key]
     modes = RideModes(engine, ride)
     assert modes.default == (True, True, True)
 
@@ -329,7 +330,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
     assert not ride.rank_sized and ride.loaded is None and ride.rows_for(8) == 64
     modes.set(modes.default)
     assert graphs.graphs[ride_key] is fused_graph and graphs.graphs[tile_key] is tile_graph
-    assert graphs.graphs[wide_key] is not None and ride.rank_sized and ride.rows_for(8) == 8
+    assert graphs.graphs[wide_key] is wide_graph and ride.rank_sized and ride.rows_for(8) == 8
     assert (ride.fused_consumers, ride.triton_expands, ride.rank_sized) == (True, True, True)
 
     assert parse_ride_variants("addmm, triton") == ("addmm", "triton")
@@ -353,7 +354,10 @@ def test_ride_rows_sized_to_the_adapter_rank_give_the_max_rank_rows_logits(demo_
     rows_seen: set[tuple[int, int]] = set()
 
     def both(scheduled, patch=None):
-        ride.rank_sized, ride.loaded = True, None if ride.rows != 16 else ride.loaded
+        # Back to rank-sized rows; after a max_rank step the rows are laid out for 64: reload.
+        ride.rank_sized = True
+        if ride.rows != 16:
+            ride.loaded = None
         logits = run(scheduled, patch)
         if ride.loaded is not None and ride._streak[0] == ride.loaded:
             sized = ride.rows
