@@ -34,7 +34,7 @@ HEADLINES = (
     ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-h200.json"),
     ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
      "256 streams", "service-overhead-7b-gw4-h200.json"),
-    ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-c4cb6f6-h100.json"),
+    ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-7786a51-h100.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
     ("| decode LoRA r16 B256 U256, graph replay", "lora-grid-h200.json"),
@@ -442,7 +442,8 @@ def rows() -> list[str]:
             ("service-overhead-7b-open-mux-d97d349-h100.json", service_rows),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
-            ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows)):
+            ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),
+            ("lora-layer-fusion-ops-7786a51-h100.json", fusion_ops_rows)):
         lines += _rows_of(name, make)
     path = RESULTS / "profile-async-h200.json"
     if path.exists():
@@ -489,7 +490,8 @@ def rows() -> list[str]:
                  "churn-rate40-h200.json", "churn-disk-h200.json",
                  "churn-rate50-balanced-0eecaa2-h100.json",
                  "churn-rate50-unbalanced-0eecaa2-h100.json",
-                 "churn-rate50-tiles16-8a69460-h200.json", "churn-rate50-5be1284-h100.json"):
+                 "churn-rate50-tiles16-8a69460-h200.json", "churn-rate50-5be1284-h100.json",
+                 "churn-rate50-7786a51-h100.json"):
         path = RESULTS / name
         if path.exists():
             result = json.loads(path.read_text())
@@ -508,6 +510,9 @@ def rows() -> list[str]:
                        ("distinct-adapters-ride-8a69460-h200.json", distinct_rows),
                        ("distinct-adapters-ride-5be1284-h100.json", distinct_rows),
                        ("distinct-adapters-ride-c4cb6f6-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-7786a51-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-r16-7786a51-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-r64-7786a51-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
