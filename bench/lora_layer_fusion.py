@@ -50,6 +50,7 @@ from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, graph_time_us
 from bench.run_record import add_row, run_record
 from slora_kernels.lora import DECODE_TILES, add_lora_triton
+from slora_kernels.lora_common import RideBlocks, ride_blocks
 from slora_kernels.lora_meta import DECODE_BLOCK_M
 
 HIDDEN, INTER = 4096, 11008
@@ -153,9 +154,11 @@ def variant(name: str, p: Projection, meta: Any, rank: int) -> Callable[[], torc
     raise ValueError(name)
 
 
-def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tensor]:
+def ops_variant(name: str, p: Projection, rank: int, blocks: RideBlocks | None = None
+                ) -> Callable[[], torch.Tensor]:
     """A call computing what reads the projection: rotary's q, k, v for qkv, silu_mul's
-    output for gate_up, y itself for o and down; returns it."""
+    output for gate_up, y itself for o and down; returns it. `blocks`: the fused variants'
+    expand launch shape (the engine's, lora_common.ride_blocks, by default)."""
     from slora_kernels.rotary import rotary_expand_triton, rotary_triton
     from slora_kernels.silu_mul import silu_mul_expand_triton, silu_mul_triton
 
@@ -167,7 +170,7 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
 
         def gemm() -> torch.Tensor:
             torch.mm(p.x, p.w_n.t(), out=p.y_n)
-            return expand_add_triton(p.y_n[:, :n], p.y_n[:, n:], b_t)
+            return expand_add_triton(p.y_n[:, :n], p.y_n[:, n:], b_t, blocks)
     elif name == "base_ops" or p.kind in ("o", "down"):
         gemm = variant("base" if name == "base_ops" else "n_concat", p, None, rank)
     else:
@@ -177,7 +180,7 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
     fused = name.startswith("fused_ops")
     if p.kind == "gate_up":
         if fused:
-            return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank)
+            return lambda: silu_mul_expand_triton(gemm(), p.y_n[:, n:], b_t, rank, blocks)
         return lambda: silu_mul_triton(add_expand(name, p, gemm()))
     if p.kind == "qkv":
         heads = n // HEAD_DIM // mods
@@ -187,7 +190,8 @@ def ops_variant(name: str, p: Projection, rank: int) -> Callable[[], torch.Tenso
         def rotate() -> torch.Tensor:
             y = gemm()
             if fused:
-                rotary_expand_triton(y, p.y_n[:, n:], b_t, rank, heads, heads, cos, sin)
+                rotary_expand_triton(y, p.y_n[:, n:], b_t, rank, heads, heads, cos, sin,
+                                     blocks)
             else:
                 y = add_expand(name, p, y)
                 q = y[:, : heads * HEAD_DIM].view(t, heads, HEAD_DIM)
@@ -213,7 +217,8 @@ def rel_err(p: Projection, got: torch.Tensor, delta: bool = True) -> float:
     return float((got.double() - ref).norm() / ref.norm())
 
 
-def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
+def run_cell(rank: int, t: int, layers: int, sweep: tuple[RideBlocks, ...] = ()
+             ) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(rank * 1000 + t)
     sets = [[build(kind, k, outs, t, rank, gen) for kind, k, outs in PROJECTIONS]
             for _ in range(layers)]
@@ -235,6 +240,20 @@ def run_cell(rank: int, t: int, layers: int) -> dict[str, Any]:
         row[f"{name}_us"] = graph_time_us(calls, replays=10) * len(PROJECTIONS)
     for name in OPS_VARIANTS[1:]:
         row[f"{name}_added_us"] = row[f"{name}_us"] - row["base_ops_us"]
+    # --sweep-blocks: fused_ops_all_nopdl with other expand launch shapes, checked against
+    # the default's output and timed beside it.
+    row["default_blocks"] = list(ride_blocks(t, rank))
+    for blocks in sweep:
+        key = f"fused_ops_all_m{blocks.m}_w{blocks.warps}"
+        calls = [ops_variant("fused_ops_all_nopdl", p, rank, blocks)
+                 for layer in sets for p in layer]
+        row[f"{key}_added_us"] = graph_time_us(calls, replays=10) * len(PROJECTIONS) \
+            - row["base_ops_us"]
+        row[f"{key}_rel_err"] = max(
+            float((ops_variant("fused_ops_all_nopdl", p, rank, blocks)().double()
+                   - ops_variant("fused_ops_all_nopdl", p, rank)().double()).norm()
+                  / ops_variant("fused_ops_all_nopdl", p, rank)().double().norm())
+            for p in sets[0])
     # The fused ops against the unfused ones, on the first layer's inputs.
     for name in OPS_VARIANTS[2:]:
         row[f"{name}_rel_err"] = max(
@@ -252,20 +271,31 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="CPU smoke sizes (hidden 64)")
+    ap.add_argument("--cells", default=None,
+                    help="rank x tokens cells, e.g. 64x64,8x32 (default: "
+                    + ",".join(f"{r}x{t}" for r, t in CELLS) + ")")
+    ap.add_argument("--sweep-blocks", default="",
+                    help="expand launch shapes to time beside the default, as M/WARPS pairs, "
+                    "e.g. 16/4,32/4,64/4,64/8 (rows a program / warps)")
     args = ap.parse_args(argv)
     cells, layers = CELLS, 2
+    if args.cells:
+        cells = tuple((int(r), int(t)) for r, t in (c.split("x") for c in args.cells.split(",")))
+    sweep = tuple(RideBlocks(*(int(v) for v in b.split("/")))
+                  for b in args.sweep_blocks.split(",") if b)
     if args.toy:
         HIDDEN, INTER, HEAD_DIM = 64, 96, 16
         PROJECTIONS = (("qkv", 64, (64, 64, 64)), ("o", 64, (64,)), ("gate_up", 64, (96, 96)),
                        ("down", 96, (64,)))
-        timing.MAX_ROTATION, cells, layers = 1, ((8, 16),), 1
+        timing.MAX_ROTATION, layers = 1, 1
+        cells = cells if args.cells else ((8, 16),)
     rows: list[dict[str, Any]] = []
     result = {**run_record(["bench.lora_layer_fusion", *(argv or sys.argv[1:])]),
               "dtype": "float16", "hidden": HIDDEN, "intermediate": INTER,
               "method": "*_us: one layer's four projections, median of 10 CUDA-graph replays "
               f"over {layers} layers' weights; rel_err: against float64 torch", "rows": rows}
     for rank, t in cells:
-        add_row(args.out, result, rows, run_cell(rank, t, layers), len(cells), digits=4)
+        add_row(args.out, result, rows, run_cell(rank, t, layers, sweep), len(cells), digits=4)
     return 0
 
 

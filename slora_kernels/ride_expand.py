@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels.lora_common import check_expand_operands, dot_precision, ride_block_m
+from slora_kernels.lora_common import RideBlocks, check_expand_operands, dot_precision, ride_blocks
 
 MAX_K = 256
 
@@ -46,9 +46,10 @@ def _expand_add_kernel(y_ptr, s_ptr, b_ptr, num_tokens, n, k, stride_y, stride_s
     tl.store(y_ptrs, out.to(y.dtype), mask=mask)
 
 
-def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
+                      blocks: RideBlocks | None = None) -> torch.Tensor:
     """y += s @ b_t in place (y [T, N] and s [T, K] may be strided views, unit column stride;
-    b_t [K, N]); returns y."""
+    b_t [K, N]); returns y. `blocks`: the launch's shape (ride_blocks' by default)."""
     if y.dim() != 2 or s.dim() != 2 or y.stride(1) != 1:
         raise ValueError(f"y [T, N] and s [T, K] expected, y with unit column stride; got y "
                          f"{tuple(y.shape)}, s {tuple(s.shape)}")
@@ -59,9 +60,10 @@ def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor) -> to
     check_expand_operands(s, b_t, t, k, n, y.dtype, "K")
     if t == 0:
         return y
-    block_m, block_n = ride_block_m(t), 128
-    _expand_add_kernel[(triton.cdiv(t, block_m), triton.cdiv(n, block_n))](
+    blocks = blocks or ride_blocks(t, k)
+    block_n = 128
+    _expand_add_kernel[(triton.cdiv(t, blocks.m), triton.cdiv(n, block_n))](
         y, s, b_t, t, n, k, y.stride(0), s.stride(0), b_t.stride(0),
-        DOT_PRECISION=dot_precision(y.dtype), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(k)))
+        DOT_PRECISION=dot_precision(y.dtype), BLOCK_M=blocks.m,
+        BLOCK_N=block_n, BLOCK_K=max(16, triton.next_power_of_2(k)), num_warps=blocks.warps)
     return y

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels.lora_common import check_expand_operands, dot_precision, ride_block_m
+from slora_kernels.lora_common import RideBlocks, check_expand_operands, dot_precision, ride_blocks
 
 
 @triton.jit
@@ -103,7 +103,7 @@ def _rotary_expand_kernel(x_ptr, s_ptr, b_ptr, cos_ptr, sin_ptr, num_tokens, ran
 
 def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, rank: int,
                          num_q_heads: int, num_kv_heads: int, cos: torch.Tensor,
-                         sin: torch.Tensor) -> None:
+                         sin: torch.Tensor, blocks: RideBlocks | None = None) -> None:
     """qkv += s @ b_t, then q and k rotated, in place, in one launch (the sole-adapter ride's
     qkv projection, slora_core/lora_ride.py): qkv [T, (H + 2 Hkv) D] (q heads, k heads, v
     heads), s [T, 3 rank] (q's shrink, k's, v's), b_t [3 rank, (H + 2 Hkv) D]
@@ -125,9 +125,9 @@ def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, 
     check_expand_operands(s, b_t, t, 3 * rank, width, qkv.dtype, "3 rank")
     if t == 0:
         return
-    block_m = ride_block_m(t)
-    _rotary_expand_kernel[(triton.cdiv(t, block_m), heads)](
+    blocks = blocks or ride_blocks(t, rank)
+    _rotary_expand_kernel[(triton.cdiv(t, blocks.m), heads)](
         qkv, s, b_t, cos, sin, t, rank, num_q_heads, num_kv_heads, qkv.stride(0), s.stride(0),
         b_t.stride(0), cos.stride(0),
         DOT_PRECISION=dot_precision(qkv.dtype), HALF=d // 2,
-        BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)))
+        BLOCK_M=blocks.m, BLOCK_R=max(16, triton.next_power_of_2(rank)), num_warps=blocks.warps)

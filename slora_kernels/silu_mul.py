@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels.lora_common import check_expand_operands, dot_precision, ride_block_m
+from slora_kernels.lora_common import RideBlocks, check_expand_operands, dot_precision, ride_blocks
 
 BLOCK = 1024
 
@@ -78,7 +78,7 @@ def _silu_mul_expand_kernel(x_ptr, s_ptr, b_ptr, y_ptr, num_tokens, inter, rank,
 
 
 def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
-                           rank: int) -> torch.Tensor:
+                           rank: int, blocks: RideBlocks | None = None) -> torch.Tensor:
     """silu_mul of gate_up + s @ b_t, with the expand fused in (the sole-adapter ride's
     gate_up projection, slora_core/lora_ride.py): s [T, 2 rank] (gate's shrink, then up's),
     b_t [2 rank, 2I] block-diagonal (gate's rows over the first I columns, up's over the
@@ -96,9 +96,11 @@ def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Te
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    block_m, block_n = ride_block_m(t), 64
-    _silu_mul_expand_kernel[(triton.cdiv(t, block_m), triton.cdiv(inter, block_n))](
+    blocks = blocks or ride_blocks(t, rank)
+    block_n = 64
+    _silu_mul_expand_kernel[(triton.cdiv(t, blocks.m), triton.cdiv(inter, block_n))](
         gate_up, s, b_t, out, t, inter, rank, gate_up.stride(0), s.stride(0), b_t.stride(0),
         out.stride(0), DOT_PRECISION=dot_precision(gate_up.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)))
+        BLOCK_M=blocks.m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        num_warps=blocks.warps)
     return out
