@@ -33,6 +33,7 @@ from bench.replay import replay
 from bench.workload import BenchRequest
 from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import LORA_MODULES
+from slora_kernels.lora_meta import RideBlocks
 
 if TYPE_CHECKING:
     from bench.serving import Bench
@@ -45,16 +46,21 @@ TARGETS = {"distinct16": 0.95, "distinct64": 0.92, "one_unmerged": 0.97}
 ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinct adapters
 
 
+RideMode = tuple[bool, bool, bool, tuple[int, int] | None]
+
 # --ride-variants: one-adapter arms riding with other launches than the default's, as
-# (SoleAdapterRide.fused_consumers, .triton_expands, .rank_sized); each result records its
-# arms' fields. addmm: every expand an addmm (the ride before 7c40866); nopdl: o's and down's
-# expands an addmm (the default at 5be1284); triton: o's and down's in Triton (the default
-# since); maxrows: every module's rows at max_rank (the ride before 960db69). The PDL variant
-# went with the PDL launches (removed after 5be1284), and norm with the norm fusion (ca134db).
-RIDE_VARIANTS = {"addmm": (False, False, True), "nopdl": (True, False, True),
-                 "triton": (True, True, True), "maxrows": (True, True, False)}
-RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized"
-RideMode = tuple[bool, bool, bool]
+# (SoleAdapterRide.fused_consumers, .triton_expands, .rank_sized, .expand_blocks); each result
+# records its arms' fields. addmm: every expand an addmm (the ride before 7c40866); nopdl: o's
+# and down's expands an addmm (the default at 5be1284); triton: o's and down's in Triton (the
+# default since); maxrows: every module's rows at max_rank (the ride before 960db69); m32,
+# m64: the Triton expands launched 32 or 64 rows a program at every step (the default, None,
+# lets lora_meta.ride_blocks choose per step). The PDL variant went with the PDL launches
+# (removed after 5be1284), and norm with the norm fusion (ca134db).
+RIDE_VARIANTS: dict[str, RideMode] = {
+    "addmm": (False, False, True, None), "nopdl": (True, False, True, None),
+    "triton": (True, True, True, None), "maxrows": (True, True, False, None),
+    "m32": (True, True, True, (32, 4)), "m64": (True, True, True, (64, 4))}
+RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized, expand_blocks"
 
 
 def parse_ride_variants(text: str) -> tuple[str, ...]:
@@ -74,7 +80,9 @@ class RideModes:
 
     def __init__(self, engine: LLMEngine, ride: SoleAdapterRide) -> None:
         self.runner, self.ride = engine.runner, ride
-        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands, ride.rank_sized)
+        blocks = ride.expand_blocks
+        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands, ride.rank_sized,
+                               None if blocks is None else (blocks.m, blocks.warps))
         self.default = self.mode
         self.stash: dict[tuple[RideMode, int], dict[Any, Any]] = {}
 
@@ -86,6 +94,7 @@ class RideModes:
                 self.stash[(self.mode, i)] = graphs.take_ride()
                 graphs.put(self.stash.pop((mode, i), {}))
         self.ride.fused_consumers, self.ride.triton_expands = mode[0], mode[1]
+        self.ride.expand_blocks = None if mode[3] is None else RideBlocks(*mode[3])
         if mode[2] != self.ride.rank_sized:  # the rows' layout changes: load them again
             self.ride.rank_sized, self.ride.loaded = mode[2], None
         self.mode = mode

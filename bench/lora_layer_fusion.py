@@ -50,8 +50,7 @@ from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, graph_time_us
 from bench.run_record import add_row, run_record
 from slora_kernels.lora import DECODE_TILES, add_lora_triton
-from slora_kernels.lora_common import RideBlocks, ride_blocks
-from slora_kernels.lora_meta import DECODE_BLOCK_M
+from slora_kernels.lora_meta import DECODE_BLOCK_M, RideBlocks, ride_blocks
 
 HIDDEN, INTER = 4096, 11008
 # (name, K, output size of each module): the 7B layer's fused projections.
@@ -158,7 +157,7 @@ def ops_variant(name: str, p: Projection, rank: int, blocks: RideBlocks | None =
                 ) -> Callable[[], torch.Tensor]:
     """A call computing what reads the projection: rotary's q, k, v for qkv, silu_mul's
     output for gate_up, y itself for o and down; returns it. `blocks`: the fused variants'
-    expand launch shape (the engine's, lora_common.ride_blocks, by default)."""
+    expand launch shape (the engine's, lora_meta.ride_blocks, by default)."""
     from slora_kernels.rotary import rotary_expand_triton, rotary_triton
     from slora_kernels.silu_mul import silu_mul_expand_triton, silu_mul_triton
 

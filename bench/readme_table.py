@@ -369,7 +369,8 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
         if not name.startswith("one_ride_"):
             continue
         fields = next(k for k in v if "," in k)
-        diff = ", ".join(f"{f} {'on' if on else 'off'}" for f, on, was in
+        diff = ", ".join((f"{f} {'on' if on else 'off'}" if isinstance(on, bool) else
+                          f"{f} {'x'.join(map(str, on)) if on else 'per step'}") for f, on, was in
                          zip(fields.split(", "), v[fields], default or v[fields], strict=True)
                          if on != was)
         rows.append(f"| one adapter, merge off, riding with {diff or 'the default launches'} "

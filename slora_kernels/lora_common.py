@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
-from typing import NamedTuple
 
 import torch
 import triton
@@ -48,22 +47,6 @@ def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     if GATHER_ROWS:
         return tl.load(rows_ptr + positions, mask=mask, other=0).to(tl.int64)
     return positions.to(tl.int64)
-
-
-class RideBlocks(NamedTuple):
-    """The launch shape of the ride's expand launchers (ride_expand, rotary's and silu_mul's
-    fused expands): rows a program covers, and warps a program."""
-
-    m: int
-    warps: int = 4
-
-
-def ride_blocks(tokens: int, rank: int) -> RideBlocks:
-    """The ride's expand launch for `tokens` rows and an expand of `rank` rows a module: 16
-    rows a program for decode-sized steps (more programs), 64 past 128 tokens, where each
-    program re-reads its expand-matrix tile and 16 rows would re-read it 4x as often (prefill
-    chunks in the mixed graphs)."""
-    return RideBlocks(16 if tokens <= 128 else 64)
 
 
 def check_expand_operands(s: torch.Tensor, b_t: torch.Tensor, rows: int, k: int, n: int,

@@ -7,6 +7,7 @@ tile list of (segment, first row) pairs, each tile covering `block_m` rows of on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -115,3 +116,19 @@ def lora_tiles(seg_lens: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarr
     first = np.cumsum(per_seg) - per_seg  # index of each segment's first tile
     m0 = (np.arange(segs.size, dtype=np.int64) - np.repeat(first, per_seg)) * block_m
     return segs, m0
+
+
+class RideBlocks(NamedTuple):
+    """The launch shape of the ride's expand launchers (ride_expand, rotary's and silu_mul's
+    fused expands): rows a program covers, and warps a program."""
+
+    m: int
+    warps: int = 4
+
+
+def ride_blocks(tokens: int, rank: int) -> RideBlocks:
+    """The ride's expand launch for `tokens` rows and an expand of `rank` rows a module: 16
+    rows a program for decode-sized steps (more programs), 64 past 128 tokens, where each
+    program re-reads its expand-matrix tile and 16 rows would re-read it 4x as often (prefill
+    chunks in the mixed graphs)."""
+    return RideBlocks(16 if tokens <= 128 else 64)

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slora_kernels.lora_common import RideBlocks, check_expand_operands, dot_precision, ride_blocks
+from slora_kernels.lora_common import check_expand_operands, dot_precision
+from slora_kernels.lora_meta import RideBlocks, ride_blocks
 
 BLOCK = 1024
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from slora_kernels.fused_reference import rotary_reference
+from slora_kernels.lora_meta import RideBlocks
 from slora_kernels.rotary import rotary_expand_triton, rotary_triton
 from slora_kernels.silu_mul import silu_mul_expand_triton, silu_mul_triton
 from tests.kernel_tests.helpers import DEVICE, DTYPES, TOLERANCE, generator, randn, rel_err
@@ -149,3 +150,27 @@ def test_expand_add_matches_addmm(dtype, tokens, n, k):
     with pytest.raises(ValueError, match="K <= 256"):
         expand_add_triton(y, randn(tokens, 264, dtype=dtype, gen=gen),
                           randn(264, n, dtype=dtype, gen=gen))
+
+
+@pytest.mark.parametrize("blocks", [RideBlocks(32, 8), RideBlocks(64, 2)])
+def test_expands_in_other_launch_shapes_give_the_same_sums(blocks):
+    """SoleAdapterRide.expand_blocks: each launcher with another rows-a-program and warps
+    (40 tokens: a partial program at 32 and 64 rows) against float64 torch."""
+    from slora_kernels.ride_expand import expand_add_triton
+
+    dtype, tokens, rank = torch.float16, 40, 16
+    gen = generator(40 + blocks.m)
+    y, s, b_t = _wide(tokens, 2 * 96, 2, rank, rank, dtype, gen)
+    ref = _silu_mul64(y.double() + s.double() @ b_t.double())
+    assert rel_err(silu_mul_expand_triton(y, s, b_t, rank, blocks), ref) < TOLERANCE[dtype]
+    ref = y.double() + s.double() @ b_t.double()
+    assert rel_err(expand_add_triton(y, s, b_t, blocks), ref) < TOLERANCE[dtype]
+    heads, head_dim = 2, 32
+    qkv, s3, b3 = _wide(tokens, 3 * heads * head_dim, 3, rank, rank, dtype, gen)
+    cos, sin = _cos_sin(tokens, head_dim, dtype)
+    ref = qkv.double() + s3.double() @ b3.double()
+    q64, k64 = (ref[:, i * heads * head_dim:(i + 1) * heads * head_dim].view(
+        tokens, heads, head_dim) for i in range(2))
+    rotary_reference(q64, k64, cos.double(), sin.double())
+    rotary_expand_triton(qkv, s3, b3, rank, heads, heads, cos, sin, blocks)
+    assert rel_err(qkv, ref) < TOLERANCE[dtype]

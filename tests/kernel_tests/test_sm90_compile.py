@@ -24,7 +24,7 @@ from bench.kernel_compile_cost import compile_cost
 from slora_kernels import lora_expand, lora_shrink, ride_expand, rotary, silu_mul
 # The sole-adapter ride's expands as the engine launches them (plainly, no griddepcontrol),
 # rank bound 64, fp16, with BLOCK_M 16 for decode steps and 64 for prefill chunks
-# (lora_common.ride_blocks).
+# (lora_meta.ride_blocks).
 ride = {"DOT_PRECISION": "tf32", "BLOCK_M": 16}
 RIDE = {
     "silu_mul_expand": (silu_mul._silu_mul_expand_kernel,
