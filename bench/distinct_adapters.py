@@ -53,13 +53,14 @@ RideMode = tuple[bool, bool, bool, tuple[int, int] | None]
 # records its arms' fields. addmm: every expand an addmm (the ride before 7c40866); nopdl: o's
 # and down's expands an addmm (the default at 5be1284); triton: o's and down's in Triton (the
 # default since); maxrows: every module's rows at max_rank (the ride before 960db69); m32,
-# m64: the Triton expands launched 32 or 64 rows a program at every step (the default, None,
-# lets lora_meta.ride_blocks choose per step). The PDL variant went with the PDL launches
+# m64: the Triton expands launched 32 or 64 rows a program at every step, w8: 16 rows and 8
+# warps a program (the default, None, lets lora_meta.ride_blocks choose per step). The PDL variant went with the PDL launches
 # (removed after 5be1284), and norm with the norm fusion (ca134db).
 RIDE_VARIANTS: dict[str, RideMode] = {
     "addmm": (False, False, True, None), "nopdl": (True, False, True, None),
     "triton": (True, True, True, None), "maxrows": (True, True, False, None),
-    "m32": (True, True, True, (32, 4)), "m64": (True, True, True, (64, 4))}
+    "m32": (True, True, True, (32, 4)), "m64": (True, True, True, (64, 4)),
+    "w8": (True, True, True, (16, 8))}
 RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized, expand_blocks"
 
 
