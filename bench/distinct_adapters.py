@@ -33,7 +33,6 @@ from bench.replay import replay
 from bench.workload import BenchRequest
 from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import LORA_MODULES
-from slora_kernels.lora_meta import RideBlocks
 
 if TYPE_CHECKING:
     from bench.serving import Bench
@@ -46,22 +45,19 @@ TARGETS = {"distinct16": 0.95, "distinct64": 0.92, "one_unmerged": 0.97}
 ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinct adapters
 
 
-RideMode = tuple[bool, bool, bool, tuple[int, int] | None]
-
 # --ride-variants: one-adapter arms riding with other launches than the default's, as
-# (SoleAdapterRide.fused_consumers, .triton_expands, .rank_sized, .expand_blocks); each result
-# records its arms' fields. addmm: every expand an addmm (the ride before 7c40866); nopdl: o's
-# and down's expands an addmm (the default at 5be1284); triton: o's and down's in Triton (the
-# default since); maxrows: every module's rows at max_rank (the ride before 960db69); m32,
-# m64: the Triton expands launched 32 or 64 rows a program at every step, w8: 16 rows and 8
-# warps a program (the default, None, lets lora_meta.ride_blocks choose per step). The PDL variant went with the PDL launches
-# (removed after 5be1284), and norm with the norm fusion (ca134db).
-RIDE_VARIANTS: dict[str, RideMode] = {
-    "addmm": (False, False, True, None), "nopdl": (True, False, True, None),
-    "triton": (True, True, True, None), "maxrows": (True, True, False, None),
-    "m32": (True, True, True, (32, 4)), "m64": (True, True, True, (64, 4)),
-    "w8": (True, True, True, (16, 8))}
-RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized, expand_blocks"
+# (SoleAdapterRide.fused_consumers, .triton_expands, .rank_sized); each result records its
+# arms' fields. addmm: every expand an addmm (the ride before 7c40866); nopdl: o's and down's
+# expands an addmm (the default at 5be1284); triton: o's and down's in Triton (the default
+# since); maxrows: every module's rows at max_rank (the ride before 960db69). The PDL variant
+# went with the PDL launches (removed after 5be1284), norm with the norm fusion (ca134db),
+# and m32, m64 and w8 (a fourth field, expand_blocks: the Triton expands launched 32 or 64
+# rows, or 16 rows and 8 warps, a program) with the launch-shape switch after d3cf840 and
+# 4325d23, where none beat the default (docs/performance.md).
+RIDE_VARIANTS = {"addmm": (False, False, True), "nopdl": (True, False, True),
+                 "triton": (True, True, True), "maxrows": (True, True, False)}
+RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized"
+RideMode = tuple[bool, bool, bool]
 
 
 def parse_ride_variants(text: str) -> tuple[str, ...]:
@@ -81,9 +77,7 @@ class RideModes:
 
     def __init__(self, engine: LLMEngine, ride: SoleAdapterRide) -> None:
         self.runner, self.ride = engine.runner, ride
-        blocks = ride.expand_blocks
-        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands, ride.rank_sized,
-                               None if blocks is None else (blocks.m, blocks.warps))
+        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands, ride.rank_sized)
         self.default = self.mode
         self.stash: dict[tuple[RideMode, int], dict[Any, Any]] = {}
 
@@ -95,7 +89,6 @@ class RideModes:
                 self.stash[(self.mode, i)] = graphs.take_ride()
                 graphs.put(self.stash.pop((mode, i), {}))
         self.ride.fused_consumers, self.ride.triton_expands = mode[0], mode[1]
-        self.ride.expand_blocks = None if mode[3] is None else RideBlocks(*mode[3])
         if mode[2] != self.ride.rank_sized:  # the rows' layout changes: load them again
             self.ride.rank_sized, self.ride.loaded = mode[2], None
         self.mode = mode

@@ -135,6 +135,11 @@ def fusion_ops_rows(result: dict[str, Any], source: str) -> list[str]:
                      f"{r['base_norm_us']:.1f} us, o's and down's addmm "
                      f"+{r['fused_norm_addmm_added_us']:.1f} us, fused into the norms "
                      f"+{r['fused_norm_added_us']:.1f} us")
+        swept = sorted(k for k in r if k.startswith("fused_ops_all_m") and k.endswith("_added_us"))
+        if swept:  # --sweep-blocks: the Triton expands in other launch shapes
+            cell += "; launched M rows/W warps a program: " + ", ".join(
+                f"{k[len('fused_ops_all_m'):-len('_added_us')].replace('_w', '/')} "
+                f"+{r[k]:.1f}" for k in swept) + " us"
         rows.append(f"| one 7B decode layer's four projections and the ops reading them, the "
                     f"ride's rows for rank {r['rank']}, {r['batch']} rows, graph replay | {cell} "
                     f"| | {source} |")
@@ -444,7 +449,8 @@ def rows() -> list[str]:
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),
-            ("lora-layer-fusion-ops-7786a51-h100.json", fusion_ops_rows)):
+            ("lora-layer-fusion-ops-7786a51-h100.json", fusion_ops_rows),
+            ("lora-layer-fusion-blocks-d3cf840-h100.json", fusion_ops_rows)):
         lines += _rows_of(name, make)
     path = RESULTS / "profile-async-h200.json"
     if path.exists():
@@ -514,6 +520,10 @@ def rows() -> list[str]:
                        ("distinct-adapters-ride-7786a51-h100.json", distinct_rows),
                        ("distinct-adapters-ride-r16-7786a51-h100.json", distinct_rows),
                        ("distinct-adapters-ride-r64-7786a51-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-blocks-d3cf840-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-r64-blocks-d3cf840-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-w8-4325d23-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-r64-w8-4325d23-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slora_kernels.lora_meta import LoraMeta, RideBlocks
+from slora_kernels.lora_meta import LoraMeta
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,6 @@ class PendingExpand:
     s: torch.Tensor  # [T, modules * rank]: x @ A.T of each module, side by side
     b_t: torch.Tensor  # [modules * rank, N], block-diagonal, scale folded in
     rank: int  # rows per module
-    # The fused launch's shape (None: lora_meta.ride_blocks' for the step's tokens).
-    blocks: RideBlocks | None = None
 
     def apply(self) -> None:
         """The expand as its own launch (the consumer could not fuse it)."""

@@ -16,7 +16,6 @@ from slora_core import ops
 from slora_core.config import MODULE_INDEX, ModelConfig
 from slora_core.context import PendingExpand, StepContext, defer_expand, get_context
 from slora_core.model import LlamaForCausalLM
-from slora_kernels.lora_meta import RideBlocks
 
 
 @dataclass
@@ -40,9 +39,6 @@ class RideRows:
     # Not deferred: the expand as a Triton launch behind the GEMM (slora_kernels.ride_expand,
     # on CUDA) instead of cuBLAS's addmm (SoleAdapterRide.triton_expands says why).
     triton_expand: bool = True
-    # The Triton expands' launch shape, fused or not (None: lora_meta.ride_blocks' for the
-    # step's tokens and rows; SoleAdapterRide.expand_blocks).
-    blocks: RideBlocks | None = None
 
     def __post_init__(self) -> None:
         self.rows = self.rows or self.rank
@@ -56,12 +52,12 @@ class RideRows:
         if bias is not None:
             y.add_(bias)
         if self.defer:
-            defer_expand(PendingExpand(y, s, b_t, self.rows, self.blocks))
+            defer_expand(PendingExpand(y, s, b_t, self.rows))
             return y
         if self.triton_expand and ops._use_triton(y):
             from slora_kernels.ride_expand import expand_add_triton
 
-            return expand_add_triton(y, s, b_t, self.blocks)
+            return expand_add_triton(y, s, b_t)
         return y.addmm_(s, b_t)
 
 

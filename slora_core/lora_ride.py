@@ -57,7 +57,6 @@ from slora_core.config import MODULE_INDEX
 from slora_core.lora import LoraLinear, RideRows
 from slora_core.lora_merge import sole_slot
 from slora_core.step_inputs import StepInputs
-from slora_kernels.lora_meta import RideBlocks
 
 # Steps in a row on one sole adapter before its rows are loaded (see the docstring).
 RIDE_AFTER_STEPS = 4
@@ -141,20 +140,6 @@ class SoleAdapterRide:
         for lin in self.layers:
             assert lin.ride is not None
             lin.ride.triton_expand = on
-
-    @property
-    def expand_blocks(self) -> RideBlocks | None:
-        """The Triton expands' launch shape, fused or not: None (the default) lets
-        lora_meta.ride_blocks choose it per step. Set it before graphs are captured."""
-        ride = self.layers[0].ride
-        assert ride is not None
-        return ride.blocks
-
-    @expand_blocks.setter
-    def expand_blocks(self, blocks: RideBlocks | None) -> None:
-        for lin in self.layers:
-            assert lin.ride is not None
-            lin.ride.blocks = blocks
 
     @property
     def rows(self) -> int:

@@ -84,7 +84,7 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
             # q, k and v heads of the fused output (the launcher refuses another layout).
             rotary_expand_triton(pending.out, pending.s, pending.b_t, pending.rank, q.shape[1],
-                                 k.shape[1], cos, sin, pending.blocks)
+                                 k.shape[1], cos, sin)
             return
         pending.apply()
     if _use_triton(q):
@@ -103,8 +103,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         if _use_triton(gate_up):
             from slora_kernels.silu_mul import silu_mul_expand_triton
 
-            return silu_mul_expand_triton(gate_up, pending.s, pending.b_t, pending.rank,
-                                          pending.blocks)
+            return silu_mul_expand_triton(gate_up, pending.s, pending.b_t, pending.rank)
         pending.apply()
     if _use_triton(gate_up):
         from slora_kernels.silu_mul import silu_mul_triton

@@ -154,8 +154,9 @@ def test_expand_add_matches_addmm(dtype, tokens, n, k):
 
 @pytest.mark.parametrize("blocks", [RideBlocks(32, 8), RideBlocks(64, 2)])
 def test_expands_in_other_launch_shapes_give_the_same_sums(blocks):
-    """SoleAdapterRide.expand_blocks: each launcher with another rows-a-program and warps
-    (40 tokens: a partial program at 32 and 64 rows) against float64 torch."""
+    """The launchers' `blocks` (bench.lora_layer_fusion --sweep-blocks): each with another
+    rows-a-program and warps (40 tokens: a partial program at 32 and 64 rows) against float64
+    torch."""
     from slora_kernels.ride_expand import expand_add_triton
 
     dtype, tokens, rank = torch.float16, 40, 16

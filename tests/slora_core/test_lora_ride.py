@@ -310,7 +310,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
     fused_graph, tile_graph = graphs.graphs[ride_key], graphs.graphs[tile_key]
     wide_graph = graphs.graphs[wide_key]
     modes = RideModes(engine, ride)
-    assert modes.default == (True, True, True, None)
+    assert modes.default == (True, True, True)
 
     modes.set(RIDE_VARIANTS["addmm"])
     assert (ride.fused_consumers, ride.triton_expands) == (False, False)
@@ -328,12 +328,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
     ride.loaded = (0, 0)
     modes.set(RIDE_VARIANTS["maxrows"])
     assert not ride.rank_sized and ride.loaded is None and ride.rows_for(8) == 64
-    # m64: every projection's Triton expands launch 64 rows a program, fused or not.
-    modes.set(RIDE_VARIANTS["m64"])
-    assert ride.rank_sized and ride_key not in graphs.graphs
-    assert {lin.ride.blocks for lin in ride.layers} == {(64, 4)}
     modes.set(modes.default)
-    assert ride.expand_blocks is None and {lin.ride.blocks for lin in ride.layers} == {None}
     assert graphs.graphs[ride_key] is fused_graph and graphs.graphs[tile_key] is tile_graph
     assert graphs.graphs[wide_key] is wide_graph and ride.rank_sized and ride.rows_for(8) == 8
     assert (ride.fused_consumers, ride.triton_expands, ride.rank_sized) == (True, True, True)
