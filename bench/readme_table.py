@@ -146,6 +146,17 @@ def fusion_ops_rows(result: dict[str, Any], source: str) -> list[str]:
     return rows
 
 
+def many_ride_rows(result: dict[str, Any], source: str) -> list[str]:
+    """bench.lora_many_ride: every distinct adapter's A rows riding the base GEMMs, against
+    today's LoRA launches, over the base GEMMs."""
+    return [f"| one 7B decode layer's four projections, 64 rows on {r['adapters']} adapters "
+            f"(ranks 8-64, all 7 modules; {r['lora_path']} today), graph replay{on_card(result)} "
+            f"| base GEMMs {r['base_us']:.1f} us; LoRA launches +{r['kernels_added_us']:.1f} us; "
+            f"every adapter's A riding the GEMMs, a gather, the expand "
+            f"+{r['many_ride_added_us']:.1f} us (the wider GEMMs alone "
+            f"{r['wide_gemm_added_us']:+.1f}) | | {source} |" for r in result["rows_out"]]
+
+
 def hop_rows(result: dict[str, Any], source: str) -> list[str]:
     """The gateway hop alone: the gateway path against the worker path of the same repeat."""
     rows = []
@@ -450,7 +461,8 @@ def rows() -> list[str]:
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-7786a51-h100.json", fusion_ops_rows),
-            ("lora-layer-fusion-blocks-d3cf840-h100.json", fusion_ops_rows)):
+            ("lora-layer-fusion-blocks-d3cf840-h100.json", fusion_ops_rows),
+            ("lora-many-ride-30984e9-h100.json", many_ride_rows)):
         lines += _rows_of(name, make)
     path = RESULTS / "profile-async-h200.json"
     if path.exists():
