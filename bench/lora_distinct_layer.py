@@ -14,7 +14,10 @@ several launch choices:
 - `rows_unbalanced`: the same K split for every rank (the default before);
   `rows_balanced_first`: the split of the first balanced version (K's cap not raised);
 - `tiles_short` (one adapter): the short tile list decode graphs replay for one adapter on
-  every row.
+  every row;
+- `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
+  tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
+  16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both.
 
 The first run (lora-distinct-layer-h100.json) also timed the tile list with the K split for
 its real tiles or fixed at 4, 8, 16, without PDL, and the row kernels with 8 programs a
@@ -140,6 +143,14 @@ def choices(slots: list[int]) -> dict[str, Choice]:
 
     out: dict[str, Choice] = {
         "tiles": (grph, DECODE_TILES, none),
+        # The expand's y and B tiles loaded before its K-split sum: decode launches get it
+        # only at <= EARLY_LOADS_MAX_TILES tiles, and a graph's padded list (64 at 64 rows)
+        # is longer, though at D = 16 only 16 of its tiles are real.
+        "tiles_early": (grph, dataclasses.replace(DECODE_TILES, early_loads=True), none),
+        # Narrower expand column tiles: twice the programs, half the B and y a program.
+        "tiles_n128": (grph, dataclasses.replace(DECODE_TILES, expand_block_n=128), none),
+        "tiles_early_n128": (grph, dataclasses.replace(DECODE_TILES, early_loads=True,
+                                                       expand_block_n=128), none),
         "rows": (rows, RowTiles(), none),
         "rows_unbalanced": (rows, RowTiles(rank_balanced=False), none),
         "rows_balanced_first": (rows, RowTiles(rank_balanced=True), first_balanced),
@@ -260,7 +271,8 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 
 # The names `choices` and `mixed_choices` give their launch choices (`tiles_short` only where
 # one adapter's tiles fit the short list), for checking --choices before anything is built.
-CHOICE_NAMES = ("tiles", "rows", "rows_unbalanced", "rows_balanced_first", "tiles_short")
+CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128", "rows",
+                "rows_unbalanced", "rows_balanced_first", "tiles_short")
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles16", "mixed_rows_and_chunk_tiles")
 
