@@ -241,7 +241,7 @@ def run_cell(rank: int, t: int, layers: int, sweep: tuple[RideBlocks, ...] = ()
         row[f"{name}_added_us"] = row[f"{name}_us"] - row["base_ops_us"]
     # --sweep-blocks: fused_ops_all_nopdl with other expand launch shapes, checked against
     # the default's output and timed beside it.
-    row["default_blocks"] = list(ride_blocks(t, rank))
+    row["default_blocks"] = list(ride_blocks(t))
     for blocks in sweep:
         key = f"fused_ops_all_m{blocks.m}_w{blocks.warps}"
         calls = [ops_variant("fused_ops_all_nopdl", p, rank, blocks)

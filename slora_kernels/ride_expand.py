@@ -61,7 +61,7 @@ def expand_add_triton(y: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor,
     check_expand_operands(s, b_t, t, k, n, y.dtype, "K")
     if t == 0:
         return y
-    blocks = blocks or ride_blocks(t, k)
+    blocks = blocks or ride_blocks(t)
     block_n = 128
     _expand_add_kernel[(triton.cdiv(t, blocks.m), triton.cdiv(n, block_n))](
         y, s, b_t, t, n, k, y.stride(0), s.stride(0), b_t.stride(0),

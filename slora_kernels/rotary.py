@@ -126,7 +126,7 @@ def rotary_expand_triton(qkv: torch.Tensor, s: torch.Tensor, b_t: torch.Tensor, 
     check_expand_operands(s, b_t, t, 3 * rank, width, qkv.dtype, "3 rank")
     if t == 0:
         return
-    blocks = blocks or ride_blocks(t, rank)
+    blocks = blocks or ride_blocks(t)
     _rotary_expand_kernel[(triton.cdiv(t, blocks.m), heads)](
         qkv, s, b_t, cos, sin, t, rank, num_q_heads, num_kv_heads, qkv.stride(0), s.stride(0),
         b_t.stride(0), cos.stride(0),

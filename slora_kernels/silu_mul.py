@@ -97,7 +97,7 @@ def silu_mul_expand_triton(gate_up: torch.Tensor, s: torch.Tensor, b_t: torch.Te
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    blocks = blocks or ride_blocks(t, rank)
+    blocks = blocks or ride_blocks(t)
     block_n = 64
     _silu_mul_expand_kernel[(triton.cdiv(t, blocks.m), triton.cdiv(inter, block_n))](
         gate_up, s, b_t, out, t, inter, rank, gate_up.stride(0), s.stride(0), b_t.stride(0),
