@@ -224,9 +224,10 @@ SUITES["issue37"] = (
 # kernel tests compiled on the GPU, the ride's logits against HF fp32 / fp16 at 7B width,
 # issue37's one-adapter arm (rank 8) beside base riding with the default launches and with
 # the variants (--ride-variants: every module's rows at max_rank, o's and down's expands as
-# addmm, every expand as addmm) interleaved, the same arm with a rank-64 adapter, one layer's
-# ops with and without each fusion, churn again, the arm with a rank-16 adapter, and last the
-# ride's step by kernel family.
+# addmm, every expand as addmm) interleaved, the same arm with a rank-64 adapter, the
+# many-adapter tiles' expand choices at D = 4, 16 and 64, one layer's ops with and without each
+# fusion, churn again, the arm with a rank-16 adapter, and last the ride's step by kernel
+# family.
 _RIDE_ONE = dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
     *SUITES["issue37"][0].argv, "--distinct-arms", "one_unmerged"))
 
@@ -246,6 +247,11 @@ SUITES["issue37-ride"] = (
     dataclasses.replace(_RIDE_ONE, argv=(*_RIDE_ONE.argv, "--ride-variants",
                                          "maxrows,nopdl,addmm")),
     _ride_one_rank(64),
+    # The D = 16 tiles' expand with early loads and narrower column tiles (not yet run).
+    step("distinct-layer-expand", 120, "bench.lora_distinct_layer", "--cases",
+         "16:8-16-32-64,4:8-16-32-64,64:8-16-32-64", "--choices",
+         "tiles,tiles_early,tiles_n128,tiles_early_n128,rows", "--out",
+         OUT("lora-distinct-layer-expand")),
     step("layer-fusion", 120, "bench.lora_layer_fusion", "--out", OUT("lora-layer-fusion-ops")),
     SUITES["issue37"][1],
     _ride_one_rank(16),
