@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -155,6 +156,19 @@ def many_ride_rows(result: dict[str, Any], source: str) -> list[str]:
             f"every adapter's A riding the GEMMs, a gather, the expand "
             f"+{r['many_ride_added_us']:.1f} us (the wider GEMMs alone "
             f"{r['wide_gemm_added_us']:+.1f}) | | {source} |" for r in result["rows_out"]]
+
+
+def grpc_cost_rows(result: dict[str, Any], source: str) -> list[str]:
+    """bench.grpc_stream_cost: server CPU a streamed message, per server kind (median of the
+    repeats)."""
+    kinds: dict[str, list[float]] = {}
+    for r in result["rows"]:
+        kinds.setdefault(r["server"], []).append(r["server_cpu_us_per_message"])
+    return [f"| a Python gRPC server streaming {result['messages_per_stream']} messages on each of "
+            f"{result['concurrency']} calls, one a call every {result['step_ms']:g} ms, "
+            f"{kind.replace('_', ' ')}, {result['cpus']} CPUs | server CPU "
+            f"{statistics.median(v):.1f} us a message [{min(v):.1f}, {max(v):.1f}] | | {source} |"
+            for kind, v in kinds.items()]
 
 
 def hop_rows(result: dict[str, Any], source: str) -> list[str]:
@@ -462,7 +476,8 @@ def rows() -> list[str]:
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-7786a51-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-blocks-d3cf840-h100.json", fusion_ops_rows),
-            ("lora-many-ride-30984e9-h100.json", many_ride_rows)):
+            ("lora-many-ride-30984e9-h100.json", many_ride_rows),
+            ("grpc-stream-cost-cpu.json", grpc_cost_rows)):
         lines += _rows_of(name, make)
     path = RESULTS / "profile-async-h200.json"
     if path.exists():
