@@ -17,7 +17,9 @@ several launch choices:
   every row;
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
-  16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both.
+  16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
+- `tiles_unpadded_split`, `tiles_unpadded`: the real tiles only (no padding to the graph's
+  capacity), with the padded list's K split (what the padding's programs cost) or their own.
 
 The first run (lora-distinct-layer-h100.json) also timed the tile list with the K split for
 its real tiles or fixed at 4, 8, 16, without PDL, and the row kernels with 8 programs a
@@ -46,7 +48,14 @@ import torch
 from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us, rotation_count
 from bench.run_record import add_row, run_record
-from slora_kernels.lora import DECODE_TILES, PREFILL_TILES, LoraTiles, add_lora_triton
+from slora_kernels.lora import (
+    DECODE_TILES,
+    PREFILL_TILES,
+    LoraTiles,
+    add_lora_triton,
+    pick_split,
+    rank_block,
+)
 from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, ROW_BLOCK_M, LoraMeta
 from slora_kernels.lora_rows import RowTiles
 
@@ -130,11 +139,16 @@ Choice = tuple[LoraMeta, LoraTiles | RowTiles, Callable[[int, int], int | None]]
 def choices(slots: list[int]) -> dict[str, Choice]:
     """name -> (meta, tiles, split for (modules, K) or None for the launcher's own)."""
     grph = padded_meta(slots, ROWS)
-    real = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M).num_tiles
+    real_meta = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
+    real = real_meta.num_tiles
     rows = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=ROW_BLOCK_M)
 
     def none(_m: int, _k: int) -> int | None:
         return None
+
+    def padded_split(m: int, k: int) -> int | None:
+        return pick_split(DECODE_TILES, grph.num_tiles, m, k, torch.device(DEVICE),
+                          rank_block(MAX_RANK))
 
     def first_balanced(_m: int, k: int) -> int | None:
         # The first rank-balanced rule (lora-distinct-layer-h100.json @ 017c9b7): split caps x4 but
@@ -151,6 +165,12 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         "tiles_n128": (grph, dataclasses.replace(DECODE_TILES, expand_block_n=128), none),
         "tiles_early_n128": (grph, dataclasses.replace(DECODE_TILES, early_loads=True,
                                                        expand_block_n=128), none),
+        # The real tiles only (a graph pads its list to its capacity, 64 at 64 rows: at
+        # D = 16, 48 of every launch's tile programs exit at once): with the split the
+        # padded list gets and with its own. 16 real tiles or fewer take the early loads,
+        # so the padding's cost is tiles_unpadded_split against tiles_early.
+        "tiles_unpadded_split": (real_meta, DECODE_TILES, padded_split),
+        "tiles_unpadded": (real_meta, DECODE_TILES, none),
         "rows": (rows, RowTiles(), none),
         "rows_unbalanced": (rows, RowTiles(rank_balanced=False), none),
         "rows_balanced_first": (rows, RowTiles(rank_balanced=True), first_balanced),
@@ -271,8 +291,9 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 
 # The names `choices` and `mixed_choices` give their launch choices (`tiles_short` only where
 # one adapter's tiles fit the short list), for checking --choices before anything is built.
-CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128", "rows",
-                "rows_unbalanced", "rows_balanced_first", "tiles_short")
+CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128",
+                "tiles_unpadded_split", "tiles_unpadded", "rows", "rows_unbalanced",
+                "rows_balanced_first", "tiles_short")
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles16", "mixed_rows_and_chunk_tiles")
 
