@@ -247,11 +247,12 @@ SUITES["issue37-ride"] = (
     dataclasses.replace(_RIDE_ONE, argv=(*_RIDE_ONE.argv, "--ride-variants",
                                          "maxrows,nopdl,addmm")),
     _ride_one_rank(64),
-    # The D = 16 tiles with early loads, narrower expand column tiles, and without the
-    # graph's padding (not yet run).
+    # The D = 16 tiles with early loads, narrower expand column tiles, without the graph's
+    # padding, and looping over it (not yet run).
     step("distinct-layer-expand", 120, "bench.lora_distinct_layer", "--cases",
          "16:8-16-32-64,4:8-16-32-64,64:8-16-32-64", "--choices",
-         "tiles,tiles_early,tiles_n128,tiles_early_n128,tiles_unpadded_split,tiles_unpadded,rows",
+         "tiles,tiles_early,tiles_n128,tiles_early_n128,tiles_unpadded_split,tiles_unpadded,"
+         "tiles_loop16,tiles_loop32,rows",
          "--out", OUT("lora-distinct-layer-expand")),
     step("layer-fusion", 120, "bench.lora_layer_fusion", "--out", OUT("lora-layer-fusion-ops")),
     SUITES["issue37"][1],

@@ -75,6 +75,12 @@ class LoraTiles:
     # lost (r16 B16 U16 7.3 -> 7.7, r16 B256 U1 short list 8.0 -> 8.2-8.3), so it keeps to
     # rank tile 64 (WAVE_SPLIT_MIN_RANK_TILE), where the re-read sums are 4x as wide.
     wave_split: bool = True
+    # Programs along the tile list: at most this many tile entries at a time, each program
+    # looping over the entries pid, pid + this, ... (None: a program an entry, the default).
+    # A decode graph pads its list to its capacity (64 entries at 64 rows), and at 16
+    # adapters 48 of them are unused: each still takes a program that exits at once, in
+    # every launch. Not yet measured (bench.lora_distinct_layer `tiles_loop16`, `_loop32`).
+    tile_programs: int | None = None
     # Rank-balanced K splits (as `RowTiles.rank_balanced`: each tile's split in proportion to
     # its rank bucket, the split chosen for 4x the programs under 4x the caps) were timed on
     # the H100 and lost at every case, so they are not kept: one 7B decode layer, 64 rows,
@@ -255,11 +261,12 @@ def add_lora_triton(
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    launch_dependents=pdl)
+                    launch_dependents=pdl, tile_programs=tiles.tile_programs)
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl)
+                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl,
+                    tile_programs=tiles.tile_programs)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None, dtype: torch.dtype,

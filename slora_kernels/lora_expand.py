@@ -96,61 +96,92 @@ def _expand_bucketed(
                            EARLY_LOADS, USE_PDL)
 
 
-# split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
-# a new batch shape compiles no new variant.
-@triton.jit(do_not_specialize=["split_k", "stride_bs"])
-def _lora_expand_kernel(
-    y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
+@triton.jit
+def _expand_tile(
+    tile, mod_i, n0, out_size, y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
-    mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
-    n_tiles, stride_ym, stride_yn, table_stride, split_k,
+    mod0, mod1, mod2, start0, start1, start2, stride_ym, stride_yn, table_stride, split_k,
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    """One tile entry's rows, one module, one column tile (an unused entry or a rank-0 module
+    does nothing)."""
+    seg = tl.load(tile_segs_ptr + tile)
+    real = seg >= 0
+    # Masked: an unused entry reads nothing (the segment arrays may even be empty).
+    slot = tl.load(seg_slots_ptr + seg, mask=real, other=0).to(tl.int64)
+    mod = select3(mod_i, mod0, mod1, mod2)
+    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=real, other=0),
+                      MAX_RANK)
+    if real & (rank > 0):
+        m0 = tl.load(tile_m0_ptr + tile)
+        seg_len = tl.load(seg_lens_ptr + seg)
+        start = tl.load(seg_starts_ptr + seg)
+        b_off = tl.load(b_off_ptr + slot * table_stride + mod)
+        scale = tl.load(scales_ptr + slot * table_stride + mod)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < seg_len
+        tokens = segment_rows(rows_ptr, start + offs_m, mask_m, GATHER_ROWS)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < out_size
+        buf_rows = buf_ptr + tokens * stride_bt + mod_i * stride_bm
+        o_start = select3(mod_i, start0, start1, start2)
+        y_ptrs = y_ptr + tokens[:, None] * stride_ym + (o_start + offs_n)[None, :] * stride_yn
+        y_mask = mask_m[:, None] & mask_n[None, :]
+        if (b_off % 8 == 0) & (rank % 8 == 0):
+            # Aligned B with rows of a multiple of 8 elements (`// 8 * 8` tells the
+            # compiler): every B row segment loads as 16-byte vectors.
+            _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8,
+                             rank // 8 * 8, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
+                             DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
+                             EARLY_LOADS, USE_PDL)
+        else:
+            _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
+                             scale, offs_n, mask_n, mask_m, stride_bs, split_k,
+                             DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
+                             EARLY_LOADS, USE_PDL)
+
+
+# split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
+# a new batch shape compiles no new variant; nor is the tile list's length.
+@triton.jit(do_not_specialize=["split_k", "stride_bs", "num_entries"])
+def _lora_expand_kernel(
+    y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
+    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
+    mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
+    n_tiles, stride_ym, stride_yn, table_stride, split_k,
+    stride_bs, stride_bt, stride_bm, num_entries,
+    MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, EARLY_LOADS: tl.constexpr,
+    USE_PDL: tl.constexpr, TILE_LOOP: tl.constexpr,
+):
+    """A program a (tile entry, module and column tile); with TILE_LOOP, a program a (group
+    of tile entries, module and column tile), looping over entries pid, pid + programs, ...
+    of the `num_entries` (LoraTiles.tile_programs)."""
     mod_i = tl.program_id(1) // n_tiles
     n0 = (tl.program_id(1) % n_tiles) * BLOCK_N
     out_size = select3(mod_i, size0, size1, size2)
-    if n0 >= out_size:
-        return
-    seg = tl.load(tile_segs_ptr + tile)
-    if seg < 0:
-        return
-    m0 = tl.load(tile_m0_ptr + tile)
-    seg_len = tl.load(seg_lens_ptr + seg)
-    start = tl.load(seg_starts_ptr + seg)
-    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    mod = select3(mod_i, mod0, mod1, mod2)
-    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod), MAX_RANK)
-    if rank <= 0:
-        return
-    b_off = tl.load(b_off_ptr + slot * table_stride + mod)
-    scale = tl.load(scales_ptr + slot * table_stride + mod)
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seg_len
-    tokens = segment_rows(rows_ptr, start + offs_m, mask_m, GATHER_ROWS)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < out_size
-    buf_rows = buf_ptr + tokens * stride_bt + mod_i * stride_bm
-    o_start = select3(mod_i, start0, start1, start2)
-    y_ptrs = y_ptr + tokens[:, None] * stride_ym + (o_start + offs_n)[None, :] * stride_yn
-    y_mask = mask_m[:, None] & mask_n[None, :]
-    if (b_off % 8 == 0) & (rank % 8 == 0):
-        # Aligned B with rows of a multiple of 8 elements (`// 8 * 8` tells the compiler):
-        # every B row segment loads as 16-byte vectors.
-        _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off // 8 * 8, rank // 8 * 8,
-                         scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
-                         EARLY_LOADS, USE_PDL)
-    else:
-        _expand_bucketed(y_ptrs, y_mask, buf_rows, arena_ptr + b_off, rank,
-                         scale, offs_n, mask_n, mask_m, stride_bs, split_k,
-                         DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
-                         EARLY_LOADS, USE_PDL)
+    if n0 < out_size:
+        if TILE_LOOP:
+            for tile in range(tl.program_id(0), num_entries, tl.num_programs(0)):
+                _expand_tile(tile, mod_i, n0, out_size, y_ptr, buf_ptr, arena_ptr, b_off_ptr,
+                             ranks_ptr, scales_ptr, seg_starts_ptr, seg_lens_ptr,
+                             seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr, mod0, mod1,
+                             mod2, start0, start1, start2, stride_ym, stride_yn, table_stride,
+                             split_k, stride_bs, stride_bt, stride_bm, MAX_RANK,
+                             DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
+                             GATHER_ROWS, EARLY_LOADS, USE_PDL)
+        else:
+            _expand_tile(tl.program_id(0), mod_i, n0, out_size, y_ptr, buf_ptr, arena_ptr,
+                         b_off_ptr, ranks_ptr, scales_ptr, seg_starts_ptr, seg_lens_ptr,
+                         seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr, mod0, mod1, mod2,
+                         start0, start1, start2, stride_ym, stride_yn, table_stride, split_k,
+                         stride_bs, stride_bt, stride_bm, MAX_RANK, DOT_PRECISION, BLOCK_M,
+                         BLOCK_N, BLOCK_R, RANK_BUCKETS, GATHER_ROWS, EARLY_LOADS, USE_PDL)
 
 
 def lora_expand(
@@ -172,11 +203,13 @@ def lora_expand(
     rank_buckets: bool = True,
     early_loads: bool = False,
     pdl: bool = False,
+    tile_programs: int | None = None,
 ) -> None:
     """Add the expand of `buf` into y's column slices (see module docstring). `early_loads`:
     the y and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`):
     launched as a programmatic dependent of the shrink before it, which must write nothing
-    else this reads (slora_kernels.lora.LoraTiles.pdl)."""
+    else this reads (slora_kernels.lora.LoraTiles.pdl); `tile_programs`: at most this many
+    programs along the tile list, each looping over its entries (None: one an entry)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
@@ -189,17 +222,21 @@ def lora_expand(
     sizes = tuple(n for _, n in out_slices) + pad
     if block_m != meta.block_m:
         raise ValueError(f"block_m {block_m} but the tile list was built for {meta.block_m}")
-    grid = (meta.num_tiles, num_mods * n_tiles)
+    if tile_programs is not None and tile_programs < 1:
+        raise ValueError(f"tile_programs must be at least 1, got {tile_programs}")
+    grid = (meta.num_tiles if tile_programs is None else min(meta.num_tiles, tile_programs),
+            num_mods * n_tiles)
     _lora_expand_kernel[grid](
         y, buf, arena, b_offsets, ranks, scales,
         meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
         meta.rows_or_slots(), mods[0], mods[1], mods[2], starts[0], starts[1], starts[2],
         sizes[0], sizes[1], sizes[2],
         n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
-        buf.stride(0), buf.stride(1), buf.stride(2),
+        buf.stride(0), buf.stride(1), buf.stride(2), meta.num_tiles,
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, EARLY_LOADS=early_loads, USE_PDL=pdl,
+        TILE_LOOP=tile_programs is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
