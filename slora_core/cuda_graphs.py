@@ -56,6 +56,11 @@ def is_ride(tiles: int) -> bool:
     return tiles <= RIDE_GRAPH
 
 
+def ride_rows(tiles: int) -> int:
+    """The row count a ride graph's tiles entry keys (the inverse of ride_tiles)."""
+    return RIDE_GRAPH - tiles
+
+
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
 # (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
 # which read an adapter once for all its rows, hold their own (H200, lora-grid-h200.json at
@@ -164,14 +169,14 @@ class _StepGraphs:
         ride = self.runner.ride
         if ride is None or not is_ride(tiles):
             return nullcontext()
-        return ride.using_rows(RIDE_GRAPH - tiles)
+        return ride.using_rows(ride_rows(tiles))
 
     def label(self, key: GraphKey) -> str:
         """The graph set a key belongs to, for reports: "decode" or "mixed", "+lora" with the
         LoRA tile list ("rows" for the row kernels', else its capacity)."""
         if not key[1]:
             return self.kind
-        tiles = (f"ride{RIDE_GRAPH - key[2]}" if is_ride(key[2])
+        tiles = (f"ride{ride_rows(key[2])}" if is_ride(key[2])
                  else "rows" if key[2] == ROW_GRAPH else key[2])
         return f"{self.kind}+lora:{tiles}"
 

@@ -41,6 +41,21 @@ def select3(i, v0, v1, v2):
 
 
 @triton.jit
+def tile_entry(tile, mod_i, tile_segs_ptr, seg_slots_ptr, ranks_ptr, mod0, mod1, mod2,
+               table_stride, MAX_RANK: tl.constexpr):
+    """A tile list entry's (segment, slot, module id, rank clipped to MAX_RANK, whether the
+    entry is used) for module index `mod_i`; an unused entry (segment -1) reads nothing else
+    (the segment arrays may even be empty) and has rank 0."""
+    seg = tl.load(tile_segs_ptr + tile)
+    real = seg >= 0
+    slot = tl.load(seg_slots_ptr + seg, mask=real, other=0).to(tl.int64)
+    mod = select3(mod_i, mod0, mod1, mod2)
+    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=real, other=0),
+                      MAX_RANK)
+    return seg, slot, mod, rank, real
+
+
+@triton.jit
 def segment_rows(rows_ptr, positions, mask, GATHER_ROWS: tl.constexpr):
     """The token rows (int64) at these positions of the step's adapter order: the positions
     themselves when tokens come grouped by adapter, else read from the sorted row list."""

@@ -30,6 +30,7 @@ from slora_kernels.lora_common import (
     pdl_options,
     segment_rows,
     select3,
+    tile_entry,
     wait_for_producer,
 )
 from slora_kernels.lora_meta import LoraMeta
@@ -109,13 +110,9 @@ def _expand_tile(
 ):
     """One tile entry's rows, one module, one column tile (an unused entry or a rank-0 module
     does nothing)."""
-    seg = tl.load(tile_segs_ptr + tile)
-    real = seg >= 0
-    # Masked: an unused entry reads nothing (the segment arrays may even be empty).
-    slot = tl.load(seg_slots_ptr + seg, mask=real, other=0).to(tl.int64)
-    mod = select3(mod_i, mod0, mod1, mod2)
-    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=real, other=0),
-                      MAX_RANK)
+    seg, slot, mod, rank, real = tile_entry(tile, mod_i, tile_segs_ptr, seg_slots_ptr,
+                                            ranks_ptr, mod0, mod1, mod2, table_stride,
+                                            MAX_RANK)
     if real & (rank > 0):
         m0 = tl.load(tile_m0_ptr + tile)
         seg_len = tl.load(seg_lens_ptr + seg)

@@ -29,7 +29,7 @@ from slora_kernels.lora_common import (
     dot_precision,
     release_dependents,
     segment_rows,
-    select3,
+    tile_entry,
 )
 from slora_kernels.lora_meta import LoraMeta
 
@@ -91,13 +91,9 @@ def _shrink_item(
     GATHER_ROWS: tl.constexpr,
 ):
     """One work item: K-chunk `split` of module `mod_i` for the rows of tile `tile`."""
-    seg = tl.load(tile_segs_ptr + tile)
-    real = seg >= 0
-    # Masked: an unused entry reads nothing (the segment arrays may even be empty).
-    slot = tl.load(seg_slots_ptr + seg, mask=real, other=0).to(tl.int64)
-    mod = select3(mod_i, mod0, mod1, mod2)
-    rank = tl.minimum(tl.load(ranks_ptr + slot * table_stride + mod, mask=real, other=0),
-                      MAX_RANK)
+    seg, slot, mod, rank, real = tile_entry(tile, mod_i, tile_segs_ptr, seg_slots_ptr,
+                                            ranks_ptr, mod0, mod1, mod2, table_stride,
+                                            MAX_RANK)
     if real & (rank > 0):
         a_off = tl.load(a_off_ptr + slot * table_stride + mod)
         offs_m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
