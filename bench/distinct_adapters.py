@@ -18,7 +18,11 @@ o's and down's as addmm, every module's rows at max_rank), each on its own captu
 the same interleaving. `--one-adapter-rank` picks the rank of that arm's adapter.
 
 Targets (issue 37): D=16 at least 0.95x base throughput, D=64 at least 0.92x, one adapter with
-the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with distinct adapters.
+the sole-adapter merge off at least 0.97x.
+
+`--full-list-arms` adds, for each arm named, the same requests with every tile step replaying
+its bucket's full tile list instead of the middle one (`DecodeGraphs.use_mid_tiles` off), in
+the same interleaving: what the middle list (decode_tile_caps) is worth. Punica reports 91.6% of base with distinct adapters.
 """
 
 from __future__ import annotations
@@ -105,6 +109,17 @@ def parse_arms(text: str) -> tuple[str, ...]:
     return chosen
 
 
+def parse_full_list_arms(text: str) -> tuple[str, ...]:
+    """`--full-list-arms`: comma-separated many-adapter arms (may be empty)."""
+    chosen = tuple(n.strip() for n in text.split(",") if n.strip())
+    many = [n for n, d in ARMS.items() if d > 1]
+    unknown = [n for n in chosen if n not in many]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown arms {', '.join(unknown)} (choose from {', '.join(many)})")
+    return chosen
+
+
 def distinct_requests(b: Bench, num_distinct: int | None) -> list[BenchRequest]:
     """The batch: the same prompts and lengths for every arm, adapter i % D (None: base); with
     one adapter, the first of rank --one-adapter-rank (a0, rank 8, by default)."""
@@ -144,6 +159,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     a = b.args
     if a.ride_variants and not (a.ride_sole_adapter and "one_unmerged" in a.distinct_arms):
         raise SystemExit("--ride-variants needs --ride-sole-adapter and the one_unmerged arm")
+    if not set(a.full_list_arms) <= set(a.distinct_arms):
+        raise SystemExit("--full-list-arms names arms not in --distinct-arms")
     engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
@@ -156,11 +173,17 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     if ride is not None and "one_unmerged" in arms:
         arms["one_kernels"] = arms["one_unmerged"]
         arms.update({name: arms["one_unmerged"] for name in variants})
-    extra_arms = tuple(n for n in ("one_kernels", *variants) if n in arms)
+    # --full-list-arms: the same requests with every tile step on the bucket's full tile list
+    # (DecodeGraphs.use_mid_tiles off), the list decode graphs replayed before the middle one.
+    full_list = {f"{n}_full_list": n for n in a.full_list_arms if n in arms}
+    arms.update({name: arms[n] for name, n in full_list.items()})
+    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list) if n in arms)
     ratio_arms = (*targets, *extra_arms)
 
     def run_arm(name: str, label: str) -> dict[str, Any]:
         engine.runner.ride = None if name == "one_kernels" else ride
+        if engine.runner.graphs is not None:
+            engine.runner.graphs.use_mid_tiles = name not in full_list
         if modes is not None:
             modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)
@@ -216,6 +239,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         if len(runs) < a.overhead_repeats:
             b.checkpoint("distinct", summary(runs))
     engine.runner.merge, engine.runner.ride = merge, ride
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.use_mid_tiles = True
     if modes is not None:
         modes.set(modes.default)
     return summary(runs)

@@ -50,6 +50,7 @@ import torch
 from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us, rotation_count
 from bench.run_record import add_row, run_record
+from slora_core.cuda_graphs import decode_tile_caps
 from slora_kernels.lora import (
     DECODE_TILES,
     PREFILL_TILES,
@@ -139,8 +140,10 @@ Choice = tuple[LoraMeta, LoraTiles | RowTiles, Callable[[int, int], int | None]]
 
 
 def choices(slots: list[int]) -> dict[str, Choice]:
-    """name -> (meta, tiles, split for (modules, K) or None for the launcher's own)."""
-    grph = padded_meta(slots, ROWS)
+    """name -> (meta, tiles, split for (modules, K) or None for the launcher's own); one
+    decode row a slot."""
+    rows_n = len(slots)
+    grph = padded_meta(slots, rows_n)
     real_meta = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
     real = real_meta.num_tiles
     rows = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=ROW_BLOCK_M)
@@ -181,9 +184,14 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         "rows_unbalanced": (rows, RowTiles(rank_balanced=False), none),
         "rows_balanced_first": (rows, RowTiles(rank_balanced=True), first_balanced),
     }
-    short = -(-ROWS // DECODE_BLOCK_M)  # decode graphs' short list (one adapter)
+    # The decode graphs' lists shorter than the bucket's (DecodeGraphs.tile_caps): the
+    # short one (one adapter) and the middle one, each where the real tiles fit it.
+    caps = decode_tile_caps(rows_n, row_kernels=False)
+    short = caps[-1]
     if real <= short:
         out["tiles_short"] = (padded_meta(slots, short), DECODE_TILES, none)
+    if len(caps) == 3 and short < real <= caps[1]:
+        out["tiles_mid"] = (padded_meta(slots, caps[1]), DECODE_TILES, none)
     return out
 
 
@@ -198,7 +206,7 @@ def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
     the chunk."""
     t = len(slots)
     real = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=PREFILL_BLOCK_M).num_tiles
-    cap = -(-t // PREFILL_BLOCK_M) + min(ROWS, t)  # MixedGraphs' capacity for t tokens
+    cap = -(-t // PREFILL_BLOCK_M) + min(decode_rows, t)  # MixedGraphs' capacity for t tokens
     graph = padded_meta(slots, max(cap, real), PREFILL_BLOCK_M)
     dec16 = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=DECODE_BLOCK_M)
     rows = LoraMeta.from_token_slots(slots[:decode_rows] + [-1] * (t - decode_rows),
@@ -263,10 +271,10 @@ def rel_err_f64(lay: Layer, shape: Shape, slots: list[int], run: Callable[[], No
     return (num / den) ** 0.5
 
 
-def base_gemms(shape: Shape, gen: torch.Generator) -> Callable[[], None]:
+def base_gemms(shape: Shape, gen: torch.Generator, rows: int = ROWS) -> Callable[[], None]:
     ws = [torch.randn(sum(outs), k, dtype=DTYPE, device=DEVICE, generator=gen) * 0.02
           for _, _, k, outs in shape.projections()]
-    xs = [torch.randn(ROWS, k, dtype=DTYPE, device=DEVICE, generator=gen)
+    xs = [torch.randn(rows, k, dtype=DTYPE, device=DEVICE, generator=gen)
           for _, _, k, _ in shape.projections()]
 
     def run() -> None:
@@ -299,7 +307,7 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 # one adapter's tiles fit the short list), for checking --choices before anything is built.
 CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128",
                 "tiles_unpadded_split", "tiles_unpadded", "tiles_loop16", "tiles_loop32", "rows",
-                "rows_unbalanced", "rows_balanced_first", "tiles_short")
+                "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid")
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles16", "mixed_rows_and_chunk_tiles")
 
@@ -313,12 +321,18 @@ def main(argv: list[str] | None = None) -> int:
                          "launches bounded at rank 64); with chunkN a mixed step: 64 decode "
                          "rows on D-1 adapters and an N-token prompt chunk on the last")
     ap.add_argument("--choices", default=None, help="comma-separated subset of the choices")
+    ap.add_argument("--rows", type=int, default=ROWS,
+                    help="decode rows (a decode graph's bucket), a multiple of every case's D")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
         cases = parse_cases(args.cases)
     except ValueError as e:
         ap.error(f"--cases {args.cases!r}: {e}")
+    n_rows = args.rows
+    if n_rows < 1 or any(n_rows % (d - 1 if chunk else d) for d, _, chunk in cases):
+        ap.error(f"--rows {n_rows}: a positive multiple of every case's adapter count "
+                 "(less one with a chunk)")
     names = set(args.choices.split(",")) if args.choices else None
     known = {n for _, _, chunk in cases for n in (MIXED_CHOICE_NAMES if chunk else CHOICE_NAMES)}
     if names is not None and not names <= known:
@@ -326,32 +340,32 @@ def main(argv: list[str] | None = None) -> int:
                  f"{', '.join(sorted(known))})")
     shape = SHAPES[args.shape]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    per_call = adapter_bytes(shape, 16, RANKS) + ROWS * 2 * sum(
+    per_call = adapter_bytes(shape, 16, RANKS) + n_rows * 2 * sum(
         k + 2 * sum(outs) for _, _, k, outs in shape.projections())
     copy = copy_bandwidth_gbs(min(256 << 20, per_call)) if DEVICE == "cuda" else {
         "kernel": 1.0, "memcpy": 1.0}
     result: dict[str, Any] = run_record(["bench.lora_distinct_layer", *(argv or sys.argv[1:])])
-    result |= {"shape": args.shape, "rows": ROWS, "ranks": RANKS, "max_rank": MAX_RANK,
+    result |= {"shape": args.shape, "rows": n_rows, "ranks": RANKS, "max_rank": MAX_RANK,
                "copy_gbs": copy}
     rows: list[dict[str, Any]] = []
     result["rows_out"] = rows
-    result["base_gemms_us"] = graph_time_us([base_gemms(shape, gen)], replays=10)
+    result["base_gemms_us"] = graph_time_us([base_gemms(shape, gen, n_rows)], replays=10)
     for d, ranks, chunk in cases:
-        if chunk:  # ROWS decode rows on adapters 0..d-2, a prompt chunk on adapter d-1
-            slots = [i * (d - 1) // ROWS for i in range(ROWS)] + [d - 1] * chunk
-        else:
-            slots = [i * d // ROWS for i in range(ROWS)]  # grouped by adapter, ROWS // d each
+        if chunk:  # n_rows decode rows on adapters 0..d-2, a prompt chunk on adapter d-1
+            slots = [i * (d - 1) // n_rows for i in range(n_rows)] + [d - 1] * chunk
+        else:  # grouped by adapter, n_rows // d each
+            slots = [i * d // n_rows for i in range(n_rows)]
         t = len(slots)
         io = t * 2 * sum(k + 2 * sum(outs) for _, _, k, outs in shape.projections())
         floor_bytes = adapter_bytes(shape, d, ranks) + io
         count = rotation_count(floor_bytes) if DEVICE == "cuda" else 1  # CPU: a smoke run
         layers = [build_layer(shape, d, ranks, gen, t) for _ in range(count)]
         row: dict[str, Any] = {"adapters": d, "ranks": ranks, "prompt_chunk": chunk,
-                               "rows_per_adapter": ROWS // d,
+                               "rows_per_adapter": n_rows // d,
                                "layers_rotated": len(layers), "floor_bytes": floor_bytes,
                                "floor_us": floor_bytes / (copy["kernel"] * 1e3)}
         cands: dict[str, Choice | MixedChoice] = (
-            dict(mixed_choices(slots, ROWS)) if chunk else dict(choices(slots)))
+            dict(mixed_choices(slots, n_rows)) if chunk else dict(choices(slots)))
         for name, choice in cands.items():
             if names is not None and name not in names:
                 continue

@@ -31,6 +31,7 @@ from bench.distinct_adapters import (
     RANKS,
     RIDE_VARIANTS,
     parse_arms,
+    parse_full_list_arms,
     parse_ride_variants,
     scenario_distinct,
 )
@@ -423,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ride-variants", type=parse_ride_variants, default=(),
                    help="with --ride-sole-adapter: more one-adapter arms riding with other "
                         f"launches ({', '.join(RIDE_VARIANTS)}), side by side")
+    p.add_argument("--full-list-arms", type=parse_full_list_arms, default=(),
+                   help="arms of 'distinct' also run with decode graphs' full tile lists "
+                        "(the middle list off), side by side")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
                    help="rank of the adapter on every request of 'distinct''s one-adapter "
                         "arms (all 7 modules)")

@@ -260,5 +260,23 @@ SUITES["issue37-ride"] = (
     dataclasses.replace(SUITES["distinct-profile"][0], limit_s=150, argv=(
         *SUITES["distinct-profile"][0].argv[:-1], OUT("distinct-profile-ride"),
         "--distinct-arms", "one_unmerged", "--ride-sole-adapter")))
+# Decode graphs' middle tile list (decode_tile_caps) in one call: one layer's LoRA launches on
+# the full, middle and real-only lists at 64 rows (D = 16) and 256 rows (D = 64 and 32), then
+# the engine's D = 16 arm at batch 64 and D = 64 arm at batch 256 (four rows an adapter:
+# tiles), each beside the same arm on the full list (--full-list-arms) and base, interleaved.
+_MID = ("--scenarios", "distinct", "--overhead-repeats", "3", "--ride-sole-adapter")
+SUITES["issue37-tiles"] = (
+    step("tiles-layer", 90, "bench.lora_distinct_layer", "--cases", "16:8-16-32-64",
+         "--choices", "tiles,tiles_mid,tiles_unpadded", "--out", OUT("lora-distinct-layer-mid")),
+    step("tiles-layer-b256", 120, "bench.lora_distinct_layer", "--rows", "256", "--cases",
+         "64:8-16-32-64,32:8-16-32-64", "--choices", "tiles,tiles_mid,tiles_unpadded,rows",
+         "--out", OUT("lora-distinct-layer-mid-b256")),
+    step("distinct-mid", 220, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "40",
+         "--distinct-arms", "distinct16", "--full-list-arms", "distinct16",
+         "--out", OUT("distinct-adapters-mid")),
+    step("distinct-mid-b256", 240, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "50",
+         "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
+         "--distinct-arms", "distinct64", "--full-list-arms", "distinct64",
+         "--out", OUT("distinct-adapters-mid-b256")))
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))

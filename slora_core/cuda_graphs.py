@@ -61,6 +61,28 @@ def ride_rows(tiles: int) -> int:
     return RIDE_GRAPH - tiles
 
 
+# Decode buckets of at least this many rows also capture a middle tile list (decode_tile_caps).
+MID_TILES_MIN_BUCKET = 64
+
+
+def decode_tile_caps(bucket: int, row_kernels: bool) -> list[int]:
+    """The tile-list capacities a decode bucket's LoRA graphs are captured with, largest first
+    (ROW_GRAPH last with `row_kernels`): one tile a row; from MID_TILES_MIN_BUCKET rows on,
+    four times the short list's; the short list, cdiv(bucket, 16) tiles (one adapter on every
+    row). A step replays the shortest list its real tiles fit (`DecodeGraphs._lora_graph`):
+    every entry past them is a program along each launch's tile axis that exits at once, and
+    the K split is chosen for the list's length. At 64 rows, 16 adapters of 4 rows each (16
+    real tiles) take 87.6 us a 7B layer on the 64-entry list and 85.4 on their own 16 (H100,
+    lora-distinct-layer-expand-c337f04-h100.json: tiles vs tiles_unpadded)."""
+    few = -(-bucket // DECODE_BLOCK_M)
+    caps = [bucket]
+    if bucket >= MID_TILES_MIN_BUCKET and few < 4 * few < bucket:
+        caps.append(4 * few)
+    if few < bucket:
+        caps.append(few)
+    return caps + [ROW_GRAPH] if row_kernels else caps
+
+
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
 # (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
 # which read an adapter once for all its rows, hold their own (H200, lora-grid-h200.json at
@@ -278,11 +300,12 @@ class DecodeGraphs(_StepGraphs):
     adapter token). LoRA runs over a tile list of up to one tile per row; base-model and
     padding rows point at the arena's spare table row, whose ranks are always 0.
 
-    Each LoRA bucket b is captured twice: with b tiles, and with the cdiv(b, 16) tiles of one
-    adapter on every row, whose K split is chosen for that few tiles. A step whose real tile
-    list fits the second replays it: one adapter on 256 rows runs 16 tiles split 11 ways
-    instead of 256 tile slots split 3 ways (H200 kernel grid, lora-grid-h200.json: r16
-    B256 U1 15.8 -> 10.8 us a launch, `graph_capture_split` vs `exact`). With
+    Each LoRA bucket b is captured with b tiles, with the cdiv(b, 16) tiles of one adapter on
+    every row, whose K split is chosen for that few tiles, and from 64 rows on with four
+    times those (decode_tile_caps). A step replays the shortest list its real tiles fit: one
+    adapter on 256 rows runs 16 tiles split 11 ways instead of 256 tile slots split 3 ways
+    (H200 kernel grid, lora-grid-h200.json: r16 B256 U1 15.8 -> 10.8 us a launch,
+    `graph_capture_split` vs `exact`). With
     `lora_row_kernels` a third graph runs the row kernels, for steps whose adapters own few
     rows each (ROW_KERNELS_MAX_ROWS_PER_ADAPTER): every row reads its own adapter through its
     slot, base and padding rows the spare row's rank 0."""
@@ -299,6 +322,9 @@ class DecodeGraphs(_StepGraphs):
         # Steps whose adapters own at most this many rows each (on average) run the row
         # kernels' graph; an attribute so a benchmark can compare the two graphs on one step.
         self.row_kernels_max_rows = ROW_KERNELS_MAX_ROWS_PER_ADAPTER
+        # Steps replay the middle tile list when theirs fits it (decode_tile_caps); off, they
+        # take the bucket's full list instead (a benchmark's side-by-side switch).
+        self.use_mid_tiles = True
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.
         self.layout = BufferLayout(tokens=n, seqs=n, segments=n, tiles=n,
@@ -325,26 +351,24 @@ class DecodeGraphs(_StepGraphs):
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
     def _tile_caps(self, bucket: int) -> list[int]:
-        few = -(-bucket // DECODE_BLOCK_M)
-        caps = [bucket, few] if few < bucket else [bucket]
-        if self.runner.lora_row_kernels:
-            caps.append(ROW_GRAPH)
+        caps = decode_tile_caps(bucket, self.runner.lora_row_kernels)
         if self.runner.ride is not None:
             caps += [ride_tiles(rows) for rows in self.runner.ride.row_counts]
         return caps
 
     def _lora_graph(self, bucket: int, inputs: StepInputs) -> int:
-        """The LoRA graph a step replays: the smallest captured tile list that holds every
-        real tile, or the row kernels' when its adapters own few rows each."""
+        """The LoRA graph a step replays: the short tile list when its real tiles fit it,
+        else the row kernels' when its adapters own few rows each, else the shortest tile list
+        that holds every real tile (decode_tile_caps)."""
         real = inputs.lora_tiles(DECODE_BLOCK_M)[0].size
-        few = -(-bucket // DECODE_BLOCK_M)
-        if real <= few:
-            return few
+        caps = decode_tile_caps(bucket, row_kernels=False)
+        if real <= caps[-1]:
+            return caps[-1]
         rows = int(inputs.seg_lens.sum())
         if (self.runner.lora_row_kernels
                 and rows <= self.row_kernels_max_rows * inputs.seg_lens.size):
             return ROW_GRAPH
-        return bucket
+        return min(cap for cap in caps[: len(caps) if self.use_mid_tiles else 1] if cap >= real)
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, b, buf = self.runner, bucket, self.buf

@@ -57,3 +57,22 @@ def test_unknown_or_no_distinct_arms_are_refused_before_anything_is_built(
     assert "--distinct-arms" in err and "choose one or more of distinct16" in err
     if arms:
         assert "unknown: distinct32" in err
+
+
+@pytest.mark.parametrize("full, arms, says", [
+    ("one_unmerged", "distinct16", "choose from distinct16, distinct64"),
+    ("distinct17", "distinct16", "unknown arms distinct17"),
+])
+def test_bad_full_list_arms_are_a_usage_error(full: str, arms: str, says: str,
+                                              capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        serving.main(["--device", "cpu", "--scenarios", "distinct", "--distinct-arms", arms,
+                      "--full-list-arms", full])
+    assert exited.value.code == 2 and says in capfd.readouterr().err
+
+
+def test_full_list_arms_outside_the_arms_run_are_refused() -> None:
+    with pytest.raises(SystemExit, match="--full-list-arms names arms not in --distinct-arms"):
+        serving.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                      "--scenarios", "distinct", "--distinct-arms", "one_unmerged",
+                      "--full-list-arms", "distinct16", "--arena-gb", "0.2"])

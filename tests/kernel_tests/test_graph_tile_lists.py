@@ -1,6 +1,7 @@
 """Decode graphs' LoRA tile lists: every step's real tiles fit the captured list the step's key
-picks (the full one, or the short one of a bucket whose rows share one adapter), and the Triton
-kernels on that padded list give the reference delta for the step's real segments."""
+picks (the full one, the short one of a bucket whose rows share one adapter, or from 64 rows on
+the middle one), and the Triton kernels on that padded list give the reference delta for the
+step's real segments."""
 
 from __future__ import annotations
 
@@ -25,17 +26,17 @@ QKV = (0, 1, 2)
 @pytest.mark.parametrize("row_kernels", [True, False])
 def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
     """With `lora_row_kernels`, steps of at most two rows an adapter replay the row kernels'
-    graph (block_m 1); the short and full tile lists serve the rest."""
+    graph (block_m 1); the short, middle and full tile lists serve the rest."""
     names = sorted(p.name for p in (demo_dir / "adapters").iterdir())[:3]
     # On a GPU machine the kernels run compiled on CUDA; on the CPU in Triton's interpreter.
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     engine = LLMEngine.from_model_dir(
         demo_dir / "model",
-        EngineConfig(max_num_seqs=40, device=dev, lora_row_kernels=row_kernels))
+        EngineConfig(max_num_seqs=64, device=dev, lora_row_kernels=row_kernels))
     for name in names:
         engine.register_adapter(name, demo_dir / "adapters" / name)
     runner = engine.runner
-    graphs = DecodeGraphs(runner, 40, engine.config.max_model_len)
+    graphs = DecodeGraphs(runner, 64, engine.config.max_model_len)
     tables = runner.arena.tables
     hidden = engine.model_config.hidden_size
     slices = ((0, hidden), (hidden, 16), (hidden + 16, 16))
@@ -71,7 +72,7 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
 
     runner.run = check  # type: ignore[method-assign]
     params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
-    for i in range(33):  # one adapter on 33 rows (bucket 40: 3 tiles fit the short list)
+    for i in range(33):  # one adapter on 33 rows (bucket 48: 3 tiles fit the short list)
         engine.add_request(f"one{i}", [5 + i, 6, 7], params, adapter=names[0])
     while engine.has_unfinished():
         engine.step()
@@ -83,6 +84,15 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
         engine.add_request(f"row{i}", [11, 12 + i], params, adapter=names[i])
     while engine.has_unfinished():
         engine.step()
-    assert (40, 3) in seen and any(tiles == bucket for bucket, tiles in seen)
+    # Three adapters on 20 rows each (bucket 64): 6 real tiles, past the short list's 4, fit
+    # the middle list's 16; with the middle list off, the full one.
+    for use_mid in (True, False):
+        graphs.use_mid_tiles = use_mid
+        for i in range(60):
+            engine.add_request(f"mid{use_mid}{i}", [13, 14 + i], params, adapter=names[i % 3])
+        while engine.has_unfinished():
+            engine.step()
+    assert (48, 3) in seen and any(tiles == bucket for bucket, tiles in seen)
+    assert (64, 16) in seen and (64, 64) in seen
     assert any(tiles == ROW_GRAPH for _, tiles in seen) == row_kernels
     assert all(nonzero), "a checked step had no LoRA delta: the comparison proved nothing"
