@@ -14,7 +14,8 @@ several launch choices:
 - `rows_unbalanced`: the same K split for every rank (the default before);
   `rows_balanced_first`: the split of the first balanced version (K's cap not raised);
 - `tiles_short` (one adapter): the short tile list decode graphs replay for one adapter on
-  every row;
+  every row; `tiles_mid`: the middle list (4x the short one, from 64 rows on) they replay
+  when the real tiles fit it (slora_core.cuda_graphs.decode_tile_caps);
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -32,6 +33,8 @@ everywhere and were taken out (slora_kernels.lora.LoraTiles says by how much).
 
 Each is checked against float64 torch on the first layer; `base_gemms` times the layer's four
 base projections (torch.mm) for scale; the bytes floor is the adapters' A and B plus x and y.
+
+`--rows` sets the decode rows (64 by default; 256 is the batch of the middle list's run).
 
     python -m bench.lora_distinct_layer --out bench/results/lora-distinct-layer-h100.json
 """

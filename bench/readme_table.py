@@ -392,6 +392,14 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
         rows.append(f"| one adapter, merge off, on the LoRA kernels (same run{on_card(result)}) | "
                     f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x"
                     f" | | {source} |")
+    # --full-list-arms: the same requests with every tile step on its bucket's full tile list.
+    for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters")):
+        k = d.get(f"{arm}_full_list")
+        if k is not None:
+            rows.append(f"| {label} in a batch of {d['batch']}, on the bucket's full tile list "
+                        f"(the middle list off, same run{on_card(result)}) | "
+                        f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, "
+                        f"{k['ratio_max']:.3f}]x | | {source} |")
     # --ride-variants: the same requests riding with other launches, interleaved.
     default = next((v for k, v in d.get("ride", {}).items() if k.startswith("one_unmerged ")),
                    None)
@@ -551,6 +559,8 @@ def rows() -> list[str]:
                        ("distinct-adapters-ride-r64-blocks-d3cf840-h100.json", distinct_rows),
                        ("distinct-adapters-ride-w8-4325d23-h100.json", distinct_rows),
                        ("distinct-adapters-ride-r64-w8-4325d23-h100.json", distinct_rows),
+                       ("distinct-adapters-mid-fbb4a8f-h100.json", distinct_rows),
+                       ("distinct-adapters-mid-b256-fbb4a8f-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

@@ -248,7 +248,7 @@ SUITES["issue37-ride"] = (
                                          "maxrows,nopdl,addmm")),
     _ride_one_rank(64),
     # The D = 16 tiles with early loads, narrower expand column tiles, without the graph's
-    # padding, and looping over it (not yet run).
+    # padding, and looping over it (lora-distinct-layer-expand-c337f04-h100.json).
     step("distinct-layer-expand", 120, "bench.lora_distinct_layer", "--cases",
          "16:8-16-32-64,4:8-16-32-64,64:8-16-32-64", "--choices",
          "tiles,tiles_early,tiles_n128,tiles_early_n128,tiles_unpadded_split,tiles_unpadded,"
