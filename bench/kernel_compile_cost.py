@@ -104,7 +104,7 @@ def float32_variants() -> list[tuple[str, Any, dict[str, Any], int]]:
                  tiles.num_warps),
                 (f"{name}_expand", lora_expand._lora_expand_kernel,
                  {**common, "BLOCK_M": tiles.expand_block_m, "BLOCK_N": tiles.expand_block_n,
-                  "EARLY_LOADS": False, "USE_PDL": False, "TILE_LOOP": False},
+                  "EARLY_LOADS": False, "USE_PDL": False},
                  tiles.num_warps)]
     return out
 

@@ -21,8 +21,9 @@ several launch choices:
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
 - `tiles_unpadded_split`, `tiles_unpadded`: the real tiles only (no padding to the graph's
   capacity), with the padded list's K split (what the padding's programs cost) or their own;
-- `tiles_loop16`, `tiles_loop32`: the padded list with at most 16 or 32 programs along it,
-  each looping over its entries (`LoraTiles.tile_programs`): a graph's way round the padding.
+- `tiles_loop16`, `tiles_loop32` (lora-distinct-layer-expand-c337f04-h100.json, removed with
+  `LoraTiles.tile_programs`, which lost): the padded list with at most 16 or 32 programs
+  along it, each looping over its entries.
 
 The first run (lora-distinct-layer-h100.json) also timed the tile list with the K split for
 its real tiles or fixed at 4, 8, 16, without PDL, and the row kernels with 8 programs a
@@ -179,10 +180,6 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         # so the padding's cost is tiles_unpadded_split against tiles_early.
         "tiles_unpadded_split": (real_meta, DECODE_TILES, padded_split),
         "tiles_unpadded": (real_meta, DECODE_TILES, none),
-        # The padded list with at most 16 or 32 programs along it, each looping over entries
-        # (LoraTiles.tile_programs): what a graph could launch instead of a program an entry.
-        "tiles_loop16": (grph, dataclasses.replace(DECODE_TILES, tile_programs=16), none),
-        "tiles_loop32": (grph, dataclasses.replace(DECODE_TILES, tile_programs=32), none),
         "rows": (rows, RowTiles(), none),
         "rows_unbalanced": (rows, RowTiles(rank_balanced=False), none),
         "rows_balanced_first": (rows, RowTiles(rank_balanced=True), first_balanced),
@@ -309,7 +306,7 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 # The names `choices` and `mixed_choices` give their launch choices (`tiles_short` only where
 # one adapter's tiles fit the short list), for checking --choices before anything is built.
 CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128",
-                "tiles_unpadded_split", "tiles_unpadded", "tiles_loop16", "tiles_loop32", "rows",
+                "tiles_unpadded_split", "tiles_unpadded", "rows",
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid")
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles16", "mixed_rows_and_chunk_tiles")

@@ -252,7 +252,7 @@ SUITES["issue37-ride"] = (
     step("distinct-layer-expand", 120, "bench.lora_distinct_layer", "--cases",
          "16:8-16-32-64,4:8-16-32-64,64:8-16-32-64", "--choices",
          "tiles,tiles_early,tiles_n128,tiles_early_n128,tiles_unpadded_split,tiles_unpadded,"
-         "tiles_loop16,tiles_loop32,rows",
+         "rows",
          "--out", OUT("lora-distinct-layer-expand")),
     step("layer-fusion", 120, "bench.lora_layer_fusion", "--out", OUT("lora-layer-fusion-ops")),
     SUITES["issue37"][1],

@@ -75,12 +75,14 @@ class LoraTiles:
     # lost (r16 B16 U16 7.3 -> 7.7, r16 B256 U1 short list 8.0 -> 8.2-8.3), so it keeps to
     # rank tile 64 (WAVE_SPLIT_MIN_RANK_TILE), where the re-read sums are 4x as wide.
     wave_split: bool = True
-    # Programs along the tile list: at most this many tile entries at a time, each program
-    # looping over the entries pid, pid + this, ... (None: a program an entry, the default).
-    # A decode graph pads its list to its capacity (64 entries at 64 rows), and at 16
-    # adapters 48 of them are unused: each still takes a program that exits at once, in
-    # every launch. Not yet measured (bench.lora_distinct_layer `tiles_loop16`, `_loop32`).
-    tile_programs: int | None = None
+    # Removed after c337f04: at most N programs along the tile list, each shrink and expand
+    # program looping over entries pid, pid + N, ... (`tile_programs`), so that a decode
+    # graph's padded list (64 entries at 64 rows, 48 unused at 16 adapters) need not launch
+    # a program an unused entry. Looping lost to those programs, which exit at once, on the
+    # H100 (one 7B layer, 64 rows, 16 adapters: 87.6 us padded, 104.7 looping 16 programs,
+    # 101.0 looping 32; 4 adapters 62.6, 70.3, 67.0; lora-distinct-layer-expand-c337f04-
+    # h100.json). Decode graphs replay a middle list instead
+    # (slora_core.cuda_graphs.decode_tile_caps).
     # Rank-balanced K splits (as `RowTiles.rank_balanced`: each tile's split in proportion to
     # its rank bucket, the split chosen for 4x the programs under 4x the caps) were timed on
     # the H100 and lost at every case, so they are not kept: one 7B decode layer, 64 rows,
@@ -261,12 +263,11 @@ def add_lora_triton(
         lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
                     block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
                     num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    launch_dependents=pdl, tile_programs=tiles.tile_programs)
+                    launch_dependents=pdl)
         lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
                     block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
                     block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl,
-                    tile_programs=tiles.tile_programs)
+                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl)
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None, dtype: torch.dtype,

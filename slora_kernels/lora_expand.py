@@ -143,42 +143,30 @@ def _expand_tile(
 
 
 # split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
-# a new batch shape compiles no new variant; nor is the tile list's length.
-@triton.jit(do_not_specialize=["split_k", "stride_bs", "num_entries"])
+# a new batch shape compiles no new variant.
+@triton.jit(do_not_specialize=["split_k", "stride_bs"])
 def _lora_expand_kernel(
     y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
     mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
     n_tiles, stride_ym, stride_yn, table_stride, split_k,
-    stride_bs, stride_bt, stride_bm, num_entries,
+    stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, EARLY_LOADS: tl.constexpr,
-    USE_PDL: tl.constexpr, TILE_LOOP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """A program a (tile entry, module and column tile); with TILE_LOOP, a program a (group
-    of tile entries, module and column tile), looping over entries pid, pid + programs, ...
-    of the `num_entries` (LoraTiles.tile_programs)."""
+    """A program a (tile entry, module and column tile)."""
     mod_i = tl.program_id(1) // n_tiles
     n0 = (tl.program_id(1) % n_tiles) * BLOCK_N
     out_size = select3(mod_i, size0, size1, size2)
     if n0 < out_size:
-        if TILE_LOOP:
-            for tile in range(tl.program_id(0), num_entries, tl.num_programs(0)):
-                _expand_tile(tile, mod_i, n0, out_size, y_ptr, buf_ptr, arena_ptr, b_off_ptr,
-                             ranks_ptr, scales_ptr, seg_starts_ptr, seg_lens_ptr,
-                             seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr, mod0, mod1,
-                             mod2, start0, start1, start2, stride_ym, stride_yn, table_stride,
-                             split_k, stride_bs, stride_bt, stride_bm, MAX_RANK,
-                             DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
-                             GATHER_ROWS, EARLY_LOADS, USE_PDL)
-        else:
-            _expand_tile(tl.program_id(0), mod_i, n0, out_size, y_ptr, buf_ptr, arena_ptr,
-                         b_off_ptr, ranks_ptr, scales_ptr, seg_starts_ptr, seg_lens_ptr,
-                         seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr, mod0, mod1, mod2,
-                         start0, start1, start2, stride_ym, stride_yn, table_stride, split_k,
-                         stride_bs, stride_bt, stride_bm, MAX_RANK, DOT_PRECISION, BLOCK_M,
-                         BLOCK_N, BLOCK_R, RANK_BUCKETS, GATHER_ROWS, EARLY_LOADS, USE_PDL)
+        _expand_tile(tl.program_id(0), mod_i, n0, out_size, y_ptr, buf_ptr, arena_ptr,
+                     b_off_ptr, ranks_ptr, scales_ptr, seg_starts_ptr, seg_lens_ptr,
+                     seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr, mod0, mod1, mod2,
+                     start0, start1, start2, stride_ym, stride_yn, table_stride, split_k,
+                     stride_bs, stride_bt, stride_bm, MAX_RANK, DOT_PRECISION, BLOCK_M,
+                     BLOCK_N, BLOCK_R, RANK_BUCKETS, GATHER_ROWS, EARLY_LOADS, USE_PDL)
 
 
 def lora_expand(
@@ -200,13 +188,11 @@ def lora_expand(
     rank_buckets: bool = True,
     early_loads: bool = False,
     pdl: bool = False,
-    tile_programs: int | None = None,
 ) -> None:
     """Add the expand of `buf` into y's column slices (see module docstring). `early_loads`:
     the y and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`):
     launched as a programmatic dependent of the shrink before it, which must write nothing
-    else this reads (slora_kernels.lora.LoraTiles.pdl); `tile_programs`: at most this many
-    programs along the tile list, each looping over its entries (None: one an entry)."""
+    else this reads (slora_kernels.lora.LoraTiles.pdl)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
@@ -219,21 +205,16 @@ def lora_expand(
     sizes = tuple(n for _, n in out_slices) + pad
     if block_m != meta.block_m:
         raise ValueError(f"block_m {block_m} but the tile list was built for {meta.block_m}")
-    if tile_programs is not None and tile_programs < 1:
-        raise ValueError(f"tile_programs must be at least 1, got {tile_programs}")
-    grid = (meta.num_tiles if tile_programs is None else min(meta.num_tiles, tile_programs),
-            num_mods * n_tiles)
-    _lora_expand_kernel[grid](
+    _lora_expand_kernel[(meta.num_tiles, num_mods * n_tiles)](
         y, buf, arena, b_offsets, ranks, scales,
         meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
         meta.rows_or_slots(), mods[0], mods[1], mods[2], starts[0], starts[1], starts[2],
         sizes[0], sizes[1], sizes[2],
         n_tiles, y.stride(0), y.stride(1), b_offsets.stride(0), split_k,
-        buf.stride(0), buf.stride(1), buf.stride(2), meta.num_tiles,
+        buf.stride(0), buf.stride(1), buf.stride(2),
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, EARLY_LOADS=early_loads, USE_PDL=pdl,
-        TILE_LOOP=tile_programs is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),

@@ -158,13 +158,10 @@ def lora_shrink(
     num_stages: int = 2,
     rank_buckets: bool = True,
     launch_dependents: bool = False,
-    tile_programs: int | None = None,
 ) -> None:
     """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it.
-    `launch_dependents`: let an expand launched with `pdl` start while this runs;
-    `tile_programs`: programs for at most this many tile entries at a time, looping over the
-    rest (None: a program a work item)."""
+    `launch_dependents`: let an expand launched with `pdl` start while this runs."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
     if meta.num_tiles == 0 or num_tokens == 0:
@@ -172,10 +169,7 @@ def lora_shrink(
     mods = tuple(module_ids) + (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)
     if block_m != meta.block_m:
         raise ValueError(f"block_m {block_m} but the tile list was built for {meta.block_m}")
-    if tile_programs is not None and tile_programs < 1:
-        raise ValueError(f"tile_programs must be at least 1, got {tile_programs}")
-    entries = meta.num_tiles if tile_programs is None else min(meta.num_tiles, tile_programs)
-    _lora_shrink_kernel[(entries * num_mods * split_k,)](
+    _lora_shrink_kernel[(meta.num_tiles * num_mods * split_k,)](
         x, arena, buf, a_offsets, ranks,
         meta.seg_starts, meta.seg_lens, meta.seg_slots, meta.tile_segs, meta.tile_m0,
         meta.rows_or_slots(), mods[0], mods[1], mods[2], meta.num_tiles, num_mods, split_k,

@@ -342,21 +342,8 @@ def test_segments_and_tile_list() -> None:
     assert lora_tiles(np.zeros(0, dtype=np.int64), 16)[0].size == 0
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tile_programs", [1, 2, 3])
-def test_programs_looping_over_tile_entries(dtype: torch.dtype, tile_programs: int) -> None:
-    """LoraTiles.tile_programs: fewer programs than tile entries, each shrink and expand
-    program looping over several (3 segments, 6 tiles of 16 rows, K split 2 and the tuned
-    one), gives the reference's delta."""
-    slots = [3] * 20 + _decode_slots(6, 4, seed=9) + [1] * 17
-    for split_k in (2, None):
-        _run(slots, 4, 40, QKV, (40, 24, 24), [1, 17, 32], dtype, seed=10, split_k=split_k,
-             tiles=dataclasses.replace(DECODE_TILES, tile_programs=tile_programs))
-
-
 def test_a_padded_tile_list_runs_only_its_real_tiles() -> None:
-    """CUDA graphs capture a fixed-size tile list; entries marked -1 must do nothing, also
-    when programs loop over several entries (LoraTiles.tile_programs)."""
+    """CUDA graphs capture a fixed-size tile list; entries marked -1 must do nothing."""
     slots = [1] * 20 + [0] * 3
     gen = generator(21)
     rank_of = {(s, m): 8 for s in range(2) for m in O_PROJ}
@@ -371,7 +358,6 @@ def test_a_padded_tile_list_runs_only_its_real_tiles() -> None:
             ((0, 24),))
     y_ref = torch.zeros(len(slots), 24, device=DEVICE, dtype=torch.float64)
     add_lora_reference(y_ref, x.double(), case.arena.double(), *args[1:], case.meta)
-    for tiles in (DECODE_TILES, dataclasses.replace(DECODE_TILES, tile_programs=2)):
-        y = torch.zeros(len(slots), 24, device=DEVICE)
-        add_lora_triton(y, x, *args, meta, tiles=tiles)  # type: ignore[arg-type]
-        assert rel_err(y, y_ref) < TOLERANCE[torch.float32], tiles.tile_programs
+    y = torch.zeros(len(slots), 24, device=DEVICE)
+    add_lora_triton(y, x, *args, meta, tiles=DECODE_TILES)  # type: ignore[arg-type]
+    assert rel_err(y, y_ref) < TOLERANCE[torch.float32]
