@@ -15,7 +15,8 @@ several launch choices:
   `rows_balanced_first`: the split of the first balanced version (K's cap not raised);
 - `tiles_short` (one adapter): the short tile list decode graphs replay for one adapter on
   every row; `tiles_mid`: the middle list (4x the short one, from 64 rows on) they replay
-  when the real tiles fit it (slora_core.cuda_graphs.decode_tile_caps);
+  when the real tiles fit it; `tiles_bound`: the longest list a tile step can need beside the
+  row kernels (slora_core.cuda_graphs.decode_tile_caps, tile_steps_max_tiles);
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -54,7 +55,11 @@ import torch
 from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us, rotation_count
 from bench.run_record import add_row, run_record
-from slora_core.cuda_graphs import decode_tile_caps
+from slora_core.cuda_graphs import (
+    ROW_KERNELS_MAX_ROWS_PER_ADAPTER,
+    decode_tile_caps,
+    tile_steps_max_tiles,
+)
 from slora_kernels.lora import (
     DECODE_TILES,
     PREFILL_TILES,
@@ -184,14 +189,18 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         "rows_unbalanced": (rows, RowTiles(rank_balanced=False), none),
         "rows_balanced_first": (rows, RowTiles(rank_balanced=True), first_balanced),
     }
-    # The decode graphs' lists shorter than the bucket's (DecodeGraphs.tile_caps): the
-    # short one (one adapter) and the middle one, each where the real tiles fit it.
-    caps = decode_tile_caps(rows_n, row_kernels=False)
+    # The decode graphs' lists shorter than the bucket's (decode_tile_caps): the short one
+    # (one adapter) and the middle one, each where the real tiles fit it, and with the row
+    # kernels on, the longest list a tile step can need.
+    caps = decode_tile_caps(rows_n, None)
     short = caps[-1]
     if real <= short:
         out["tiles_short"] = (padded_meta(slots, short), DECODE_TILES, none)
     if len(caps) == 3 and short < real <= caps[1]:
         out["tiles_mid"] = (padded_meta(slots, caps[1]), DECODE_TILES, none)
+    bound = tile_steps_max_tiles(rows_n, ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
+    if real <= bound < rows_n:
+        out["tiles_bound"] = (padded_meta(slots, bound), DECODE_TILES, none)
     return out
 
 
@@ -307,7 +316,8 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 # one adapter's tiles fit the short list), for checking --choices before anything is built.
 CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128",
                 "tiles_unpadded_split", "tiles_unpadded", "rows",
-                "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid")
+                "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
+                "tiles_bound")
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles16", "mixed_rows_and_chunk_tiles")
 
@@ -322,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                          "rows on D-1 adapters and an N-token prompt chunk on the last")
     ap.add_argument("--choices", default=None, help="comma-separated subset of the choices")
     ap.add_argument("--rows", type=int, default=ROWS,
-                    help="decode rows (a decode graph's bucket), a multiple of every case's D")
+                    help="decode rows (a decode graph's bucket), at least every case's D: "
+                         "rows are dealt to adapters in order, rows / D each (rounded)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -330,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(f"--cases {args.cases!r}: {e}")
     n_rows = args.rows
-    if n_rows < 1 or any(n_rows % (d - 1 if chunk else d) for d, _, chunk in cases):
-        ap.error(f"--rows {n_rows}: a positive multiple of every case's adapter count "
-                 "(less one with a chunk)")
+    if any(n_rows < (d - 1 if chunk else d) for d, _, chunk in cases):
+        ap.error(f"--rows {n_rows}: at least every case's adapter count (less one with a "
+                 "chunk)")
     names = set(args.choices.split(",")) if args.choices else None
     known = {n for _, _, chunk in cases for n in (MIXED_CHOICE_NAMES if chunk else CHOICE_NAMES)}
     if names is not None and not names <= known:
@@ -361,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         count = rotation_count(floor_bytes) if DEVICE == "cuda" else 1  # CPU: a smoke run
         layers = [build_layer(shape, d, ranks, gen, t) for _ in range(count)]
         row: dict[str, Any] = {"adapters": d, "ranks": ranks, "prompt_chunk": chunk,
-                               "rows_per_adapter": n_rows // d,
+                               "rows_per_adapter": n_rows / (d - 1 if chunk else d),
                                "layers_rotated": len(layers), "floor_bytes": floor_bytes,
                                "floor_us": floor_bytes / (copy["kernel"] * 1e3)}
         cands: dict[str, Choice | MixedChoice] = (

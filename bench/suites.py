@@ -265,12 +265,18 @@ SUITES["issue37-ride"] = (
 # the engine's D = 16 arm at batch 64 and D = 64 arm at batch 256 (four rows an adapter:
 # tiles), each beside the same arm on the full list (--full-list-arms) and base, interleaved.
 _MID = ("--scenarios", "distinct", "--overhead-repeats", "3", "--ride-sole-adapter")
+# With the longest list bounded beside the row kernels (tile_steps_max_tiles), the layer
+# steps also time D = 20 at 64 rows and D = 80 at 256 (3.2 rows an adapter: more tiles than
+# the middle list holds), and `distinct` runs issue 37's arms at the commit.
 SUITES["issue37-tiles"] = (
-    step("tiles-layer", 90, "bench.lora_distinct_layer", "--cases", "16:8-16-32-64",
-         "--choices", "tiles,tiles_mid,tiles_unpadded", "--out", OUT("lora-distinct-layer-mid")),
+    step("tiles-layer", 90, "bench.lora_distinct_layer", "--cases",
+         "16:8-16-32-64,20:8-16-32-64", "--choices",
+         "tiles,tiles_mid,tiles_bound,tiles_unpadded", "--out", OUT("lora-distinct-layer-mid")),
     step("tiles-layer-b256", 120, "bench.lora_distinct_layer", "--rows", "256", "--cases",
-         "64:8-16-32-64,32:8-16-32-64", "--choices", "tiles,tiles_mid,tiles_unpadded,rows",
+         "64:8-16-32-64,32:8-16-32-64,80:8-16-32-64", "--choices",
+         "tiles,tiles_mid,tiles_bound,tiles_unpadded,rows",
          "--out", OUT("lora-distinct-layer-mid-b256")),
+    SUITES["issue37"][0],
     step("distinct-mid", 220, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "40",
          "--distinct-arms", "distinct16", "--full-list-arms", "distinct16",
          "--out", OUT("distinct-adapters-mid")),

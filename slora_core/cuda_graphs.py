@@ -65,9 +65,22 @@ def ride_rows(tiles: int) -> int:
 MID_TILES_MIN_BUCKET = 64
 
 
-def decode_tile_caps(bucket: int, row_kernels: bool) -> list[int]:
-    """The tile-list capacities a decode bucket's LoRA graphs are captured with, largest first
-    (ROW_GRAPH last with `row_kernels`): one tile a row; from MID_TILES_MIN_BUCKET rows on,
+def tile_steps_max_tiles(bucket: int, row_kernels_max_rows: int | None) -> int:
+    """The most 16-row tiles a decode step of at most `bucket` rows can take to the tile
+    kernels: one a row without the row kernels (None); with them, only steps of more than
+    `row_kernels_max_rows` rows an adapter do, so S segments hold n > m * S rows, and their
+    tiles, one plus one per further 16 rows of each segment, are at most S + (n - S) // 16."""
+    if not row_kernels_max_rows:  # None (no row kernels) or 0 (they take no step)
+        return bucket
+    segments = (bucket - 1) // row_kernels_max_rows
+    return max(-(-bucket // DECODE_BLOCK_M),
+               min(bucket, segments + (bucket - segments) // DECODE_BLOCK_M))
+
+
+def decode_tile_caps(bucket: int, row_kernels_max_rows: int | None) -> list[int]:
+    """The tile-list capacities a decode bucket's LoRA graphs are captured with, largest first:
+    the most tiles a step can take to the tile kernels (tile_steps_max_tiles:
+    `row_kernels_max_rows` None without the row kernels); from MID_TILES_MIN_BUCKET rows on,
     four times the short list's; the short list, cdiv(bucket, 16) tiles (one adapter on every
     row). A step replays the shortest list its real tiles fit (`DecodeGraphs._lora_graph`):
     every entry past them is a program along each launch's tile axis that exits at once, and
@@ -75,12 +88,13 @@ def decode_tile_caps(bucket: int, row_kernels: bool) -> list[int]:
     real tiles) take 87.6 us a 7B layer on the 64-entry list and 85.4 on their own 16 (H100,
     lora-distinct-layer-expand-c337f04-h100.json: tiles vs tiles_unpadded)."""
     few = -(-bucket // DECODE_BLOCK_M)
-    caps = [bucket]
-    if bucket >= MID_TILES_MIN_BUCKET and few < 4 * few < bucket:
+    full = tile_steps_max_tiles(bucket, row_kernels_max_rows)
+    caps = [full]
+    if bucket >= MID_TILES_MIN_BUCKET and few < 4 * few < full:
         caps.append(4 * few)
-    if few < bucket:
+    if few < full:
         caps.append(few)
-    return caps + [ROW_GRAPH] if row_kernels else caps
+    return caps
 
 
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
@@ -300,9 +314,10 @@ class DecodeGraphs(_StepGraphs):
     adapter token). LoRA runs over a tile list of up to one tile per row; base-model and
     padding rows point at the arena's spare table row, whose ranks are always 0.
 
-    Each LoRA bucket b is captured with b tiles, with the cdiv(b, 16) tiles of one adapter on
-    every row, whose K split is chosen for that few tiles, and from 64 rows on with four
-    times those (decode_tile_caps). A step replays the shortest list its real tiles fit: one
+    Each LoRA bucket b is captured with b tiles (with the row kernels, the most a step left to
+    the tiles can take, about b / 2), with the cdiv(b, 16) tiles of one adapter on every
+    row, whose K split is chosen for that few tiles, and from 64 rows on with four times
+    those (decode_tile_caps). A step replays the shortest list its real tiles fit: one
     adapter on 256 rows runs 16 tiles split 11 ways instead of 256 tile slots split 3 ways
     (H200 kernel grid, lora-grid-h200.json: r16 B256 U1 15.8 -> 10.8 us a launch,
     `graph_capture_split` vs `exact`). With
@@ -350,8 +365,13 @@ class DecodeGraphs(_StepGraphs):
                 and inputs.num_seqs <= self.buckets[-1]
                 and inputs.block_tables.shape[1] <= self.max_blocks)
 
+    def _row_kernels_max_rows(self) -> int | None:
+        return self.row_kernels_max_rows if self.runner.lora_row_kernels else None
+
     def _tile_caps(self, bucket: int) -> list[int]:
-        caps = decode_tile_caps(bucket, self.runner.lora_row_kernels)
+        caps = decode_tile_caps(bucket, self._row_kernels_max_rows())
+        if self.runner.lora_row_kernels:
+            caps.append(ROW_GRAPH)
         if self.runner.ride is not None:
             caps += [ride_tiles(rows) for rows in self.runner.ride.row_counts]
         return caps
@@ -361,14 +381,18 @@ class DecodeGraphs(_StepGraphs):
         else the row kernels' when its adapters own few rows each, else the shortest tile list
         that holds every real tile (decode_tile_caps)."""
         real = inputs.lora_tiles(DECODE_BLOCK_M)[0].size
-        caps = decode_tile_caps(bucket, row_kernels=False)
+        caps = decode_tile_caps(bucket, self._row_kernels_max_rows())
         if real <= caps[-1]:
             return caps[-1]
         rows = int(inputs.seg_lens.sum())
         if (self.runner.lora_row_kernels
                 and rows <= self.row_kernels_max_rows * inputs.seg_lens.size):
             return ROW_GRAPH
-        return min(cap for cap in caps[: len(caps) if self.use_mid_tiles else 1] if cap >= real)
+        fits = [cap for cap in caps[: len(caps) if self.use_mid_tiles else 1] if cap >= real]
+        if not fits:  # tile_steps_max_tiles says no tile step has more
+            raise AssertionError(f"{real} tiles on {rows} rows in {inputs.seg_lens.size} "
+                                 f"segments: more than the decode graphs' lists {caps}")
+        return min(fits)
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, b, buf = self.runner, bucket, self.buf

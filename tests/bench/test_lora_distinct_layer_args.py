@@ -36,19 +36,23 @@ def test_choice_names_are_the_choices_built(monkeypatch: pytest.MonkeyPatch) -> 
     for mod in (ldl, kernels_lora_grid):
         monkeypatch.setattr(mod, "DEVICE", "cpu")
     # One adapter: its 4 tiles fit the short list (every choice but the middle list's).
-    assert tuple(ldl.choices([0] * ldl.ROWS)) == ldl.CHOICE_NAMES[:-1]
+    assert tuple(ldl.choices([0] * ldl.ROWS)) == tuple(
+        n for n in ldl.CHOICE_NAMES if n != "tiles_mid")
     assert "tiles_short" not in ldl.choices(list(range(ldl.ROWS)))  # 64 tiles: no short list
     sixteen = ldl.choices([i // 4 for i in range(ldl.ROWS)])  # 16 tiles: the middle list's
     assert "tiles_mid" in sixteen and "tiles_short" not in sixteen
     assert sixteen["tiles_mid"][0].num_tiles == 16 and sixteen["tiles"][0].num_tiles == 64
+    assert sixteen["tiles_bound"][0].num_tiles == 33  # beside the row kernels: 31 + 33 // 16
     wide = ldl.choices([i // 4 for i in range(256)])  # 64 tiles on 256 rows: the middle list
     assert wide["tiles_mid"][0].num_tiles == 64 and wide["tiles"][0].num_tiles == 256
+    assert wide["tiles_bound"][0].num_tiles == 135
+    assert "tiles_bound" not in ldl.choices(list(range(ldl.ROWS)))  # 64 real tiles
     assert tuple(ldl.mixed_choices([0] * ldl.ROWS + [1] * 16, ldl.ROWS)) == (
         ldl.MIXED_CHOICE_NAMES)
 
 
-@pytest.mark.parametrize("rows", ["0", "24"])
-def test_rows_not_a_multiple_of_the_cases_is_a_usage_error(
+@pytest.mark.parametrize("rows", ["0", "15"])
+def test_rows_fewer_than_the_adapters_is_a_usage_error(
         rows: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         ldl.main(["--cases", "16:8", "--rows", rows])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from slora_core.config import EngineConfig
-from slora_core.cuda_graphs import ROW_GRAPH, DecodeGraphs
+from slora_core.cuda_graphs import ROW_GRAPH, DecodeGraphs, decode_tile_caps
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 from slora_core.step_inputs import build_step_inputs
@@ -76,7 +76,7 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
         engine.add_request(f"one{i}", [5 + i, 6, 7], params, adapter=names[0])
     while engine.has_unfinished():
         engine.step()
-    for i in range(20):  # three adapters interleaved, ~7 rows each: the full list
+    for i in range(20):  # three adapters interleaved, ~7 rows each: the longest list
         engine.add_request(f"mix{i}", [9, 10 + i], params, adapter=names[i % 3])
     while engine.has_unfinished():
         engine.step()
@@ -85,14 +85,17 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
     while engine.has_unfinished():
         engine.step()
     # Three adapters on 20 rows each (bucket 64): 6 real tiles, past the short list's 4, fit
-    # the middle list's 16; with the middle list off, the full one.
+    # the middle list's 16; with the middle list off, the longest one (one a row, or with the
+    # row kernels the most a tile step can take: 33).
     for use_mid in (True, False):
         graphs.use_mid_tiles = use_mid
         for i in range(60):
             engine.add_request(f"mid{use_mid}{i}", [13, 14 + i], params, adapter=names[i % 3])
         while engine.has_unfinished():
             engine.step()
-    assert (48, 3) in seen and any(tiles == bucket for bucket, tiles in seen)
-    assert (64, 16) in seen and (64, 64) in seen
+    longest = {b: decode_tile_caps(b, 2 if row_kernels else None)[0] for b in (24, 64)}
+    assert longest == ({24: 11, 64: 33} if row_kernels else {24: 24, 64: 64})
+    assert (48, 3) in seen and (24, longest[24]) in seen
+    assert (64, 16) in seen and (64, longest[64]) in seen
     assert any(tiles == ROW_GRAPH for _, tiles in seen) == row_kernels
     assert all(nonzero), "a checked step had no LoRA delta: the comparison proved nothing"
