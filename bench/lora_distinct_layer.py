@@ -22,6 +22,9 @@ several launch choices:
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
 - `tiles_unpadded_split`, `tiles_unpadded`: the real tiles only (no padding to the graph's
   capacity), with the padded list's K split (what the padding's programs cost) or their own;
+- `tiles@L/S`: the list padded to L tiles with the K split picked for an S-tile list, L and S
+  each one of `real` (the real tiles), `mid`, `bound`, `full` (the bucket): what the list's
+  padding and its split each cost, apart;
 - `tiles_loop16`, `tiles_loop32` (lora-distinct-layer-expand-c337f04-h100.json, removed with
   `LoraTiles.tile_programs`, which lost): the padded list with at most 16 or 32 programs
   along it, each looping over its entries.
@@ -201,6 +204,17 @@ def choices(slots: list[int]) -> dict[str, Choice]:
     bound = tile_steps_max_tiles(rows_n, ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
     if real <= bound < rows_n:
         out["tiles_bound"] = (padded_meta(slots, bound), DECODE_TILES, none)
+    # tiles@L/S: the list padded to L tiles, the K split picked as for an S-tile list, L and
+    # S each the real tiles, the middle list, the bound or the bucket (where the real fit).
+    lengths = {"real": real, "mid": caps[1] if len(caps) == 3 else 0, "bound": bound,
+               "full": rows_n}
+    for lname, length in lengths.items():
+        for sname, as_for in lengths.items():
+            if real <= length and real <= as_for:
+                out[f"tiles@{lname}/{sname}"] = (
+                    padded_meta(slots, length), DECODE_TILES,
+                    lambda m, k, n=as_for: pick_split(DECODE_TILES, n, m, k,
+                                                      torch.device(DEVICE), rank_block(MAX_RANK)))
     return out
 
 
@@ -318,6 +332,7 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128",
                 "tiles_unpadded_split", "tiles_unpadded", "rows",
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
                 "tiles_bound")
+SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles16", "mixed_rows_and_chunk_tiles")
 
@@ -346,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                  "chunk)")
     names = set(args.choices.split(",")) if args.choices else None
     known = {n for _, _, chunk in cases for n in (MIXED_CHOICE_NAMES if chunk else CHOICE_NAMES)}
+    known |= {f"tiles@{a}/{b}" for a in SIZES for b in SIZES}
     if names is not None and not names <= known:
         ap.error(f"--choices: unknown {', '.join(sorted(names - known))} (choose from "
                  f"{', '.join(sorted(known))})")

@@ -264,6 +264,8 @@ SUITES["issue37-ride"] = (
 # the full, middle and real-only lists at 64 rows (D = 16) and 256 rows (D = 64 and 32), then
 # the engine's D = 16 arm at batch 64 and D = 64 arm at batch 256 (four rows an adapter:
 # tiles), each beside the same arm on the full list (--full-list-arms) and base, interleaved.
+_SPLITS = ",".join(f"tiles@{a}/{b}" for a in ("real", "mid", "bound", "full")
+                   for b in ("real", "mid", "bound", "full"))
 _MID = ("--scenarios", "distinct", "--overhead-repeats", "3", "--ride-sole-adapter")
 # With the longest list bounded beside the row kernels (tile_steps_max_tiles), the layer
 # steps also time D = 20 at 64 rows and D = 80 at 256 (3.2 rows an adapter: more tiles than
@@ -277,6 +279,13 @@ SUITES["issue37-tiles"] = (
          "tiles,tiles_mid,tiles_bound,tiles_unpadded,rows",
          "--out", OUT("lora-distinct-layer-mid-b256")),
     SUITES["issue37"][0],
+    # Each list's padding and K split apart (tiles@L/S), for the lists' split rule.
+    step("tiles-split", 150, "bench.lora_distinct_layer", "--cases",
+         "16:8-16-32-64,20:8-16-32-64,24:8-16-32-64,28:8-16-32-64", "--choices", _SPLITS,
+         "--out", OUT("lora-distinct-layer-split")),
+    step("tiles-split-b256", 240, "bench.lora_distinct_layer", "--rows", "256", "--cases",
+         "32:8-16-32-64,64:8-16-32-64,80:8-16-32-64,100:8-16-32-64,120:8-16-32-64",
+         "--choices", _SPLITS, "--out", OUT("lora-distinct-layer-split-b256")),
     step("distinct-mid", 220, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "40",
          "--distinct-arms", "distinct16", "--full-list-arms", "distinct16",
          "--out", OUT("distinct-adapters-mid")),

@@ -36,13 +36,18 @@ def test_choice_names_are_the_choices_built(monkeypatch: pytest.MonkeyPatch) -> 
     for mod in (ldl, kernels_lora_grid):
         monkeypatch.setattr(mod, "DEVICE", "cpu")
     # One adapter: its 4 tiles fit the short list (every choice but the middle list's).
-    assert tuple(ldl.choices([0] * ldl.ROWS)) == tuple(
+    assert tuple(n for n in ldl.choices([0] * ldl.ROWS) if "@" not in n) == tuple(
         n for n in ldl.CHOICE_NAMES if n != "tiles_mid")
     assert "tiles_short" not in ldl.choices(list(range(ldl.ROWS)))  # 64 tiles: no short list
     sixteen = ldl.choices([i // 4 for i in range(ldl.ROWS)])  # 16 tiles: the middle list's
     assert "tiles_mid" in sixteen and "tiles_short" not in sixteen
     assert sixteen["tiles_mid"][0].num_tiles == 16 and sixteen["tiles"][0].num_tiles == 64
     assert sixteen["tiles_bound"][0].num_tiles == 33  # beside the row kernels: 31 + 33 // 16
+    # tiles@L/S: every length the real tiles fit, each with every such length's split.
+    assert {n for n in sixteen if "@" in n} == {f"tiles@{a}/{b}" for a in ldl.SIZES
+                                                  for b in ldl.SIZES}
+    assert sixteen["tiles@bound/full"][0].num_tiles == 33
+    assert "tiles@mid/real" not in ldl.choices([i // 3 for i in range(ldl.ROWS)])  # 22 real
     wide = ldl.choices([i // 4 for i in range(256)])  # 64 tiles on 256 rows: the middle list
     assert wide["tiles_mid"][0].num_tiles == 64 and wide["tiles"][0].num_tiles == 256
     assert wide["tiles_bound"][0].num_tiles == 135
