@@ -22,7 +22,9 @@ the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with dis
 
 `--full-list-arms` adds, for each arm named, the same requests with every tile step replaying
 its bucket's full tile list instead of the middle one (`DecodeGraphs.use_mid_tiles` off), in
-the same interleaving: what the middle list (decode_tile_caps) is worth.
+the same interleaving: what the middle list (decode_tile_caps) is worth. `--own-split-arms`
+likewise runs arms with every tile list's K split picked for its own length
+(`DecodeGraphs.own_split`) instead of decode_split_tiles's.
 """
 
 from __future__ import annotations
@@ -98,6 +100,24 @@ class RideModes:
         self.mode = mode
 
 
+class SplitModes:
+    """Switches decode graphs' tile lists between their K split rules (DecodeGraphs.own_split)
+    between arms, keeping each rule's captured graphs (a graph replays the split it was
+    captured with)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.graphs = engine.runner.graphs
+        self.stash: dict[bool, dict[Any, Any]] = {}
+
+    def set(self, own: bool) -> None:
+        g = self.graphs
+        if g is None or g.own_split == own:
+            return
+        self.stash[g.own_split] = g.take_tile_graphs()
+        g.put(self.stash.pop(own, {}))
+        g.own_split = own
+
+
 def parse_arms(text: str) -> tuple[str, ...]:
     """`--distinct-arms`: comma-separated names from ARMS, at least one."""
     chosen = tuple(n.strip() for n in text.split(",") if n.strip())
@@ -161,6 +181,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         raise SystemExit("--ride-variants needs --ride-sole-adapter and the one_unmerged arm")
     if not set(a.full_list_arms) <= set(a.distinct_arms):
         raise SystemExit("--full-list-arms names arms not in --distinct-arms")
+    if not set(a.own_split_arms) <= set(a.distinct_arms):
+        raise SystemExit("--own-split-arms names arms not in --distinct-arms")
     engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
@@ -177,13 +199,20 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     # (DecodeGraphs.use_mid_tiles off), the list decode graphs replayed before the middle one.
     full_list = {f"{n}_full_list": n for n in a.full_list_arms if n in arms}
     arms.update({name: arms[n] for name, n in full_list.items()})
-    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list) if n in arms)
+    # --own-split-arms: the same requests with every tile list's K split picked for its own
+    # length (DecodeGraphs.own_split), each way's graphs kept (SplitModes).
+    own_split = {f"{n}_own_split": n for n in a.own_split_arms if n in arms}
+    arms.update({name: arms[n] for name, n in own_split.items()})
+    splits = SplitModes(engine)
+    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split)
+                       if n in arms)
     ratio_arms = (*targets, *extra_arms)
 
     def run_arm(name: str, label: str) -> dict[str, Any]:
         engine.runner.ride = None if name == "one_kernels" else ride
         if engine.runner.graphs is not None:
             engine.runner.graphs.use_mid_tiles = name not in full_list
+        splits.set(name in own_split)
         if modes is not None:
             modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)
@@ -241,6 +270,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     engine.runner.merge, engine.runner.ride = merge, ride
     if engine.runner.graphs is not None:
         engine.runner.graphs.use_mid_tiles = True
+    splits.set(False)
     if modes is not None:
         modes.set(modes.default)
     return summary(runs)

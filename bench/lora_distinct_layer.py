@@ -16,7 +16,9 @@ several launch choices:
 - `tiles_short` (one adapter): the short tile list decode graphs replay for one adapter on
   every row; `tiles_mid`: the middle list (4x the short one, from 64 rows on) they replay
   when the real tiles fit it; `tiles_bound`: the longest list a tile step can need beside the
-  row kernels (slora_core.cuda_graphs.decode_tile_caps, tile_steps_max_tiles);
+  row kernels (slora_core.cuda_graphs.decode_tile_caps, tile_steps_max_tiles), each with its
+  own K split; `tiles_graph`: the list and K split a decode graph replays for the step
+  beside the row kernels (decode_split_tiles), where they leave it to the tiles;
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -60,6 +62,7 @@ from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us, rota
 from bench.run_record import add_row, run_record
 from slora_core.cuda_graphs import (
     ROW_KERNELS_MAX_ROWS_PER_ADAPTER,
+    decode_split_tiles,
     decode_tile_caps,
     tile_steps_max_tiles,
 )
@@ -204,17 +207,27 @@ def choices(slots: list[int]) -> dict[str, Choice]:
     bound = tile_steps_max_tiles(rows_n, ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
     if real <= bound < rows_n:
         out["tiles_bound"] = (padded_meta(slots, bound), DECODE_TILES, none)
+    # What a decode graph replays for this step beside the row kernels (where they leave it
+    # to the tiles): the shortest list the real tiles fit, with its split.
+    graph_caps = decode_tile_caps(rows_n, ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
+    if real <= graph_caps[-1] or rows_n > ROW_KERNELS_MAX_ROWS_PER_ADAPTER * len(set(slots)):
+        length = min(c for c in graph_caps if c >= real)
+        split_n = decode_split_tiles(rows_n, length, ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
+        out["tiles_graph"] = (dataclasses.replace(padded_meta(slots, length),
+                                                  split_tiles=split_n), DECODE_TILES, none)
     # tiles@L/S: the list padded to L tiles, the K split picked as for an S-tile list, L and
     # S each the real tiles, the middle list, the bound or the bucket (where the real fit).
     lengths = {"real": real, "mid": caps[1] if len(caps) == 3 else 0, "bound": bound,
                "full": rows_n}
+    def split_for(n: int) -> Callable[[int, int], int | None]:
+        return lambda m, k: pick_split(DECODE_TILES, n, m, k, torch.device(DEVICE),
+                                       rank_block(MAX_RANK))
+
     for lname, length in lengths.items():
         for sname, as_for in lengths.items():
             if real <= length and real <= as_for:
-                out[f"tiles@{lname}/{sname}"] = (
-                    padded_meta(slots, length), DECODE_TILES,
-                    lambda m, k, n=as_for: pick_split(DECODE_TILES, n, m, k,
-                                                      torch.device(DEVICE), rank_block(MAX_RANK)))
+                out[f"tiles@{lname}/{sname}"] = (padded_meta(slots, length), DECODE_TILES,
+                                                 split_for(as_for))
     return out
 
 
@@ -331,7 +344,7 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128",
                 "tiles_unpadded_split", "tiles_unpadded", "rows",
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
-                "tiles_bound")
+                "tiles_bound", "tiles_graph")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles16", "mixed_rows_and_chunk_tiles")

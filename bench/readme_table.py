@@ -392,14 +392,16 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
         rows.append(f"| one adapter, merge off, on the LoRA kernels (same run{on_card(result)}) | "
                     f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x"
                     f" | | {source} |")
-    # --full-list-arms: the same requests with every tile step on its bucket's full tile list.
+    # --full-list-arms: the same requests with every tile step on its bucket's full tile list;
+    # --own-split-arms: with every tile list's K split picked for its own length.
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters")):
-        k = d.get(f"{arm}_full_list")
-        if k is not None:
-            rows.append(f"| {label} in a batch of {d['batch']}, on the bucket's full tile list "
-                        f"(the middle list off, same run{on_card(result)}) | "
-                        f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, "
-                        f"{k['ratio_max']:.3f}]x | | {source} |")
+        for suffix, how in (("full_list", "on the longest tile list (the middle list off, "),
+                            ("own_split", "each tile list's K split for its own length (")):
+            k = d.get(f"{arm}_{suffix}")
+            if k is not None:
+                rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"
+                            f"{on_card(result)}) | {k['throughput_ratio']:.3f} "
+                            f"[{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x | | {source} |")
     # --ride-variants: the same requests riding with other launches, interleaved.
     default = next((v for k, v in d.get("ride", {}).items() if k.startswith("one_unmerged ")),
                    None)

@@ -427,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-list-arms", type=parse_full_list_arms, default=(),
                    help="arms of 'distinct' also run with decode graphs' full tile lists "
                         "(the middle list off), side by side")
+    p.add_argument("--own-split-arms", type=parse_full_list_arms, default=(),
+                   help="arms of 'distinct' also run with every tile list's K split picked "
+                        "for its own length (decode_split_tiles off), side by side")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
                    help="rank of the adapter on every request of 'distinct''s one-adapter "
                         "arms (all 7 modules)")

@@ -272,11 +272,12 @@ _MID = ("--scenarios", "distinct", "--overhead-repeats", "3", "--ride-sole-adapt
 # the middle list holds), and `distinct` runs issue 37's arms at the commit.
 SUITES["issue37-tiles"] = (
     step("tiles-layer", 90, "bench.lora_distinct_layer", "--cases",
-         "16:8-16-32-64,20:8-16-32-64", "--choices",
-         "tiles,tiles_mid,tiles_bound,tiles_unpadded", "--out", OUT("lora-distinct-layer-mid")),
+         "16:8-16-32-64,20:8-16-32-64,24:8-16-32-64,28:8-16-32-64", "--choices",
+         "tiles,tiles_mid,tiles_bound,tiles_unpadded,tiles_graph",
+         "--out", OUT("lora-distinct-layer-mid")),
     step("tiles-layer-b256", 120, "bench.lora_distinct_layer", "--rows", "256", "--cases",
-         "64:8-16-32-64,32:8-16-32-64,80:8-16-32-64", "--choices",
-         "tiles,tiles_mid,tiles_bound,tiles_unpadded,rows",
+         "64:8-16-32-64,32:8-16-32-64,80:8-16-32-64,100:8-16-32-64,120:8-16-32-64",
+         "--choices", "tiles,tiles_mid,tiles_bound,tiles_unpadded,tiles_graph,rows",
          "--out", OUT("lora-distinct-layer-mid-b256")),
     SUITES["issue37"][0],
     # Each list's padding and K split apart (tiles@L/S), for the lists' split rule.
@@ -292,6 +293,6 @@ SUITES["issue37-tiles"] = (
     step("distinct-mid-b256", 240, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "50",
          "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
          "--distinct-arms", "distinct64", "--full-list-arms", "distinct64",
-         "--out", OUT("distinct-adapters-mid-b256")))
+         "--own-split-arms", "distinct64", "--out", OUT("distinct-adapters-mid-b256")))
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))

@@ -7,7 +7,7 @@ launches) for 5-10 ms of GPU work at mixed-step sizes."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
@@ -97,6 +97,30 @@ def decode_tile_caps(bucket: int, row_kernels_max_rows: int | None) -> list[int]
     return caps
 
 
+# Decode tile lists longer than this many tiles pick their K split for at least
+# SPLIT_MIN_TILES tiles and for the longest list a tile step can need (decode_split_tiles).
+SPLIT_OWN_MAX_TILES = 16
+SPLIT_MIN_TILES = 64
+
+
+def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | None) -> int:
+    """The tile count a decode graph's list of `length` tiles picks its K split for
+    (LoraMeta.split_tiles): its own up to SPLIT_OWN_MAX_TILES (the short lists, and the
+    middle one at 64 rows, take `LoraTiles.wave_split`'s rule); past that at least the
+    bucket's rows up to SPLIT_MIN_TILES and the longest list's (tile_steps_max_tiles): as a
+    list of a tile a row split before the lists were shortened. A padded list's real tiles
+    are fewer than its length, and their best split is one for more tiles than that: fewer
+    splits, so each expand re-reads fewer partial sums. One 7B layer on an H100
+    (lora-distinct-layer-split-2775b17-h100.json, tiles@L/S), 64 rows on the 33-tile list:
+    20, 24, 28 adapters 94.1, 101.4, 115.0 us with the split for 64 tiles against 102.6,
+    109.6, 124.0 with its own; 256 rows on the 64-tile list: 32 and 64 adapters 141.7 and
+    216.0 with the split for 135 against 144.2 and 228.0."""
+    if length <= SPLIT_OWN_MAX_TILES:
+        return length
+    return max(length, min(SPLIT_MIN_TILES, bucket),
+               tile_steps_max_tiles(bucket, row_kernels_max_rows))
+
+
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
 # (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
 # which read an adapter once for all its rows, hold their own (H200, lora-grid-h200.json at
@@ -184,7 +208,15 @@ class _StepGraphs:
         """Remove the captured ride graphs (every row count's) with their logits and
         contexts, and return them for `put` to restore: a benchmark switching the launches
         those graphs hold (SoleAdapterRide.fused_consumers) keeps each variant's."""
-        keys = [k for k in self.graphs if is_ride(k[2])]
+        return self._take(lambda tiles: is_ride(tiles))
+
+    def take_tile_graphs(self) -> dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]:
+        """`take_ride` for the LoRA graphs on tile lists (DecodeGraphs.own_split)."""
+        return self._take(lambda tiles: tiles > 0)
+
+    def _take(self, which: Callable[[int], bool],
+              ) -> dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]:
+        keys = [k for k in self.graphs if k[1] and which(k[2])]
         return {k: (self.graphs.pop(k), self.logits.pop(k), self.contexts.pop(k)) for k in keys}
 
     def put(self, taken: dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]) -> None:
@@ -340,6 +372,9 @@ class DecodeGraphs(_StepGraphs):
         # Steps replay the middle tile list when theirs fits it (decode_tile_caps); off, they
         # take the bucket's full list instead (a benchmark's side-by-side switch).
         self.use_mid_tiles = True
+        # On, every tile list picks its K split for its own length (decode_split_tiles off):
+        # a benchmark's switch, which swaps the graphs captured either way (take_tile_graphs).
+        self.own_split = False
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.
         self.layout = BufferLayout(tokens=n, seqs=n, segments=n, tiles=n,
@@ -406,7 +441,10 @@ class DecodeGraphs(_StepGraphs):
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
                         tile_segs=buf.tile_segs[:cap], tile_m0=buf.tile_m0[:cap],
                         num_tiles=cap, block_m=ROW_BLOCK_M if tiles == ROW_GRAPH
-                        else DECODE_BLOCK_M) if modules and not ride else None
+                        else DECODE_BLOCK_M,
+                        split_tiles=None if tiles == ROW_GRAPH or self.own_split
+                        else decode_split_tiles(b, cap, self._row_kernels_max_rows()),
+                        ) if modules and not ride else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
             block_tables=buf.block_tables[:b], seq_lens=buf.seq_lens[:b],

@@ -245,8 +245,8 @@ def add_lora_triton(
             splits = split_k or row_split_k(tiles, x.shape[0] * len(mods), k, x.device,
                                             block_r)
         else:
-            splits = split_k or pick_split(tiles, meta.num_tiles, len(mods), k, x.device,
-                                           block_r)
+            splits = split_k or pick_split(tiles, meta.split_tiles or meta.num_tiles,
+                                           len(mods), k, x.device, block_r)
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)
         if isinstance(tiles, RowTiles):

@@ -64,6 +64,10 @@ class LoraMeta:
     # [T] int32: the token rows in adapter order, when the tokens do not come grouped by
     # adapter (segments then index this list); None: segments index token rows directly.
     token_rows: torch.Tensor | None = None
+    # host-side: the tile count the tile launches pick their K split for (None: num_tiles).
+    # A CUDA graph's list is padded past its real tiles, and the split that suits them need
+    # not be the one for the padded length (slora_core.cuda_graphs.decode_split_tiles).
+    split_tiles: int | None = None
 
     def rows_or_slots(self) -> torch.Tensor:
         """A pointer argument for the kernels' row list (read only when `token_rows` is set)."""

@@ -52,6 +52,13 @@ def test_choice_names_are_the_choices_built(monkeypatch: pytest.MonkeyPatch) -> 
     assert wide["tiles_mid"][0].num_tiles == 64 and wide["tiles"][0].num_tiles == 256
     assert wide["tiles_bound"][0].num_tiles == 135
     assert "tiles_bound" not in ldl.choices(list(range(ldl.ROWS)))  # 64 real tiles
+    # What decode graphs replay: the shortest list that fits, the split for its own length
+    # up to 16 tiles, past that for the bucket's rows (up to 64) or the longest list.
+    graph = {n: ldl.choices([i * n // r for i in range(r)])["tiles_graph"][0]
+             for n, r in ((16, 64), (20, 64), (64, 256))}
+    assert [(m.num_tiles, m.split_tiles) for m in graph.values()] == [
+        (16, 16), (33, 64), (64, 135)]
+    assert "tiles_graph" not in ldl.choices(list(range(ldl.ROWS)))  # a row each: row kernels
     assert tuple(ldl.mixed_choices([0] * ldl.ROWS + [1] * 16, ldl.ROWS)) == (
         ldl.MIXED_CHOICE_NAMES)
 

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from slora_core.config import EngineConfig
-from slora_core.cuda_graphs import ROW_GRAPH, DecodeGraphs, decode_tile_caps
+from slora_core.cuda_graphs import (
+    ROW_GRAPH,
+    DecodeGraphs,
+    decode_split_tiles,
+    decode_tile_caps,
+)
 from slora_core.engine import LLMEngine
 from slora_core.sampling_params import SamplingParams
 from slora_core.step_inputs import build_step_inputs
@@ -53,6 +58,8 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
             cap = bucket if rows else tiles
             assert meta is not None and meta.num_tiles == cap
             assert meta.block_m == (ROW_BLOCK_M if rows else DECODE_BLOCK_M)
+            assert meta.split_tiles == (None if rows else decode_split_tiles(
+                bucket, tiles, 2 if row_kernels else None))
             real = inputs.lora_tiles(16)[0].size
             assert real <= cap and int((meta.tile_segs >= 0).sum()) == real
             seen.append((bucket, tiles))
@@ -99,3 +106,31 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
     assert (64, 16) in seen and (64, longest[64]) in seen
     assert any(tiles == ROW_GRAPH for _, tiles in seen) == row_kernels
     assert all(nonzero), "a checked step had no LoRA delta: the comparison proved nothing"
+
+
+def test_own_split_switch_swaps_only_the_tile_graphs(demo_dir: Path) -> None:
+    """DecodeGraphs.own_split: tile lists pick the split for their own length, and
+    bench.distinct_adapters.SplitModes keeps each rule's captured tile graphs apart (the
+    row kernels' and base graphs stay)."""
+    from bench.distinct_adapters import SplitModes
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(max_num_seqs=64, device="cpu"))
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, 64,
+                                                 engine.config.max_model_len)
+    mods = frozenset({0})
+    assert graphs._context(64, mods, 33).lora.split_tiles == 64  # type: ignore[union-attr]
+    graphs.own_split = True
+    assert graphs._context(64, mods, 33).lora.split_tiles is None  # type: ignore[union-attr]
+    graphs.own_split = False
+    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
+    for k in keys:
+        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
+    modes = SplitModes(engine)
+    modes.set(True)
+    assert graphs.own_split and set(graphs.graphs) == set(keys[1:])
+    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "own", None, None
+    modes.set(False)
+    assert not graphs.own_split and graphs.graphs[keys[0]] == f"graph {keys[0]}"
+    modes.set(True)
+    assert graphs.graphs[keys[0]] == "own"

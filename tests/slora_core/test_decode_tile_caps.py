@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from slora_core.cuda_graphs import decode_tile_caps, tile_steps_max_tiles
+from slora_core.cuda_graphs import decode_split_tiles, decode_tile_caps, tile_steps_max_tiles
 from slora_kernels.lora_meta import DECODE_BLOCK_M, lora_tiles
 
 
@@ -44,3 +44,12 @@ def test_caps_longest_first() -> None:
             caps = decode_tile_caps(bucket, max_rows)
             assert caps == sorted(set(caps), reverse=True)
             assert caps[-1] == -(-bucket // DECODE_BLOCK_M)
+
+
+def test_split_tiles() -> None:
+    """Lists of up to 16 tiles pick their own split; longer ones the split for at least the
+    bucket's rows (up to 64) and the longest list."""
+    assert [decode_split_tiles(64, c, 2) for c in decode_tile_caps(64, 2)] == [64, 16, 4]
+    assert [decode_split_tiles(256, c, 2) for c in decode_tile_caps(256, 2)] == [135, 135, 16]
+    assert [decode_split_tiles(48, c, 2) for c in decode_tile_caps(48, 2)] == [48, 3]
+    assert [decode_split_tiles(32, c, None) for c in decode_tile_caps(32, None)] == [32, 2]
