@@ -35,7 +35,7 @@ HEADLINES = (
     ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-h200.json"),
     ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
      "256 streams", "service-overhead-7b-gw4-h200.json"),
-    ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-7786a51-h100.json"),
+    ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-ba20ecd-h100.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
     ("| decode LoRA r16 B256 U256, graph replay", "lora-grid-h200.json"),
@@ -563,6 +563,8 @@ def rows() -> list[str]:
                        ("distinct-adapters-ride-r64-w8-4325d23-h100.json", distinct_rows),
                        ("distinct-adapters-mid-fbb4a8f-h100.json", distinct_rows),
                        ("distinct-adapters-mid-b256-fbb4a8f-h100.json", distinct_rows),
+                       ("distinct-adapters-ride-ba20ecd-h100.json", distinct_rows),
+                       ("distinct-adapters-split-b256-dc73b24-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
