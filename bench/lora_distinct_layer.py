@@ -61,7 +61,9 @@ from bench.kernels_lora_grid import padded_meta
 from bench.kernels_timing import DEVICE, copy_bandwidth_gbs, graph_time_us, rotation_count
 from bench.run_record import add_row, run_record
 from slora_core.cuda_graphs import (
+    ROW_GRAPH,
     ROW_KERNELS_MAX_ROWS_PER_ADAPTER,
+    decode_lora_graph,
     decode_split_tiles,
     decode_tile_caps,
     tile_steps_max_tiles,
@@ -209,9 +211,9 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         out["tiles_bound"] = (padded_meta(slots, bound), DECODE_TILES, none)
     # What a decode graph replays for this step beside the row kernels (where they leave it
     # to the tiles): the shortest list the real tiles fit, with its split.
-    graph_caps = decode_tile_caps(rows_n, ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
-    if real <= graph_caps[-1] or rows_n > ROW_KERNELS_MAX_ROWS_PER_ADAPTER * len(set(slots)):
-        length = min(c for c in graph_caps if c >= real)
+    length = decode_lora_graph(rows_n, real, rows_n, real_meta.num_segments,
+                               ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
+    if length != ROW_GRAPH:
         split_n = decode_split_tiles(rows_n, length, ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
         out["tiles_graph"] = (dataclasses.replace(padded_meta(slots, length),
                                                   split_tiles=split_n), DECODE_TILES, none)

@@ -281,10 +281,12 @@ def cold_rows(result: dict[str, Any], source: str) -> list[str]:
 
 
 def engine_graph_us(r: dict[str, Any]) -> tuple[float, str]:
-    """The LoRA graph decode steps replay for a grid cell, as `DecodeGraphs._lora_graph` picks
-    it: the list of cdiv(B, 16) tiles when the step's real tiles fit it (the short list, or at
-    B <= 16 with one tile the bucket's own list), the row kernels when adapters own at most
-    ROW_KERNELS_MAX_ROWS_PER_ADAPTER rows each (runs that measured them), else the full list."""
+    """The LoRA graph decode steps replayed for a grid cell when the grid ran, as
+    `DecodeGraphs._lora_graph` picked it then: the list of cdiv(B, 16) tiles when the step's
+    real tiles fit it (the short list, or at B <= 16 with one tile the bucket's own list), the
+    row kernels when adapters own at most ROW_KERNELS_MAX_ROWS_PER_ADAPTER rows each (runs that
+    measured them), else the full list. The grids predate the middle and bounded lists and
+    their K split (cuda_graphs.decode_lora_graph, fbb4a8f-dc73b24), which they do not time."""
     b, u = r["batch"], r["adapters"]
     few = -(-b // DECODE_BLOCK_M)
     real = u * -(-(b // u) // DECODE_BLOCK_M)  # rows sorted by adapter: a segment each

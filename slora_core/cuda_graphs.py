@@ -82,9 +82,9 @@ def decode_tile_caps(bucket: int, row_kernels_max_rows: int | None) -> list[int]
     the most tiles a step can take to the tile kernels (tile_steps_max_tiles:
     `row_kernels_max_rows` None without the row kernels); from MID_TILES_MIN_BUCKET rows on,
     four times the short list's; the short list, cdiv(bucket, 16) tiles (one adapter on every
-    row). A step replays the shortest list its real tiles fit (`DecodeGraphs._lora_graph`):
-    every entry past them is a program along each launch's tile axis that exits at once, and
-    the K split is chosen for the list's length. At 64 rows, 16 adapters of 4 rows each (16
+    row). A step replays the shortest list its real tiles fit (decode_lora_graph): every entry
+    past them is a program along each launch's tile axis that exits at once, and the list's
+    length sets its K split (decode_split_tiles). At 64 rows, 16 adapters of 4 rows each (16
     real tiles) take 87.6 us a 7B layer on the 64-entry list and 85.4 on their own 16 (H100,
     lora-distinct-layer-expand-c337f04-h100.json: tiles vs tiles_unpadded)."""
     few = -(-bucket // DECODE_BLOCK_M)
@@ -95,6 +95,25 @@ def decode_tile_caps(bucket: int, row_kernels_max_rows: int | None) -> list[int]
     if few < full:
         caps.append(few)
     return caps
+
+
+def decode_lora_graph(bucket: int, real: int, rows: int, segments: int,
+                      row_kernels_max_rows: int | None, use_mid_tiles: bool = True) -> int:
+    """The LoRA graph a decode step of `real` 16-row tiles, on `rows` rows in `segments`
+    segments, replays (its key's tiles entry): the short tile list when the real tiles fit
+    it, else the row kernels' (ROW_GRAPH) when its adapters own at most
+    `row_kernels_max_rows` rows each, else the shortest tile list that holds them (without
+    the middle one when not `use_mid_tiles`)."""
+    caps = decode_tile_caps(bucket, row_kernels_max_rows)
+    if real <= caps[-1]:
+        return caps[-1]
+    if row_kernels_max_rows is not None and rows <= row_kernels_max_rows * segments:
+        return ROW_GRAPH
+    fits = [cap for cap in caps[: len(caps) if use_mid_tiles else 1] if cap >= real]
+    if not fits:  # tile_steps_max_tiles says no tile step has more
+        raise RuntimeError(f"{real} tiles on {rows} rows in {segments} segments: more than "
+                           f"the decode graphs' lists {caps}")
+    return min(fits)
 
 
 # Decode tile lists longer than this many tiles pick their K split for at least
@@ -208,7 +227,7 @@ class _StepGraphs:
         """Remove the captured ride graphs (every row count's) with their logits and
         contexts, and return them for `put` to restore: a benchmark switching the launches
         those graphs hold (SoleAdapterRide.fused_consumers) keeps each variant's."""
-        return self._take(lambda tiles: is_ride(tiles))
+        return self._take(is_ride)
 
     def take_tile_graphs(self) -> dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]:
         """`take_ride` for the LoRA graphs on tile lists (DecodeGraphs.own_split)."""
@@ -370,7 +389,7 @@ class DecodeGraphs(_StepGraphs):
         # kernels' graph; an attribute so a benchmark can compare the two graphs on one step.
         self.row_kernels_max_rows = ROW_KERNELS_MAX_ROWS_PER_ADAPTER
         # Steps replay the middle tile list when theirs fits it (decode_tile_caps); off, they
-        # take the bucket's full list instead (a benchmark's side-by-side switch).
+        # take the longest list instead (a benchmark's side-by-side switch).
         self.use_mid_tiles = True
         # On, every tile list picks its K split for its own length (decode_split_tiles off):
         # a benchmark's switch, which swaps the graphs captured either way (take_tile_graphs).
@@ -412,22 +431,10 @@ class DecodeGraphs(_StepGraphs):
         return caps
 
     def _lora_graph(self, bucket: int, inputs: StepInputs) -> int:
-        """The LoRA graph a step replays: the short tile list when its real tiles fit it,
-        else the row kernels' when its adapters own few rows each, else the shortest tile list
-        that holds every real tile (decode_tile_caps)."""
-        real = inputs.lora_tiles(DECODE_BLOCK_M)[0].size
-        caps = decode_tile_caps(bucket, self._row_kernels_max_rows())
-        if real <= caps[-1]:
-            return caps[-1]
-        rows = int(inputs.seg_lens.sum())
-        if (self.runner.lora_row_kernels
-                and rows <= self.row_kernels_max_rows * inputs.seg_lens.size):
-            return ROW_GRAPH
-        fits = [cap for cap in caps[: len(caps) if self.use_mid_tiles else 1] if cap >= real]
-        if not fits:  # tile_steps_max_tiles says no tile step has more
-            raise AssertionError(f"{real} tiles on {rows} rows in {inputs.seg_lens.size} "
-                                 f"segments: more than the decode graphs' lists {caps}")
-        return min(fits)
+        """The LoRA graph a step replays (decode_lora_graph)."""
+        return decode_lora_graph(bucket, inputs.lora_tiles(DECODE_BLOCK_M)[0].size,
+                                 int(inputs.seg_lens.sum()), inputs.seg_lens.size,
+                                 self._row_kernels_max_rows(), self.use_mid_tiles)
 
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, b, buf = self.runner, bucket, self.buf

@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from slora_core.cuda_graphs import decode_split_tiles, decode_tile_caps, tile_steps_max_tiles
+from slora_core.cuda_graphs import (
+    ROW_GRAPH,
+    decode_lora_graph,
+    decode_split_tiles,
+    decode_tile_caps,
+    tile_steps_max_tiles,
+)
 from slora_kernels.lora_meta import DECODE_BLOCK_M, lora_tiles
 
 
@@ -53,3 +59,16 @@ def test_split_tiles() -> None:
     assert [decode_split_tiles(256, c, 2) for c in decode_tile_caps(256, 2)] == [135, 135, 16]
     assert [decode_split_tiles(48, c, 2) for c in decode_tile_caps(48, 2)] == [48, 3]
     assert [decode_split_tiles(32, c, None) for c in decode_tile_caps(32, None)] == [32, 2]
+
+
+def test_lora_graph_choice() -> None:
+    """The short list first, then the row kernels for few rows an adapter, then the shortest
+    list that holds the real tiles (the middle one only when used)."""
+    assert decode_lora_graph(64, 4, 64, 1, 2) == 4  # one adapter on every row
+    assert decode_lora_graph(64, 40, 40, 40, 2) == ROW_GRAPH  # a row each
+    assert decode_lora_graph(64, 16, 64, 16, 2) == 16  # 16 adapters of 4 rows
+    assert decode_lora_graph(64, 16, 64, 16, 2, use_mid_tiles=False) == 33
+    assert decode_lora_graph(64, 20, 64, 20, 2) == 33
+    assert decode_lora_graph(64, 40, 40, 40, None) == 64  # no row kernels: a tile a row
+    with pytest.raises(RuntimeError, match="more than the decode graphs' lists"):
+        decode_lora_graph(64, 40, 64, 20, 2)  # more tiles than 20 segments on 64 rows hold
