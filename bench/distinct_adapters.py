@@ -21,7 +21,7 @@ Targets (issue 37): D=16 at least 0.95x base throughput, D=64 at least 0.92x, on
 the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with distinct adapters.
 
 `--full-list-arms` adds, for each arm named, the same requests with every tile step replaying
-its bucket's full tile list instead of the middle one (`DecodeGraphs.use_mid_tiles` off), in
+the longest tile list instead of the middle one (`DecodeGraphs.use_mid_tiles` off), in
 the same interleaving: what the middle list (decode_tile_caps) is worth. `--own-split-arms`
 likewise runs arms with every tile list's K split picked for its own length
 (`DecodeGraphs.own_split`) instead of decode_split_tiles's.
@@ -129,8 +129,9 @@ def parse_arms(text: str) -> tuple[str, ...]:
     return chosen
 
 
-def parse_full_list_arms(text: str) -> tuple[str, ...]:
-    """`--full-list-arms`: comma-separated many-adapter arms (may be empty)."""
+def parse_many_arms(text: str) -> tuple[str, ...]:
+    """`--full-list-arms`, `--own-split-arms`: comma-separated many-adapter arms (may be
+    empty)."""
     chosen = tuple(n.strip() for n in text.split(",") if n.strip())
     many = [n for n, d in ARMS.items() if d > 1]
     unknown = [n for n in chosen if n not in many]
@@ -195,8 +196,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     if ride is not None and "one_unmerged" in arms:
         arms["one_kernels"] = arms["one_unmerged"]
         arms.update({name: arms["one_unmerged"] for name in variants})
-    # --full-list-arms: the same requests with every tile step on the bucket's full tile list
-    # (DecodeGraphs.use_mid_tiles off), the list decode graphs replayed before the middle one.
+    # --full-list-arms: the same requests with every tile step on the longest tile list
+    # (DecodeGraphs.use_mid_tiles off), as decode graphs replayed before the middle one.
     full_list = {f"{n}_full_list": n for n in a.full_list_arms if n in arms}
     arms.update({name: arms[n] for name, n in full_list.items()})
     # --own-split-arms: the same requests with every tile list's K split picked for its own

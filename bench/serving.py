@@ -31,7 +31,7 @@ from bench.distinct_adapters import (
     RANKS,
     RIDE_VARIANTS,
     parse_arms,
-    parse_full_list_arms,
+    parse_many_arms,
     parse_ride_variants,
     scenario_distinct,
 )
@@ -424,10 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ride-variants", type=parse_ride_variants, default=(),
                    help="with --ride-sole-adapter: more one-adapter arms riding with other "
                         f"launches ({', '.join(RIDE_VARIANTS)}), side by side")
-    p.add_argument("--full-list-arms", type=parse_full_list_arms, default=(),
+    p.add_argument("--full-list-arms", type=parse_many_arms, default=(),
                    help="arms of 'distinct' also run with decode graphs' full tile lists "
                         "(the middle list off), side by side")
-    p.add_argument("--own-split-arms", type=parse_full_list_arms, default=(),
+    p.add_argument("--own-split-arms", type=parse_many_arms, default=(),
                    help="arms of 'distinct' also run with every tile list's K split picked "
                         "for its own length (decode_split_tiles off), side by side")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
