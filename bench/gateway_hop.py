@@ -276,7 +276,8 @@ def parse_args() -> argparse.Namespace:
                          "(default: this=.)")
     ap.add_argument("--upstreams", default="mux,call",
                     help="comma-separated gateway -> worker paths, a gateway each per variant: "
-                         "mux (GenerateMux) and call (one Generate call a request)")
+                         "mux (GenerateMux), call (one Generate call a request) and auto (per call, "
+                         "then the mux past 32 streams in flight on the worker)")
     ap.add_argument("--http-clients", default=["httpx"], type=http_clients_arg,
                     help="comma-separated HTTP client libraries (httpx, aiohttp), a path each")
     ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")

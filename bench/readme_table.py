@@ -47,6 +47,8 @@ PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway": "client -> gateway -> worker, gRPC",
          "gateway_call": "client -> gateway -> worker, gRPC, one worker call a request",
          "gateway_mux": "client -> gateway -> worker, gRPC, over one GenerateMux stream",
+         "gateway_auto": "client -> gateway -> worker, gRPC, per call then over GenerateMux "
+                         "past 32 streams a worker",
          "http": "client -> gateway -> worker, HTTP (OpenAI SSE) read by httpx",
          "http_aiohttp": "client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp"}
 

@@ -431,10 +431,11 @@ def parse_args() -> argparse.Namespace:
                          "(services/common/hop_trace.py) and add each leg's times per path "
                          "and level to the JSON (`hop_trace`); tracing costs the processes "
                          "a few microseconds an event")
-    ap.add_argument("--also-upstream", choices=("mux", "call"), default=None,
+    ap.add_argument("--also-upstream", choices=("mux", "call", "auto"), default=None,
                     help="also run a second gateway (as many processes) with `--upstream X` "
                          "beside the default one (one Generate call per request): mux is one "
-                         "GenerateMux stream per worker; the `gateway_X` path, side by side")
+                         "GenerateMux stream per worker, auto the mux past 32 streams in flight "
+                         "on a worker in a gateway process; the `gateway_X` path, side by side")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},

@@ -7,12 +7,20 @@ import asyncio
 import logging
 import os
 import socket
+from typing import TYPE_CHECKING
 
 from services.common.cluster_token import add_cluster_token_argument
 
+if TYPE_CHECKING:
+    from services.gateway.main import GatewayOptions
+
 PROCESSES_ENV = "SLORA_GATEWAY_PROCESSES"
 UPSTREAM_ENV = "SLORA_GATEWAY_UPSTREAM"
-UPSTREAMS = ("mux", "call")
+UPSTREAMS = ("mux", "call", "auto")
+MUX_FROM_ENV = "SLORA_GATEWAY_MUX_FROM"
+# --upstream auto: streams in flight on a worker (per gateway process) from which requests go
+# over the mux. Not yet measured on a GPU host (docs/performance.md).
+MUX_FROM_DEFAULT = 32
 
 
 def positive_int(text: str) -> int:
@@ -42,26 +50,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--upstream", choices=UPSTREAMS,
                    default=os.environ.get(UPSTREAM_ENV, "call"),
                    help="how worker calls travel: call (one Generate call per request, "
-                        "default) or mux (one GenerateMux stream per worker); env "
-                        f"{UPSTREAM_ENV}")
+                        "default), mux (one GenerateMux stream per worker) or auto (per call "
+                        "until --mux-from streams are in flight on the worker, then the mux); "
+                        f"env {UPSTREAM_ENV}")
+    p.add_argument("--mux-from", type=positive_int,
+                   default=positive_int(os.environ.get(MUX_FROM_ENV, str(MUX_FROM_DEFAULT))),
+                   help="with --upstream auto: this process's streams in flight on a worker "
+                        f"from which its requests go over the mux; env {MUX_FROM_ENV}")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from services.gateway.main import GatewayOptions, serve_gateway
-    from services.gateway.supervisor import serve_processes
+def gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    from services.gateway.main import GatewayOptions
 
-    logging.basicConfig(level=os.environ.get("SLORA_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
     port = args.listen.rsplit(":", 1)[-1]
-    opts = GatewayOptions(
+    return GatewayOptions(
         control_plane=args.control_plane, listen=args.listen,
         gateway_id=args.gateway_id or f"{socket.gethostname()}-{port}",
         metrics_port=args.metrics_port, drain_grace_s=args.drain_grace,
         cluster_token=args.cluster_token, http_listen=args.http_listen,
-        base_model_name=args.base_model_name, upstream_mux=args.upstream == "mux",
+        base_model_name=args.base_model_name, upstream_mux=args.upstream != "call",
+        upstream_mux_from=args.mux_from if args.upstream == "auto" else 0,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.gateway.main import serve_gateway
+    from services.gateway.supervisor import serve_processes
+
+    logging.basicConfig(level=os.environ.get("SLORA_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s gateway %(levelname)s %(name)s: %(message)s")
+    opts = gateway_options(args)
     if args.processes > 1:
         return serve_processes(opts, args.processes)
     return asyncio.run(serve_gateway(opts))

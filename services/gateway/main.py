@@ -47,6 +47,9 @@ class GatewayOptions:
     # Worker calls over one GenerateMux stream per worker (off: one Generate call per request;
     # `slora gateway --upstream`, env SLORA_GATEWAY_UPSTREAM).
     upstream_mux: bool = False
+    # With upstream_mux: a request goes over the mux only past this many streams in flight
+    # on its worker in this process (0: always; Upstreams.mux_from).
+    upstream_mux_from: int = 0
 
 
 DEFAULT_REPORT_S = 1.0
@@ -110,7 +113,7 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     table = RoutingTable()
     router = Router(table, metrics,
                     siblings=Siblings(opts.sibling_sockets) if opts.sibling_sockets else None,
-                    mux=opts.upstream_mux)
+                    mux=opts.upstream_mux, mux_from=opts.upstream_mux_from)
     metrics.registry.register(ModelServerCollector(table, router.inflight))
     synced, stop = asyncio.Event(), asyncio.Event()
     install_stop_handlers(stop.set)

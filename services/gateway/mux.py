@@ -13,7 +13,8 @@ fails UNAVAILABLE (retryable, resumable), and the next request opens a new mux.
 
 Opt-in (`slora gateway --upstream mux`): it saves the gateway CPU, and wins where the gateway
 is short of it, but on an H100 host it did not beat one call a request (docs/performance.md,
-"Tried: one long-lived multiplexed stream").
+"Tried: one long-lived multiplexed stream"). `--upstream auto` takes the mux only past
+`--mux-from` streams in flight on a worker (`Upstreams`; not yet measured on a GPU host).
 """
 
 from __future__ import annotations
@@ -231,23 +232,31 @@ class WorkerMux:
 class Upstreams:
     """How this gateway process calls its workers: over one mux per worker address (opened
     at first use, reopened after it breaks) or, with `mux` off, one Generate call per
-    request. Both give a `Buffered` the router reads the same way."""
+    request. With `mux_from` > 0 (`slora gateway --upstream auto`) a request goes over the
+    mux only when this process already has that many streams in flight on the worker, and
+    per call below that: the mux saves a busy worker front a call a request and a message a
+    stream a step, while a single call was faster at light load on an H100 host
+    (docs/performance.md). Both give a `Buffered` the router reads the same way."""
 
-    def __init__(self, channels: WorkerChannels, mux: bool = False) -> None:
+    def __init__(self, channels: WorkerChannels, mux: bool = False, mux_from: int = 0) -> None:
+        if mux_from < 0:
+            raise ValueError(f"mux_from must be at least 0, got {mux_from}")
         self.channels = channels
         self.mux = mux
+        self.mux_from = mux_from
         self._muxes: dict[str, WorkerMux] = {}
         self._per_call_until: dict[str, float] = {}  # address -> when to try its mux again
 
     def open(self, address: str, request: pb.GenerateRequest, tenant: str,
-             deadline: float | None) -> Buffered:
-        """`request` to the worker at `address`; `deadline`: time.monotonic()'s, or None."""
+             deadline: float | None, in_flight: int = 0) -> Buffered:
+        """`request` to the worker at `address`; `deadline`: time.monotonic()'s, or None;
+        `in_flight`: this process's streams on that worker already (see `mux_from`)."""
         def per_call() -> Buffered:
             return DrainedCall(self.channels.stub(address).Generate(
                 request, timeout=None if deadline is None else deadline - time.monotonic(),
                 metadata=((TENANT_HEADER, tenant),)))
 
-        mux = self._mux(address) if self.mux else None
+        mux = self._mux(address) if self.mux and in_flight >= self.mux_from else None
         # 1 KiB of room for what the MuxRequest adds (stream id, tenant, deadline).
         if mux is None or request.ByteSize() > MAX_UP_FRAME_BYTES - 1024:
             return per_call()

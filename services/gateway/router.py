@@ -67,7 +67,7 @@ class Router:
 
     def __init__(self, table: RoutingTable, metrics: GatewayMetrics,
                  served: ServedLog | None = None, siblings: Siblings | None = None,
-                 mux: bool = False) -> None:
+                 mux: bool = False, mux_from: int = 0) -> None:
         self.table = table
         self.siblings = siblings  # the other processes of a multi-process gateway
         self.metrics = metrics
@@ -75,8 +75,9 @@ class Router:
         self.evidence = RoutedEvidence()
         self.inflight: dict[str, int] = {}
         self.channels = WorkerChannels()
-        # One GenerateMux stream per worker, or (mux off) one Generate call per request.
-        self.upstreams = Upstreams(self.channels, mux=mux)
+        # One GenerateMux stream per worker, or (mux off) one Generate call per request; with
+        # mux_from, the mux only past that many streams in flight on a worker (Upstreams).
+        self.upstreams = Upstreams(self.channels, mux=mux, mux_from=mux_from)
         self.draining = False  # set at shutdown: health reports NOT_SERVING, calls still finish
         self._calls = 0
         self._idle = asyncio.Event()
@@ -251,7 +252,7 @@ class RoutedCall:
         (docs/failover.md); a ServiceError for the caller otherwise."""
         inflight = self.router.inflight
         call = self.router.upstreams.open(worker.address, upstream, self.caller_tenant,
-                                          self.deadline)
+                                          self.deadline, inflight.get(worker.worker_id, 0))
         inflight[worker.worker_id] = inflight.get(worker.worker_id, 0) + 1
         started = False
         try:

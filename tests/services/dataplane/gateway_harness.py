@@ -143,13 +143,15 @@ def table_for(workers: list[ScriptedWorker]) -> RoutingTable:
     return table
 
 
-async def started(*names: str, mux: bool = False) -> tuple[Router, list[ScriptedWorker]]:
-    """A router over new scripted workers; `mux`: its worker calls over GenerateMux or one
-    Generate call each (the gateway's default)."""
+async def started(*names: str, mux: bool = False, mux_from: int = 0,
+                  ) -> tuple[Router, list[ScriptedWorker]]:
+    """A router over new scripted workers; `mux`: its worker calls over GenerateMux (from
+    `mux_from` streams in flight on a worker on) or one Generate call each (the gateway's
+    default)."""
     workers = [ScriptedWorker(n) for n in names]
     for w in workers:
         await w.start()
-    return Router(table_for(workers), GatewayMetrics(), mux=mux), workers
+    return Router(table_for(workers), GatewayMetrics(), mux=mux, mux_from=mux_from), workers
 
 
 async def stop_all(router: Router, workers: list[ScriptedWorker]) -> None:

@@ -70,6 +70,28 @@ def test_concurrent_streams_over_one_mux_equal_the_per_call_path() -> None:
     asyncio.run(scenario())
 
 
+def test_auto_upstream_calls_per_request_until_enough_streams_are_in_flight() -> None:
+    """`--upstream auto` (Upstreams.mux_from): the first 4 concurrent requests to a worker go
+    as Generate calls, the rest over one mux, and every stream gets its own output."""
+    async def scenario() -> None:
+        prompts = [[i, i + 2, i * 5 % 11] for i in range(12)]
+        router, workers = await started("w1", mux=True, mux_from=4)
+        workers[0].delay_s = 0.02  # every stream still runs when the last one opens
+        try:
+            outcomes = await asyncio.gather(*(run_call(router, ids_request(p, 5))
+                                              for p in prompts))
+            assert (workers[0].generates, workers[0].muxes, len(workers[0].calls)) == (4, 1, 12)
+            # Alone on the worker again: per call.
+            assert (await run_call(router, ids_request(prompts[0], 3))).error is None
+            assert workers[0].generates == 5 and workers[0].muxes == 1
+        finally:
+            await stop_all(router, workers)
+        for p, out in zip(prompts, outcomes, strict=True):
+            assert out.error is None and out.token_ids == expected_output(p, 5)
+
+    asyncio.run(scenario())
+
+
 def test_a_cancelled_stream_is_freed_on_the_worker_and_the_others_go_on() -> None:
     async def scenario() -> None:
         router, workers = await started("w1", mux=True)
