@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from services.commands.gateway import UPSTREAM_ENV
+from services.commands.gateway import MUX_FROM_DEFAULT, UPSTREAM_ENV
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.hop_auth import GATEWAY_HEADER, GATEWAY_TOKEN_ENV, GatewayOnlyInterceptor
 from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
@@ -276,8 +276,9 @@ def parse_args() -> argparse.Namespace:
                          "(default: this=.)")
     ap.add_argument("--upstreams", default="mux,call",
                     help="comma-separated gateway -> worker paths, a gateway each per variant: "
-                         "mux (GenerateMux), call (one Generate call a request) and auto (per call, "
-                         "then the mux past 32 streams in flight on the worker)")
+                         "mux (GenerateMux), call (one Generate call a request) and auto (per "
+                         f"call, then the mux from {MUX_FROM_DEFAULT} streams in flight on the "
+                         "worker on)")
     ap.add_argument("--http-clients", default=["httpx"], type=http_clients_arg,
                     help="comma-separated HTTP client libraries (httpx, aiohttp), a path each")
     ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")

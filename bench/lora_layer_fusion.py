@@ -265,29 +265,53 @@ def run_cell(rank: int, t: int, layers: int, sweep: tuple[RideBlocks, ...] = ()
     return row
 
 
+def cells_arg(text: str) -> tuple[tuple[int, int], ...]:
+    """`--cells`: comma-separated RANKxTOKENS, each positive."""
+    try:
+        cells = tuple((int(r), int(t)) for r, t in (c.split("x") for c in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: RANKxTOKENS cells, e.g. 64x64,8x32"
+                                         ) from None
+    if not cells or any(r < 1 or t < 1 for r, t in cells):
+        raise argparse.ArgumentTypeError(f"{text!r}: ranks and tokens must be positive")
+    return cells
+
+
+def blocks_arg(text: str) -> tuple[RideBlocks, ...]:
+    """`--sweep-blocks`: comma-separated M/WARPS, M a power of two of at least 16 (a tl.dot's
+    rows), WARPS one of 1, 2, 4, 8, 16 (may be empty)."""
+    try:
+        sweep = tuple(RideBlocks(*(int(v) for v in b.split("/", 1)))
+                      for b in text.split(",") if b)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: M/WARPS pairs, e.g. 16/4,64/8") from None
+    bad = [b for b in sweep if b.m < 16 or b.m & (b.m - 1) or b.warps not in (1, 2, 4, 8, 16)]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: M a power of two >= 16 and WARPS a power of two <= 16, not "
+            + ", ".join(f"{b.m}/{b.warps}" for b in bad))
+    return sweep
+
+
 def main(argv: list[str] | None = None) -> int:
     global HIDDEN, INTER, PROJECTIONS, HEAD_DIM
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="CPU smoke sizes (hidden 64)")
-    ap.add_argument("--cells", default=None,
+    ap.add_argument("--cells", type=cells_arg, default=None,
                     help="rank x tokens cells, e.g. 64x64,8x32 (default: "
                     + ",".join(f"{r}x{t}" for r, t in CELLS) + ")")
-    ap.add_argument("--sweep-blocks", default="",
+    ap.add_argument("--sweep-blocks", type=blocks_arg, default=(),
                     help="expand launch shapes to time beside the default, as M/WARPS pairs, "
                     "e.g. 16/4,32/4,64/4,64/8 (rows a program / warps)")
     args = ap.parse_args(argv)
-    cells, layers = CELLS, 2
-    if args.cells:
-        cells = tuple((int(r), int(t)) for r, t in (c.split("x") for c in args.cells.split(",")))
-    sweep = tuple(RideBlocks(*(int(v) for v in b.split("/")))
-                  for b in args.sweep_blocks.split(",") if b)
+    cells, layers, sweep = args.cells or CELLS, 2, args.sweep_blocks
     if args.toy:
         HIDDEN, INTER, HEAD_DIM = 64, 96, 16
         PROJECTIONS = (("qkv", 64, (64, 64, 64)), ("o", 64, (64,)), ("gate_up", 64, (96, 96)),
                        ("down", 96, (64,)))
         timing.MAX_ROTATION, layers = 1, 1
-        cells = cells if args.cells else ((8, 16),)
+        cells = args.cells or ((8, 16),)
     rows: list[dict[str, Any]] = []
     result = {**run_record(["bench.lora_layer_fusion", *(argv or sys.argv[1:])]),
               "dtype": "float16", "hidden": HIDDEN, "intermediate": INTER,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from services.commands.gateway import MUX_FROM_DEFAULT
 from slora_core.config import EngineConfig
 from slora_core.cuda_graphs import ROW_KERNELS_MAX_ROWS_PER_ADAPTER
 from slora_kernels.lora_meta import DECODE_BLOCK_M
@@ -47,8 +48,8 @@ PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway": "client -> gateway -> worker, gRPC",
          "gateway_call": "client -> gateway -> worker, gRPC, one worker call a request",
          "gateway_mux": "client -> gateway -> worker, gRPC, over one GenerateMux stream",
-         "gateway_auto": "client -> gateway -> worker, gRPC, per call then over GenerateMux "
-                         "past 32 streams a worker",
+         "gateway_auto": "client -> gateway -> worker, gRPC, per call, then over GenerateMux "
+                         f"from {MUX_FROM_DEFAULT} streams in flight on a worker on",
          "http": "client -> gateway -> worker, HTTP (OpenAI SSE) read by httpx",
          "http_aiohttp": "client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp"}
 

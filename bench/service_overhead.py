@@ -43,6 +43,7 @@ from devtools.demo_stack import (
     publish_demo_adapters,
     wait_until_routable,
 )
+from services.commands.gateway import MUX_FROM_DEFAULT
 from services.common import hop_trace
 from services.common.hop_auth import GATEWAY_HEADER
 from services.control_plane.api.client import AdminClient
@@ -434,8 +435,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--also-upstream", choices=("mux", "call", "auto"), default=None,
                     help="also run a second gateway (as many processes) with `--upstream X` "
                          "beside the default one (one Generate call per request): mux is one "
-                         "GenerateMux stream per worker, auto the mux past 32 streams in flight "
-                         "on a worker in a gateway process; the `gateway_X` path, side by side")
+                         f"GenerateMux stream per worker, auto the mux from {MUX_FROM_DEFAULT} "
+                         "streams in flight on a worker in a gateway process on; the "
+                         "`gateway_X` path, side by side")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},

@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --ride-sole-adapter: more one-adapter arms riding with other "
                         f"launches ({', '.join(RIDE_VARIANTS)}), side by side")
     p.add_argument("--full-list-arms", type=parse_many_arms, default=(),
-                   help="arms of 'distinct' also run with decode graphs' full tile lists "
+                   help="arms of 'distinct' also run with decode graphs' longest tile list "
                         "(the middle list off), side by side")
     p.add_argument("--own-split-arms", type=parse_many_arms, default=(),
                    help="arms of 'distinct' also run with every tile list's K split picked "

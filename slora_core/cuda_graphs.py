@@ -21,7 +21,13 @@ from slora_core.graph_buffers import BufferLayout, GraphBuffers
 from slora_core.lora_ride import SoleAdapterRide
 from slora_core.model import LlamaForCausalLM
 from slora_core.step_inputs import StepInputs, TokenPatch, apply_patch
-from slora_kernels.lora_meta import DECODE_BLOCK_M, ROW_BLOCK_M, LoraMeta, tile_rows
+from slora_kernels.lora_meta import (
+    DECODE_BLOCK_M,
+    ROW_BLOCK_M,
+    LoraMeta,
+    lora_tile_count,
+    tile_rows,
+)
 
 
 class ModelRunner(Protocol):
@@ -432,7 +438,7 @@ class DecodeGraphs(_StepGraphs):
 
     def _lora_graph(self, bucket: int, inputs: StepInputs) -> int:
         """The LoRA graph a step replays (decode_lora_graph)."""
-        return decode_lora_graph(bucket, inputs.lora_tiles(DECODE_BLOCK_M)[0].size,
+        return decode_lora_graph(bucket, lora_tile_count(inputs.seg_lens, DECODE_BLOCK_M),
                                  int(inputs.seg_lens.sum()), inputs.seg_lens.size,
                                  self._row_kernels_max_rows(), self.use_mid_tiles)
 

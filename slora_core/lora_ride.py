@@ -32,8 +32,8 @@ is ~7 small copies per projection (about 900 launches at 32 layers) while a step
 microseconds per layer. Loads are stream-ordered device copies: a step still in flight finishes
 with the rows it was launched with. Decode and mixed (prefill) graphs capture a ride graph per
 bucket and row count (`cuda_graphs.ride_tiles`). Steps that read several adapters, or
-base-model rows beside adapter rows, run the Triton kernels as before; so does a step whose adapter is merged
-(lora_merge), which runs as the base model.
+base-model rows beside adapter rows, run the Triton kernels as before; so does a step whose
+adapter is merged (lora_merge), which runs as the base model.
 
 The trade: modules x max_rank more weight rows and the expand matrix in device memory (at
 Llama-2-7B with max_rank 64, about 0.5 GB), allocated when the engine is built, before its

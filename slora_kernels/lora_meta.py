@@ -113,9 +113,18 @@ def lora_segments(token_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return starts[keep], (ends - starts)[keep], token_slots[starts][keep]
 
 
+def _tiles_per_segment(seg_lens: np.ndarray, block_m: int) -> np.ndarray:
+    return -(-seg_lens.astype(np.int64) // block_m)
+
+
+def lora_tile_count(seg_lens: np.ndarray, block_m: int) -> int:
+    """How many tiles `lora_tiles` lists for segments of these lengths (without the list)."""
+    return int(_tiles_per_segment(seg_lens, block_m).sum())
+
+
 def lora_tiles(seg_lens: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
     """The tile list of segments of these lengths: (segment of each tile, first row)."""
-    per_seg = -(-seg_lens.astype(np.int64) // block_m)
+    per_seg = _tiles_per_segment(seg_lens, block_m)
     segs = np.repeat(np.arange(seg_lens.size, dtype=np.int64), per_seg)
     first = np.cumsum(per_seg) - per_seg  # index of each segment's first tile
     m0 = (np.arange(segs.size, dtype=np.int64) - np.repeat(first, per_seg)) * block_m

@@ -70,8 +70,8 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         gateway_id=args.gateway_id or f"{socket.gethostname()}-{port}",
         metrics_port=args.metrics_port, drain_grace_s=args.drain_grace,
         cluster_token=args.cluster_token, http_listen=args.http_listen,
-        base_model_name=args.base_model_name, upstream_mux=args.upstream != "call",
-        upstream_mux_from=args.mux_from if args.upstream == "auto" else 0,
+        base_model_name=args.base_model_name,
+        upstream_mux_from={"call": None, "mux": 0}.get(args.upstream, args.mux_from),
     )
 
 

@@ -44,12 +44,10 @@ class GatewayOptions:
     shared_ports: bool = False
     own_socket: str = ""
     sibling_sockets: tuple[str, ...] = ()
-    # Worker calls over one GenerateMux stream per worker (off: one Generate call per request;
-    # `slora gateway --upstream`, env SLORA_GATEWAY_UPSTREAM).
-    upstream_mux: bool = False
-    # With upstream_mux: a request goes over the mux only past this many streams in flight
-    # on its worker in this process (0: always; Upstreams.mux_from).
-    upstream_mux_from: int = 0
+    # Worker calls over one GenerateMux stream per worker once this process has this many
+    # streams in flight on it (0: always), or None: one Generate call per request
+    # (`slora gateway --upstream`, env SLORA_GATEWAY_UPSTREAM; Upstreams.mux_from).
+    upstream_mux_from: int | None = None
 
 
 DEFAULT_REPORT_S = 1.0
@@ -113,7 +111,7 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     table = RoutingTable()
     router = Router(table, metrics,
                     siblings=Siblings(opts.sibling_sockets) if opts.sibling_sockets else None,
-                    mux=opts.upstream_mux, mux_from=opts.upstream_mux_from)
+                    mux_from=opts.upstream_mux_from)
     metrics.registry.register(ModelServerCollector(table, router.inflight))
     synced, stop = asyncio.Event(), asyncio.Event()
     install_stop_handlers(stop.set)

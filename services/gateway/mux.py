@@ -230,19 +230,18 @@ class WorkerMux:
 
 
 class Upstreams:
-    """How this gateway process calls its workers: over one mux per worker address (opened
-    at first use, reopened after it breaks) or, with `mux` off, one Generate call per
-    request. With `mux_from` > 0 (`slora gateway --upstream auto`) a request goes over the
-    mux only when this process already has that many streams in flight on the worker, and
-    per call below that: the mux saves a busy worker front a call a request and a message a
-    stream a step, while a single call was faster at light load on an H100 host
-    (docs/performance.md). Both give a `Buffered` the router reads the same way."""
+    """How this gateway process calls its workers: one Generate call per request (`mux_from`
+    None), or over one mux per worker address (opened at first use, reopened after it
+    breaks) once this process has `mux_from` streams in flight on the worker: 0 always
+    (`slora gateway --upstream mux`), N > 0 per call below N (`--upstream auto`). The mux
+    saves a busy worker front a call a request and a message a stream a step, while a single
+    call was faster at light load on an H100 host (docs/performance.md). Both give a
+    `Buffered` the router reads the same way."""
 
-    def __init__(self, channels: WorkerChannels, mux: bool = False, mux_from: int = 0) -> None:
-        if mux_from < 0:
-            raise ValueError(f"mux_from must be at least 0, got {mux_from}")
+    def __init__(self, channels: WorkerChannels, mux_from: int | None = None) -> None:
+        if mux_from is not None and mux_from < 0:
+            raise ValueError(f"mux_from must be None or at least 0, got {mux_from}")
         self.channels = channels
-        self.mux = mux
         self.mux_from = mux_from
         self._muxes: dict[str, WorkerMux] = {}
         self._per_call_until: dict[str, float] = {}  # address -> when to try its mux again
@@ -256,7 +255,8 @@ class Upstreams:
                 request, timeout=None if deadline is None else deadline - time.monotonic(),
                 metadata=((TENANT_HEADER, tenant),)))
 
-        mux = self._mux(address) if self.mux and in_flight >= self.mux_from else None
+        mux = (self._mux(address) if self.mux_from is not None and in_flight >= self.mux_from
+               else None)
         # 1 KiB of room for what the MuxRequest adds (stream id, tenant, deadline).
         if mux is None or request.ByteSize() > MAX_UP_FRAME_BYTES - 1024:
             return per_call()

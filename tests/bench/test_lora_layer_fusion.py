@@ -36,3 +36,15 @@ def test_every_variant_computes_base_plus_delta(tmp_path: Path,
     assert row["default_blocks"] == [16, 4]
     assert row["fused_ops_all_m32_w8_rel_err"] < 1e-3
     assert "fused_ops_all_m32_w8_added_us" in row
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--cells", "64-64", "RANKxTOKENS"), ("--cells", "0x16", "positive"),
+    ("--sweep-blocks", "16/x", "M/WARPS"), ("--sweep-blocks", "24/4,64/3", "24/4, 64/3"),
+])
+def test_bad_cells_and_launch_shapes_are_usage_errors(
+        flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        lora_layer_fusion.main([flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and says in err

@@ -329,7 +329,7 @@ def test_segments_and_tile_list() -> None:
     adapter shared by many decode rows is read once per tile, not once per row."""
     import numpy as np
 
-    from slora_kernels.lora_meta import lora_segments, lora_tiles
+    from slora_kernels.lora_meta import lora_segments, lora_tile_count, lora_tiles
 
     slots = np.array([2, 2, 2, 2, 2, -1, -1, 0, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])
     starts, lens, seg_slots = lora_segments(slots)
@@ -340,6 +340,9 @@ def test_segments_and_tile_list() -> None:
     segs, m0 = lora_tiles(lens, 4)
     assert segs.tolist() == [0, 0, 1, 2, 2, 2, 2, 2] and m0.tolist() == [0, 4, 0, 0, 4, 8, 12, 16]
     assert lora_tiles(np.zeros(0, dtype=np.int64), 16)[0].size == 0
+    # The count decode graphs pick their list by, without building the list.
+    assert [lora_tile_count(lens, m) for m in (16, 4)] == [4, 8]
+    assert lora_tile_count(np.zeros(0, dtype=np.int64), 16) == 0
 
 
 def test_a_padded_tile_list_runs_only_its_real_tiles() -> None:

@@ -151,7 +151,8 @@ async def started(*names: str, mux: bool = False, mux_from: int = 0,
     workers = [ScriptedWorker(n) for n in names]
     for w in workers:
         await w.start()
-    return Router(table_for(workers), GatewayMetrics(), mux=mux, mux_from=mux_from), workers
+    return Router(table_for(workers), GatewayMetrics(), mux_from=mux_from if mux else None), \
+        workers
 
 
 async def stop_all(router: Router, workers: list[ScriptedWorker]) -> None:

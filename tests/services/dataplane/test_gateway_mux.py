@@ -221,7 +221,7 @@ def test_a_worker_without_the_mux_is_called_per_request() -> None:
             lambda s: pb_grpc.add_InferenceServiceServicer_to_server(_PerCallOnly(), s),
             ["slora.v1.InferenceService"])
         old = ScriptedWorker("old", address=f"127.0.0.1:{handle.port}")
-        router = Router(table_for([old]), GatewayMetrics(), mux=True)
+        router = Router(table_for([old]), GatewayMetrics(), mux_from=0)
         try:
             for _ in range(3):
                 out = await run_call(router, ids_request([1], 4))
@@ -255,7 +255,7 @@ def test_a_mux_without_the_gateway_token_is_refused(monkeypatch: pytest.MonkeyPa
             assert worker.calls == [] and worker.muxes == 0
             # The gateway's channels (WorkerChannels) present the token on the mux as on
             # every call.
-            router = Router(table_for([worker]), GatewayMetrics(), mux=True)
+            router = Router(table_for([worker]), GatewayMetrics(), mux_from=0)
             out = await run_call(router, ids_request([1], 3))
             assert out.error is None and worker.muxes == 1
             await router.upstreams.close()
@@ -293,7 +293,8 @@ def test_a_real_worker_over_the_mux(demo_dir: Path, tmp_path: Path) -> None:
                        temperature=0)
 
     async def scenario() -> None:
-        routers = {mux: Router(table_for([real]), GatewayMetrics(), mux=mux)
+        routers = {mux: Router(table_for([real]), GatewayMetrics(),
+                                mux_from=0 if mux else None)
                    for mux in (True, False)}
         try:
             outs = {mux: await asyncio.gather(*(run_call(r, greedy(i)) for i in range(4)))
