@@ -173,18 +173,20 @@ SUITES: dict[str, tuple[Step, ...]] = {
                          "coldttft,churndisk,churn", "--churn-disk-requests", "200",
                          "--churn-rate", "60", "--churn-disk-dir", "/tmp", "--out",
                          OUT("churn")),),
-    # Each beside a second gateway on the auto upstream (opt-in: per call, then GenerateMux
-    # past 32 streams in flight on the worker in a gateway process; the mux alone lost to a
-    # call a request at 64 streams and 120/s on an H100, d97d349): the gateway_auto path.
-    "service-path": (step("service", 400, "bench.service_overhead", *SERVICE_7B, "--repeats", "2",
-                          "--gateway-procs", "4", "--client-channels", "8",
-                          "--also-upstream", "auto", "--out", OUT("service-overhead-7b-gw4")),),
+    # Each beside a second gateway calling the worker once a request (`--upstream call`, the
+    # default until the auto upstream, per call then GenerateMux past 32 streams in flight on
+    # the worker in a gateway process, won at 256 streams on an H100 at f0cf944): the
+    # gateway_call path. 8 requests a stream: at 2 the first burst ruled every median.
+    "service-path": (step("service", 540, "bench.service_overhead", *SERVICE_7B, "--repeats", "3",
+                          "--requests-per-stream", "8", "--gateway-procs", "4",
+                          "--client-channels", "8", "--also-upstream", "call",
+                          "--out", OUT("service-overhead-7b-gw4")),),
     # The same paths under open-loop Poisson arrivals (the same on every path): a request's
     # added TTFT is then the hop's, not the closed loop's wait for the step under way.
     "service-path-open": (step("service-open", 420, "bench.service_overhead",
                                *SERVICE_7B, "--rates", "60,120", "--repeats", "3",
                                "--gateway-procs", "4", "--client-channels", "8",
-                               "--also-upstream", "auto", "--out",
+                               "--also-upstream", "call", "--out",
                                OUT("service-overhead-7b-open")),),
     "service-path-async": (step("service-async", 330, "bench.service_overhead", *SERVICE_7B,
                                 "--repeats", "3", "--async-steps", "--out",

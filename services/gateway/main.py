@@ -46,7 +46,8 @@ class GatewayOptions:
     sibling_sockets: tuple[str, ...] = ()
     # Worker calls over one GenerateMux stream per worker once this process has this many
     # streams in flight on it (0: always), or None: one Generate call per request
-    # (`slora gateway --upstream`, env SLORA_GATEWAY_UPSTREAM; Upstreams.mux_from).
+    # (`slora gateway --upstream`, env SLORA_GATEWAY_UPSTREAM; Upstreams.mux_from). The CLI's
+    # default is auto (MUX_FROM_DEFAULT); built directly, options call per request.
     upstream_mux_from: int | None = None
 
 

@@ -16,7 +16,9 @@ def options(*flags: str) -> GatewayOptions:
 
 
 @pytest.mark.parametrize("flags, mux_from", [
-    ((), None),
+    ((), MUX_FROM_DEFAULT),  # auto
+    (("--mux-from", "8"), 8),
+    (("--upstream", "call"), None),
     (("--upstream", "mux"), 0),
     (("--upstream", "auto"), MUX_FROM_DEFAULT),
     (("--upstream", "auto", "--mux-from", "8"), 8),
