@@ -486,6 +486,12 @@ def rows() -> list[str]:
             # mux did not win there, and the default went back to one call a request.
             ("service-overhead-7b-gw4-mux-d97d349-h100.json", service_rows),
             ("service-overhead-7b-open-mux-d97d349-h100.json", service_rows),
+            # The auto upstream beside per call (the default then), on an H100: 8 requests a
+            # stream, the hop trace on; and the suite's earlier 2 a stream. Auto became the
+            # default after them (7368594).
+            ("service-overhead-7b-gw4-auto-f0cf944-h100.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+            ("service-overhead-7b-gw4-auto-r2-f0cf944-h100.json", service_rows),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),
