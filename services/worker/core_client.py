@@ -208,7 +208,7 @@ class CoreClient:
             frame = await self._outputs.recv(copy=False)
             msg = m.from_core_decoder.decode(frame.buffer)
             if isinstance(msg, m.StepOutput):
-                self._dispatch(msg)
+                await self._deliver(msg)
             elif isinstance(msg, m.CallResult):
                 self._answer(msg)
             elif isinstance(msg, m.StartupUpdate):
@@ -216,7 +216,20 @@ class CoreClient:
             else:
                 self.ready = msg
 
-    def _dispatch(self, out: m.StepOutput) -> None:
+    async def _deliver(self, out: m.StepOutput) -> None:
+        """A step's tokens to their streams: first tokens' consumers run a loop turn ahead of
+        the rest, so a GenerateMux writer (woken by them) sends the first tokens in a frame
+        of their own instead of after every running stream's chunk (services/worker/mux.py).
+        Per call, each consumer writes its own stream and the turn changes nothing."""
+        first, rest = self._dispatch(out)
+        if first and rest:
+            await asyncio.sleep(0)
+        for s in rest:
+            s.event.set()
+
+    def _dispatch(self, out: m.StepOutput) -> tuple[int, list[TokenStream]]:
+        """Append a step's output to its streams and wake those whose first token it holds;
+        returns how many it woke and the other streams to wake (finished ones first)."""
         streams = self.streams
         woken: dict[int, TokenStream] = {}
         first: list[TokenStream] = []  # streams whose first token this is
@@ -233,7 +246,8 @@ class CoreClient:
                 s.streamed = True
                 hop_trace.mark("worker_first_in", rid)
                 first.append(s)
-            woken[rid] = s
+            else:
+                woken[rid] = s
         for rid, n in out.cached:
             s = streams.get(rid)
             if s is not None:
@@ -253,17 +267,18 @@ class CoreClient:
         # (a new request's TTFT would otherwise wait behind every running stream's token).
         for s in first:
             s.event.set()
+        rest: list[TokenStream] = []
         for fin in out.finished:
             s = streams.pop(fin.rid, None)
             if s is not None:
                 s.finish = fin
-                s.event.set()
-        for s in woken.values():
-            s.event.set()
+                rest.append(s)
+        rest.extend(woken.values())
         if out.state.warm_adapters is None:
             out.state.warm_adapters = self.state.warm_adapters
         self.state = out.state
         self.on_step(out)
+        return len(first), rest
 
     def _answer(self, res: m.CallResult) -> None:
         fut = self._calls.get(res.cid)

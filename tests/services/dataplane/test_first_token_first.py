@@ -1,25 +1,42 @@
 """The worker front wakes a step's streams in order, tens of microseconds of event-loop work
 each: a request whose first token came in this step is woken ahead of the running streams, so
-its TTFT does not wait behind every other stream's token (issue 37)."""
+its TTFT does not wait behind every other stream's token (issue 37). Over GenerateMux the
+first tokens also leave in a frame of their own: the mux's writer, woken by their consumers,
+runs before the running streams' consumers (CoreClient._deliver)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 from services.worker import core_protocol as m
 from services.worker.core_client import CoreClient, TokenStream
+from services.worker.mux import MuxSession
+from slora.v1 import inference_pb2 as pb
 from slora_core.config import EngineConfig
+
+
+def step(rids: list[int], finished: tuple[int, ...] = ()) -> m.StepOutput:
+    return m.StepOutput(rids=rids, token_ids=[r + 4 for r in rids], logprobs=[0.0] * len(rids),
+                        top=None, finished=[m.Finish(r, "length") for r in finished],
+                        started=[], state=m.EngineState())
+
+
+def client_with(rids: tuple[int, ...], first: int) -> tuple[CoreClient, dict[int, TokenStream]]:
+    """A CoreClient (no core process) whose streams `rids` have all streamed but `first`."""
+    client = CoreClient(Path("unused"), EngineConfig())
+    streams = {rid: TokenStream() for rid in rids}
+    for rid in rids:
+        streams[rid].streamed = rid != first
+    client.streams = dict(streams)
+    return client, streams
 
 
 def test_a_first_token_is_woken_before_the_running_streams() -> None:
     async def run() -> list[int]:
-        client = CoreClient(Path("unused"), EngineConfig())
+        client, streams = client_with((1, 2, 3, 4), first=3)
         woken: list[int] = []
-        streams = {rid: TokenStream() for rid in (1, 2, 3, 4)}
-        for rid in (1, 2, 4):
-            streams[rid].streamed = True  # these have sent tokens already
-        client.streams = dict(streams)
 
         async def consume(rid: int) -> None:
             await streams[rid].event.wait()
@@ -27,10 +44,7 @@ def test_a_first_token_is_woken_before_the_running_streams() -> None:
 
         tasks = [asyncio.create_task(consume(rid)) for rid in streams]
         await asyncio.sleep(0)  # every consumer waits on its event
-        client._dispatch(m.StepOutput(rids=[1, 2, 3, 4], token_ids=[5, 6, 7, 8],
-                                      logprobs=[0.0] * 4, top=None,
-                                      finished=[m.Finish(4, "length")], started=[],
-                                      state=m.EngineState()))
+        await client._deliver(step([1, 2, 3, 4], finished=(4,)))
         await asyncio.gather(*tasks)
         assert [s.token_ids for s in streams.values()] == [[5], [6], [7], [8]]
         assert streams[3].streamed and 4 not in client.streams
@@ -39,3 +53,72 @@ def test_a_first_token_is_woken_before_the_running_streams() -> None:
     woken = asyncio.run(run())
     assert woken[0] == 3, woken  # the first token, ahead of the step's order
     assert sorted(woken) == [1, 2, 3, 4]
+
+
+def test_a_step_without_first_tokens_wakes_every_stream_at_once() -> None:
+    async def run() -> None:
+        client, streams = client_with((1, 2), first=0)
+        waits = [asyncio.create_task(s.event.wait()) for s in streams.values()]
+        await asyncio.sleep(0)
+        await client._deliver(step([1, 2]))
+        assert all(s.event.is_set() for s in streams.values())
+        await asyncio.gather(*waits)
+
+    asyncio.run(run())
+
+
+def test_over_the_mux_a_first_token_leaves_in_a_frame_of_its_own() -> None:
+    """The real MuxSession writer over streams the real CoreClient feeds: of 8 streams, one
+    gets its first token in the step; the first down frame carries it alone, the next one the
+    other 7 streams' tokens."""
+    rids = tuple(range(1, 9))
+
+    async def run() -> list[list[int]]:
+        client, streams = client_with(rids, first=5)
+
+        async def serve(req: pb.GenerateRequest, tenant: str, timeout: float | None,
+                        ) -> AsyncGenerator[pb.GenerateResponse, None]:
+            s = streams[int(req.request_id)]
+            while True:
+                if not s.token_ids and s.finish is None:
+                    await s.event.wait()
+                ids, _, _ = s.take()
+                if ids:
+                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids))
+                if s.finish is not None:
+                    return
+
+        opened = asyncio.Event()
+        done = asyncio.Event()
+
+        async def up() -> AsyncIterator[pb.MuxUp]:
+            yield pb.MuxUp(requests=[pb.MuxRequest(
+                stream_id=rid, request=pb.GenerateRequest(request_id=str(rid)))
+                for rid in rids])
+            opened.set()
+            await done.wait()
+
+        session = MuxSession(serve)
+        frames = session.frames(up())
+        frames_seen: list[list[int]] = []
+
+        async def write() -> None:  # as gRPC drives a response-streaming handler
+            async for frame in frames:
+                frames_seen.append(sorted(item.stream_id for item in frame.items))
+                if sum(map(len, frames_seen)) == len(rids):
+                    done.set()
+                    return
+
+        writer = asyncio.create_task(write())
+        await opened.wait()
+        for _ in range(3):  # every request's task reaches its stream's wait
+            await asyncio.sleep(0)
+        await client._deliver(step(list(rids)))
+        await asyncio.wait_for(writer, 5)
+        await frames.aclose()
+        return frames_seen
+
+    seen = asyncio.run(run())
+    assert seen[0] == [5], seen
+    assert sorted(r for frame in seen for r in frame) == list(rids)
+    assert seen[1:] == [[r for r in rids if r != 5]], seen
