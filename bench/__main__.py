@@ -116,11 +116,14 @@ def gpus() -> list[str]:
 
 
 def install_wheels(folder: Path, out: Path) -> str:
-    """The carried wheels into /tmp/site (the device image lacks them); returns the path."""
+    """The carried wheels into /tmp/site (the device image lacks them); returns the path.
+    `--upgrade` replaces what an earlier call left there on a warm machine (without it pip
+    keeps the old version: a grpcio older than the generated code's refused to import)."""
     site = "/tmp/site"
     with open(out / "pip.log", "wb") as log:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--no-compile", "--target", site, *map(str, folder.glob("*.whl"))],
+                        "--no-compile", "--upgrade", "--target", site,
+                        *map(str, folder.glob("*.whl"))],
                        stdout=log, stderr=subprocess.STDOUT, check=True)
     return site
 
