@@ -32,10 +32,13 @@ HEADLINES = (
      "engine-speed-async-h200.json"),
     ("| 2,000 adapters vs 5, alpha 1.0, 50 arrivals/s", "churn-rate50-h200.json"),
     ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-h200.json"),
-    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-h200.json"),
-    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-h200.json"),
+    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-4c37676-h100.json"),
+    (f"| client -> gateway -> worker, gRPC, per call, then over GenerateMux from "
+     f"{MUX_FROM_DEFAULT} streams in flight on a worker on (4 gateway processes), 256 streams",
+     "service-overhead-7b-gw4-4c37676-h100.json"),
+    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-4c37676-h100.json"),
     ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
-     "256 streams", "service-overhead-7b-gw4-h200.json"),
+     "256 streams", "service-overhead-7b-gw4-4c37676-h100.json"),
     ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-ba20ecd-h100.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
@@ -58,10 +61,13 @@ def _fig(f: dict[str, float], digits: int = 3, unit: str = "") -> str:
     return (f"{f['median']:.{digits}f}{unit} [{f['min']:.{digits}f}, {f['max']:.{digits}f}]")
 
 
-def service_rows(result: dict[str, Any], source: str) -> list[str]:
+def service_rows(result: dict[str, Any], source: str, upstream: str = "call") -> list[str]:
+    """The rows of a service run; `upstream`: how its default gateway called the worker where
+    the JSON does not say (`upstreams`, since 4c37676)."""
     rows = []
     procs = result.get("gateway_procs", 1)
     gw = f" ({procs} gateway processes)" if procs > 1 else ""
+    upstream = result.get("upstreams", {}).get("gateway", upstream)
     for level in result["levels"]:
         c = level["concurrency"]
         load = (f"{c} streams x {result['new_tokens']} tokens" if "rate" not in level else
@@ -78,10 +84,10 @@ def service_rows(result: dict[str, Any], source: str) -> list[str]:
             # stream count (docs/performance.md maps them).
             target = "" if "rate" in level else _service_target(result, path, c)
             what = PATHS.get(path, path)
-            if path == "gateway" and "gateway_call" in level["ratios"]:
-                what = PATHS["gateway_mux"]  # the mux was the default when this ran
+            if path == "gateway" and upstream != "call":
+                what = PATHS[f"gateway_{upstream}"]
             rows.append(
-                f"| {what}{gw if path != 'worker' else ''}, {load} "
+                f"| {what}{gw if path != 'worker' else ''}, {load}{on_card(result)} "
                 f"| {_fig(figs['throughput_ratio'])}x of in-process; {ttft} "
                 f"| {target} | {source} |")
     return rows
@@ -484,14 +490,20 @@ def rows() -> list[str]:
             # The gateway's multiplexed upstream (GenerateMux, the default then) beside one
             # worker call a request (gateway_call), side by side in one run, on an H100. The
             # mux did not win there, and the default went back to one call a request.
-            ("service-overhead-7b-gw4-mux-d97d349-h100.json", service_rows),
-            ("service-overhead-7b-open-mux-d97d349-h100.json", service_rows),
+            ("service-overhead-7b-gw4-mux-d97d349-h100.json",
+             lambda r, src: service_rows(r, src, "mux")),
+            ("service-overhead-7b-open-mux-d97d349-h100.json",
+             lambda r, src: service_rows(r, src, "mux")),
             # The auto upstream beside per call (the default then), on an H100: 8 requests a
             # stream, the hop trace on; and the suite's earlier 2 a stream. Auto became the
             # default after them (7368594).
             ("service-overhead-7b-gw4-auto-f0cf944-h100.json",
              lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("service-overhead-7b-gw4-auto-r2-f0cf944-h100.json", service_rows),
+            # Auto the default, a step's first tokens in a mux frame of their own, beside a
+            # per-call gateway, on an H100 (README's service headlines).
+            ("service-overhead-7b-gw4-4c37676-h100.json",
+             lambda r, src: service_rows(r, src, "auto") + hop_trace_rows(r, src)),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),

@@ -43,7 +43,7 @@ from devtools.demo_stack import (
     publish_demo_adapters,
     wait_until_routable,
 )
-from services.commands.gateway import MUX_FROM_DEFAULT
+from services.commands.gateway import MUX_FROM_DEFAULT, UPSTREAM_DEFAULT, UPSTREAM_ENV
 from services.common import hop_trace
 from services.common.hop_auth import GATEWAY_HEADER
 from services.control_plane.api.client import AdminClient
@@ -573,6 +573,10 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
         "shape": args.shape, "new_tokens": args.new_tokens, "async_steps": args.async_steps,
         "repeats": args.repeats, "client_procs": args.client_procs,
         "client_channels": args.client_channels, "gateway_procs": args.gateway_procs,
+        # How each gateway path called the worker (the default gateway as its env said).
+        "upstreams": {"gateway": os.environ.get(UPSTREAM_ENV, UPSTREAM_DEFAULT),
+                      **({f"gateway_{args.also_upstream}": args.also_upstream}
+                         if args.also_upstream else {})},
         # Issue 37's: the gRPC hop's TTFT at 64 and 256 streams, HTTP's at 256.
         "targets": {"gateway request_ttft_p50_added_ms": {"64": "<= 3", "256": "<= 10"},
                     "http throughput_ratio": {"256": ">= 0.95"},

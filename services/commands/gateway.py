@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 PROCESSES_ENV = "SLORA_GATEWAY_PROCESSES"
 UPSTREAM_ENV = "SLORA_GATEWAY_UPSTREAM"
 UPSTREAMS = ("mux", "call", "auto")
+UPSTREAM_DEFAULT = "auto"
 MUX_FROM_ENV = "SLORA_GATEWAY_MUX_FROM"
 # --upstream auto (the default): streams in flight on a worker (per gateway process) from which
 # requests go over the mux. On an H100 host at 256 streams (4 gateway processes: 64 each) it
@@ -50,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gateway processes sharing the gRPC and HTTP ports (SO_REUSEPORT), "
                         f"each with its own routing stream and metrics; env {PROCESSES_ENV}")
     p.add_argument("--upstream", choices=UPSTREAMS,
-                   default=os.environ.get(UPSTREAM_ENV, "auto"),
+                   default=os.environ.get(UPSTREAM_ENV, UPSTREAM_DEFAULT),
                    help="how worker calls travel: call (one Generate call per request), mux "
                         "(one GenerateMux stream per worker) or auto (per call until "
                         "--mux-from streams are in flight on the worker, then the mux; "
