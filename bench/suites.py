@@ -191,6 +191,16 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "service-path-async": (step("service-async", 330, "bench.service_overhead", *SERVICE_7B,
                                 "--repeats", "3", "--async-steps", "--out",
                                 OUT("service-overhead-7b-async")),),
+        # The engine core's launch wait (services/worker/launch_wait.py, a measuring switch):
+    # gRPC to the worker and through the gateway, without and with SLORA_LAUNCH_WAIT_MS=2,
+    # each run against its own in-process baseline, one after the other.
+    "service-launch-wait": tuple(
+        step(f"service-lw-{name}", 280, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
+             "--max-model-len", "256", "--concurrency", "64,256", "--requests-per-stream", "8",
+             "--new-tokens", "64", "--client-procs", "4", "--repeats", "3",
+             "--gateway-procs", "4", "--client-channels", "8", "--trace-hops",
+             f"{{out}}/hops-lw-{name}", "--out", OUT(f"service-launch-wait-{name}"), **env)
+        for name, env in (("off", {}), ("on", {"SLORA_LAUNCH_WAIT_MS": "2"}))),
     # ---- correctness on the GPU ------------------------------------------------------------
     "numerics": (step("numerics", 330, "bench.gpu_numerics", "--budget-s", "300", "--out",
                       OUT("gpu-numerics")),),

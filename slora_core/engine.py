@@ -251,6 +251,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests.live) or self.loop.inflight is not None
 
+    def in_flight_done(self) -> bool | None:
+        """With asynchronous steps: whether the device has finished the step launched last
+        (the next step() would not wait for it); None when none is in flight."""
+        return self.loop.inflight_ready()
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

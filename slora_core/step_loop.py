@@ -56,6 +56,11 @@ class StepLoop:
         self.inflight: Inflight | None = None  # async steps: the sampled batch not yet read
         self.grammars: GrammarRequests | None = None  # structured output (engine sets it)
 
+    def inflight_ready(self) -> bool | None:
+        """Whether the step in flight (asynchronous steps) has its sampled ids on the host, so
+        the device has finished it; None when no step is in flight."""
+        return None if self.inflight is None else self.inflight.pending.ready()
+
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; the outputs of requests that made progress."""
         inflight, self.inflight = self.inflight, None

@@ -152,6 +152,9 @@ class TPEngine:
     def request_ids(self) -> list[str]:
         return self.engine.request_ids()
 
+    def in_flight_done(self) -> bool | None:
+        return self.engine.in_flight_done()  # None: tensor-parallel steps are synchronous
+
     def request_started(self, request_id: str) -> bool:
         return self.engine.request_started(request_id)
 
