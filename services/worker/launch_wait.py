@@ -26,6 +26,8 @@ import os
 from collections import deque
 from collections.abc import Mapping
 
+from services.worker.debug_hooks import env_number
+
 log = logging.getLogger(__name__)
 LAUNCH_WAIT_ENV = "SLORA_LAUNCH_WAIT_MS"
 HISTORY = 4  # step intervals the estimate takes the shortest of
@@ -60,15 +62,9 @@ def launch_margin_from_env(env: Mapping[str, str] = os.environ) -> float | None:
     SLORA_LAUNCH_WAIT_MS=MARGIN, milliseconds before the estimated end of the step in flight;
     returns it in seconds, or None when unset (launch at once). ValueError when malformed or
     outside [0, 50]."""
-    raw = env.get(LAUNCH_WAIT_ENV, "").strip()
-    if not raw:
+    margin_ms = env_number(env, LAUNCH_WAIT_ENV, 50.0, "milliseconds")
+    if margin_ms is None:
         return None
-    try:
-        margin_ms = float(raw)
-    except ValueError:
-        raise ValueError(f"{LAUNCH_WAIT_ENV}: {raw!r} is not a number of milliseconds") from None
-    if not 0.0 <= margin_ms <= 50.0:
-        raise ValueError(f"{LAUNCH_WAIT_ENV}: {margin_ms} outside [0, 50] milliseconds")
     log.info("%s=%g: steps launch up to %g ms before the step in flight should end",
              LAUNCH_WAIT_ENV, margin_ms, margin_ms)
     return margin_ms / 1e3
