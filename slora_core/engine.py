@@ -257,6 +257,12 @@ class LLMEngine:
         return self.loop.inflight_ready()
 
     @property
+    def last_launch_s(self) -> float:
+        """Host seconds the last step() took to launch its batch (scheduling, inputs, the
+        forward's launch), before it waited for the previous step's ids."""
+        return self.loop.launch_s
+
+    @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 

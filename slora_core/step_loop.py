@@ -8,6 +8,7 @@ ids arrive computed one token too many; it is dropped before sampling."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,9 @@ class StepLoop:
         self.eos_token_ids = eos_token_ids
         self.steps_async = steps_async
         self.inflight: Inflight | None = None  # async steps: the sampled batch not yet read
+        # Host seconds the last step took from its start until it had launched its batch
+        # (before it read the previous step's ids); the worker's launch wait leaves room for it.
+        self.launch_s = 0.0
         self.grammars: GrammarRequests | None = None  # structured output (engine sets it)
 
     def inflight_ready(self) -> bool | None:
@@ -63,6 +67,7 @@ class StepLoop:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; the outputs of requests that made progress."""
+        started = time.perf_counter()
         inflight, self.inflight = self.inflight, None
         self.tiers.sweep()
         outputs = self._finish_reads() if self.tiers.reading else []
@@ -85,6 +90,7 @@ class StepLoop:
                 sched.scheduled, inflight.seqs, inflight.pending.tokens)
             logits = self.runner.run(sched.scheduled, patch)
             sampling = [s.seq for s in sched.scheduled if s.samples]
+        self.launch_s = time.perf_counter() - started
         if inflight is not None:
             outputs += self._complete(inflight)
             logits, sampling = self._drop_finished(logits, sampling)

@@ -223,7 +223,7 @@ class EngineCore:
         try:
             outs = self.engine.step()
             if self.launch_wait is not None:
-                self.launch_wait.stepped(time.monotonic())
+                self.launch_wait.stepped(time.monotonic(), self.engine.last_launch_s)
         except Exception as exc:
             # A failed step leaves the batch in an unknown state: fail every request in it
             # (abort frees their pages) and keep serving new ones.

@@ -8,11 +8,12 @@ misses k+2 and waits for k+3: a whole step more than if it had come at once. On 
 64 streams, closed loop, the hop trace's `worker_added -> core_added` read 9.6 ms p50, one
 decode step (docs/performance.md, "The core launches a step late enough to take arrivals").
 
-`LaunchWait` holds the launch until `margin_s` before the step in flight should end, taking
-every request that arrives meanwhile, and launches at once when the device has finished it
-(then the device waits a launch, as with synchronous steps). The step's end is estimated
-from the shortest of the last HISTORY intervals between step returns: while the device is
-the bottleneck each one is a step's device time.
+`LaunchWait` holds the launch until the longest of the last HISTORY launches' host time
+(`LLMEngine.last_launch_s`) plus `margin_s` before the step in flight should end, taking every
+request that arrives meanwhile, and launches at once when the device has finished it (then the
+device waits a launch, as with synchronous steps). The step's end is estimated from the
+shortest of the last HISTORY intervals between step returns: while the device is the
+bottleneck each one is a step's device time.
 
 A measuring switch (env SLORA_LAUNCH_WAIT_MS=margin), off by default until a run side by side
 shows what it does to TTFT and throughput.
@@ -39,22 +40,26 @@ class LaunchWait:
             raise ValueError(f"the launch margin must be 0 or more, got {margin_s}")
         self.margin_s = margin_s
         self._returns: deque[float] = deque(maxlen=HISTORY + 1)
+        self._launches: deque[float] = deque(maxlen=HISTORY)
 
-    def stepped(self, at: float) -> None:
-        """A step returned at `at` (time.monotonic())."""
+    def stepped(self, at: float, launch_s: float) -> None:
+        """A step returned at `at` (time.monotonic()) after `launch_s` host seconds launching
+        its batch."""
         self._returns.append(at)
+        self._launches.append(launch_s)
 
     def idle(self) -> None:
         """The engine ran out of work: the next intervals are measured afresh."""
         self._returns.clear()
+        self._launches.clear()
 
     def deadline(self) -> float | None:
-        """The latest time.monotonic() to launch the next step at; None before two intervals
+        """The latest time.monotonic() to start the next step at; None before two intervals
         are known."""
         if len(self._returns) < 3:
             return None
         shortest = min(b - a for a, b in itertools.pairwise(self._returns))
-        return self._returns[-1] + shortest - self.margin_s
+        return self._returns[-1] + shortest - max(self._launches) - self.margin_s
 
 
 def launch_margin_from_env(env: Mapping[str, str] = os.environ) -> float | None:

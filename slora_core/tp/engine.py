@@ -155,6 +155,10 @@ class TPEngine:
     def in_flight_done(self) -> bool | None:
         return self.engine.in_flight_done()  # None: tensor-parallel steps are synchronous
 
+    @property
+    def last_launch_s(self) -> float:
+        return self.engine.last_launch_s
+
     def request_started(self, request_id: str) -> bool:
         return self.engine.request_started(request_id)
 

@@ -424,4 +424,5 @@ def test_in_flight_done_says_whether_the_launched_step_has_finished(demo_dir, ad
     while engine.has_unfinished():
         engine.step()
         seen.append(engine.in_flight_done())
+        assert 0.0 < engine.last_launch_s < 5.0
     assert seen[0] is True and seen[-1] is None, seen

@@ -19,17 +19,19 @@ from services.worker.launch_wait import LAUNCH_WAIT_ENV, LaunchWait, launch_marg
 from slora_core.sampling_params import SamplingParams
 
 
-def test_the_deadline_is_the_shortest_recent_interval_before_the_margin() -> None:
+def test_the_deadline_leaves_the_longest_launch_and_the_margin_before_the_step_ends() -> None:
+    """The step in flight ends the shortest recent interval after the last return; the next
+    launch must start the longest recent launch's host time plus the margin before that."""
     wait = LaunchWait(0.002)
     assert wait.deadline() is None
-    wait.stepped(1.000)
-    wait.stepped(1.010)
+    wait.stepped(1.000, 0.001)
+    wait.stepped(1.010, 0.003)
     assert wait.deadline() is None  # one interval is not enough
-    wait.stepped(1.030)
-    assert wait.deadline() == pytest.approx(1.030 + 0.010 - 0.002)
-    for at in (1.050, 1.070, 1.090, 1.110):  # the 10 ms interval falls out of the history
-        wait.stepped(at)
-    assert wait.deadline() == pytest.approx(1.110 + 0.020 - 0.002)
+    wait.stepped(1.030, 0.001)
+    assert wait.deadline() == pytest.approx(1.030 + 0.010 - 0.003 - 0.002)
+    for at in (1.050, 1.070, 1.090, 1.110):  # the 10 ms interval and 3 ms launch fall out
+        wait.stepped(at, 0.001)
+    assert wait.deadline() == pytest.approx(1.110 + 0.020 - 0.001 - 0.002)
     wait.idle()
     assert wait.deadline() is None
 
@@ -72,7 +74,7 @@ def hold(engine: FakeEngine, deadline_in_s: float, arrive_in_s: float | None,
     wait = LaunchWait(0.0)
     now = time.monotonic()
     for at in (now - 2 * deadline_in_s, now - deadline_in_s, now):  # intervals of deadline_in_s
-        wait.stepped(at)
+        wait.stepped(at, 0.0)
     core = EngineCore(engine, outputs=None, parent_pid=0,  # type: ignore[arg-type]
                       launch_wait=wait, max_num_seqs=4)
     core._last_state = state
