@@ -194,13 +194,13 @@ SUITES: dict[str, tuple[Step, ...]] = {
         # The engine core's launch wait (services/worker/launch_wait.py, a measuring switch):
     # gRPC to the worker and through the gateway, without and with SLORA_LAUNCH_WAIT_MS=2,
     # each run against its own in-process baseline, one after the other.
-    "service-launch-wait": tuple(
+    "service-launch-wait": tuple(dataclasses.replace(
         step(f"service-lw-{name}", 280, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
              "--max-model-len", "256", "--concurrency", "64,256", "--requests-per-stream", "8",
              "--new-tokens", "64", "--client-procs", "4", "--repeats", "3",
              "--gateway-procs", "4", "--client-channels", "8", "--trace-hops",
-             f"{{out}}/hops-lw-{name}", "--out", OUT(f"service-launch-wait-{name}"), **env)
-        for name, env in (("off", {}), ("on", {"SLORA_LAUNCH_WAIT_MS": "2"}))),
+             f"{{out}}/hops-lw-{name}", "--out", OUT(f"service-launch-wait-{name}")), env=env)
+        for name, env in (("off", ()), ("on", (("SLORA_LAUNCH_WAIT_MS", "2"),)))),
     # ---- correctness on the GPU ------------------------------------------------------------
     "numerics": (step("numerics", 330, "bench.gpu_numerics", "--budget-s", "300", "--out",
                       OUT("gpu-numerics")),),

@@ -251,17 +251,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests.live) or self.loop.inflight is not None
 
-    def in_flight_done(self) -> bool | None:
-        """With asynchronous steps: whether the device has finished the step launched last
-        (the next step() would not wait for it); None when none is in flight."""
-        return self.loop.inflight_ready()
-
-    @property
-    def last_launch_s(self) -> float:
-        """Host seconds the last step() took to launch its batch (scheduling, inputs, the
-        forward's launch), before it waited for the previous step's ids."""
-        return self.loop.launch_s
-
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

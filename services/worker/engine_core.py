@@ -160,13 +160,13 @@ class EngineCore:
         assert self.launch_wait is not None
         deadline = self.launch_wait.deadline()
         state = self._last_state
-        if (deadline is None or self.engine.in_flight_done() is not False
+        if (deadline is None or self.engine.loop.inflight_ready() is not False
                 or (state is not None and state.running + state.waiting >= self.max_num_seqs)):
             return True
         while deadline - time.monotonic() >= 1e-3:  # zmq polls in whole milliseconds
             if inputs.poll(1) and not self._drain(inputs):
                 return False
-            if self.engine.in_flight_done():
+            if self.engine.loop.inflight_ready():
                 break
         return True
 
@@ -223,7 +223,7 @@ class EngineCore:
         try:
             outs = self.engine.step()
             if self.launch_wait is not None:
-                self.launch_wait.stepped(time.monotonic(), self.engine.last_launch_s)
+                self.launch_wait.stepped(time.monotonic(), self.engine.loop.launch_s)
         except Exception as exc:
             # A failed step leaves the batch in an unknown state: fail every request in it
             # (abort frees their pages) and keep serving new ones.

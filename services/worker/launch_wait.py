@@ -9,7 +9,7 @@ misses k+2 and waits for k+3: a whole step more than if it had come at once. On 
 decode step (docs/performance.md, "The core launches a step late enough to take arrivals").
 
 `LaunchWait` holds the launch until the longest of the last HISTORY launches' host time
-(`LLMEngine.last_launch_s`) plus `margin_s` before the step in flight should end, taking every
+(`StepLoop.launch_s`) plus `margin_s` before the step in flight should end, taking every
 request that arrives meanwhile, and launches at once when the device has finished it (then the
 device waits a launch, as with synchronous steps). The step's end is estimated from the
 shortest of the last HISTORY intervals between step returns: while the device is the

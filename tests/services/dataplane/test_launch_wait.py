@@ -61,9 +61,7 @@ class FakeEngine:
     def __init__(self, done_at: float) -> None:
         self.done_at = done_at
         self.added: list[tuple[str, float]] = []
-
-    def in_flight_done(self) -> bool | None:
-        return time.monotonic() >= self.done_at
+        self.loop = SimpleNamespace(inflight_ready=lambda: time.monotonic() >= self.done_at)
 
     def add_request(self, rid: str, *args: Any, **kwargs: Any) -> None:
         self.added.append((rid, time.monotonic()))
@@ -124,7 +122,7 @@ def test_a_full_batch_launches_at_once(state: m.EngineState) -> None:
 
 def test_no_step_in_flight_launches_at_once() -> None:
     engine = FakeEngine(done_at=0.0)
-    engine.in_flight_done = lambda: None  # type: ignore[method-assign]
+    engine.loop.inflight_ready = lambda: None
     held, _ = hold(engine, 0.3, None)
     assert held < 0.05
 
@@ -140,7 +138,7 @@ class SimulatedAsyncEngine:
         self.tokens = tokens_per_request
         self.live: dict[str, int] = {}  # request id -> tokens still to come
         self.inflight: tuple[list[str], float] | None = None  # its requests, its device end
-        self.last_launch_s = 0.0005
+        self.loop = SimpleNamespace(inflight_ready=self.inflight_ready, launch_s=0.0005)
         self.stats = SimpleNamespace(prefix_cache_queries=0, prefix_cache_hits=0)
 
     def add_request(self, rid: str, *args: Any, **kwargs: Any) -> None:
@@ -149,7 +147,7 @@ class SimulatedAsyncEngine:
     def has_unfinished(self) -> bool:
         return bool(self.live) or self.inflight is not None
 
-    def in_flight_done(self) -> bool | None:
+    def inflight_ready(self) -> bool | None:
         return None if self.inflight is None else time.monotonic() >= self.inflight[1]
 
     def step(self) -> list[RequestOutput]:
