@@ -253,10 +253,11 @@ def closed_loop_ttft(wait: LaunchWait | None, streams: int = 4, per_stream: int 
 def test_held_launches_take_a_closed_loop_s_next_requests_a_step_sooner() -> None:
     """A request reaching the core a few ms after the previous one's end joins the step
     launched next when the launch waits, and the one after it when it does not (one step,
-    30 ms, sooner: 84.6 against 54.5 ms at the median on the 2-core machine), so the same
-    requests also end sooner."""
+    30 ms, sooner: 84.6 against 54.5 ms at the median on the 2-core machine), and the loop
+    takes no longer for it (0.51 against 0.55 s there; half a step of slack for a busy
+    machine's timers)."""
     step = SimulatedAsyncEngine.STEP_S
     at_once, at_once_wall = closed_loop_ttft(None)
     held, held_wall = closed_loop_ttft(LaunchWait(0.004))
     assert statistics.median(at_once) - statistics.median(held) >= 0.5 * step, (at_once, held)
-    assert held_wall < at_once_wall, (held_wall, at_once_wall)
+    assert held_wall < at_once_wall + 0.5 * step, (held_wall, at_once_wall)
