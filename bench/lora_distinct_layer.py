@@ -168,9 +168,10 @@ def choices(slots: list[int]) -> dict[str, Choice]:
     def none(_m: int, _k: int) -> int | None:
         return None
 
-    def padded_split(m: int, k: int) -> int | None:
-        return pick_split(DECODE_TILES, grph.num_tiles, m, k, torch.device(DEVICE),
-                          rank_block(MAX_RANK))
+    def split_for(n: int) -> Callable[[int, int], int | None]:
+        """The K split decode launches pick for an n-tile list."""
+        return lambda m, k: pick_split(DECODE_TILES, n, m, k, torch.device(DEVICE),
+                                       rank_block(MAX_RANK))
 
     def first_balanced(_m: int, k: int) -> int | None:
         # The first rank-balanced rule (lora-distinct-layer-h100.json @ 017c9b7): split caps x4 but
@@ -191,7 +192,7 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         # D = 16, 48 of every launch's tile programs exit at once): with the split the
         # padded list gets and with its own. 16 real tiles or fewer take the early loads,
         # so the padding's cost is tiles_unpadded_split against tiles_early.
-        "tiles_unpadded_split": (real_meta, DECODE_TILES, padded_split),
+        "tiles_unpadded_split": (real_meta, DECODE_TILES, split_for(grph.num_tiles)),
         "tiles_unpadded": (real_meta, DECODE_TILES, none),
         "rows": (rows, RowTiles(), none),
         "rows_unbalanced": (rows, RowTiles(rank_balanced=False), none),
@@ -221,10 +222,6 @@ def choices(slots: list[int]) -> dict[str, Choice]:
     # S each the real tiles, the middle list, the bound or the bucket (where the real fit).
     lengths = {"real": real, "mid": caps[1] if len(caps) == 3 else 0, "bound": bound,
                "full": rows_n}
-    def split_for(n: int) -> Callable[[int, int], int | None]:
-        return lambda m, k: pick_split(DECODE_TILES, n, m, k, torch.device(DEVICE),
-                                       rank_block(MAX_RANK))
-
     for lname, length in lengths.items():
         for sname, as_for in lengths.items():
             if real <= length and real <= as_for:

@@ -435,10 +435,11 @@ def parse_args() -> argparse.Namespace:
                          "a few microseconds an event")
     ap.add_argument("--also-upstream", choices=("mux", "call", "auto"), default=None,
                     help="also run a second gateway (as many processes) with `--upstream X` "
-                         "beside the default one (one Generate call per request): mux is one "
-                         f"GenerateMux stream per worker, auto the mux from {MUX_FROM_DEFAULT} "
-                         "streams in flight on a worker in a gateway process on; the "
-                         "`gateway_X` path, side by side")
+                         f"beside the default one ({UPSTREAM_DEFAULT}, or env {UPSTREAM_ENV}): "
+                         "call is one Generate call per request, mux one GenerateMux stream "
+                         f"per worker, auto the mux from {MUX_FROM_DEFAULT} streams in flight "
+                         "on a worker in a gateway process on; the `gateway_X` path, side by "
+                         "side")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},

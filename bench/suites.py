@@ -191,7 +191,7 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "service-path-async": (step("service-async", 330, "bench.service_overhead", *SERVICE_7B,
                                 "--repeats", "3", "--async-steps", "--out",
                                 OUT("service-overhead-7b-async")),),
-        # The engine core's launch wait (services/worker/launch_wait.py, a measuring switch):
+    # The engine core's launch wait (services/worker/launch_wait.py, a measuring switch):
     # gRPC to the worker and through the gateway, without and with SLORA_LAUNCH_WAIT_MS=2,
     # each run against its own in-process baseline, one after the other.
     "service-launch-wait": tuple(dataclasses.replace(
@@ -300,9 +300,10 @@ SUITES["issue37-tiles"] = (
     step("tiles-split-b256", 240, "bench.lora_distinct_layer", "--rows", "256", "--cases",
          "32:8-16-32-64,64:8-16-32-64,80:8-16-32-64,100:8-16-32-64,120:8-16-32-64",
          "--choices", _SPLITS, "--out", OUT("lora-distinct-layer-split-b256")),
-    # Not yet run: where the row kernels should give way to the tiles now that the tiles'
-    # lists and split changed (two rows an adapter is the row kernels' today; fewer tiles
-    # than the bound list holds fit it, so tiles@bound/* exist at 2 rows an adapter).
+    # Where the row kernels should give way to the tiles now that the tiles' lists and split
+    # changed (two rows an adapter is the row kernels' today; fewer tiles than the bound list
+    # holds fit it, so tiles@bound/* exist at 2 rows an adapter): run at f0cf944,
+    # lora-distinct-layer-rows-vs-tiles{,-b256}-f0cf944-h100.json.
     step("rows-vs-tiles", 90, "bench.lora_distinct_layer", "--cases",
          "32:8-16-32-64,26:8-16-32-64", "--choices",
          "rows,tiles,tiles@bound/full,tiles@bound/bound,tiles@real/bound",

@@ -97,19 +97,28 @@ def _expand_bucketed(
                            EARLY_LOADS, USE_PDL)
 
 
-@triton.jit
-def _expand_tile(
-    tile, mod_i, n0, out_size, y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
+# split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
+# a new batch shape compiles no new variant.
+@triton.jit(do_not_specialize=["split_k", "stride_bs"])
+def _lora_expand_kernel(
+    y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
     seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
-    mod0, mod1, mod2, start0, start1, start2, stride_ym, stride_yn, table_stride, split_k,
+    mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
+    n_tiles, stride_ym, stride_yn, table_stride, split_k,
     stride_bs, stride_bt, stride_bm,
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, EARLY_LOADS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One tile entry's rows, one module, one column tile (an unused entry or a rank-0 module
-    does nothing)."""
+    """A program a (tile entry, module and column tile); an unused entry, a rank-0 module or
+    a column tile past the module's outputs does nothing."""
+    tile = tl.program_id(0)
+    mod_i = tl.program_id(1) // n_tiles
+    n0 = (tl.program_id(1) % n_tiles) * BLOCK_N
+    out_size = select3(mod_i, size0, size1, size2)
+    if n0 >= out_size:  # past this module's outputs
+        return
     seg, slot, mod, rank, real = tile_entry(tile, mod_i, tile_segs_ptr, seg_slots_ptr,
                                             ranks_ptr, mod0, mod1, mod2, table_stride,
                                             MAX_RANK)
@@ -140,33 +149,6 @@ def _expand_tile(
                              scale, offs_n, mask_n, mask_m, stride_bs, split_k,
                              DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
                              EARLY_LOADS, USE_PDL)
-
-
-# split_k and stride_bs change with the step's shape: runtime values, never specialized on, so
-# a new batch shape compiles no new variant.
-@triton.jit(do_not_specialize=["split_k", "stride_bs"])
-def _lora_expand_kernel(
-    y_ptr, buf_ptr, arena_ptr, b_off_ptr, ranks_ptr, scales_ptr,
-    seg_starts_ptr, seg_lens_ptr, seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr,
-    mod0, mod1, mod2, start0, start1, start2, size0, size1, size2,
-    n_tiles, stride_ym, stride_yn, table_stride, split_k,
-    stride_bs, stride_bt, stride_bm,
-    MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, EARLY_LOADS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """A program a (tile entry, module and column tile)."""
-    mod_i = tl.program_id(1) // n_tiles
-    n0 = (tl.program_id(1) % n_tiles) * BLOCK_N
-    out_size = select3(mod_i, size0, size1, size2)
-    if n0 < out_size:
-        _expand_tile(tl.program_id(0), mod_i, n0, out_size, y_ptr, buf_ptr, arena_ptr,
-                     b_off_ptr, ranks_ptr, scales_ptr, seg_starts_ptr, seg_lens_ptr,
-                     seg_slots_ptr, tile_segs_ptr, tile_m0_ptr, rows_ptr, mod0, mod1, mod2,
-                     start0, start1, start2, stride_ym, stride_yn, table_stride, split_k,
-                     stride_bs, stride_bt, stride_bm, MAX_RANK, DOT_PRECISION, BLOCK_M,
-                     BLOCK_N, BLOCK_R, RANK_BUCKETS, GATHER_ROWS, EARLY_LOADS, USE_PDL)
 
 
 def lora_expand(

@@ -94,10 +94,10 @@ class CoreClient:
                  graphs_in_background: bool = False, launch_wait_s: float | None = None,
                  ) -> None:
         self.model_dir = model_dir
-        self.launch_wait_s = launch_wait_s  # CoreSpec.launch_wait_s
         self.config = config
         self.compile_cache_dir = compile_cache_dir  # startup.compile_cache_root; None: none
         self.graphs_in_background = graphs_in_background  # CoreSpec.graphs_in_background
+        self.launch_wait_s = launch_wait_s  # CoreSpec.launch_wait_s
         self.step_delay_s = step_delay_s  # test hook (debug_hooks.STEP_DELAY_ENV)
         self.on_death = on_death
         self.on_step = on_step
