@@ -34,7 +34,8 @@ from typing import Any
 from bench.run_record import commit_id
 from bench.suites import SUITES, Step
 
-GRACE_S = 10  # after the limit's signal, SIGKILL (NCCL can keep a process from dying)
+GRACE_S = 30  # after the limit's signal, SIGKILL (NCCL can keep a process from dying; a
+#               script's `finally` stops the stack it started, each child draining)
 
 
 class Runner:

@@ -39,7 +39,14 @@ import grpc
 from services.commands.gateway import MUX_FROM_DEFAULT, UPSTREAM_ENV
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.hop_auth import GATEWAY_HEADER, GATEWAY_TOKEN_ENV, GatewayOnlyInterceptor
-from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
+from services.common.processes import (
+    Child,
+    exit_on_sigterm,
+    free_port,
+    slora_argv,
+    start_child,
+    wait_serving,
+)
 from services.common.server import start_server
 from services.worker.mux import MuxSession
 from slora.v1 import inference_pb2 as pb
@@ -290,6 +297,7 @@ def main() -> int:
     from bench.run_record import run_record
 
     args = parse_args()
+    exit_on_sigterm()  # a time limit still stops the children (`finally`)
     variants = [v.split("=", 1) for v in args.variant or ["this=."]]
     ctx = multiprocessing.get_context("spawn")
     worker_at, cp_at = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

@@ -46,6 +46,7 @@ from devtools.demo_stack import (
 from services.commands.gateway import MUX_FROM_DEFAULT, UPSTREAM_DEFAULT, UPSTREAM_ENV
 from services.common import hop_trace
 from services.common.hop_auth import GATEWAY_HEADER
+from services.common.processes import exit_on_sigterm
 from services.control_plane.api.client import AdminClient
 from services.worker.launch_wait import LAUNCH_WAIT_ENV
 from services.worker.startup import compile_cache_root, open_compile_cache
@@ -507,6 +508,7 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
 
 def main() -> int:
     args = parse_args()
+    exit_on_sigterm()  # a time limit still stops the stack (`finally`)
     if args.trace_hops is not None:  # before any process starts: they inherit it
         args.trace_hops.mkdir(parents=True, exist_ok=True)
         os.environ[hop_trace.ENV] = str(args.trace_hops.resolve())

@@ -39,6 +39,7 @@ from devtools.demo_stack import (
     wait_until_routable,
 )
 from services.common.limits import DEFAULT_LIMITS
+from services.common.processes import exit_on_sigterm
 from services.control_plane.api.client import AdminClient
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
@@ -123,6 +124,7 @@ async def measure(gateway: str, token: str, args: argparse.Namespace) -> dict[st
 
 def main() -> int:
     args = parse_args()
+    exit_on_sigterm()  # a time limit still stops the stack (`finally`)
     root = Path(tempfile.mkdtemp(prefix="slora-stoplist-"))
     write_demo_assets(root / "demo")
     stack = Stack(StackConfig(demo_dir=root / "demo", state_dir=root / "state"))

@@ -193,9 +193,10 @@ SUITES: dict[str, tuple[Step, ...]] = {
                                 OUT("service-overhead-7b-async")),),
     # The engine core's launch wait (services/worker/launch_wait.py, a measuring switch):
     # gRPC to the worker and through the gateway, without and with SLORA_LAUNCH_WAIT_MS=2,
-    # each run against its own in-process baseline, one after the other.
+    # each run against its own in-process baseline, one after the other (a step takes about
+    # 310 s on an H100, 110 of them starting the stack: one step a call, --skip the other).
     "service-launch-wait": tuple(dataclasses.replace(
-        step(f"service-lw-{name}", 280, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
+        step(f"service-lw-{name}", 340, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
              "--max-model-len", "256", "--concurrency", "64,256", "--requests-per-stream", "8",
              "--new-tokens", "64", "--client-procs", "4", "--repeats", "3",
              "--gateway-procs", "4", "--client-channels", "8", "--trace-hops",

@@ -33,7 +33,7 @@ from bench.cold_load import drop_file_cache
 from bench.run_record import run_record
 from bench.serving import SHAPES
 from devtools.demo_assets import write_demo_assets
-from services.common.processes import Child, free_port, slora_argv, start_child
+from services.common.processes import Child, exit_on_sigterm, free_port, slora_argv, start_child
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 
@@ -254,4 +254,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a time limit still stops the worker (`finally`)
     sys.exit(main())

@@ -102,6 +102,17 @@ def wait_serving(target: str, child: Child | None = None, timeout_s: float = 60.
     raise RuntimeError(f"{target} not serving after {timeout_s:.0f}s\n{tail}")
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit(143) in the main thread, so a bench script's `finally` stops
+    the stack it started: its children run in sessions of their own, beyond the killpg of a
+    runner whose time limit ran out (a worker left behind holds its GPU memory)."""
+
+    def _exit(_sig: int, _frame: object) -> None:
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 class StopOnSignal:
     """SIGINT and SIGTERM set a flag instead of raising, from construction on, so a stack that
     is still starting finishes its start and then stops cleanly (`slora up`, `slora serve`)."""

@@ -4,6 +4,7 @@ which result they write, and the runner keeps its limits, its deadline and its r
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -72,3 +73,33 @@ def test_lanes_run_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     # Both lanes took ~2 s each; one after the other would be 4 s at the least.
     assert {s["step"] for s in steps} == {"a", "b"}
     assert time.monotonic() - t0 < sum(s["seconds"] for s in steps)
+
+
+def test_a_step_stopped_at_its_limit_stops_what_it_started(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # A bench script's children run in sessions of their own (Stack's), beyond the runner's
+    # killpg: exit_on_sigterm lets the script's `finally` stop them (a 7B worker left running
+    # held 32 GiB and the next step ran out of GPU memory).
+    pid_file = tmp_path / "child.pid"
+    (tmp_path / "starter.py").write_text(
+        "import subprocess, sys, time\n"
+        "from services.common.processes import exit_on_sigterm\n"
+        "exit_on_sigterm()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+        "                         start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    child.terminate()\n"
+        "    child.wait()\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT}")
+    monkeypatch.setitem(SUITES, "probe", (step("starter", 30, "starter"),))
+    t0 = time.monotonic()
+    assert runner.main(["probe", "--out", str(tmp_path / "out"), "--limit", "starter=3"]) == 1
+    assert time.monotonic() - t0 < 20  # SIGTERM stopped it, not the grace period's SIGKILL
+    steps = json.loads((tmp_path / "out" / "run.json").read_text())["steps"]
+    assert [(s["step"], s["rc"]) for s in steps] == [("starter", 124)]
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
