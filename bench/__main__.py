@@ -43,6 +43,9 @@ class Runner:
                  extra: dict[str, list[str]], env: dict[str, str]) -> None:
         self.out, self.skip, self.limits, self.extra, self.env = out, skip, limits, extra, env
         self.deadline = time.monotonic() + budget_s
+        # What a step's arguments name: OUT, and the commit and card of its result files.
+        self.names = {"{out}": str(out), "{card}": card(gpus()),
+                      "{commit}": env.get("SLORA_COMMIT", "")[:7] or "unknown"}
         self.records: list[dict[str, Any]] = []
         self._lock = threading.Lock()
 
@@ -52,7 +55,7 @@ class Runner:
         print(line, flush=True)
 
     def argv(self, s: Step) -> list[str]:
-        args = [a.replace("{out}", str(self.out)) for a in s.argv]
+        args = [fill(a, self.names) for a in s.argv]
         return [sys.executable, "-m", *args, *self.extra.get(s.name, [])]
 
     def run(self, s: Step) -> None:
@@ -114,6 +117,24 @@ def gpus() -> list[str]:
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in res.stdout.splitlines() if line.strip()]
+
+
+def card(names: list[str]) -> str:
+    """The first GPU's short name for result files ("NVIDIA H200, 570.x" -> h200), cpu
+    without one."""
+    if not names:
+        return "cpu"
+    model = names[0].split(",")[0].removeprefix("NVIDIA").strip().lower()
+    for known in ("h200", "h100", "a100", "l40s"):
+        if known in model:
+            return known
+    return "-".join(model.split()) or "gpu"
+
+
+def fill(arg: str, names: dict[str, str]) -> str:
+    for key, value in names.items():
+        arg = arg.replace(key, value)
+    return arg
 
 
 def install_wheels(folder: Path, out: Path) -> str:

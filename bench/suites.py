@@ -31,8 +31,9 @@ def step(name: str, limit_s: int, module: str, *args: str, lane: int | None = No
 
 
 def OUT(stem: str) -> str:  # noqa: N802 (reads as a path constant in the tables below)
-    """The result file `{out}/<stem>-h200.json`."""
-    return "{out}/" + stem + "-h200.json"
+    """The result file `{out}/<stem>-<commit>-<card>.json`, as bench/results names them (the
+    runner fills in the commit measured and the card it ran on: h200, h100, cpu)."""
+    return "{out}/" + stem + "-{commit}-{card}.json"
 
 
 def in_lane(lane: int, steps: tuple[Step, ...], gpu: int | None = None,
@@ -191,17 +192,6 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "service-path-async": (step("service-async", 330, "bench.service_overhead", *SERVICE_7B,
                                 "--repeats", "3", "--async-steps", "--out",
                                 OUT("service-overhead-7b-async")),),
-    # The engine core's launch wait (services/worker/launch_wait.py, a measuring switch):
-    # gRPC to the worker and through the gateway, without and with SLORA_LAUNCH_WAIT_MS=2,
-    # each run against its own in-process baseline, one after the other (a step takes about
-    # 310 s on an H100, 110 of them starting the stack: one step a call, --skip the other).
-    "service-launch-wait": tuple(dataclasses.replace(
-        step(f"service-lw-{name}", 340, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
-             "--max-model-len", "256", "--concurrency", "64,256", "--requests-per-stream", "8",
-             "--new-tokens", "64", "--client-procs", "4", "--repeats", "3",
-             "--gateway-procs", "4", "--client-channels", "8", "--trace-hops",
-             f"{{out}}/hops-lw-{name}", "--out", OUT(f"service-launch-wait-{name}")), env=env)
-        for name, env in (("off", ()), ("on", (("SLORA_LAUNCH_WAIT_MS", "2"),)))),
     # ---- correctness on the GPU ------------------------------------------------------------
     "numerics": (step("numerics", 330, "bench.gpu_numerics", "--budget-s", "300", "--out",
                       OUT("gpu-numerics")),),

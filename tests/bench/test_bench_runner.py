@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import bench.__main__ as runner
-from bench.suites import SUITES, step
+from bench.suites import OUT, SUITES, step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -103,3 +103,19 @@ def test_a_step_stopped_at_its_limit_stops_what_it_started(tmp_path: Path,
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_result_files_are_named_for_the_commit_and_the_card(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    assert runner.card(["NVIDIA H200, 570.124.06"]) == "h200"
+    assert runner.card(["NVIDIA H100 80GB HBM3, 570.124.06", "NVIDIA H100 80GB HBM3, 570"]) == "h100"
+    assert runner.card(["Tesla T4, 535.1"]) == "tesla-t4"
+    assert runner.card([]) == "cpu"
+    (tmp_path / "echo_args.py").write_text("import sys; print(*sys.argv[1:])")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("SLORA_COMMIT", "0123456789abcdef")
+    monkeypatch.setattr(runner, "gpus", lambda: ["NVIDIA H100 80GB HBM3, 570.124.06"])
+    monkeypatch.setitem(SUITES, "probe", (step("echo", 30, "echo_args", "--out", OUT("thing")),))
+    out = tmp_path / "out"
+    assert runner.main(["probe", "--out", str(out)]) == 0
+    assert (out / "echo.log").read_text() == f"--out {out}/thing-0123456-h100.json\n"
