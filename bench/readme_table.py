@@ -32,13 +32,13 @@ HEADLINES = (
      "engine-speed-async-h200.json"),
     ("| 2,000 adapters vs 5, alpha 1.0, 50 arrivals/s", "churn-rate50-h200.json"),
     ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-h200.json"),
-    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-4c37676-h100.json"),
+    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
     (f"| client -> gateway -> worker, gRPC, per call, then over GenerateMux from "
      f"{MUX_FROM_DEFAULT} streams in flight on a worker on (4 gateway processes), 256 streams",
-     "service-overhead-7b-gw4-4c37676-h100.json"),
-    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-4c37676-h100.json"),
+     "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
+    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
     ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
-     "256 streams", "service-overhead-7b-gw4-4c37676-h100.json"),
+     "256 streams", "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
     ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-ba20ecd-h100.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
@@ -68,6 +68,8 @@ def service_rows(result: dict[str, Any], source: str, upstream: str = "call") ->
     procs = result.get("gateway_procs", 1)
     gw = f" ({procs} gateway processes)" if procs > 1 else ""
     upstream = result.get("upstreams", {}).get("gateway", upstream)
+    if result.get("launch_wait_ms"):  # the removed launch wait's runs (until 9d86df5)
+        gw += f", the core's launch held ({result['launch_wait_ms']} ms margin)"
     for level in result["levels"]:
         c = level["concurrency"]
         load = (f"{c} streams x {result['new_tokens']} tokens" if "rate" not in level else
@@ -501,9 +503,19 @@ def rows() -> list[str]:
              lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("service-overhead-7b-gw4-auto-r2-f0cf944-h100.json", service_rows),
             # Auto the default, a step's first tokens in a mux frame of their own, beside a
-            # per-call gateway, on an H100 (README's service headlines).
+            # per-call gateway, on an H100.
             ("service-overhead-7b-gw4-4c37676-h100.json",
              lambda r, src: service_rows(r, src, "auto") + hop_trace_rows(r, src)),
+            # The launch wait (a measuring switch, removed after): off, then a 2 ms margin, on
+            # an H100, each against its own in-process run (the off run has 64 streams only).
+            ("service-launch-wait-off-148b782-h100.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+            ("service-launch-wait-on-9d86df5-h100.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+            # Auto the default beside the mux forced at every load, on an H100 (README's
+            # service headlines): at 64 streams, where auto calls per request, the mux lost.
+            ("service-overhead-7b-gw4-mux64-9d86df5-h100.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),

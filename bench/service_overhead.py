@@ -48,7 +48,6 @@ from services.common import hop_trace
 from services.common.hop_auth import GATEWAY_HEADER
 from services.common.processes import exit_on_sigterm
 from services.control_plane.api.client import AdminClient
-from services.worker.launch_wait import LAUNCH_WAIT_ENV
 from services.worker.startup import compile_cache_root, open_compile_cache
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
@@ -577,8 +576,6 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
         "shape": args.shape, "new_tokens": args.new_tokens, "async_steps": args.async_steps,
         "repeats": args.repeats, "client_procs": args.client_procs,
         "client_channels": args.client_channels, "gateway_procs": args.gateway_procs,
-        # The engine core's launch wait (services/worker/launch_wait.py; None: off).
-        "launch_wait_ms": os.environ.get(LAUNCH_WAIT_ENV) or None,
         # How each gateway path called the worker (the default gateway as its env said).
         "upstreams": {"gateway": os.environ.get(UPSTREAM_ENV, UPSTREAM_DEFAULT),
                       **({f"gateway_{args.also_upstream}": args.also_upstream}

@@ -400,10 +400,6 @@ class PendingSample:
         else:
             self._host = packed
 
-    def ready(self) -> bool:
-        """The host copy has landed (result() would not wait)."""
-        return self._event is None or self._event.query()
-
     def result(self) -> list[SampledToken]:
         """Wait for the host copy (not for later work on the stream) and unpack it."""
         if self._event is not None:

@@ -8,7 +8,6 @@ ids arrive computed one token too many; it is dropped before sampling."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,19 +54,10 @@ class StepLoop:
         self.eos_token_ids = eos_token_ids
         self.steps_async = steps_async
         self.inflight: Inflight | None = None  # async steps: the sampled batch not yet read
-        # Host seconds the last step took from its start until it had launched its batch
-        # (before it read the previous step's ids); the worker's launch wait leaves room for it.
-        self.launch_s = 0.0
         self.grammars: GrammarRequests | None = None  # structured output (engine sets it)
-
-    def inflight_ready(self) -> bool | None:
-        """Whether the step in flight (asynchronous steps) has its sampled ids on the host, so
-        the device has finished it; None when no step is in flight."""
-        return None if self.inflight is None else self.inflight.pending.ready()
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; the outputs of requests that made progress."""
-        started = time.perf_counter()
         inflight, self.inflight = self.inflight, None
         self.tiers.sweep()
         outputs = self._finish_reads() if self.tiers.reading else []
@@ -90,7 +80,6 @@ class StepLoop:
                 sched.scheduled, inflight.seqs, inflight.pending.tokens)
             logits = self.runner.run(sched.scheduled, patch)
             sampling = [s.seq for s in sched.scheduled if s.samples]
-        self.launch_s = time.perf_counter() - started
         if inflight is not None:
             outputs += self._complete(inflight)
             logits, sampling = self._drop_finished(logits, sampling)

@@ -91,13 +91,11 @@ class CoreClient:
                  on_started: Callable[[float], None] = lambda _queued_s: None,
                  step_delay_s: float = 0.0, compile_cache_dir: Path | None = None,
                  on_startup: Callable[[m.StartupUpdate], None] = lambda _update: None,
-                 graphs_in_background: bool = False, launch_wait_s: float | None = None,
-                 ) -> None:
+                 graphs_in_background: bool = False) -> None:
         self.model_dir = model_dir
         self.config = config
         self.compile_cache_dir = compile_cache_dir  # startup.compile_cache_root; None: none
         self.graphs_in_background = graphs_in_background  # CoreSpec.graphs_in_background
-        self.launch_wait_s = launch_wait_s  # CoreSpec.launch_wait_s
         self.step_delay_s = step_delay_s  # test hook (debug_hooks.STEP_DELAY_ENV)
         self.on_death = on_death
         self.on_step = on_step
@@ -131,8 +129,7 @@ class CoreClient:
         spec = CoreSpec(self.model_dir, self.config, f"ipc://{base / 'in'}",
                         f"ipc://{base / 'out'}", logging.getLevelName(log.getEffectiveLevel()),
                         self.step_delay_s, self.compile_cache_dir, spawned_at=time.time(),
-                        graphs_in_background=self.graphs_in_background,
-                        launch_wait_s=self.launch_wait_s)
+                        graphs_in_background=self.graphs_in_background)
         proc = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(spec, os.getpid()), name="slora-engine-core")
         proc.start()

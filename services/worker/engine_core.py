@@ -25,7 +25,6 @@ from services.common import hop_trace
 from services.common.structured import from_wire
 from services.worker import core_protocol as m
 from services.worker.errors import to_service_error
-from services.worker.launch_wait import LaunchWait
 from services.worker.startup import BackgroundGraphs, start_timed
 from slora_core.config import EngineConfig
 from slora_core.launch import AnyEngine
@@ -61,9 +60,6 @@ class CoreSpec:
     # CUDA graphs captured between steps once the core serves (eagerly where a graph is
     # missing); False: every graph before Ready.
     graphs_in_background: bool = False
-    # Asynchronous steps: launch a step this many seconds before the one in flight should end,
-    # taking arrivals meanwhile (launch_wait.py, env SLORA_LAUNCH_WAIT_MS); None: at once.
-    launch_wait_s: float | None = None
 
 
 def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
@@ -90,10 +86,7 @@ def run_engine_core(spec: CoreSpec, parent_pid: int) -> None:
         compile_cache=f"{cache.path} ({cache.state})" if cache is not None else "",
         graphs_pending=graphs.pending if graphs is not None else 0)))
     try:
-        EngineCore(engine, outputs, parent_pid, spec.step_delay_s, graphs,
-                   launch_wait=None if spec.launch_wait_s is None else LaunchWait(
-                       spec.launch_wait_s),
-                   max_num_seqs=spec.config.max_num_seqs).run(inputs)
+        EngineCore(engine, outputs, parent_pid, spec.step_delay_s, graphs).run(inputs)
         engine.close()  # a clean stop: tensor-parallel ranks leave with it
     finally:
         inputs.close(linger=0)
@@ -105,13 +98,8 @@ class EngineCore:
     """The loop: drain inputs, run one step, send its outputs; commands between steps."""
 
     def __init__(self, engine: AnyEngine, outputs: zmq.Socket, parent_pid: int,
-                 step_delay_s: float = 0.0, graphs: BackgroundGraphs | None = None,
-                 launch_wait: LaunchWait | None = None, max_num_seqs: int = 0) -> None:
+                 step_delay_s: float = 0.0, graphs: BackgroundGraphs | None = None) -> None:
         self.engine = engine
-        # Asynchronous steps: hold a launch for arrivals (launch_wait.py; None: at once),
-        # while fewer than max_num_seqs requests run or wait.
-        self.launch_wait = launch_wait
-        self.max_num_seqs = max_num_seqs
         self.graphs = graphs  # CUDA graphs still to capture, one a loop turn
         self.outputs = outputs
         self.parent_pid = parent_pid
@@ -130,8 +118,6 @@ class EngineCore:
             capturing = self.graphs is not None and self.graphs.pending > 0
             timeout = 0 if busy or capturing else (
                 BUSY_POLL_MS if self.commands.pending else IDLE_POLL_MS)
-            if busy and self.launch_wait is not None and not self._hold_launch(inputs):
-                return
             if inputs.poll(timeout) and not self._drain(inputs):
                 return
             for result in self.commands.done():
@@ -145,30 +131,11 @@ class EngineCore:
                 return
             if busy or self.engine.has_unfinished():
                 self._active_at = time.monotonic()
-                if not self.engine.has_unfinished() and self.launch_wait is not None:
-                    self.launch_wait.idle()
             elif time.monotonic() - self._active_at > KEEPALIVE_EVERY_S:
                 self.engine.keepalive()
                 self._active_at = time.monotonic()
             if capturing:
                 self._capture_graph()
-
-    def _hold_launch(self, inputs: zmq.Socket) -> bool:
-        """Take arrivals until the launch deadline (LaunchWait), or until the device has
-        finished the step in flight; False once asked to shut down. Only while a step is in
-        flight and newcomers would find room in the batch."""
-        assert self.launch_wait is not None
-        deadline = self.launch_wait.deadline()
-        state = self._last_state
-        if (deadline is None or self.engine.loop.inflight_ready() is not False
-                or (state is not None and state.running + state.waiting >= self.max_num_seqs)):
-            return True
-        while deadline - time.monotonic() >= 1e-3:  # zmq polls in whole milliseconds
-            if inputs.poll(1) and not self._drain(inputs):
-                return False
-            if self.engine.loop.inflight_ready():
-                break
-        return True
 
     def _capture_graph(self) -> None:
         """Capture one queued CUDA graph between steps (a step whose graph is not captured yet
@@ -222,8 +189,6 @@ class EngineCore:
     def _step(self) -> None:
         try:
             outs = self.engine.step()
-            if self.launch_wait is not None:
-                self.launch_wait.stepped(time.monotonic(), self.engine.loop.launch_s)
         except Exception as exc:
             # A failed step leaves the batch in an unknown state: fail every request in it
             # (abort frees their pages) and keep serving new ones.

@@ -24,7 +24,6 @@ from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient
 from services.worker.debug_hooks import slow_versions_from_env, step_delay_from_env
 from services.worker.disk_cache import DiskCache
-from services.worker.launch_wait import launch_margin_from_env
 from services.worker.metrics import WorkerMetrics
 from services.worker.placement_client import PlacementClient, WorkerIdentity
 from services.worker.servicer import WorkerServicer
@@ -99,8 +98,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
                       on_step=lambda out: publish_state(metrics, out),
                       on_started=metrics.queue_time.observe, step_delay_s=step_delay_from_env(),
                       compile_cache_dir=compile_cache_root(opts.cache_dir, opts.compile_cache_dir),
-                      on_startup=startup.update, graphs_in_background=opts.graphs_in_background,
-                      launch_wait_s=launch_margin_from_env())
+                      on_startup=startup.update, graphs_in_background=opts.graphs_in_background)
     tokenizer = await asyncio.to_thread(Tokenizer.from_dir, opts.model_dir)
     startup.phase_done("process", startup.started)
     await core.start()  # loads the model, compiles kernels, serves a warm-up request

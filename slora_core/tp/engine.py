@@ -31,7 +31,6 @@ from slora_core.page_pool import PagePool
 from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler, SchedulerOutput
 from slora_core.stats import EngineSnapshot, EngineStats
-from slora_core.step_loop import StepLoop
 from slora_core.structured.spec import StructuredOutput
 from slora_core.tokenizer import Tokenizer
 from slora_core.tp.group import TPGroup
@@ -152,11 +151,6 @@ class TPEngine:
 
     def request_ids(self) -> list[str]:
         return self.engine.request_ids()
-
-    @property
-    def loop(self) -> StepLoop:
-        """Rank 0's step loop (its steps are synchronous: nothing is ever in flight)."""
-        return self.engine.loop
 
     def request_started(self, request_id: str) -> bool:
         return self.engine.request_started(request_id)

@@ -405,24 +405,3 @@ def test_async_steps_give_the_same_outputs_as_synchronous_steps(demo_dir, adapte
         a_lp, s_lp = async_out[rid][3], sync_out[rid][3]
         assert [t for t, _ in a_lp] == [t for t, _ in s_lp], rid
         assert all(abs(a - b) < 1e-3 for (_, a), (_, b) in zip(a_lp, s_lp, strict=True)), rid
-
-
-def test_inflight_ready_says_whether_the_launched_step_has_finished(demo_dir, adapter_names):
-    """What the worker's launch wait asks (services/worker/launch_wait.py): None with no step
-    in flight (synchronous steps, or nothing launched), else whether the device finished the
-    step launched last; on the CPU a launched step has finished by the time step() returns."""
-    sync = make_engine(demo_dir, adapter_names[:1], num_pages=24, max_num_seqs=4)
-    sync.add_request("s", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3))
-    sync.step()
-    assert sync.loop.inflight_ready() is None
-    engine = make_engine(demo_dir, adapter_names[:1], num_pages=24, max_num_seqs=4,
-                         async_steps=True)
-    assert engine.loop.inflight_ready() is None
-    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_new_tokens=3,
-                                                      ignore_eos=True))
-    seen = []
-    while engine.has_unfinished():
-        engine.step()
-        seen.append(engine.loop.inflight_ready())
-        assert 0.0 < engine.loop.launch_s < 5.0
-    assert seen[0] is True and seen[-1] is None, seen
