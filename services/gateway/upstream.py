@@ -10,8 +10,10 @@ the consumer takes everything waiting at once and merges the chunks.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
@@ -20,6 +22,12 @@ from services.common.server import CHANNEL_OPTIONS
 from services.common.tls import open_channel
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# A worker that answers GenerateOpen UNIMPLEMENTED (older than it) is called per request for
+# this long before its idle calls are tried again.
+WARM_RETRY_S = 60.0
 
 # One HTTP/2 connection per worker carries every stream the gateway sends it. The worker's
 # server takes gRPC core's default concurrent-stream limit (unbounded), so streams never queue
@@ -128,7 +136,7 @@ class DrainedCall(Buffered):
     """A per-call Generate read ahead of its consumer; `cancel()` cancels the worker call, so
     the worker frees the request's pages."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall) -> None:
         super().__init__()
         self._call = call
         self._reader = asyncio.create_task(self._read())
@@ -145,3 +153,100 @@ class DrainedCall(Buffered):
     def cancel(self) -> None:
         self._call.cancel()
         self._reader.cancel()
+
+
+class WarmCalls:
+    """Idle `GenerateOpen` calls kept open to each worker, `size` an address, so a request
+    costs one message on a call already open instead of a new call (a new call's own cost
+    was about 0.6 ms on the way in on a 2-core machine, docs/performance.md); its tokens come
+    back on that call alone, as a per-call Generate's do. Each call taken is replaced at
+    once; the first request to an address finds none and goes per call."""
+
+    def __init__(self, channels: WorkerChannels, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"a pool of idle calls needs a size of at least 1, got {size}")
+        self.channels = channels
+        self.size = size
+        self._idle: dict[str, deque[grpc.aio.StreamStreamCall]] = {}
+        self._off_until: dict[str, float] = {}  # address -> when to try its idle calls again
+
+    def take(self, address: str) -> grpc.aio.StreamStreamCall | None:
+        """An open idle call to `address`, or None (none open yet, or the worker has no
+        GenerateOpen); the pool is topped up either way."""
+        until = self._off_until.get(address)
+        if until is not None:
+            if time.monotonic() < until:
+                return None
+            del self._off_until[address]
+        idle = self._idle.setdefault(address, deque())
+        call = None
+        while idle and call is None:
+            candidate = idle.popleft()
+            if not candidate.done():  # a worker that drained or restarted ended it
+                call = candidate
+        while len(idle) < self.size:
+            idle.append(self.channels.stub(address).GenerateOpen())
+        return call
+
+    def unsupported(self, address: str) -> None:
+        """The worker answered GenerateOpen UNIMPLEMENTED: per call for WARM_RETRY_S."""
+        log.warning("worker %s does not serve GenerateOpen: calling it per request", address)
+        self._off_until[address] = time.monotonic() + WARM_RETRY_S
+        for call in self._idle.pop(address, ()):
+            call.cancel()
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for call in idle:
+                call.cancel()
+        self._idle.clear()
+
+
+class OpenedCall(DrainedCall):
+    """A request sent on an idle `GenerateOpen` call and read ahead like a DrainedCall. When
+    the call turns out finished before the request went, or the worker has no GenerateOpen,
+    the request goes as a per-call Generate (`per_call`) instead: nothing reached the worker."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, first: pb.MuxRequest,
+                 per_call: Callable[[], grpc.aio.UnaryStreamCall],
+                 on_unsupported: Callable[[], None]) -> None:
+        self._first = first
+        self._per_call = per_call
+        self._on_unsupported = on_unsupported
+        super().__init__(call)
+
+    async def _read(self) -> None:
+        warm = self._call
+        assert isinstance(warm, grpc.aio.StreamStreamCall)
+        try:
+            await warm.write(self._first)
+            await warm.done_writing()
+        except asyncio.InvalidStateError:  # it finished before the write: nothing went
+            if await warm.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._on_unsupported()
+            self._call = self._per_call()
+            return await super()._read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                self.end(exc)
+                return None
+            self._on_unsupported()
+            self._call = self._per_call()
+            return await super()._read()
+        got = False
+        try:
+            async for r in warm:
+                got = True
+                self.put(r)
+        except grpc.aio.AioRpcError as exc:
+            if got or exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                self.end(exc)
+                return None
+            self._on_unsupported()
+            self._call = self._per_call()
+            return await super()._read()
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
+            self.end(exc)
+        else:
+            self.end(None)
+        return None
