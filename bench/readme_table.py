@@ -53,6 +53,8 @@ PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway_mux": "client -> gateway -> worker, gRPC, over one GenerateMux stream",
          "gateway_auto": "client -> gateway -> worker, gRPC, per call, then over GenerateMux "
                          f"from {MUX_FROM_DEFAULT} streams in flight on a worker on",
+         "gateway_warm": "client -> gateway -> worker, gRPC, one worker call a request on "
+                         "idle calls opened ahead",
          "http": "client -> gateway -> worker, HTTP (OpenAI SSE) read by httpx",
          "http_aiohttp": "client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp"}
 

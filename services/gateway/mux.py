@@ -285,7 +285,8 @@ class Upstreams:
         first = pb.MuxRequest(request=request, tenant=tenant)
         if timeout is not None:
             first.timeout_s = timeout
-        return OpenedCall(call, first, generate, lambda: warm.unsupported(address))
+        return OpenedCall(call, first, generate, lambda: warm.unsupported(address),
+                          lambda: warm.refill(address))
 
     def _mux(self, address: str) -> WorkerMux | None:
         mux = self._muxes.get(address)

@@ -159,8 +159,10 @@ class WarmCalls:
     """Idle `GenerateOpen` calls kept open to each worker, `size` an address, so a request
     costs one message on a call already open instead of a new call (a new call's own cost
     was about 0.6 ms on the way in on a 2-core machine, docs/performance.md); its tokens come
-    back on that call alone, as a per-call Generate's do. Each call taken is replaced at
-    once; the first request to an address finds none and goes per call."""
+    back on that call alone, as a per-call Generate's do. A call taken is replaced once its
+    request has its first answer (`refill`), so opening the next call (a new call's cost, on
+    both ends) falls in the wait for the engine's step, not on a request's way in; the first
+    request to an address finds none and goes per call."""
 
     def __init__(self, channels: WorkerChannels, size: int) -> None:
         if size < 1:
@@ -171,22 +173,28 @@ class WarmCalls:
         self._off_until: dict[str, float] = {}  # address -> when to try its idle calls again
 
     def take(self, address: str) -> grpc.aio.StreamStreamCall | None:
-        """An open idle call to `address`, or None (none open yet, or the worker has no
-        GenerateOpen); the pool is topped up either way."""
+        """An open idle call to `address`, or None (none open, or the worker has no
+        GenerateOpen: then the pool is topped up at once)."""
         until = self._off_until.get(address)
         if until is not None:
             if time.monotonic() < until:
                 return None
             del self._off_until[address]
         idle = self._idle.setdefault(address, deque())
-        call = None
-        while idle and call is None:
-            candidate = idle.popleft()
-            if not candidate.done():  # a worker that drained or restarted ended it
-                call = candidate
+        while idle:
+            call = idle.popleft()
+            if not call.done():  # a worker that drained or restarted ended it
+                return call
+        self.refill(address)
+        return None
+
+    def refill(self, address: str) -> None:
+        """Open calls to `address` until `size` are idle."""
+        if address in self._off_until:
+            return
+        idle = self._idle.setdefault(address, deque())
         while len(idle) < self.size:
             idle.append(self.channels.stub(address).GenerateOpen())
-        return call
 
     def unsupported(self, address: str) -> None:
         """The worker answered GenerateOpen UNIMPLEMENTED: per call for WARM_RETRY_S."""
@@ -209,11 +217,26 @@ class OpenedCall(DrainedCall):
 
     def __init__(self, call: grpc.aio.StreamStreamCall, first: pb.MuxRequest,
                  per_call: Callable[[], grpc.aio.UnaryStreamCall],
-                 on_unsupported: Callable[[], None]) -> None:
+                 on_unsupported: Callable[[], None], on_answered: Callable[[], None]) -> None:
         self._first = first
         self._per_call = per_call
         self._on_unsupported = on_unsupported
+        # Called once: at the first answer, or the end (WarmCalls.refill).
+        self._on_answered: Callable[[], None] | None = on_answered
         super().__init__(call)
+
+    def put(self, response: pb.GenerateResponse) -> None:
+        super().put(response)
+        self._answered()
+
+    def end(self, error: BaseException | None) -> None:
+        super().end(error)
+        self._answered()
+
+    def _answered(self) -> None:
+        answered, self._on_answered = self._on_answered, None
+        if answered is not None:
+            answered()
 
     async def _read(self) -> None:
         warm = self._call

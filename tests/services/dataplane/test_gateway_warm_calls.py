@@ -63,7 +63,7 @@ def test_requests_on_idle_calls_equal_the_per_call_path() -> None:
     asyncio.run(scenario())
 
 
-def test_concurrent_requests_take_idle_calls_and_the_rest_go_per_call() -> None:
+def test_a_burst_takes_the_idle_calls_and_the_rest_go_per_call() -> None:
     async def scenario() -> None:
         router, workers = await started("w1", warm=4)
         worker = workers[0]
@@ -75,8 +75,9 @@ def test_concurrent_requests_take_idle_calls_and_the_rest_go_per_call() -> None:
             outs = await asyncio.gather(*(run_call(router, ids_request(p, 6)) for p in prompts))
             for p, out in zip(prompts, outs, strict=True):
                 assert out.error is None and out.token_ids == expected_output(p, 6)
-            # Each take opens a replacement at once, so every request found an open call.
-            assert worker.served_open == 12 and worker.generates == 1
+            # The 4 idle calls took the first 4; a call taken is replaced at its first answer,
+            # so of the rest, those that came before went per call.
+            assert worker.served_open >= 4 and worker.served_open + worker.generates == 13
             assert router.inflight["w1"] == 0
         finally:
             await stop_all(router, workers)
