@@ -8,6 +8,7 @@ GenerateOpen still gets its requests, per call. Scripted workers on real gRPC se
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import grpc
@@ -191,7 +192,7 @@ def test_a_worker_without_generate_open_is_called_per_request() -> None:
 
 def test_a_real_worker_on_idle_calls(demo_dir: Path, tmp_path: Path) -> None:
     """The worker's GenerateOpen runs Generate's own per-request path: the same greedy outputs
-    as per call, and a bad request failing alone."""
+    as per call, and a bad request failing alone; idle calls do not hold up its drain."""
     from tests.services.dataplane.test_worker_faults import start_worker
 
     worker, address, _, _ = start_worker(demo_dir, tmp_path)
@@ -219,6 +220,12 @@ def test_a_real_worker_on_idle_calls(demo_dir: Path, tmp_path: Path) -> None:
             bad = await run_call(routers[True], ids_request([1, 10**6], 4))  # past the vocab
             assert bad.error is not None
             assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT
+            # The gateway's idle calls hold no drain: the worker stops well within its 30 s
+            # grace (they end at the server's stop).
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            assert await asyncio.to_thread(worker.stop, 30.0) == 0
+            assert time.monotonic() - t0 < 15
         finally:
             for r in routers.values():
                 await r.upstreams.close()
