@@ -188,7 +188,7 @@ async def wait_ready(port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     # Here, not at the top: the child processes import this module, and run_record imports
     # torch (seconds a process) for the hardware line.
-    from bench.run_record import add_row, run_record
+    from bench.run_record import run_interleaved, run_record
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=64, help="running streams")
@@ -215,18 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = run_record(["bench.front_burst", *(argv or sys.argv[1:])])
     result |= {"concurrency": a.concurrency, "step_ms": a.step_ms, "probe_rate": a.probe_rate,
                "seconds": a.seconds, "cpus": os.cpu_count(), "grpc": grpc.__version__}
-    rows: list[dict[str, Any]] = []
-    result["rows"] = rows
-    total = len(chunks) * a.repeats
-    for r in range(a.repeats):  # interleaved: every variant once a repeat
-        for chunk in chunks:
-            row = {"repeat": r + 1, **run_one(chunk, a)}
-            add_row(a.out, result, rows, row, total)
-            print(f"chunk {row['chunk']!s:4s} repeat {r + 1}: way in p50 "
-                  f"{row['way_in_ms']['p50']:.2f} p90 {row['way_in_ms']['p90']:.2f} ms, way "
-                  f"back p50 {row['way_back_ms']['p50']:.2f} p90 "
-                  f"{row['way_back_ms']['p90']:.2f} ms, {row['load_messages_per_s']:.0f} "
-                  f"msg/s, server busy {row['server_busy']:.0%}", flush=True)
+    run_interleaved(a.out, result, chunks, a.repeats, lambda chunk: run_one(chunk, a),
+                    lambda row: (
+                        f"chunk {row['chunk']!s:4s} repeat {row['repeat']}: way in p50 "
+                        f"{row['way_in_ms']['p50']:.2f} p90 {row['way_in_ms']['p90']:.2f} ms, "
+                        f"way back p50 {row['way_back_ms']['p50']:.2f} p90 "
+                        f"{row['way_back_ms']['p90']:.2f} ms, "
+                        f"{row['load_messages_per_s']:.0f} msg/s, server busy "
+                        f"{row['server_busy']:.0%}"))
     return 0
 
 

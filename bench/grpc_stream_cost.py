@@ -153,7 +153,7 @@ def run_one(kind: str, a: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     # Here, not at the top: the server processes import this module, and run_record imports
     # torch (seconds a process) for the hardware line.
-    from bench.run_record import add_row, run_record
+    from bench.run_record import run_interleaved, run_record
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=64)
@@ -171,15 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = run_record(["bench.grpc_stream_cost", *(argv or sys.argv[1:])])
     result |= {"concurrency": a.concurrency, "messages_per_stream": a.messages,
                "step_ms": a.step_ms, "cpus": os.cpu_count(), "grpc": grpc.__version__}
-    rows: list[dict[str, Any]] = []
-    result["rows"] = rows
-    total = len(kinds) * a.repeats
-    for r in range(a.repeats):  # interleaved: every server once a repeat
-        for kind in kinds:
-            row = {"repeat": r + 1, **run_one(kind, a)}
-            add_row(a.out, result, rows, row, total)
-            print(f"{kind:10s} repeat {r + 1}: {row['server_cpu_us_per_message']:.1f} us a "
-                  f"message, server busy {row['server_busy']:.0%}")
+    run_interleaved(a.out, result, kinds, a.repeats, lambda kind: run_one(kind, a),
+                    lambda row: (f"{row['server']:10s} repeat {row['repeat']}: "
+                                 f"{row['server_cpu_us_per_message']:.1f} us a message, "
+                                 f"server busy {row['server_busy']:.0%}"))
     return 0
 
 

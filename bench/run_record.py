@@ -6,9 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
+
+V = TypeVar("V")
 
 
 def commit_id() -> str:
@@ -46,3 +49,17 @@ def add_row(out: str | None, result: dict[str, Any], rows: list[Any], row: dict[
     print(json.dumps({k: round(v, digits) if isinstance(v, float) else v
                       for k, v in row.items()}), flush=True)
     save_rows(out, result, rows, total)
+
+
+def run_interleaved(out: str | None, result: dict[str, Any], variants: Sequence[V], repeats: int,
+                    run: Callable[[V], dict[str, Any]], say: Callable[[dict[str, Any]], str],
+                    ) -> None:
+    """Every variant once a repeat, `repeats` times: each `run(variant)` becomes a row of
+    `result["rows"]` (with its repeat), saved as it comes (`add_row`), and `say(row)` printed."""
+    rows: list[dict[str, Any]] = []
+    result["rows"] = rows
+    for r in range(repeats):
+        for variant in variants:
+            row = {"repeat": r + 1, **run(variant)}
+            add_row(out, result, rows, row, len(variants) * repeats)
+            print(say(row), flush=True)

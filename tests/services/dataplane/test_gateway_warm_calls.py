@@ -1,9 +1,9 @@
 """The gateway's idle worker calls (`--upstream warm`: services/gateway/upstream.py WarmCalls,
 the worker's GenerateOpen): a request goes as the first message on a call opened before it
 came, and behaves as its per-call Generate would: same outputs, its own errors, a cancel and a
-deadline that free it on the worker; a worker that ended the idle calls (restart) or has no
-GenerateOpen still gets its requests, per call. Scripted workers on real gRPC servers
-(gateway_harness.py), and one real worker process."""
+deadline that free it on the worker; a worker that ended the idle calls (restart) still gets
+its requests (one without GenerateOpen: test_gateway_mux.py). Scripted workers on real gRPC
+servers (gateway_harness.py), and one real worker process."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ from pathlib import Path
 import grpc
 
 from services.common import errors as e
-from services.common.server import start_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from slora.v1 import inference_pb2 as pb
-from slora.v1 import inference_pb2_grpc as pb_grpc
 from tests.services.dataplane.dp_support import PROMPTS, request
 from tests.services.dataplane.gateway_harness import (
     TOKEN,
@@ -30,7 +28,7 @@ from tests.services.dataplane.gateway_harness import (
     stop_all,
     table_for,
 )
-from tests.services.dataplane.test_gateway_mux import _PerCallOnly, ids_request, until
+from tests.services.dataplane.test_gateway_mux import ids_request, until
 
 
 def test_requests_on_idle_calls_equal_the_per_call_path() -> None:
@@ -165,27 +163,6 @@ def test_a_restarted_worker_s_ended_idle_calls_are_not_used() -> None:
         finally:
             await router.upstreams.close()
             await again.stop()
-
-    asyncio.run(scenario())
-
-
-def test_a_worker_without_generate_open_is_called_per_request() -> None:
-    async def scenario() -> None:
-        handle = await start_server(
-            "127.0.0.1:0",
-            lambda s: pb_grpc.add_InferenceServiceServicer_to_server(_PerCallOnly(), s),
-            ["slora.v1.InferenceService"])
-        old = ScriptedWorker("old", address=f"127.0.0.1:{handle.port}")
-        router = Router(table_for([old]), GatewayMetrics(), warm=2)
-        try:
-            for _ in range(4):
-                out = await run_call(router, ids_request([1], 4))
-                assert out.error is None and out.token_ids == [7]
-            warm = router.upstreams.warm
-            assert warm is not None and warm.take(old.address) is None  # off for a while
-        finally:
-            await router.upstreams.close()
-            await handle.server.stop(0)
 
     asyncio.run(scenario())
 
