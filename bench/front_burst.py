@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from bench.grpc_stream_cost import cpu_s
+from bench.grpc_stream_cost import cpu_s, serve_ticking
 from services.common.processes import free_port
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
@@ -86,15 +86,7 @@ def serve(port: int, step_s: float, chunk: int) -> None:
                 finally:
                     running.remove(event)
 
-        ticking = asyncio.get_running_loop().create_task(stepper())
-        server = grpc.aio.server()
-        pb_grpc.add_InferenceServiceServicer_to_server(Front(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        try:
-            await server.wait_for_termination()
-        finally:
-            ticking.cancel()
+        await serve_ticking(Front(), port, stepper())
 
     asyncio.run(main())
 

@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -94,18 +94,24 @@ def serve(kind: str, port: int, messages: int, step_s: float, streams: int) -> N
                     await step[0].wait()
                     await context.write(message(i))
 
-        ticking = asyncio.get_running_loop().create_task(ticker())
-        server = grpc.aio.server()
-        pb_grpc.add_InferenceServiceServicer_to_server(
-            Yield() if kind == "aio_yield" else Write(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        try:
-            await server.wait_for_termination()
-        finally:
-            ticking.cancel()
+        await serve_ticking(Yield() if kind == "aio_yield" else Write(), port, ticker())
 
     asyncio.run(main())
+
+
+async def serve_ticking(servicer: pb_grpc.InferenceServiceServicer, port: int,
+                        ticker: Coroutine[Any, Any, None]) -> None:
+    """`servicer` on a grpc.aio server at 127.0.0.1:`port` until terminated, `ticker` (the
+    engine's steps) running beside it."""
+    ticking = asyncio.get_running_loop().create_task(ticker)
+    server = grpc.aio.server()
+    pb_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        await server.wait_for_termination()
+    finally:
+        ticking.cancel()
 
 
 def cpu_s(pid: int) -> float:
