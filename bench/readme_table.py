@@ -30,8 +30,8 @@ HEADLINES = (
     ("| one rank-16 adapter on every request vs base, merged", "engine-speed-merge-h200.json"),
     ("| decode step, batch 64, context 512, 64 rank-16 adapters, LoRA in line",
      "engine-speed-async-h200.json"),
-    ("| 2,000 adapters vs 5, alpha 1.0, 50 arrivals/s", "churn-rate50-h200.json"),
-    ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-h200.json"),
+    ("| 2,000 adapters vs 5, alpha 1.0, 50 arrivals/s", "churn-rate50-tiles16-8a69460-h200.json"),
+    ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-tiles16-8a69460-h200.json"),
     ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
     (f"| client -> gateway -> worker, gRPC, per call, then over GenerateMux from "
      f"{MUX_FROM_DEFAULT} streams in flight on a worker on (4 gateway processes), 256 streams",
