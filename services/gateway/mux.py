@@ -37,6 +37,7 @@ from services.gateway.upstream import (
     OpenedCall,
     WarmCalls,
     WorkerChannels,
+    rpc_error,
 )
 from slora.v1 import inference_pb2 as pb
 
@@ -53,13 +54,6 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}  # MuxEnd.code -> its 
 # frames of at most this many bytes; a request bigger than this alone goes per call, where the
 # worker refuses it (or serves it) as it would any Generate, and no other stream notices.
 MAX_UP_FRAME_BYTES = 1024 * 1024
-
-
-def rpc_error(code: grpc.StatusCode, details: str,
-              trailing: tuple[tuple[str, str], ...] = ()) -> grpc.aio.AioRpcError:
-    """The error a per-call Generate ending with this status would have raised."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing),
-                                details)
 
 
 class MuxUnsupported(Exception):

@@ -91,6 +91,13 @@ def _merged(chunks: list[pb.Chunk]) -> pb.GenerateResponse:
     return pb.GenerateResponse(chunk=merged)
 
 
+def rpc_error(code: grpc.StatusCode, details: str,
+              trailing: tuple[tuple[str, str], ...] = ()) -> grpc.aio.AioRpcError:
+    """The error a per-call Generate ending with this status would have raised."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing),
+                                details)
+
+
 class Buffered:
     """One upstream stream's responses, held as they arrive until its one consumer takes
     them: `batches()` yields, each time, the messages that arrived since the previous batch,
@@ -224,14 +231,28 @@ class OpenedCall(DrainedCall):
         # Called once: at the first answer, or the end (WarmCalls.refill).
         self._on_answered: Callable[[], None] | None = on_answered
         super().__init__(call)
+        # The caller's deadline, kept here as a per-call deadline is kept by gRPC (the idle
+        # call was opened without one; the worker keeps it too, from `first`).
+        self._timer = (asyncio.get_running_loop().call_later(max(first.timeout_s, 0.0),
+                                                             self._expire)
+                       if first.HasField("timeout_s") else None)
 
     def put(self, response: pb.GenerateResponse) -> None:
         super().put(response)
         self._answered()
 
     def end(self, error: BaseException | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().end(error)
         self._answered()
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self._ended:
+            self.end(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self.cancel()
 
     def _answered(self) -> None:
         answered, self._on_answered = self._on_answered, None

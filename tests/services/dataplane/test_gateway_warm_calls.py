@@ -12,11 +12,14 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from services.common import errors as e
+from services.common.server import start_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from slora.v1 import inference_pb2 as pb
+from slora.v1 import inference_pb2_grpc as pb_grpc
 from tests.services.dataplane.dp_support import PROMPTS, request
 from tests.services.dataplane.gateway_harness import (
     TOKEN,
@@ -138,6 +141,50 @@ def test_a_cancel_and_a_deadline_free_the_request_on_the_worker() -> None:
             await until(lambda: worker.active == 0)
         finally:
             await stop_all(router, workers)
+
+    asyncio.run(scenario())
+
+
+class _Stuck(pb_grpc.InferenceServiceServicer):
+    """A worker that takes the request on an idle call and never answers (nor keeps its
+    deadline): the gateway's own deadline must end the stream."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def GenerateOpen(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        await anext(aiter(request_iterator), None)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        yield pb.GenerateResponse()
+
+
+def test_the_gateway_keeps_the_deadline_of_a_request_on_an_idle_call() -> None:
+    async def scenario() -> None:
+        stuck = _Stuck()
+        handle = await start_server(
+            "127.0.0.1:0", lambda s: pb_grpc.add_InferenceServiceServicer_to_server(stuck, s),
+            ["slora.v1.InferenceService"])
+        worker = ScriptedWorker("stuck", address=f"127.0.0.1:{handle.port}")
+        router = Router(table_for([worker]), GatewayMetrics(), warm=2)
+        warm = router.upstreams.warm
+        assert warm is not None
+        try:
+            warm.refill(worker.address)
+            await asyncio.sleep(0.2)  # the idle calls open
+            t0 = time.monotonic()
+            with pytest.raises(e.ServiceError) as err:
+                async for _ in router.call(ids_request([1], 4), TOKEN, timeout_s=0.3):
+                    pass
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - t0 < 2.0
+            await asyncio.wait_for(stuck.cancelled.wait(), 5)  # the worker's call cancelled
+        finally:
+            await router.upstreams.close()
+            await handle.server.stop(0)
 
     asyncio.run(scenario())
 
