@@ -27,6 +27,7 @@ from tests.services.dataplane.gateway_harness import (
     ScriptedWorker,
     expected_output,
     run_call,
+    same_completion,
     started,
     stop_all,
     table_for,
@@ -57,10 +58,7 @@ def test_requests_on_idle_calls_equal_the_per_call_path() -> None:
         for i, (warm, per_call) in enumerate(zip(outcomes[True], outcomes[False], strict=True)):
             assert warm.error is None and per_call.error is None
             assert warm.token_ids == per_call.token_ids == expected_output(prompts[i], 3 + i % 5)
-            assert warm.complete is not None and per_call.complete is not None
-            warm.complete.ClearField("request_id")
-            per_call.complete.ClearField("request_id")
-            assert warm.complete == per_call.complete
+            assert same_completion(warm, per_call)
 
     asyncio.run(scenario())
 
@@ -237,10 +235,7 @@ def test_a_real_worker_on_idle_calls(demo_dir: Path, tmp_path: Path) -> None:
             for warm, per_call in zip(outs[True], outs[False], strict=True):
                 assert warm.error is None, warm.error
                 assert warm.token_ids == per_call.token_ids and warm.token_ids
-                assert warm.complete is not None and per_call.complete is not None
-                warm.complete.ClearField("request_id")
-                per_call.complete.ClearField("request_id")
-                assert warm.complete == per_call.complete
+                assert same_completion(warm, per_call)
             bad = await run_call(routers[True], ids_request([1, 10**6], 4))  # past the vocab
             assert bad.error is not None
             assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT
