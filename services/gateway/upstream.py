@@ -262,35 +262,27 @@ class OpenedCall(DrainedCall):
     async def _read(self) -> None:
         warm = self._call
         assert isinstance(warm, grpc.aio.StreamStreamCall)
+        got = False
         try:
             await warm.write(self._first)
             await warm.done_writing()
-        except asyncio.InvalidStateError:  # it finished before the write: nothing went
-            if await warm.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self._on_unsupported()
-            self._call = self._per_call()
-            return await super()._read()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                self.end(exc)
-                return None
-            self._on_unsupported()
-            self._call = self._per_call()
-            return await super()._read()
-        got = False
-        try:
             async for r in warm:
                 got = True
                 self.put(r)
+        except asyncio.InvalidStateError:  # it finished before the write: nothing went
+            unsupported = await warm.code() == grpc.StatusCode.UNIMPLEMENTED
         except grpc.aio.AioRpcError as exc:
             if got or exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 self.end(exc)
-                return None
-            self._on_unsupported()
-            self._call = self._per_call()
-            return await super()._read()
+                return
+            unsupported = True  # refused before the worker took the request
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             self.end(exc)
+            return
         else:
             self.end(None)
-        return None
+            return
+        if unsupported:
+            self._on_unsupported()
+        self._call = self._per_call()
+        await super()._read()

@@ -47,25 +47,18 @@ def slow_versions_from_env(env: Mapping[str, str] = os.environ) -> dict[VersionK
     return delays
 
 
-def env_number(env: Mapping[str, str], name: str, high: float, unit: str) -> float | None:
-    """Environment variable `name` as a number in [0, high] `unit`; None when unset or blank,
-    ValueError naming it when malformed or out of range."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}: {raw!r} is not a number of {unit}") from None
-    if not 0.0 <= value <= high:
-        raise ValueError(f"{name}: {value} outside [0, {high:g}] {unit}")
-    return value
-
-
 def step_delay_from_env(env: Mapping[str, str] = os.environ) -> float:
     """Seconds the engine core sleeps after each step (0: the hook is off); ValueError when
     malformed or outside [0, 10]."""
-    delay = env_number(env, STEP_DELAY_ENV, 10.0, "seconds") or 0.0
+    raw = env.get(STEP_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        delay = float(raw)
+    except ValueError:
+        raise ValueError(f"{STEP_DELAY_ENV}: {raw!r} is not a number of seconds") from None
+    if not 0.0 <= delay <= 10.0:
+        raise ValueError(f"{STEP_DELAY_ENV}: delay {delay} outside [0, 10] seconds")
     if delay:
         log.warning("%s is set: every engine step is delayed %s s on purpose (a test hook)",
                     STEP_DELAY_ENV, delay)

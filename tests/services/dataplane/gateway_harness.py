@@ -198,9 +198,11 @@ async def run_call(router: Router, request: pb.GenerateRequest) -> Outcome:
     return out
 
 
-def same_completion(a: Outcome, b: Outcome) -> bool:
-    """Both ended with a `complete`, equal but for the request id each gateway made up."""
+def same_outcome(a: Outcome, b: Outcome) -> bool:
+    """Both answered without error, the same tokens, and a `complete` equal but for the
+    request id each gateway made up."""
+    assert a.error is None and b.error is None, (a.error, b.error)
     assert a.complete is not None and b.complete is not None
     a.complete.ClearField("request_id")
     b.complete.ClearField("request_id")
-    return a.complete == b.complete
+    return a.token_ids == b.token_ids and a.complete == b.complete
