@@ -1,6 +1,6 @@
 """The gateway hop alone, on the CPU: a fake worker behind a real gateway, and the gateway
 process's CPU time per token it forwards, over each gateway -> worker path (`--upstreams`:
-GenerateMux, one Generate call a request, and one on an idle call opened ahead, side by side).
+GenerateMux and one Generate call a request, side by side).
 
     python -m bench.gateway_hop --concurrency 64,256 --repeats 3 \
         --out bench/results/gateway-hop-cpu.json
@@ -48,7 +48,7 @@ from services.common.processes import (
     wait_serving,
 )
 from services.common.server import start_server
-from services.worker.mux import MuxSession, serve_opened
+from services.worker.mux import MuxSession
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora.v1 import placement_pb2 as ppb
@@ -93,12 +93,6 @@ class FakeWorker(pb_grpc.InferenceServiceServicer):
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxDown]:
         async for frame in MuxSession(self.serve).frames(request_iterator):
             yield frame
-
-    async def GenerateOpen(self, request_iterator: AsyncIterator[pb.MuxRequest],
-                           context: grpc.aio.ServicerContext,
-                           ) -> AsyncIterator[pb.GenerateResponse]:
-        async for r in serve_opened(request_iterator, context, self.serve):
-            yield r
 
     async def serve(self, request: pb.GenerateRequest, _tenant: str, _timeout: float | None,
                     ) -> AsyncGenerator[pb.GenerateResponse, None]:
@@ -289,9 +283,9 @@ def parse_args() -> argparse.Namespace:
                          "(default: this=.)")
     ap.add_argument("--upstreams", default="mux,call",
                     help="comma-separated gateway -> worker paths, a gateway each per variant: "
-                         "mux (GenerateMux), call (one Generate call a request), auto (per "
+                         "mux (GenerateMux), call (one Generate call a request) and auto (per "
                          f"call, then the mux from {MUX_FROM_DEFAULT} streams in flight on the "
-                         "worker on) and warm (per call, on idle calls opened ahead)")
+                         "worker on)")
     ap.add_argument("--http-clients", default=["httpx"], type=http_clients_arg,
                     help="comma-separated HTTP client libraries (httpx, aiohttp), a path each")
     ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")

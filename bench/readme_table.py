@@ -518,6 +518,13 @@ def rows() -> list[str]:
             # service headlines): at 64 streams, where auto calls per request, the mux lost.
             ("service-overhead-7b-gw4-mux64-9d86df5-h100.json",
              lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+            # Idle calls opened ahead to the worker (`--upstream warm`, GenerateOpen; removed
+            # after) beside auto, closed loop then open loop, on an H100: the gateway -> worker
+            # leg shrank, the request's TTFT did not.
+            ("service-overhead-7b-gw4-warm-fd23e5c-h100.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+            ("service-overhead-7b-open-fd23e5c-h100.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),

@@ -433,7 +433,7 @@ def parse_args() -> argparse.Namespace:
                          "(services/common/hop_trace.py) and add each leg's times per path "
                          "and level to the JSON (`hop_trace`); tracing costs the processes "
                          "a few microseconds an event")
-    ap.add_argument("--also-upstream", choices=("mux", "call", "auto", "warm"), default=None,
+    ap.add_argument("--also-upstream", choices=("mux", "call", "auto"), default=None,
                     help="also run a second gateway (as many processes) with `--upstream X` "
                          f"beside the default one ({UPSTREAM_DEFAULT}, or env {UPSTREAM_ENV}): "
                          "call is one Generate call per request, mux one GenerateMux stream "

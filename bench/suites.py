@@ -182,14 +182,6 @@ SUITES: dict[str, tuple[Step, ...]] = {
                           "--requests-per-stream", "8", "--gateway-procs", "4",
                           "--client-channels", "8", "--also-upstream", "call",
                           "--out", OUT("service-overhead-7b-gw4")),),
-    # Auto (the default) beside `--upstream warm` (per call on idle calls opened ahead:
-    # services/gateway/upstream.py WarmCalls), hop traces on: does a request that costs a
-    # message instead of a new call cut the 64-stream gRPC TTFT?
-    "service-path-warm": (step("service-warm", 540, "bench.service_overhead", *SERVICE_7B,
-                               "--repeats", "3", "--requests-per-stream", "8",
-                               "--gateway-procs", "4", "--client-channels", "8",
-                               "--also-upstream", "warm", "--trace-hops", "{out}/hops-warm",
-                               "--out", OUT("service-overhead-7b-gw4-warm")),),
     # The same paths under open-loop Poisson arrivals (the same on every path): a request's
     # added TTFT is then the hop's, not the closed loop's wait for the step under way.
     "service-path-open": (step("service-open", 420, "bench.service_overhead",

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 PROCESSES_ENV = "SLORA_GATEWAY_PROCESSES"
 UPSTREAM_ENV = "SLORA_GATEWAY_UPSTREAM"
-UPSTREAMS = ("mux", "call", "auto", "warm")
+UPSTREAMS = ("mux", "call", "auto")
 UPSTREAM_DEFAULT = "auto"
 MUX_FROM_ENV = "SLORA_GATEWAY_MUX_FROM"
 # --upstream auto (the default): streams in flight on a worker (per gateway process) from which
@@ -24,9 +24,6 @@ MUX_FROM_ENV = "SLORA_GATEWAY_MUX_FROM"
 # cut gRPC TTFT added from 195 to 35 ms p50; at 64 (16 each, per call) it matched per call
 # (docs/performance.md, "The gateway's upstream: auto by default").
 MUX_FROM_DEFAULT = 32
-# --upstream warm (a measuring option): per call, each on one of this many idle calls kept
-# open to each worker (per gateway process), replaced as taken.
-WARM_CALLS_DEFAULT = 4
 
 
 def positive_int(text: str) -> int:
@@ -56,16 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--upstream", choices=UPSTREAMS,
                    default=os.environ.get(UPSTREAM_ENV, UPSTREAM_DEFAULT),
                    help="how worker calls travel: call (one Generate call per request), mux "
-                        "(one GenerateMux stream per worker), auto (per call until "
+                        "(one GenerateMux stream per worker) or auto (per call until "
                         "--mux-from streams are in flight on the worker, then the mux; "
-                        "default) or warm (per call, on calls opened ahead: --warm-calls "
-                        f"idle a worker); env {UPSTREAM_ENV}")
+                        f"default); env {UPSTREAM_ENV}")
     p.add_argument("--mux-from", type=positive_int,
                    default=positive_int(os.environ.get(MUX_FROM_ENV, str(MUX_FROM_DEFAULT))),
                    help="with --upstream auto: this process's streams in flight on a worker "
                         f"from which its requests go over the mux; env {MUX_FROM_ENV}")
-    p.add_argument("--warm-calls", type=positive_int, default=WARM_CALLS_DEFAULT,
-                   help="with --upstream warm: idle calls kept open to each worker")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
     p.set_defaults(func=run)
 
@@ -80,9 +74,7 @@ def gateway_options(args: argparse.Namespace) -> GatewayOptions:
         metrics_port=args.metrics_port, drain_grace_s=args.drain_grace,
         cluster_token=args.cluster_token, http_listen=args.http_listen,
         base_model_name=args.base_model_name,
-        upstream_mux_from={"call": None, "mux": 0, "warm": None}.get(args.upstream,
-                                                                     args.mux_from),
-        upstream_warm=args.warm_calls if args.upstream == "warm" else 0,
+        upstream_mux_from={"call": None, "mux": 0}.get(args.upstream, args.mux_from),
     )
 
 

@@ -49,9 +49,6 @@ class GatewayOptions:
     # (`slora gateway --upstream`, env SLORA_GATEWAY_UPSTREAM; Upstreams.mux_from). The CLI's
     # default is auto (MUX_FROM_DEFAULT); built directly, options call per request.
     upstream_mux_from: int | None = None
-    # Idle GenerateOpen calls kept open to each worker for what goes per call (0: none;
-    # `slora gateway --upstream warm`; Upstreams.warm).
-    upstream_warm: int = 0
 
 
 DEFAULT_REPORT_S = 1.0
@@ -115,7 +112,7 @@ async def serve_gateway(opts: GatewayOptions) -> int:
     table = RoutingTable()
     router = Router(table, metrics,
                     siblings=Siblings(opts.sibling_sockets) if opts.sibling_sockets else None,
-                    mux_from=opts.upstream_mux_from, warm=opts.upstream_warm)
+                    mux_from=opts.upstream_mux_from)
     metrics.registry.register(ModelServerCollector(table, router.inflight))
     synced, stop = asyncio.Event(), asyncio.Event()
     install_stop_handlers(stop.set)

@@ -31,14 +31,7 @@ from collections.abc import AsyncGenerator, Callable
 import grpc
 
 from services.common.hop_auth import TENANT_HEADER
-from services.gateway.upstream import (
-    Buffered,
-    DrainedCall,
-    OpenedCall,
-    WarmCalls,
-    WorkerChannels,
-    rpc_error,
-)
+from services.gateway.upstream import Buffered, DrainedCall, WorkerChannels
 from slora.v1 import inference_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -54,6 +47,13 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}  # MuxEnd.code -> its 
 # frames of at most this many bytes; a request bigger than this alone goes per call, where the
 # worker refuses it (or serves it) as it would any Generate, and no other stream notices.
 MAX_UP_FRAME_BYTES = 1024 * 1024
+
+
+def rpc_error(code: grpc.StatusCode, details: str,
+              trailing: tuple[tuple[str, str], ...] = ()) -> grpc.aio.AioRpcError:
+    """The error a per-call Generate ending with this status would have raised."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing),
+                                details)
 
 
 class MuxUnsupported(Exception):
@@ -237,18 +237,14 @@ class Upstreams:
     breaks) once this process has `mux_from` streams in flight on the worker: 0 always
     (`slora gateway --upstream mux`), N > 0 per call below N (`--upstream auto`). The mux
     saves a busy worker front a call a request and a message a stream a step, while a single
-    call was faster at light load on an H100 host (docs/performance.md). `warm` > 0: what
-    goes per call goes on one of that many idle calls opened ahead to each worker
-    (`WarmCalls`; `slora gateway --upstream warm`, a measuring option). All give a
+    call was faster at light load on an H100 host (docs/performance.md). Both give a
     `Buffered` the router reads the same way."""
 
-    def __init__(self, channels: WorkerChannels, mux_from: int | None = None,
-                 warm: int = 0) -> None:
+    def __init__(self, channels: WorkerChannels, mux_from: int | None = None) -> None:
         if mux_from is not None and mux_from < 0:
             raise ValueError(f"mux_from must be None or at least 0, got {mux_from}")
         self.channels = channels
         self.mux_from = mux_from
-        self.warm = WarmCalls(channels, warm) if warm else None
         self._muxes: dict[str, WorkerMux] = {}
         self._per_call_until: dict[str, float] = {}  # address -> when to try its mux again
 
@@ -256,31 +252,18 @@ class Upstreams:
              deadline: float | None, in_flight: int = 0) -> Buffered:
         """`request` to the worker at `address`; `deadline`: time.monotonic()'s, or None;
         `in_flight`: this process's streams on that worker already (see `mux_from`)."""
-        def generate() -> grpc.aio.UnaryStreamCall:
-            return self.channels.stub(address).Generate(
-                request, timeout=None if deadline is None else deadline - time.monotonic(),
-                metadata=((TENANT_HEADER, tenant),))
-
         def per_call() -> Buffered:
-            return DrainedCall(generate())
+            return DrainedCall(self.channels.stub(address).Generate(
+                request, timeout=None if deadline is None else deadline - time.monotonic(),
+                metadata=((TENANT_HEADER, tenant),)))
 
         mux = (self._mux(address) if self.mux_from is not None and in_flight >= self.mux_from
                else None)
-        timeout = None if deadline is None else deadline - time.monotonic()
         # 1 KiB of room for what the MuxRequest adds (stream id, tenant, deadline).
-        if request.ByteSize() > MAX_UP_FRAME_BYTES - 1024:
+        if mux is None or request.ByteSize() > MAX_UP_FRAME_BYTES - 1024:
             return per_call()
-        if mux is not None:
-            return mux.open(request, tenant, timeout, per_call)
-        warm = self.warm
-        call = warm.take(address) if warm is not None else None
-        if warm is None or call is None:
-            return per_call()
-        first = pb.MuxRequest(request=request, tenant=tenant)
-        if timeout is not None:
-            first.timeout_s = timeout
-        return OpenedCall(call, first, generate, lambda: warm.unsupported(address),
-                          lambda: warm.refill(address))
+        timeout = None if deadline is None else deadline - time.monotonic()
+        return mux.open(request, tenant, timeout, per_call)
 
     def _mux(self, address: str) -> WorkerMux | None:
         mux = self._muxes.get(address)
@@ -303,6 +286,4 @@ class Upstreams:
         for mux in self._muxes.values():
             mux.close()
         self._muxes.clear()
-        if self.warm is not None:
-            self.warm.close()
         await self.channels.close()

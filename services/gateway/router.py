@@ -67,7 +67,7 @@ class Router:
 
     def __init__(self, table: RoutingTable, metrics: GatewayMetrics,
                  served: ServedLog | None = None, siblings: Siblings | None = None,
-                 mux_from: int | None = None, warm: int = 0) -> None:
+                 mux_from: int | None = None) -> None:
         self.table = table
         self.siblings = siblings  # the other processes of a multi-process gateway
         self.metrics = metrics
@@ -75,10 +75,9 @@ class Router:
         self.evidence = RoutedEvidence()
         self.inflight: dict[str, int] = {}
         self.channels = WorkerChannels()
-        # One Generate call per request (on one of `warm` idle calls to the worker, if set), or
-        # (mux_from set) one GenerateMux stream per worker from that many streams in flight on
-        # it on (Upstreams).
-        self.upstreams = Upstreams(self.channels, mux_from, warm)
+        # One Generate call per request, or (mux_from set) one GenerateMux stream per worker
+        # from that many streams in flight on it on (Upstreams).
+        self.upstreams = Upstreams(self.channels, mux_from)
         self.draining = False  # set at shutdown: health reports NOT_SERVING, calls still finish
         self._calls = 0
         self._idle = asyncio.Event()

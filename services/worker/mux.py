@@ -1,5 +1,4 @@
-"""The worker's side of `GenerateMux`: many Generate calls over one stream from a gateway;
-and of `GenerateOpen`: one Generate on a call the gateway opened before the request came.
+"""The worker's side of `GenerateMux`: many Generate calls over one stream from a gateway.
 
 Each request runs the same per-request generator a per-call `Generate` runs (`Serve`), in a
 task of its own; the writer sends everything the tasks produced since its previous write as
@@ -112,23 +111,3 @@ class MuxSession:
         half = len(self._items) // 2
         first, self._items = self._items[:half], self._items[half:]
         return pb.MuxDown(items=first)
-
-
-async def serve_opened(request_iterator: AsyncIterator[pb.MuxRequest],
-                       context: grpc.aio.ServicerContext, serve: Serve,
-                       ) -> AsyncIterator[pb.GenerateResponse]:
-    """A `GenerateOpen` call: its first message is the request (tenant and deadline in it, as
-    on the mux), served by `serve` as a per-call Generate of it would be, errors and deadline
-    included; a call the gateway closes before sending one ends OK with nothing."""
-    req = await anext(aiter(request_iterator), None)
-    if req is None:
-        return  # the gateway closed an idle call
-    timeout = req.timeout_s if req.HasField("timeout_s") else None
-    try:
-        async with asyncio.timeout(timeout):
-            async for response in serve(req.request, req.tenant, timeout):
-                yield response
-    except TimeoutError:
-        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-    except e.ServiceError as err:
-        await e.abort_with(context, err)

@@ -35,7 +35,7 @@ from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient, TokenStream, error_of
 from services.worker.errors import to_service_error
 from services.worker.metrics import WorkerMetrics
-from services.worker.mux import MuxSession, serve_opened
+from services.worker.mux import MuxSession
 from services.worker.resume import resumed_end, resumed_params
 from services.worker.token_text import TokenText
 from slora.v1 import inference_pb2 as pb
@@ -177,14 +177,6 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         """A gateway's requests over one stream, each served by `serve` as Generate's is."""
         async for frame in MuxSession(self.serve).frames(request_iterator):
             yield frame
-
-    async def GenerateOpen(self, request_iterator: AsyncIterator[pb.MuxRequest],
-                           context: grpc.aio.ServicerContext
-                           ) -> AsyncIterator[pb.GenerateResponse]:
-        """A gateway's call opened ahead of its request (its idle calls, upstream.WarmCalls):
-        the first message is the request, served by `serve` as Generate's is."""
-        async for response in serve_opened(request_iterator, context, self.serve):
-            yield response
 
     async def serve(self, request: pb.GenerateRequest, tenant: str,
                     time_remaining: float | None) -> AsyncGenerator[pb.GenerateResponse, None]:

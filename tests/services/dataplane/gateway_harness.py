@@ -19,7 +19,7 @@ from services.common.server import GrpcServer, start_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import Router
 from services.gateway.table import RoutingTable, token_sha256
-from services.worker.mux import MuxSession, serve_opened
+from services.worker.mux import MuxSession
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
 from slora.v1 import placement_pb2 as ppb
@@ -64,17 +64,15 @@ class ScriptedWorker:
     active: int = 0  # requests being generated now (a cancel or a broken call ends one)
     muxes: int = 0  # GenerateMux calls received
     generates: int = 0  # Generate (per-call) calls received
-    opened: int = 0  # GenerateOpen calls received (idle ones included)
-    served_open: int = 0  # requests received on GenerateOpen calls
     open_muxes: int = 0  # GenerateMux calls not ended yet
     server: GrpcServer | None = None
     address: str = ""
 
-    async def start(self, port: int = 0) -> None:
+    async def start(self) -> None:
         servicer = _Servicer(self)
         self.server = await start_server(
-            f"127.0.0.1:{port}",
-            lambda s: pb_grpc.add_InferenceServiceServicer_to_server(servicer, s), [SERVICE])
+            "127.0.0.1:0", lambda s: pb_grpc.add_InferenceServiceServicer_to_server(servicer, s),
+            [SERVICE])
         self.address = f"127.0.0.1:{self.server.port}"
 
     async def stop(self) -> None:
@@ -83,8 +81,7 @@ class ScriptedWorker:
 
 
 class _Servicer(pb_grpc.InferenceServiceServicer):
-    """Generate, GenerateMux and GenerateOpen over one per-request generator, as the real
-    worker's."""
+    """Generate and GenerateMux over one per-request generator, as the real worker's."""
 
     def __init__(self, worker: ScriptedWorker) -> None:
         self.worker = worker
@@ -107,20 +104,6 @@ class _Servicer(pb_grpc.InferenceServiceServicer):
                 yield frame
         finally:
             self.worker.open_muxes -= 1
-
-    async def GenerateOpen(self, request_iterator: AsyncIterator[pb.MuxRequest],
-                           context: grpc.aio.ServicerContext,
-                           ) -> AsyncIterator[pb.GenerateResponse]:
-        self.worker.opened += 1
-
-        async def counted(request: pb.GenerateRequest, tenant: str, timeout: float | None,
-                          ) -> AsyncGenerator[pb.GenerateResponse, None]:
-            self.worker.served_open += 1
-            async for r in self.serve(request, tenant, timeout):
-                yield r
-
-        async for r in serve_opened(request_iterator, context, counted):
-            yield r
 
     async def serve(self, request: pb.GenerateRequest, _tenant: str, _timeout: float | None,
                     ) -> AsyncGenerator[pb.GenerateResponse, None]:
@@ -160,16 +143,16 @@ def table_for(workers: list[ScriptedWorker]) -> RoutingTable:
     return table
 
 
-async def started(*names: str, mux: bool = False, mux_from: int = 0, warm: int = 0,
+async def started(*names: str, mux: bool = False, mux_from: int = 0,
                   ) -> tuple[Router, list[ScriptedWorker]]:
     """A router over new scripted workers; `mux`: its worker calls over GenerateMux (from
     `mux_from` streams in flight on a worker on) or one Generate call each (the gateway's
-    default), on one of `warm` idle GenerateOpen calls to the worker when `warm` > 0."""
+    default)."""
     workers = [ScriptedWorker(n) for n in names]
     for w in workers:
         await w.start()
-    return Router(table_for(workers), GatewayMetrics(), mux_from=mux_from if mux else None,
-                  warm=warm), workers
+    return Router(table_for(workers), GatewayMetrics(), mux_from=mux_from if mux else None), \
+        workers
 
 
 async def stop_all(router: Router, workers: list[ScriptedWorker]) -> None:

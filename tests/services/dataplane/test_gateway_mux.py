@@ -211,24 +211,18 @@ class _PerCallOnly(pb_grpc.InferenceServiceServicer):
         yield pb.GenerateResponse(complete=pb.Complete(finish_reason="length"))
 
 
-@pytest.mark.parametrize("upstream", ["mux", "warm"])
-def test_a_worker_without_the_mux_or_idle_calls_is_called_per_request(upstream: str) -> None:
-    """An older worker answers GenerateMux and GenerateOpen UNIMPLEMENTED: its requests go per
-    call, every one answered, and (idle calls) the gateway stops opening them for a while."""
+def test_a_worker_without_the_mux_is_called_per_request() -> None:
     async def scenario() -> None:
         handle = await start_server(
             "127.0.0.1:0",
             lambda s: pb_grpc.add_InferenceServiceServicer_to_server(_PerCallOnly(), s),
             ["slora.v1.InferenceService"])
         old = ScriptedWorker("old", address=f"127.0.0.1:{handle.port}")
-        router = (Router(table_for([old]), GatewayMetrics(), mux_from=0) if upstream == "mux"
-                  else Router(table_for([old]), GatewayMetrics(), warm=2))
+        router = Router(table_for([old]), GatewayMetrics(), mux_from=0)
         try:
             for _ in range(3):
                 out = await run_call(router, ids_request([1], 4))
                 assert out.error is None and out.token_ids == [7]
-            warm = router.upstreams.warm
-            assert warm is None or warm.take(old.address) is None  # off for a while
         finally:
             await router.upstreams.close()
             await handle.server.stop(0)
