@@ -32,13 +32,13 @@ HEADLINES = (
      "engine-speed-async-h200.json"),
     ("| 2,000 adapters vs 5, alpha 1.0, 50 arrivals/s", "churn-rate50-tiles16-8a69460-h200.json"),
     ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-tiles16-8a69460-h200.json"),
-    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
+    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-a430258-h100.json"),
     (f"| client -> gateway -> worker, gRPC, per call, then over GenerateMux from "
      f"{MUX_FROM_DEFAULT} streams in flight on a worker on (4 gateway processes), 256 streams",
-     "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
-    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
+     "service-overhead-7b-gw4-a430258-h100.json"),
+    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-a430258-h100.json"),
     ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
-     "256 streams", "service-overhead-7b-gw4-mux64-9d86df5-h100.json"),
+     "256 streams", "service-overhead-7b-gw4-a430258-h100.json"),
     ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-ba20ecd-h100.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
@@ -524,6 +524,10 @@ def rows() -> list[str]:
             ("service-overhead-7b-gw4-warm-fd23e5c-h100.json",
              lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("service-overhead-7b-open-fd23e5c-h100.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+            # The standard suite (auto beside per call) at the commit that removed them, on an
+            # H100: README's service headlines.
+            ("service-overhead-7b-gw4-a430258-h100.json",
              lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
