@@ -70,12 +70,16 @@ def service_rows(result: dict[str, Any], source: str, upstream: str = "call") ->
     procs = result.get("gateway_procs", 1)
     gw = f" ({procs} gateway processes)" if procs > 1 else ""
     upstream = result.get("upstreams", {}).get("gateway", upstream)
+    # The suites ran 4 client processes until a430258 (8 since): said where it differs.
+    clients = result.get("client_procs", 4)
+    load_by = f", {clients} client processes" if clients != 4 else ""
     if result.get("launch_wait_ms"):  # the removed launch wait's runs (until 9d86df5)
         gw += f", the core's launch held ({result['launch_wait_ms']} ms margin)"
     for level in result["levels"]:
         c = level["concurrency"]
         load = (f"{c} streams x {result['new_tokens']} tokens" if "rate" not in level else
-                f"{level['rate']:g} requests/s arriving open-loop x {result['new_tokens']} tokens")
+                f"{level['rate']:g} requests/s arriving open-loop x {result['new_tokens']} tokens"
+                ) + load_by
         for path, figs in level["ratios"].items():
             ttft = (f"TTFT added p50 {_fig(figs['ttft_p50_added_ms'], 1, ' ms')}, p99 "
                     f"{_fig(figs['ttft_p99_added_ms'], 1, ' ms')}")
@@ -528,6 +532,9 @@ def rows() -> list[str]:
             # The standard suite (auto beside per call) at the commit that removed them, on an
             # H100: README's service headlines.
             ("service-overhead-7b-gw4-a430258-h100.json",
+             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+            # The same at 256 streams only, from 8 client processes instead of 4.
+            ("service-overhead-7b-gw4-c256-procs8-a430258-h100.json",
              lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),

@@ -63,8 +63,13 @@ def decode_floor(name: str, *flags: str) -> Step:
 
 GRID_CASES = ("8x1x1,8x16x1,8x64x1,8x256x1,16x1x1,16x16x1,16x64x1,16x256x1,64x1x1,64x16x1,"
               "64x64x1,64x256x1,16x16x16,16x64x64,16x256x256,64x16x16,64x256x256")
+# 8 client processes (4 until a430258): with 64 httpx streams in one client process, a new
+# request's send waited behind the step's burst of stream events there (`client_sent ->
+# gateway_entry` 8.5 ms p50 at 256 streams with 4 processes, 5.0 ms with 8 on an H100:
+# service-overhead-7b-gw4-c256-procs8-a430258-h100.json): the load generator's cost, not the
+# service's.
 SERVICE_7B = (*GPU_7B, "--num-pages", "2400", "--max-model-len", "256", "--concurrency",
-              "64,256", "--requests-per-stream", "2", "--new-tokens", "64", "--client-procs", "4",
+              "64,256", "--requests-per-stream", "2", "--new-tokens", "64", "--client-procs", "8",
               "--http", "--http-clients", "httpx,aiohttp")
 PROFILE_CORE = (*GPU_7B, "--batch", "64", "--context", "512", "--adapters")
 SERVING_90GB = (*GPU_7B, "--arena-gb", "90")
