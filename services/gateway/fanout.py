@@ -27,7 +27,15 @@ class Fanout:
         self._pumps: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        got = await asyncio.gather(*(anext(it) for it in self._iters), return_exceptions=True)
+        got: list[pb.GenerateResponse | BaseException]
+        if len(self._iters) == 1:  # in this task: gather's task would wait a loop turn
+            try:
+                got = [await anext(self._iters[0])]
+            except Exception as exc:  # noqa: BLE001 - raised below, as gather's would be
+                got = [exc]
+        else:
+            got = list(await asyncio.gather(*(anext(it) for it in self._iters),
+                                            return_exceptions=True))
         failed = [g for g in got if isinstance(g, BaseException)]
         if failed:
             await self.close()
