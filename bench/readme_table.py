@@ -125,6 +125,11 @@ def hop_trace_rows(result: dict[str, Any], source: str) -> list[str]:
     return rows
 
 
+
+def traced_service_rows(result: dict[str, Any], source: str) -> list[str]:
+    """A service run's rows, then its hop trace's."""
+    return service_rows(result, source) + hop_trace_rows(result, source)
+
 def fusion_rows(result: dict[str, Any], source: str) -> list[str]:
     """bench.lora_layer_fusion: one decode layer's four projections with one adapter."""
     return [f"| one 7B decode layer's four projections, one rank-{r['rank']} adapter on all 7 "
@@ -492,7 +497,7 @@ def rows() -> list[str]:
             # 256 streams at a926e02 with the trace off: the d3a95eb drop was the trace's.
             ("service-overhead-7b-gw4-c256-a926e02-h200.json", service_rows),
             ("service-overhead-7b-open-h200.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             ("service-overhead-7b-open-9bfd047-h200.json", service_rows),
             ("service-overhead-7b-open-dd94c6e-h200.json", service_rows),
             # The gateway's multiplexed upstream (GenerateMux, the default then) beside one
@@ -506,7 +511,7 @@ def rows() -> list[str]:
             # stream, the hop trace on; and the suite's earlier 2 a stream. Auto became the
             # default after them (7368594).
             ("service-overhead-7b-gw4-auto-f0cf944-h100.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             ("service-overhead-7b-gw4-auto-r2-f0cf944-h100.json", service_rows),
             # Auto the default, a step's first tokens in a mux frame of their own, beside a
             # per-call gateway, on an H100.
@@ -515,27 +520,27 @@ def rows() -> list[str]:
             # The launch wait (a measuring switch, removed after): off, then a 2 ms margin, on
             # an H100, each against its own in-process run (the off run has 64 streams only).
             ("service-launch-wait-off-148b782-h100.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             ("service-launch-wait-on-9d86df5-h100.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             # Auto the default beside the mux forced at every load, on an H100 (README's
             # service headlines): at 64 streams, where auto calls per request, the mux lost.
             ("service-overhead-7b-gw4-mux64-9d86df5-h100.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             # Idle calls opened ahead to the worker (`--upstream warm`, GenerateOpen; removed
             # after) beside auto, closed loop then open loop, on an H100: the gateway -> worker
             # leg shrank, the request's TTFT did not.
             ("service-overhead-7b-gw4-warm-fd23e5c-h100.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             ("service-overhead-7b-open-fd23e5c-h100.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             # The standard suite (auto beside per call) at the commit that removed them, on an
             # H100: README's service headlines.
             ("service-overhead-7b-gw4-a430258-h100.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             # The same at 256 streams only, from 8 client processes instead of 4.
             ("service-overhead-7b-gw4-c256-procs8-a430258-h100.json",
-             lambda r, src: service_rows(r, src) + hop_trace_rows(r, src)),
+             traced_service_rows),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),
