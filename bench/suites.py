@@ -187,6 +187,10 @@ SUITES: dict[str, tuple[Step, ...]] = {
                           "--requests-per-stream", "8", "--gateway-procs", "4",
                           "--client-channels", "8", "--also-upstream", "call",
                           "--out", OUT("service-overhead-7b-gw4")),),
+    # Does the in-process closed loop run in waves on the GPU engine too (docs/performance.md,
+    # issue 37's status)? The demo model with the engine's GPU settings, fixed and spread lengths.
+    "closed-loop-waves": (step("waves", 120, "bench.closed_loop_waves", "--device", "cuda",
+                               "--out", OUT("closed-loop-waves")),),
     # The same paths under open-loop Poisson arrivals (the same on every path): a request's
     # added TTFT is then the hop's, not the closed loop's wait for the step under way.
     "service-path-open": (step("service-open", 420, "bench.service_overhead",
