@@ -207,6 +207,7 @@ def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
     """Interleaved repeats: the worker direct, then each gateway over gRPC and HTTP (the
     gateways' order rotates each repeat); CPU is charged to the gateway the run went through."""
     from bench.service_overhead import (
+        Lengths,
         bearer,
         compare,
         http_path,
@@ -217,7 +218,7 @@ def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
     )
 
     reqs = workload([], c * args.requests_per_stream, vocab=512)
-    n, procs = args.new_tokens, args.client_procs
+    n, procs = Lengths(args.new_tokens), args.client_procs
     runs: dict[str, list[dict[str, Any]]] = {"direct": []}
     for r in range(repeats):
         direct: dict[str, int | list[int]] = {

@@ -75,11 +75,12 @@ def service_rows(result: dict[str, Any], source: str, upstream: str = "call") ->
     load_by = f", {clients} client processes" if clients != 4 else ""
     if result.get("launch_wait_ms"):  # the removed launch wait's runs (until 9d86df5)
         gw += f", the core's launch held ({result['launch_wait_ms']} ms margin)"
+    n, spread = result["new_tokens"], result.get("new_tokens_spread", 0)
+    tokens = f"{n}" if not spread else f"{n - spread}-{n + spread}"
     for level in result["levels"]:
         c = level["concurrency"]
-        load = (f"{c} streams x {result['new_tokens']} tokens" if "rate" not in level else
-                f"{level['rate']:g} requests/s arriving open-loop x {result['new_tokens']} tokens"
-                ) + load_by
+        load = (f"{c} streams x {tokens} tokens" if "rate" not in level else
+                f"{level['rate']:g} requests/s arriving open-loop x {tokens} tokens") + load_by
         for path, figs in level["ratios"].items():
             ttft = (f"TTFT added p50 {_fig(figs['ttft_p50_added_ms'], 1, ' ms')}, p99 "
                     f"{_fig(figs['ttft_p99_added_ms'], 1, ' ms')}")

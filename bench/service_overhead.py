@@ -25,6 +25,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,20 @@ VERSION = "v1"  # what publish_demo_adapters registers
 Ttft = tuple[float, float]  # (from the run's start, from the request's send)
 
 
+@dataclass(frozen=True)
+class Lengths:
+    """The tokens each request asks for (`ignore_eos`): `new_tokens`, or with `spread` S a
+    length in new_tokens +- S fixed by its prompt, so the same on every path and repeat.
+    Equal lengths run a closed loop in waves (bench/closed_loop_waves.py)."""
+    new_tokens: int
+    spread: int = 0
+
+    def of(self, prompt: list[int]) -> int:
+        if not self.spread:
+            return self.new_tokens
+        return self.new_tokens - self.spread + sum(prompt) % (2 * self.spread + 1)
+
+
 def workload(names: list[str], n: int, vocab: int) -> list[Request]:
     rng = np.random.default_rng(0)
     adapters = ["", *names]
@@ -84,12 +99,11 @@ def summarize(wall: float, tokens: int, ttft: list[Ttft], errors: list[str] | No
 
 
 # ---- in process ---------------------------------------------------------------------------
-def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, concurrency: int,
+def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, concurrency: int,
                    arrivals: list[float] | None = None) -> dict[str, Any]:
     """Closed loop (`concurrency` in flight, the next request added as one finishes), or with
     `arrivals` open loop: request i arrives `arrivals[i]` s after the start and is added at the
     first step boundary after that; its TTFT counts from its arrival."""
-    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     pending = list(enumerate(reqs))[::-1]
     first: dict[str, Ttft] = {}
     added: dict[str, float] = {}
@@ -103,6 +117,8 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, conc
             i, (prompt, adapter) = pending.pop()
             rid = f"r{i}-{t0}"
             added[rid] = time.perf_counter() if arrivals is None else t0 + arrivals[i]
+            params = SamplingParams(temperature=0, max_new_tokens=new_tokens.of(prompt),
+                                    ignore_eos=True)
             engine.add_request(rid, prompt, params, adapter=adapter or None)
             live += 1
         for out in engine.step():
@@ -116,7 +132,7 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: int, conc
 
 # ---- gRPC, from client processes -----------------------------------------------------------
 def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Request],
-                 new_tokens: int,
+                 new_tokens: Lengths,
                  concurrency: int, direct: bool, start_at: float, channels: int = 1,
                  arrivals: list[float] | None = None, tag: str = "",
                  ) -> tuple[list[Ttft], int, list[str]]:
@@ -137,7 +153,7 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), adapter=ref,
                                   request_id=uuid.uuid4().hex if tracing else "",
                                   sampling=pb.SamplingOptions(temperature=0,
-                                                              max_new_tokens=new_tokens,
+                                                              max_new_tokens=new_tokens.of(prompt),
                                                               ignore_eos=True))
 
     tracing = hop_trace.enabled()
@@ -193,7 +209,7 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
 
 
 def run_grpc(pool: Any, procs: int, target: str, md: tuple[tuple[str, str], ...],
-             reqs: list[Request], new_tokens: int, concurrency: int, direct: bool = False,
+             reqs: list[Request], new_tokens: Lengths, concurrency: int, direct: bool = False,
              channels: int = 1, arrivals: list[float] | None = None, tag: str = "",
              ) -> dict[str, Any]:
     """`md`: the tenant key for a gateway, the gateway token for a worker called directly."""
@@ -216,7 +232,7 @@ class _HttpStatus(Exception):
     """A response that is not 200 (the request's error: `HTTP <code>`)."""
 
 
-def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: int,
+def _http_client(base_url: str, token: str, reqs: list[Request], new_tokens: Lengths,
                  concurrency: int, start_at: float, client_lib: str = "httpx",
                  arrivals: list[float] | None = None, tag: str = "",
                  ) -> list[tuple[Ttft, int, str]]:
@@ -344,13 +360,14 @@ def rates_arg(text: str) -> list[float]:
     return rates
 
 
-def _completion_body(new_tokens: int, prompt: list[int], adapter: str) -> dict[str, Any]:
-    return {"model": adapter, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+def _completion_body(new_tokens: Lengths, prompt: list[int], adapter: str) -> dict[str, Any]:
+    return {"model": adapter, "prompt": prompt, "max_tokens": new_tokens.of(prompt),
+            "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 
 
 def run_http(pool: Any, procs: int, base_url: str, token: str, reqs: list[Request],
-             new_tokens: int, concurrency: int, client_lib: str = "httpx",
+             new_tokens: Lengths, concurrency: int, client_lib: str = "httpx",
              arrivals: list[float] | None = None, tag: str = "") -> dict[str, Any]:
     start_at = time.time() + 0.5
     shares = [(base_url, token, reqs[k::procs], new_tokens, max(1, concurrency // procs),
@@ -407,6 +424,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--requests-per-stream", type=int, default=2,
                     help="requests = this x the concurrency")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens-spread", type=int, default=0,
+                    help="each request asks for --new-tokens +- this many tokens (fixed by its "
+                         "prompt, the same on every path); 0: all alike, which runs a closed "
+                         "loop in waves")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES),
                     help="model shape: the tiny demo model, or a real size written to disk "
@@ -445,6 +466,9 @@ def parse_args() -> argparse.Namespace:
     add_engine_args(ap, defaults={"num_pages": 128},
                     skip=("max_num_seqs", "max_adapters_per_batch", "max_queue"))
     args = ap.parse_args()
+    if not 0 <= args.new_tokens_spread < args.new_tokens:
+        ap.error(f"--new-tokens-spread must be in [0, --new-tokens), got "
+                 f"{args.new_tokens_spread}")
     if args.trace_hops is not None and any(args.trace_hops.glob("*.hops")):
         # Another run's events would join this run's legs under the same tags.
         ap.error(f"--trace-hops {args.trace_hops} already holds traces (*.hops): "
@@ -478,20 +502,21 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
     for path in http_paths:
         runs[path] = []
     label = f"c={c}" if rate is None else f"rate={rate:g}/s"
+    lengths = Lengths(args.new_tokens, args.new_tokens_spread)
     for r in range(args.repeats):
-        runs["in_process"].append(run_in_process(engine, reqs, args.new_tokens, c, arrivals))
+        runs["in_process"].append(run_in_process(engine, reqs, lengths, c, arrivals))
         runs["worker"].append(run_grpc(pool, args.client_procs, worker,
                                        ((GATEWAY_HEADER, stack.gateway_token),), reqs,
-                                       args.new_tokens, cap, direct=True,
+                                       lengths, cap, direct=True,
                                        channels=args.client_channels, arrivals=arrivals,
                                        tag=f"worker {label}"))
         for path, address in gateways.items():
             runs[path].append(run_grpc(pool, args.client_procs, address, bearer(token), reqs,
-                                       args.new_tokens, cap, channels=args.client_channels,
+                                       lengths, cap, channels=args.client_channels,
                                        arrivals=arrivals, tag=f"{path} {label}"))
         for path, lib in http_paths.items():
             runs[path].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
-                                       token, reqs, args.new_tokens, cap, lib, arrivals,
+                                       token, reqs, lengths, cap, lib, arrivals,
                                        f"{path} {label}"))
         line = {k: round(v[-1]["output_tok_per_s"], 1) for k, v in runs.items()}
         errors = {k: len(v[-1]["errors"]) for k, v in runs.items() if v[-1]["errors"]}
@@ -547,9 +572,9 @@ def main() -> int:
         engine.warmup()
         warm = workload(names, 8, vocab=512)  # connections, adapter loads, client imports
         for address in stack.gateway_addresses.values():
-            run_grpc(pool, args.client_procs, address, bearer(token), warm, 4, 8,
+            run_grpc(pool, args.client_procs, address, bearer(token), warm, Lengths(4), 8,
                      channels=args.client_channels)
-        run_in_process(engine, warm, 4, 8)
+        run_in_process(engine, warm, Lengths(4), 8)
         if args.rates:
             for rate in args.rates:
                 reqs = workload(names, max(1, round(rate * args.open_loop_s)), vocab=512)
@@ -573,7 +598,8 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
         "commit": commit_id(),
         "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda")
         else f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
-        "shape": args.shape, "new_tokens": args.new_tokens, "async_steps": args.async_steps,
+        "shape": args.shape, "new_tokens": args.new_tokens,
+        "new_tokens_spread": args.new_tokens_spread, "async_steps": args.async_steps,
         "repeats": args.repeats, "client_procs": args.client_procs,
         "client_channels": args.client_channels, "gateway_procs": args.gateway_procs,
         # How each gateway path called the worker (the default gateway as its env said).

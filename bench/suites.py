@@ -191,6 +191,15 @@ SUITES: dict[str, tuple[Step, ...]] = {
     # issue 37's status)? The demo model with the engine's GPU settings, fixed and spread lengths.
     "closed-loop-waves": (step("waves", 120, "bench.closed_loop_waves", "--device", "cuda",
                                "--out", OUT("closed-loop-waves")),),
+    # 64 streams with every request at 64 tokens, then at 32-96 (fixed by the prompt, the same
+    # on every path): do the in-process loop's waves (bench.closed_loop_waves) make part of
+    # the closed loop's added gRPC TTFT?
+    "service-path-waves": tuple(
+        step(f"service-{name}", 280, "bench.service_overhead", *SERVICE_7B, "--concurrency", "64",
+             "--repeats", "3", "--requests-per-stream", "8", "--gateway-procs", "4",
+             "--client-channels", "8", "--new-tokens-spread", spread, "--trace-hops",
+             f"{{out}}/hops-{name}", "--out", OUT(f"service-overhead-7b-gw4-c64-{name}"))
+        for name, spread in (("fixed", "0"), ("spread32", "32"))),
     # The same paths under open-loop Poisson arrivals (the same on every path): a request's
     # added TTFT is then the hop's, not the closed loop's wait for the step under way.
     "service-path-open": (step("service-open", 420, "bench.service_overhead",
