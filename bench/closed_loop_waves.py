@@ -1,7 +1,8 @@
 """Does a closed loop of fixed-length requests run in waves? The in-process arm of
-bench.service_overhead, instrumented: `concurrency` streams, each adding its next request
-before the engine's next step as one finishes, every request asking for `--new-tokens`
-(`ignore_eos`) or, with `--new-tokens-spread S`, a length drawn from new_tokens +- S. Per step:
+bench.service_overhead (`run_in_process` with a StepLog): `concurrency` streams, each adding
+its next request before the engine's next step as one finishes, every request asking for
+`--new-tokens` (`ignore_eos`) or, with a spread S, new_tokens +- S fixed by its prompt as the
+service bench's `--new-tokens-spread` does (`Lengths`). Per step:
 how many requests were added before it; per request: how many steps from its add to its first
 token. Waves (many adds at few steps) let the in-process loop put a whole wave into one step,
 while through the service the hops spread a wave's next requests over milliseconds
@@ -23,44 +24,24 @@ from typing import Any
 import numpy as np
 
 from bench.run_record import run_record
-from bench.service_overhead import workload
+from bench.service_overhead import Lengths, StepLog, run_in_process, workload
 from devtools.demo_assets import write_demo_assets
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
-from slora_core.sampling_params import SamplingParams
 
 
-def run_loop(engine: LLMEngine, concurrency: int, requests: int, new_tokens: int, spread: int,
-             seed: int = 0) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    reqs = workload([], requests, vocab=512)
-    lengths = [new_tokens + int(rng.integers(-spread, spread + 1)) for _ in reqs]
-    pending = list(enumerate(reqs))[::-1]
-    added_at: dict[str, int] = {}
-    adds: list[int] = []
-    to_first: Counter[int] = Counter()
-    live = step = 0
-    while pending or engine.has_unfinished():
-        n = 0
-        while pending and live < concurrency:
-            i, (prompt, _adapter) = pending.pop()
-            params = SamplingParams(temperature=0, max_new_tokens=lengths[i], ignore_eos=True)
-            engine.add_request(str(i), prompt, params)
-            added_at[str(i)] = step
-            live, n = live + 1, n + 1
-        outs = engine.step()
-        step += 1
-        adds.append(n)
-        for out in outs:
-            if out.token_ids and out.request_id in added_at:
-                to_first[step - added_at.pop(out.request_id)] += 1
-            live -= int(out.finished)
-    busy = [a for a in adds if a]
-    return {"new_tokens": new_tokens, "spread": spread, "steps": step,
+def run_loop(engine: LLMEngine, concurrency: int, requests: int, new_tokens: int,
+             spread: int) -> dict[str, Any]:
+    """bench.service_overhead's in-process closed loop, step by step (its StepLog)."""
+    log = StepLog()
+    run_in_process(engine, workload([], requests, vocab=512), Lengths(new_tokens, spread),
+                   concurrency, log=log)
+    busy = [a for a in log.adds if a]
+    return {"new_tokens": new_tokens, "spread": spread, "steps": len(log.adds),
             "steps_with_adds": len(busy), "requests": requests,
             "adds_per_adding_step": {"median": float(np.median(busy)), "max": max(busy)},
             "adds_histogram": dict(sorted(Counter(busy).items())),
-            "steps_add_to_first_token": dict(sorted(to_first.items()))}
+            "steps_add_to_first_token": dict(sorted(log.to_first.items()))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        spreads = [int(x) for x in args.spreads.split(",")]
+    except ValueError:
+        ap.error(f"--spreads {args.spreads!r} is not comma-separated whole numbers")
+    if any(not 0 <= x < args.new_tokens for x in spreads):
+        ap.error(f"every spread must be in [0, --new-tokens={args.new_tokens}), got {spreads}")
     root = Path(tempfile.mkdtemp(prefix="waves-"))
     demo = write_demo_assets(root / "demo", seed=0)
     config = EngineConfig(device=args.device, max_num_seqs=args.concurrency,
@@ -81,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {**run_record(["bench.closed_loop_waves", *(argv or sys.argv[1:])]),
                               "concurrency": args.concurrency,
                               "steps_async": config.steps_async, "arms": []}
-    for spread in (int(s) for s in args.spreads.split(",")):
+    for spread in spreads:
         arm = run_loop(engine, args.concurrency, args.concurrency * args.requests_per_stream,
                        args.new_tokens, spread)
         result["arms"].append(arm)

@@ -24,8 +24,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -99,19 +100,31 @@ def summarize(wall: float, tokens: int, ttft: list[Ttft], errors: list[str] | No
 
 
 # ---- in process ---------------------------------------------------------------------------
+@dataclass
+class StepLog:
+    """An in-process run step by step (bench/closed_loop_waves.py): the requests added before
+    each step, and per request the steps from its add to its first token."""
+    adds: list[int] = field(default_factory=list)
+    to_first: Counter[int] = field(default_factory=Counter)
+
+
 def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, concurrency: int,
-                   arrivals: list[float] | None = None) -> dict[str, Any]:
+                   arrivals: list[float] | None = None, log: StepLog | None = None,
+                   ) -> dict[str, Any]:
     """Closed loop (`concurrency` in flight, the next request added as one finishes), or with
     `arrivals` open loop: request i arrives `arrivals[i]` s after the start and is added at the
-    first step boundary after that; its TTFT counts from its arrival."""
+    first step boundary after that; its TTFT counts from its arrival. `log`: filled as the
+    steps go."""
     pending = list(enumerate(reqs))[::-1]
     first: dict[str, Ttft] = {}
     added: dict[str, float] = {}
+    added_at: dict[str, int] = {}  # rid -> the step it was added before
     tokens, live = 0, 0
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         if arrivals is not None and pending and not engine.has_unfinished():
             time.sleep(max(0.0, t0 + arrivals[pending[-1][0]] - time.perf_counter()))
+        adds = 0
         while pending and (live < concurrency if arrivals is None
                            else t0 + arrivals[pending[-1][0]] <= time.perf_counter()):
             i, (prompt, adapter) = pending.pop()
@@ -120,11 +133,18 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, 
             params = SamplingParams(temperature=0, max_new_tokens=new_tokens.of(prompt),
                                     ignore_eos=True)
             engine.add_request(rid, prompt, params, adapter=adapter or None)
-            live += 1
-        for out in engine.step():
+            live, adds = live + 1, adds + 1
+            if log is not None:
+                added_at[rid] = len(log.adds)
+        outs = engine.step()
+        if log is not None:
+            log.adds.append(adds)
+        for out in outs:
             if out.token_ids and out.request_id not in first:
                 now = time.perf_counter()
                 first[out.request_id] = (now - t0, now - added[out.request_id])
+                if log is not None:
+                    log.to_first[len(log.adds) - added_at[out.request_id]] += 1
             tokens += len(out.token_ids)
             live -= int(out.finished)
     return summarize(time.perf_counter() - t0, tokens, list(first.values()))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.closed_loop_waves import main
 
 
@@ -21,3 +23,10 @@ def test_fixed_lengths_run_in_waves_and_spread_lengths_do_not(tmp_path: Path) ->
     assert fixed["adds_histogram"] == {"4": 3}
     assert sum(fixed["steps_add_to_first_token"].values()) == 12
     assert spread["steps_with_adds"] > fixed["steps_with_adds"]
+
+
+def test_a_spread_as_wide_as_the_length_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--new-tokens", "6", "--spreads", "0,6"])
+    assert exc.value.code == 2
+    assert "every spread must be in [0, --new-tokens=6)" in capsys.readouterr().err
