@@ -7,6 +7,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -83,6 +84,38 @@ def bound_address(listen: str, port: int) -> str:
     """`listen` with its port replaced by the bound one (`[::]:0` -> `[::]:43121`)."""
     host = listen.rsplit(":", 1)[0]
     return f"{host}:{port}"
+
+
+def is_grpc_poller_wakeup(context: dict[str, Any]) -> bool:
+    """True for grpc.aio's spurious poller wakeup: its completion-queue poller reads a wakeup
+    socket whenever the loop reports it readable, and a read that finds nothing raises
+    BlockingIOError (EAGAIN), which asyncio reports as "Exception in callback
+    PollerCompletionQueue._handle_events" at ERROR. Nothing is lost: the reader stays
+    registered and the next wakeup is read (the fault is grpc's; it came up in a control-plane
+    restart test in one CI run of many)."""
+    return (isinstance(context.get("exception"), BlockingIOError)
+            and "PollerCompletionQueue._handle_events" in repr(context.get("handle")))
+
+
+def quiet_grpc_poller_wakeups() -> None:
+    """On the running loop, log grpc's spurious poller wakeups (is_grpc_poller_wakeup) at DEBUG
+    and pass every other loop exception to the handler that was there (asyncio's default
+    when none). Installing it twice on one loop changes nothing."""
+    loop = asyncio.get_running_loop()
+    before = loop.get_exception_handler()
+    if getattr(before, "quiets_grpc_poller", False):
+        return
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if is_grpc_poller_wakeup(context):
+            log.debug("grpc poller woke with nothing to read (ignored)")
+        elif before is not None:
+            before(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handle.quiets_grpc_poller = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handle)
 
 
 def install_stop_handlers(on_stop: Callable[[], None]) -> None:

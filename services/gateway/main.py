@@ -10,7 +10,13 @@ import grpc
 
 from services.common.cluster_token import cluster_metadata
 from services.common.metrics import metrics_host, serve_metrics
-from services.common.server import GrpcServer, drain_and_stop, install_stop_handlers, start_server
+from services.common.server import (
+    GrpcServer,
+    drain_and_stop,
+    install_stop_handlers,
+    quiet_grpc_poller_wakeups,
+    start_server,
+)
 from services.common.watch import Outbox, watch_forever
 from services.gateway.evidence import RoutedEvidence
 from services.gateway.http_api import HttpApi
@@ -105,6 +111,7 @@ class RoutingWatcher:
 
 async def serve_gateway(opts: GatewayOptions) -> int:
     """Run until SIGTERM/SIGINT, then drain (NOT_SERVING, finish streams, stop)."""
+    quiet_grpc_poller_wakeups()
     metrics = GatewayMetrics()
     if opts.metrics_port is not None:
         port = serve_metrics(opts.metrics_port, metrics.registry, metrics_host(opts.listen))

@@ -17,6 +17,7 @@ from services.common.server import (
     bound_address,
     drain_and_stop,
     install_stop_handlers,
+    quiet_grpc_poller_wakeups,
     start_server,
 )
 from services.worker import core_protocol as m
@@ -85,6 +86,7 @@ async def serve_worker(opts: WorkerOptions) -> int:
     """Run a worker until SIGTERM/SIGINT, then drain: health NOT_SERVING, refuse new requests,
     finish running ones (at most `drain_grace_s`), exit 0. If the engine core dies: in-flight
     streams end UNAVAILABLE, health turns NOT_SERVING and the worker exits non-zero."""
+    quiet_grpc_poller_wakeups()
     metrics = WorkerMetrics()
     startup = StartupReport(metrics.registry, process_start_time() or time.time())
     stop = asyncio.Event()

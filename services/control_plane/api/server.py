@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.identity import config_digest
 from services.common.metrics import metrics_host, serve_metrics
-from services.common.server import SERVER_OPTIONS
+from services.common.server import SERVER_OPTIONS, quiet_grpc_poller_wakeups
 from services.common.tls import TlsConfig, add_port
 from services.common.wire import DecodeErrorInterceptor
 from services.control_plane.api.interceptors import AuthInterceptor, ErrorInterceptor
@@ -129,6 +129,7 @@ async def build_server(config: ControlPlaneConfig, sessions: sessionmaker[Sessio
 
 async def serve(config: ControlPlaneConfig) -> None:
     """Run until SIGINT/SIGTERM, then shut down gracefully."""
+    quiet_grpc_poller_wakeups()
     if config.migrate:
         await asyncio.to_thread(upgrade, config.db_url)
     for path in await asyncio.to_thread(clean_stale_staging):

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from services.common.processes import free_port
+from services.common.server import quiet_grpc_poller_wakeups
 from services.common.watch import Outbox, watch_forever
 from services.control_plane.api.placement_service import HubConfig, attach_placement
 from services.control_plane.api.server import ControlPlaneConfig, build_server
@@ -67,7 +68,8 @@ class Subscriber:
 
 async def scenario(db_url: str, address: str, errors: list[str]) -> None:
     asyncio.get_running_loop().set_exception_handler(
-        lambda _loop, ctx: errors.append(str(ctx.get("message"))))
+        lambda _loop, ctx: errors.append(f"{ctx.get('message')}: {ctx.get('exception')!r}"))
+    quiet_grpc_poller_wakeups()  # as every service's main does: grpc's own EAGAIN is not ours
     engine = make_engine(db_url)
     sessions = make_session_factory(engine)
     credential = WorkerCredentials(sessions).mint("w1", SYSTEM)
