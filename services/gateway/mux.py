@@ -57,7 +57,7 @@ def rpc_error(code: grpc.StatusCode, details: str,
 
 
 class MuxUnsupported(Exception):
-    """The worker does not serve GenerateMux: its streams go per call instead."""
+    """The worker does not serve GenerateMux, or may not: its streams go per call instead."""
 
 
 class MuxedCall(Buffered):
@@ -110,6 +110,7 @@ class WorkerMux:
         self.address = address
         self.broken = False
         self.unsupported = False  # the worker answered UNIMPLEMENTED
+        self._frames = 0  # down-frames received
         self._call = channels.stub(address).GenerateMux()
         self._streams: dict[int, MuxedCall] = {}
         self._ids = itertools.count(1)
@@ -187,6 +188,7 @@ class WorkerMux:
     async def _read(self) -> None:
         try:
             async for down in self._call:
+                self._frames += 1
                 streams = self._streams
                 for item in down.items:
                     stream = streams.get(item.stream_id)
@@ -215,10 +217,20 @@ class WorkerMux:
             self._idle.cancel()
             self._idle = None
         self.unsupported = exc is not None and exc.code() == grpc.StatusCode.UNIMPLEMENTED
+        # grpc.aio overwrites the status of a stream-stream call with INTERNAL ("Internal
+        # error from Core") when a write fails because the call has just ended
+        # (grpc/grpc#36066): a worker without GenerateMux, whose UNIMPLEMENTED came as the
+        # first frame went up, read as INTERNAL in about 1% of first requests here. Before
+        # any down-frame no stream has an answer, so they all go per call, where the truth
+        # shows (served, or the per-call error); the worker is not marked: its next mux says
+        # UNIMPLEMENTED, or works.
+        lost_status = (exc is not None and exc.code() == grpc.StatusCode.INTERNAL
+                       and not self._frames)
         if exc is not None:
             why = f"{exc.code().name}: {exc.details()}"
-        error: BaseException = (MuxUnsupported(why) if self.unsupported else rpc_error(
-            grpc.StatusCode.UNAVAILABLE, f"the stream to worker {self.address} broke ({why})"))
+        error: BaseException = (
+            MuxUnsupported(why) if self.unsupported or lost_status else rpc_error(
+                grpc.StatusCode.UNAVAILABLE, f"the stream to worker {self.address} broke ({why})"))
         streams, self._streams = self._streams, {}
         if streams:
             log.info("mux to %s broke with %d streams in flight: %s", self.address,

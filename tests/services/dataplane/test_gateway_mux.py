@@ -230,6 +230,42 @@ def test_a_worker_without_the_mux_is_called_per_request() -> None:
     asyncio.run(scenario())
 
 
+class _LostStatus(_PerCallOnly):
+    """A mux that ends INTERNAL before its first down-frame: what grpc.aio's client reads
+    when its first write races the UNIMPLEMENTED of a worker without the mux
+    (grpc/grpc#36066)."""
+
+    def __init__(self) -> None:
+        self.muxes = 0
+
+    async def GenerateMux(self, request_iterator, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        self.muxes += 1
+        await context.abort(grpc.StatusCode.INTERNAL, "Internal error from Core")
+        yield pb.MuxDown()  # never reached: makes this a stream handler
+
+
+def test_a_mux_that_ends_internal_before_any_frame_sends_its_streams_per_call() -> None:
+    async def scenario() -> None:
+        servicer = _LostStatus()
+        handle = await start_server(
+            "127.0.0.1:0",
+            lambda s: pb_grpc.add_InferenceServiceServicer_to_server(servicer, s),
+            ["slora.v1.InferenceService"])
+        worker = ScriptedWorker("w", address=f"127.0.0.1:{handle.port}")
+        router = Router(table_for([worker]), GatewayMetrics(), mux_from=0)
+        try:
+            for i in range(3):
+                out = await run_call(router, ids_request([1], 4))
+                assert out.error is None and out.token_ids == [7], out
+                # Not marked as a worker without the mux: each request tries it again.
+                assert servicer.muxes == i + 1
+        finally:
+            await router.upstreams.close()
+            await handle.server.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_a_mux_without_the_gateway_token_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     token = "slg_test-mux-token"
     monkeypatch.setenv(GATEWAY_TOKEN_ENV, token)
