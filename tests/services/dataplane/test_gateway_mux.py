@@ -211,23 +211,32 @@ class _PerCallOnly(pb_grpc.InferenceServiceServicer):
         yield pb.GenerateResponse(complete=pb.Complete(finish_reason="length"))
 
 
-def test_a_worker_without_the_mux_is_called_per_request() -> None:
-    async def scenario() -> None:
-        handle = await start_server(
-            "127.0.0.1:0",
-            lambda s: pb_grpc.add_InferenceServiceServicer_to_server(_PerCallOnly(), s),
-            ["slora.v1.InferenceService"])
-        old = ScriptedWorker("old", address=f"127.0.0.1:{handle.port}")
-        router = Router(table_for([old]), GatewayMetrics(), mux_from=0)
-        try:
-            for _ in range(3):
-                out = await run_call(router, ids_request([1], 4))
-                assert out.error is None and out.token_ids == [7]
-        finally:
-            await router.upstreams.close()
-            await handle.server.stop(0)
+async def older_worker_scenario(requests: int) -> None:
+    handle = await start_server(
+        "127.0.0.1:0",
+        lambda s: pb_grpc.add_InferenceServiceServicer_to_server(_PerCallOnly(), s),
+        ["slora.v1.InferenceService"])
+    old = ScriptedWorker("old", address=f"127.0.0.1:{handle.port}")
+    router = Router(table_for([old]), GatewayMetrics(), mux_from=0)
+    try:
+        for _ in range(requests):
+            out = await run_call(router, ids_request([1], 4))
+            assert out.error is None and out.token_ids == [7], out
+    finally:
+        await router.upstreams.close()
+        await handle.server.stop(0)
 
-    asyncio.run(scenario())
+
+def test_a_worker_without_the_mux_is_called_per_request() -> None:
+    asyncio.run(older_worker_scenario(3))
+
+
+@pytest.mark.slow
+def test_a_worker_without_the_mux_is_served_in_every_one_of_many_starts() -> None:
+    """The first request to an older worker raced grpc/grpc#36066 (INTERNAL for its
+    UNIMPLEMENTED) in about 1 start in 110 on this machine: 1,500 starts, none may fail."""
+    for _ in range(1500):
+        asyncio.run(older_worker_scenario(2))
 
 
 class _LostStatus(_PerCallOnly):
