@@ -102,10 +102,15 @@ def test_queue_is_captured_one_graph_at_a_time(demo_dir: Path,
     assert all(r.name == "graph_capture" and r.background and r.seconds > 0 for r in records)
     labels = [(r.graphs, r.bucket) for r in records]
     # Base graphs first, then LoRA (decode then mixed-step graphs each), each set largest
-    # bucket first (its pool serves the smaller ones); LoRA decode graphs once per tile list.
+    # bucket first (its pool serves the smaller ones); LoRA decode graphs once per tile list,
+    # then the row kernels' graph. At these buckets (4 rows at most) every step the tile
+    # kernels take fits one tile (the row kernels take adapters of up to
+    # ROW_KERNELS_MAX_ROWS_PER_ADAPTER rows: cuda_graphs.tile_steps_max_tiles), so one list.
     assert labels[:5] == [("decode", 4), ("decode", 2), ("decode", 1), ("mixed", 32),
                           ("mixed", 16)]
-    assert labels[5:8] == [("decode+lora:4", 4), ("decode+lora:1", 4), ("decode+lora:rows", 4)]
+    assert labels[5:11] == [("decode+lora:1", 4), ("decode+lora:rows", 4),
+                            ("decode+lora:1", 2), ("decode+lora:rows", 2),
+                            ("decode+lora:1", 1), ("decode+lora:rows", 1)]
     # Mixed-step tile lists of 16-row tiles (lora_meta.tile_rows): cdiv(bucket, 16) + 4 seqs.
     assert labels[-2:] == [("mixed+lora:6", 32), ("mixed+lora:5", 16)]
     assert len(set(labels)) == len(labels) == queued
