@@ -8,7 +8,15 @@ token. Waves (many adds at few steps) let the in-process loop put a whole wave i
 while through the service the hops spread a wave's next requests over milliseconds
 (docs/performance.md, issue 37's status).
 
-    python -m bench.closed_loop_waves --out bench/results/closed-loop-waves-cpu.json
+`--arrive-after-ms D,...`: each arm also with successors that reach the engine D ms after the
+step that finished their predecessor returned (`run_in_process(arrive_after_s=)`), as through
+a service, TTFT counted from that arrival. In process a successor is added before the very next
+step; one that arrives after that step began waits for it to end, so if the closed loop's
+successors miss a step through the service, TTFT from arrival rises by about a step less D
+(the mean step is recorded beside it).
+
+    python -m bench.closed_loop_waves --arrive-after-ms 0,1,3 \
+        --out bench/results/closed-loop-waves-cpu.json
 """
 
 from __future__ import annotations
@@ -31,13 +39,17 @@ from slora_core.engine import LLMEngine
 
 
 def run_loop(engine: LLMEngine, concurrency: int, requests: int, new_tokens: int,
-             spread: int) -> dict[str, Any]:
+             spread: int, arrive_after_ms: float = 0.0) -> dict[str, Any]:
     """bench.service_overhead's in-process closed loop, step by step (its StepLog)."""
     log = StepLog()
-    run_in_process(engine, workload([], requests, vocab=512), Lengths(new_tokens, spread),
-                   concurrency, log=log)
+    run = run_in_process(engine, workload([], requests, vocab=512), Lengths(new_tokens, spread),
+                         concurrency, log=log, arrive_after_s=arrive_after_ms / 1e3)
     busy = [a for a in log.adds if a]
-    return {"new_tokens": new_tokens, "spread": spread, "steps": len(log.adds),
+    return {"new_tokens": new_tokens, "spread": spread, "arrive_after_ms": arrive_after_ms,
+            "request_ttft_p50_ms": run["request_ttft_p50_s"] * 1e3,
+            "request_ttft_p99_ms": run["request_ttft_p99_s"] * 1e3,
+            "output_tok_per_s": run["output_tok_per_s"],
+            "mean_step_ms": run["wall_s"] / len(log.adds) * 1e3, "steps": len(log.adds),
             "steps_with_adds": len(busy), "requests": requests,
             "adds_per_adding_step": {"median": float(np.median(busy)), "max": max(busy)},
             "adds_histogram": dict(sorted(Counter(busy).items())),
@@ -51,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--spreads", default="0,32",
                     help="comma-separated +- spreads of the requested length, an arm each")
+    ap.add_argument("--arrive-after-ms", default="0",
+                    help="comma-separated delays from a request's finish to its successor's "
+                         "arrival, an arm each per spread (0: added before the next step)")
+    ap.add_argument("--repeats", type=int, default=1, help="each arm, interleaved")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -60,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--spreads {args.spreads!r} is not comma-separated whole numbers")
     if any(not 0 <= x < args.new_tokens for x in spreads):
         ap.error(f"every spread must be in [0, --new-tokens={args.new_tokens}), got {spreads}")
+    try:
+        delays = [float(x) for x in args.arrive_after_ms.split(",")]
+    except ValueError:
+        ap.error(f"--arrive-after-ms {args.arrive_after_ms!r} is not comma-separated numbers")
+    if any(d < 0 for d in delays) or args.repeats < 1:
+        ap.error("--arrive-after-ms must be at least 0 and --repeats at least 1")
     root = Path(tempfile.mkdtemp(prefix="waves-"))
     demo = write_demo_assets(root / "demo", seed=0)
     config = EngineConfig(device=args.device, max_num_seqs=args.concurrency,
@@ -68,14 +90,20 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {**run_record(["bench.closed_loop_waves", *(argv or sys.argv[1:])]),
                               "concurrency": args.concurrency,
                               "steps_async": config.steps_async, "arms": []}
-    for spread in spreads:
-        arm = run_loop(engine, args.concurrency, args.concurrency * args.requests_per_stream,
-                       args.new_tokens, spread)
-        result["arms"].append(arm)
-        print(f"spread +-{spread}: {arm['steps_with_adds']} of {arm['steps']} steps took adds "
-              f"(median {arm['adds_per_adding_step']['median']:g}, max "
-              f"{arm['adds_per_adding_step']['max']}); steps from add to first token "
-              f"{arm['steps_add_to_first_token']}", flush=True)
+    run_loop(engine, 8, 16, 4, 0)  # warm-up
+    for repeat in range(args.repeats):
+        for spread in spreads:
+            for delay in delays:
+                arm = run_loop(engine, args.concurrency,
+                               args.concurrency * args.requests_per_stream, args.new_tokens,
+                               spread, delay)
+                result["arms"].append({"repeat": repeat, **arm})
+                print(f"spread +-{spread}, arrive after {delay:g} ms: TTFT p50 "
+                      f"{arm['request_ttft_p50_ms']:.1f} ms, mean step "
+                      f"{arm['mean_step_ms']:.1f} ms; {arm['steps_with_adds']} of "
+                      f"{arm['steps']} steps took adds (median "
+                      f"{arm['adds_per_adding_step']['median']:g}); steps from add to first "
+                      f"token {arm['steps_add_to_first_token']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -110,33 +110,46 @@ class StepLog:
 
 def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, concurrency: int,
                    arrivals: list[float] | None = None, log: StepLog | None = None,
-                   ) -> dict[str, Any]:
+                   arrive_after_s: float = 0.0) -> dict[str, Any]:
     """Closed loop (`concurrency` in flight, the next request added as one finishes), or with
     `arrivals` open loop: request i arrives `arrivals[i]` s after the start and is added at the
-    first step boundary after that; its TTFT counts from its arrival. `log`: filled as the
-    steps go."""
+    first step boundary after that; its TTFT counts from its arrival. `arrive_after_s` (closed
+    loop): a finished request's successor arrives that long after the step that finished it
+    returned, as through a service its send and the hops take time, and is added at the first
+    step boundary after that, its TTFT counted from its arrival (0: added before the next
+    step, TTFT from the add). `log`: filled as the steps go."""
     pending = list(enumerate(reqs))[::-1]
     first: dict[str, Ttft] = {}
     added: dict[str, float] = {}
     added_at: dict[str, int] = {}  # rid -> the step it was added before
-    tokens, live = 0, 0
+    tokens = 0
     t0 = time.perf_counter()
+    free = deque([t0] * concurrency)  # closed loop: when each free stream's next request arrives
+
+    def next_arrival() -> float:
+        return t0 + arrivals[pending[-1][0]] if arrivals is not None else free[0]
+
     while pending or engine.has_unfinished():
-        if arrivals is not None and pending and not engine.has_unfinished():
-            time.sleep(max(0.0, t0 + arrivals[pending[-1][0]] - time.perf_counter()))
+        if pending and not engine.has_unfinished() and (arrivals is not None or free):
+            time.sleep(max(0.0, next_arrival() - time.perf_counter()))
         adds = 0
-        while pending and (live < concurrency if arrivals is None
-                           else t0 + arrivals[pending[-1][0]] <= time.perf_counter()):
+        while pending and (arrivals is not None or free) and (
+                next_arrival() <= time.perf_counter()):
+            arrived = next_arrival()
             i, (prompt, adapter) = pending.pop()
             rid = f"r{i}-{t0}"
-            added[rid] = time.perf_counter() if arrivals is None else t0 + arrivals[i]
+            if arrivals is None:
+                free.popleft()
+            added[rid] = (time.perf_counter() if arrivals is None and not arrive_after_s
+                          else arrived)
             params = SamplingParams(temperature=0, max_new_tokens=new_tokens.of(prompt),
                                     ignore_eos=True)
             engine.add_request(rid, prompt, params, adapter=adapter or None)
-            live, adds = live + 1, adds + 1
+            adds += 1
             if log is not None:
                 added_at[rid] = len(log.adds)
         outs = engine.step()
+        returned = time.perf_counter()
         if log is not None:
             log.adds.append(adds)
         for out in outs:
@@ -146,7 +159,8 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, 
                 if log is not None:
                     log.to_first[len(log.adds) - added_at[out.request_id]] += 1
             tokens += len(out.token_ids)
-            live -= int(out.finished)
+            if out.finished:
+                free.append(returned + arrive_after_s)
     return summarize(time.perf_counter() - t0, tokens, list(first.values()))
 
 

@@ -4,11 +4,14 @@ lockstep (each wave of next requests lands before one step), spread lengths brea
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from bench.closed_loop_waves import main
+from bench.service_overhead import Lengths, StepLog, run_in_process
 
 
 def test_fixed_lengths_run_in_waves_and_spread_lengths_do_not(tmp_path: Path) -> None:
@@ -30,3 +33,49 @@ def test_a_spread_as_wide_as_the_length_is_a_usage_error(capsys: pytest.CaptureF
         main(["--new-tokens", "6", "--spreads", "0,6"])
     assert exc.value.code == 2
     assert "every spread must be in [0, --new-tokens=6)" in capsys.readouterr().err
+
+
+class PacedEngine:
+    """Steps of a fixed length; request r0 runs 8 tokens, every other one 1."""
+
+    STEP_S = 0.1
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.left)
+
+    def add_request(self, rid: str, prompt: list[int], params: object,
+                    adapter: str | None = None) -> None:
+        self.left[rid] = 8 if rid.startswith("r0-") else 1
+
+    def step(self) -> list[SimpleNamespace]:
+        time.sleep(self.STEP_S)
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            outs.append(SimpleNamespace(request_id=rid, token_ids=[7],
+                                        finished=not self.left[rid]))
+            if not self.left[rid]:
+                del self.left[rid]
+        return outs
+
+
+@pytest.mark.parametrize("arrive_after_s", [0.0, 0.02])
+def test_a_successor_that_arrives_after_a_step_began_waits_for_it(arrive_after_s: float) -> None:
+    """Two streams: r0 keeps the engine busy for 8 steps; on the other, r1..r4 one after
+    another, each successor arriving `arrive_after_s` after the step that ended its
+    predecessor returned: at once it is added before the next step; 20 ms later that step
+    (100 ms) has begun, so it waits for it, and its TTFT, from its arrival, is the rest of that
+    step and its own."""
+    log = StepLog()
+    run = run_in_process(PacedEngine(), [([i], "") for i in range(5)],  # type: ignore[arg-type]
+                         Lengths(1), 2, log=log, arrive_after_s=arrive_after_s)
+    if arrive_after_s:
+        assert log.adds == [2, 0, 1, 0, 1, 0, 1, 0]
+        # Three of the five requests (r2..r4) waited: the median is theirs.
+        assert run["request_ttft_p50_s"] >= 2 * PacedEngine.STEP_S - arrive_after_s
+    else:
+        assert log.adds == [2, 1, 1, 1, 0, 0, 0, 0]
+    assert log.to_first == {1: 5}  # each first token in the step after its add
