@@ -93,10 +93,15 @@ def service_rows(result: dict[str, Any], source: str, upstream: str = "call") ->
             # stream count (docs/performance.md maps them).
             target = "" if "rate" in level else _service_target(result, path, c)
             what = PATHS.get(path, path)
+            if path.startswith("in_process_after_"):  # service_overhead.late_path
+                what = (f"in process, each next request arriving "
+                        f"{path.removeprefix('in_process_after_')} after the step that "
+                        f"ended the one before (added at the next step)")
             if path == "gateway" and upstream != "call":
                 what = PATHS[f"gateway_{upstream}"]
             rows.append(
-                f"| {what}{gw if path != 'worker' else ''}, {load}{on_card(result)} "
+                f"| {what}{gw if path.startswith(('gateway', 'http')) else ''}, {load}"
+                f"{on_card(result)} "
                 f"| {_fig(figs['throughput_ratio'])}x of in-process; {ttft} "
                 f"| {target} | {source} |")
     return rows

@@ -495,6 +495,12 @@ def parse_args() -> argparse.Namespace:
                          f"per worker, auto the mux from {MUX_FROM_DEFAULT} streams in flight "
                          "on a worker in a gateway process on; the `gateway_X` path, side by "
                          "side")
+    ap.add_argument("--in-process-arrive-after-ms", default=[], type=delays_arg,
+                    metavar="D,...",
+                    help="closed loop: also run the in-process loop with each finished "
+                         "request's successor arriving D ms after the step that finished it "
+                         "(added at the next step boundary, TTFT from its arrival), a path "
+                         "each (in_process_after_Dms), beside the others")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -508,6 +514,22 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--trace-hops {args.trace_hops} already holds traces (*.hops): "
                  "give an empty or new folder")
     return args
+
+
+def late_path(delay_ms: float) -> str:
+    """The path name of the in-process loop whose successors arrive `delay_ms` late."""
+    return f"in_process_after_{delay_ms:g}ms"
+
+
+def delays_arg(text: str) -> list[float]:
+    """--in-process-arrive-after-ms: comma-separated delays over 0 ms."""
+    try:
+        delays = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
+    if any(d <= 0 for d in delays):
+        raise argparse.ArgumentTypeError(f"every delay must be over 0 ms, got {text!r}")
+    return delays
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -535,10 +557,18 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
     http_paths = {http_path(lib): lib for lib in args.http_clients} if args.http else {}
     for path in http_paths:
         runs[path] = []
+    # The in-process loop again with its successors arriving late, as through a service
+    # (closed loop only): how much of a path's added TTFT is the step it then waits out.
+    late = {late_path(d): d for d in args.in_process_arrive_after_ms} if rate is None else {}
+    for path in late:
+        runs[path] = []
     label = f"c={c}" if rate is None else f"rate={rate:g}/s"
     lengths = Lengths(args.new_tokens, args.new_tokens_spread)
     for r in range(args.repeats):
         runs["in_process"].append(run_in_process(engine, reqs, lengths, c, arrivals))
+        for path, delay_ms in late.items():
+            runs[path].append(run_in_process(engine, reqs, lengths, c,
+                                             arrive_after_s=delay_ms / 1e3))
         runs["worker"].append(run_grpc(pool, args.client_procs, worker,
                                        ((GATEWAY_HEADER, stack.gateway_token),), reqs,
                                        lengths, cap, direct=True,

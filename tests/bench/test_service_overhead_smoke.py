@@ -59,6 +59,25 @@ def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
             "core_added -> core_first"]["p50"], tag
 
 
+@pytest.mark.slow
+def test_a_closed_loop_runs_the_in_process_loop_with_late_successors_beside(
+        tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.service_overhead", "--concurrency", "4", "--repeats", "1",
+         "--requests-per-stream", "3", "--new-tokens", "4", "--client-procs", "1",
+         "--in-process-arrive-after-ms", "2,5", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    (level,) = json.loads(out.read_text())["levels"]
+    late = {"in_process_after_2ms", "in_process_after_5ms"}
+    assert set(level["ratios"]) == {"worker", "gateway"} | late
+    for path in late:
+        (run,) = level["runs"][path]
+        assert run["errors"] == [] and run["output_tokens"] == 12 * 4, path
+        assert math.isfinite(level["ratios"][path]["request_ttft_p50_added_ms"]["median"])
+
+
 def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     from bench.service_overhead import poisson_arrivals
 
@@ -72,6 +91,8 @@ def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     ("--http-clients", "httpx,curl", "unknown HTTP client(s) ['curl']"),
     ("--rates", "60,0", "every rate must be > 0"),
     ("--rates", "fast", "is not comma-separated numbers"),
+    ("--in-process-arrive-after-ms", "2,0", "every delay must be over 0 ms"),
+    ("--in-process-arrive-after-ms", "soon", "is not comma-separated numbers"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(flag: str, value: str, says: str) -> None:
     res = subprocess.run([sys.executable, "-m", "bench.service_overhead", flag, value],
