@@ -189,16 +189,22 @@ SUITES: dict[str, tuple[Step, ...]] = {
                           "--out", OUT("service-overhead-7b-gw4")),),
     # Does the in-process closed loop run in waves on the GPU engine too (docs/performance.md,
     # issue 37's status)? The demo model with the engine's GPU settings, fixed and spread lengths.
-    "closed-loop-waves": (step("waves", 120, "bench.closed_loop_waves", "--device", "cuda",
+    # With successors arriving 1 and 3 ms late too (on the CPU's demo engine a late successor
+    # waits out most of a step: closed-loop-arrive-ceeccc6-cpu.json).
+    "closed-loop-waves": (step("waves", 150, "bench.closed_loop_waves", "--device", "cuda",
+                               "--arrive-after-ms", "0,1,3", "--repeats", "3",
                                "--out", OUT("closed-loop-waves")),),
     # 64 streams with every request at 64 tokens, then at 32-96 (fixed by the prompt, the same
     # on every path): do the in-process loop's waves (bench.closed_loop_waves) make part of
-    # the closed loop's added gRPC TTFT?
+    # the closed loop's added gRPC TTFT? Beside them the in-process loop with successors
+    # arriving 1 and 3 ms late (in_process_after_*): the TTFT a late arrival adds by waiting
+    # out the step under way, against what each service path adds.
     "service-path-waves": tuple(
-        step(f"service-{name}", 280, "bench.service_overhead", *SERVICE_7B, "--concurrency", "64",
+        step(f"service-{name}", 290, "bench.service_overhead", *SERVICE_7B, "--concurrency", "64",
              "--repeats", "3", "--requests-per-stream", "8", "--gateway-procs", "4",
              "--client-channels", "8", "--new-tokens-spread", spread, "--trace-hops",
-             f"{{out}}/hops-{name}", "--out", OUT(f"service-overhead-7b-gw4-c64-{name}"))
+             f"{{out}}/hops-{name}", "--in-process-arrive-after-ms", "1,3",
+             "--out", OUT(f"service-overhead-7b-gw4-c64-{name}"))
         for name, spread in (("fixed", "0"), ("spread32", "32"))),
     # The same paths under open-loop Poisson arrivals (the same on every path): a request's
     # added TTFT is then the hop's, not the closed loop's wait for the step under way.
