@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from bench.run_record import run_record
-from bench.service_overhead import Lengths, StepLog, run_in_process, workload
+from bench.service_overhead import Lengths, StepLog, numbers_arg, run_in_process, workload
 from devtools.demo_assets import write_demo_assets
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--spreads", default="0,32",
                     help="comma-separated +- spreads of the requested length, an arm each")
-    ap.add_argument("--arrive-after-ms", default="0",
+    ap.add_argument("--arrive-after-ms", default="0", type=numbers_arg("delay", "ms", True),
                     help="comma-separated delays from a request's finish to its successor's "
                          "arrival, an arm each per spread (0: added before the next step)")
     ap.add_argument("--repeats", type=int, default=1, help="each arm, interleaved")
@@ -76,12 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--spreads {args.spreads!r} is not comma-separated whole numbers")
     if any(not 0 <= x < args.new_tokens for x in spreads):
         ap.error(f"every spread must be in [0, --new-tokens={args.new_tokens}), got {spreads}")
-    try:
-        delays = [float(x) for x in args.arrive_after_ms.split(",")]
-    except ValueError:
-        ap.error(f"--arrive-after-ms {args.arrive_after_ms!r} is not comma-separated numbers")
-    if any(d < 0 for d in delays) or args.repeats < 1:
-        ap.error("--arrive-after-ms must be at least 0 and --repeats at least 1")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     root = Path(tempfile.mkdtemp(prefix="waves-"))
     demo = write_demo_assets(root / "demo", seed=0)
     config = EngineConfig(device=args.device, max_num_seqs=args.concurrency,
@@ -93,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     run_loop(engine, 8, 16, 4, 0)  # warm-up
     for repeat in range(args.repeats):
         for spread in spreads:
-            for delay in delays:
+            for delay in args.arrive_after_ms:
                 arm = run_loop(engine, args.concurrency,
                                args.concurrency * args.requests_per_stream, args.new_tokens,
                                spread, delay)

@@ -131,10 +131,10 @@ def hop_trace_rows(result: dict[str, Any], source: str) -> list[str]:
     return rows
 
 
-
 def traced_service_rows(result: dict[str, Any], source: str) -> list[str]:
     """A service run's rows, then its hop trace's."""
     return service_rows(result, source) + hop_trace_rows(result, source)
+
 
 def fusion_rows(result: dict[str, Any], source: str) -> list[str]:
     """bench.lora_layer_fusion: one decode layer's four projections with one adapter."""

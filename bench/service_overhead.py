@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -126,15 +127,16 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, 
     t0 = time.perf_counter()
     free = deque([t0] * concurrency)  # closed loop: when each free stream's next request arrives
 
-    def next_arrival() -> float:
-        return t0 + arrivals[pending[-1][0]] if arrivals is not None else free[0]
+    def next_arrival() -> float:  # closed loop with every stream busy: none
+        if arrivals is not None:
+            return t0 + arrivals[pending[-1][0]]
+        return free[0] if free else math.inf
 
     while pending or engine.has_unfinished():
-        if pending and not engine.has_unfinished() and (arrivals is not None or free):
+        if pending and not engine.has_unfinished():  # idle: every stream is free
             time.sleep(max(0.0, next_arrival() - time.perf_counter()))
         adds = 0
-        while pending and (arrivals is not None or free) and (
-                next_arrival() <= time.perf_counter()):
+        while pending and next_arrival() <= time.perf_counter():
             arrived = next_arrival()
             i, (prompt, adapter) = pending.pop()
             rid = f"r{i}-{t0}"
@@ -383,15 +385,22 @@ def http_clients_arg(text: str) -> list[str]:
     return libs
 
 
-def rates_arg(text: str) -> list[float]:
-    """--rates: comma-separated arrival rates, each a positive number of requests/s."""
-    try:
-        rates = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
-    if not rates or any(not r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"every rate must be > 0 requests/s, got {text!r}")
-    return rates
+def numbers_arg(what: str, unit: str, zero_ok: bool = False) -> Callable[[str], list[float]]:
+    """An argparse type: comma-separated numbers of `unit`, each over 0 (or 0 with
+    `zero_ok`); a clear usage error names `what` otherwise."""
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
+        if any(not (v >= 0 if zero_ok else v > 0) for v in values):
+            raise argparse.ArgumentTypeError(
+                f"every {what} must be {'>=' if zero_ok else '>'} 0 {unit}, got {text!r}")
+        return values
+    return parse
+
+
+rates_arg = numbers_arg("rate", "requests/s")  # --rates
 
 
 def _completion_body(new_tokens: Lengths, prompt: list[int], adapter: str) -> dict[str, Any]:
@@ -495,7 +504,7 @@ def parse_args() -> argparse.Namespace:
                          f"per worker, auto the mux from {MUX_FROM_DEFAULT} streams in flight "
                          "on a worker in a gateway process on; the `gateway_X` path, side by "
                          "side")
-    ap.add_argument("--in-process-arrive-after-ms", default=[], type=delays_arg,
+    ap.add_argument("--in-process-arrive-after-ms", default=[], type=numbers_arg("delay", "ms"),
                     metavar="D,...",
                     help="closed loop: also run the in-process loop with each finished "
                          "request's successor arriving D ms after the step that finished it "
@@ -519,17 +528,6 @@ def parse_args() -> argparse.Namespace:
 def late_path(delay_ms: float) -> str:
     """The path name of the in-process loop whose successors arrive `delay_ms` late."""
     return f"in_process_after_{delay_ms:g}ms"
-
-
-def delays_arg(text: str) -> list[float]:
-    """--in-process-arrive-after-ms: comma-separated delays over 0 ms."""
-    try:
-        delays = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated numbers") from None
-    if any(d <= 0 for d in delays):
-        raise argparse.ArgumentTypeError(f"every delay must be over 0 ms, got {text!r}")
-    return delays
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:

@@ -79,3 +79,13 @@ def test_a_successor_that_arrives_after_a_step_began_waits_for_it(arrive_after_s
     else:
         assert log.adds == [2, 1, 1, 1, 0, 0, 0, 0]
     assert log.to_first == {1: 5}  # each first token in the step after its add
+
+
+@pytest.mark.parametrize("value,says", [("0,-1", "every delay must be >= 0 ms"),
+                                        ("soon", "is not comma-separated numbers")])
+def test_a_bad_arrival_delay_is_a_usage_error(value: str, says: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--arrive-after-ms", value])
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err

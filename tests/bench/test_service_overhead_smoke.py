@@ -91,7 +91,7 @@ def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     ("--http-clients", "httpx,curl", "unknown HTTP client(s) ['curl']"),
     ("--rates", "60,0", "every rate must be > 0"),
     ("--rates", "fast", "is not comma-separated numbers"),
-    ("--in-process-arrive-after-ms", "2,0", "every delay must be over 0 ms"),
+    ("--in-process-arrive-after-ms", "2,0", "every delay must be > 0 ms"),
     ("--in-process-arrive-after-ms", "soon", "is not comma-separated numbers"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(flag: str, value: str, says: str) -> None:
