@@ -190,7 +190,7 @@ SUITES: dict[str, tuple[Step, ...]] = {
     # Does the in-process closed loop run in waves on the GPU engine too (docs/performance.md,
     # issue 37's status)? The demo model with the engine's GPU settings, fixed and spread lengths.
     # With successors arriving 1 and 3 ms late too (on the CPU's demo engine a late successor
-    # waits out most of a step: closed-loop-arrive-ceeccc6-cpu.json).
+    # waits out most of a step: closed-loop-arrive-508461d-cpu.json).
     "closed-loop-waves": (step("waves", 150, "bench.closed_loop_waves", "--device", "cuda",
                                "--arrive-after-ms", "0,1,3", "--repeats", "3",
                                "--out", OUT("closed-loop-waves")),),
