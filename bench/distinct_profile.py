@@ -5,7 +5,13 @@ off) brought to decode, then per arm (base, one adapter, D = 16, D = 64):
 - the step's wall time over `--profile-steps` back-to-back steps (CUDA graphs as served),
 - the GPU time of those steps by kernel family (torch.profiler; kernels inside graph replays
   included), the busy time and the gaps between kernels, and
-- one layer's kernel sequence (name, microseconds) from the middle of a step.
+- one layer's kernel sequence (name, microseconds) from the middle of a step;
+- the same for the batch's prefill (`prefill`: its mixed steps, a second pass of the same
+  prompts each asking one token, so that graphs are warm and a ride's rows are loaded), which
+  the distinct bench's throughput pays too (5 steps of ~90 ms against 256 of ~8 ms).
+
+With the ride on (`--ride-sole-adapter`), `one_kernels` is the one-adapter arm on the LoRA
+kernels (the ride switched off for it), as in the distinct bench.
 
     python -m bench.serving --shape llama2-7b --device cuda --scenarios distinct_profile \
         --out /tmp/distinct-profile.json
@@ -90,17 +96,83 @@ VARIANTS = {"distinct16_rows": ("distinct16", 4), "distinct64_tiles": ("distinct
 
 
 def profile_arm(b: Bench, engine: Any, name: str, steps: int) -> dict[str, Any]:
-    """Bring the arm's batch to decode, then time and profile `steps` decode steps."""
-    arm, max_rows = VARIANTS.get(name, (name, None))
+    """Bring the arm's batch to decode, then time and profile `steps` decode steps; then
+    time and profile its prefill."""
+    arm, max_rows = VARIANTS.get(name, ("one_unmerged" if name == "one_kernels" else name, None))
     graphs = engine.runner.graphs
     default_rows = graphs.row_kernels_max_rows if graphs is not None else None
+    ride = engine.runner.ride
     if graphs is not None and max_rows is not None:
         graphs.row_kernels_max_rows = max_rows
+    if name == "one_kernels":
+        engine.runner.ride = None
     try:
-        return _profile(b, engine, name, distinct_requests(b, ARMS.get(arm)), steps)
+        reqs = distinct_requests(b, ARMS.get(arm))
+        out = _profile(b, engine, name, reqs, steps)
+        out["prefill"] = _profile_prefill(b, engine, name, reqs)
+        return out
     finally:
+        engine.runner.ride = ride
         if graphs is not None:
             graphs.row_kernels_max_rows = default_rows
+
+
+def _families(events: list[tuple[float, float, str]], steps: int) -> dict[str, Any]:
+    """GPU time and launches a step by kernel family, busy time, span and gaps."""
+    by_fam: dict[str, float] = defaultdict(float)
+    launches: dict[str, int] = defaultdict(int)
+    for _, dur, n in events:
+        by_fam[family(n)] += dur / steps
+        launches[family(n)] += 1
+    span = (events[-1][0] + events[-1][1] - events[0][0]) / steps if events else 0.0
+    busy = busy_us(events) / steps
+    return {"gpu_us_by_family": {k: round(v, 1) for k, v in
+                                 sorted(by_fam.items(), key=lambda kv: -kv[1])},
+            "launches_per_step": {k: v // steps for k, v in launches.items()},
+            "kernels_per_step": len(events) // steps,
+            "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
+            "gaps_us": round(span - busy, 1)}
+
+
+def _prefill_pass(engine: Any, name: str, reqs: list[Any]) -> int:
+    """Add the batch asking one token each and step until every prompt is computed; returns
+    the steps taken (the requests are then run out, unprofiled)."""
+    for i, r in enumerate(reqs):
+        engine.add_request(f"{name}-prefill-{i}", r.prompt,
+                           SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=1),
+                           adapter=None if r.adapter is None else f"a{r.adapter}")
+    steps = 0
+    while engine.num_waiting or any(s.num_computed_tokens < len(s.prompt_token_ids)
+                                    for s in engine.scheduler.running):
+        engine.step()
+        steps += 1
+    return steps
+
+
+def _profile_prefill(b: Bench, engine: Any, name: str, reqs: list[Any]) -> dict[str, Any]:
+    """The batch's prefill three times: warm, timed, profiled."""
+    cuda = torch.cuda.is_available()
+    ride = engine.runner.ride
+    for _ in range(2):  # the first pass warms (and lets a ride load its rows)
+        sync(engine)
+        rode = ride.ride_steps if ride is not None else 0
+        t0 = time.perf_counter()
+        steps = _prefill_pass(engine, name, reqs)
+        sync(engine)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        rode = (ride.ride_steps if ride is not None else 0) - rode
+        while engine.has_unfinished():
+            engine.step()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        pstep = _prefill_pass(engine, name, reqs)
+        sync(engine)
+    while engine.has_unfinished():
+        engine.step()
+    events = kernel_events(prof, cuda)
+    return {"steps": steps, "wall_ms": round(wall_ms, 2),
+            "step_ms": round(wall_ms / max(steps, 1), 2), "ride_steps": rode,
+            **_families(events, max(pstep, 1)),
+            "one_layer": one_layer(events, b.cfg.num_hidden_layers)}
 
 
 def _profile(b: Bench, engine: Any, name: str, reqs: list[Any], steps: int) -> dict[str, Any]:
@@ -129,22 +201,9 @@ def _profile(b: Bench, engine: Any, name: str, reqs: list[Any], steps: int) -> d
             engine.step()
         sync(engine)
     events = kernel_events(prof, cuda)
-    by_fam: dict[str, float] = defaultdict(float)
-    launches: dict[str, int] = defaultdict(int)
-    for _, dur, n in events:
-        by_fam[family(n)] += dur / steps
-        launches[family(n)] += 1
-    span = (events[-1][0] + events[-1][1] - events[0][0]) / steps if events else 0.0
-    busy = busy_us(events) / steps
     while engine.has_unfinished():
         engine.step()
-    return {"decode_step_ms": wall_ms, "distinct_adapters": distinct,
-            "gpu_us_by_family": {k: round(v, 1) for k, v in
-                                 sorted(by_fam.items(), key=lambda kv: -kv[1])},
-            "launches_per_step": {k: v // steps for k, v in launches.items()},
-            "kernels_per_step": len(events) // steps,
-            "gpu_busy_us": round(busy, 1), "gpu_span_us": round(span, 1),
-            "gaps_us": round(span - busy, 1),
+    return {"decode_step_ms": wall_ms, "distinct_adapters": distinct, **_families(events, steps),
             "one_layer": one_layer(events, b.cfg.num_hidden_layers),
             "batch": a.distinct_batch}
 
@@ -157,13 +216,22 @@ def scenario_distinct_profile(b: Bench) -> dict[str, Any]:
                            "ride_sole_adapter": engine.runner.ride is not None}
     arms = ["base", *a.distinct_arms]
     arms += [v for v, (arm, _) in VARIANTS.items() if arm in a.distinct_arms]
+    if engine.runner.ride is not None and "one_unmerged" in arms:
+        arms.append("one_kernels")
     for name in arms:
         out[name] = profile_arm(b, engine, name, steps)
         r = out[name]
         print(f"{name:14s} step {r['decode_step_ms']:.2f} ms  busy {r['gpu_busy_us']:.0f} us  "
               f"gaps {r['gaps_us']:.0f} us  {r['gpu_us_by_family']}", flush=True)
+        p = r["prefill"]
+        print(f"{name:14s} prefill {p['steps']} steps {p['step_ms']:.2f} ms a step "
+              f"(rode {p['ride_steps']})  busy {p['gpu_busy_us']:.0f} us  gaps "
+              f"{p['gaps_us']:.0f} us  {p['gpu_us_by_family']}", flush=True)
     base_ms = out["base"]["decode_step_ms"]
     out["step_ratio_to_base"] = {n: base_ms / out[n]["decode_step_ms"] for n in arms[1:]}
+    base_pf = out["base"]["prefill"]["step_ms"]
+    out["prefill_step_ratio_to_base"] = {n: base_pf / out[n]["prefill"]["step_ms"]
+                                         for n in arms[1:]}
     out["lora_us_per_step"] = {
         n: round(float(np.sum([v for k, v in out[n]["gpu_us_by_family"].items()
                                if k.startswith("lora")])), 1) for n in arms[1:]}
