@@ -32,14 +32,14 @@ HEADLINES = (
      "engine-speed-async-h200.json"),
     ("| 2,000 adapters vs 5, alpha 1.0, 50 arrivals/s", "churn-rate50-tiles16-8a69460-h200.json"),
     ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-tiles16-8a69460-h200.json"),
-    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-a430258-h100.json"),
+    ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-378382f-h200.json"),
     (f"| client -> gateway -> worker, gRPC, per call, then over GenerateMux from "
      f"{MUX_FROM_DEFAULT} streams in flight on a worker on (4 gateway processes), 256 streams",
-     "service-overhead-7b-gw4-a430258-h100.json"),
-    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-a430258-h100.json"),
+     "service-overhead-7b-gw4-378382f-h200.json"),
+    ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-378382f-h200.json"),
     ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
-     "256 streams", "service-overhead-7b-gw4-a430258-h100.json"),
-    ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-ride-ba20ecd-h100.json"),
+     "256 streams", "service-overhead-7b-gw4-378382f-h200.json"),
+    ("| one adapter, merge off, riding the base GEMMs", "distinct-adapters-378382f-h200.json"),
     ("| cold load of one adapter, r16 attention", "cold-load-h200.json"),
     ("| decode LoRA grid beside vLLM's kernels", "lora-grid-h200.json"),
     ("| decode LoRA r16 B256 U256, graph replay", "lora-grid-h200.json"),
@@ -547,6 +547,12 @@ def rows() -> list[str]:
             # The same at 256 streams only, from 8 client processes instead of 4.
             ("service-overhead-7b-gw4-c256-procs8-a430258-h100.json",
              traced_service_rows),
+            # The standard suite again on the H200 at 378382f (README's service headlines),
+            # and 64 streams beside the in-process loop with successors 1 and 3 ms late.
+            ("service-overhead-7b-gw4-378382f-h200.json",
+             traced_service_rows),
+            ("service-overhead-7b-gw4-c64-fixed-378382f-h200.json",
+             traced_service_rows),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),
@@ -631,6 +637,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-mid-b256-fbb4a8f-h100.json", distinct_rows),
                        ("distinct-adapters-ride-ba20ecd-h100.json", distinct_rows),
                        ("distinct-adapters-split-b256-dc73b24-h100.json", distinct_rows),
+                       ("distinct-adapters-378382f-h200.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
