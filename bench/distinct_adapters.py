@@ -14,7 +14,8 @@ runs a subset of the arms beside base.
 With `--ride-sole-adapter` the one-adapter arm rides (slora_core/lora_ride.py) and a
 `one_kernels` arm runs the same requests on the LoRA kernels, side by side. `--ride-variants`
 adds one-adapter arms riding with other launches or rows (RIDE_VARIANTS: every expand as addmm,
-o's and down's as addmm, every module's rows at max_rank), each on its own captured graphs, in
+o's and down's as addmm, every module's rows at max_rank, the wide outputs' row stride not
+padded to RIDE_ROW_ALIGN or padded to 64), each on its own captured graphs, in
 the same interleaving. `--one-adapter-rank` picks the rank of that arm's adapter.
 
 Targets (issue 37): D=16 at least 0.95x base throughput, D=64 at least 0.92x, one adapter with
@@ -39,6 +40,7 @@ from bench.replay import replay
 from bench.workload import BenchRequest
 from devtools.synthetic import random_adapter, shared_weight_view
 from slora_core.config import LORA_MODULES
+from slora_core.lora_ride import RIDE_ROW_ALIGN
 
 if TYPE_CHECKING:
     from bench.serving import Bench
@@ -60,10 +62,13 @@ ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinc
 # and m32, m64 and w8 (a fourth field, expand_blocks: the Triton expands launched 32 or 64
 # rows, or 16 rows and 8 warps, a program) with the launch-shape switch after d3cf840 and
 # 4325d23, where none beat the default (docs/performance.md).
-RIDE_VARIANTS = {"addmm": (False, False, True), "nopdl": (True, False, True),
-                 "triton": (True, True, True), "maxrows": (True, True, False)}
-RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized"
-RideMode = tuple[bool, bool, bool]
+RIDE_VARIANTS = {"addmm": (False, False, True, RIDE_ROW_ALIGN),
+                 "nopdl": (True, False, True, RIDE_ROW_ALIGN),
+                 "triton": (True, True, True, RIDE_ROW_ALIGN),
+                 "maxrows": (True, True, False, RIDE_ROW_ALIGN),
+                 "unaligned": (True, True, True, 1), "align64": (True, True, True, 64)}
+RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized, row_align"
+RideMode = tuple[bool, bool, bool, int]
 
 
 def parse_ride_variants(text: str) -> tuple[str, ...]:
@@ -83,7 +88,8 @@ class RideModes:
 
     def __init__(self, engine: LLMEngine, ride: SoleAdapterRide) -> None:
         self.runner, self.ride = engine.runner, ride
-        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands, ride.rank_sized)
+        self.mode: RideMode = (ride.fused_consumers, ride.triton_expands, ride.rank_sized,
+                               ride.row_align)
         self.default = self.mode
         self.stash: dict[tuple[RideMode, int], dict[Any, Any]] = {}
 
@@ -95,6 +101,7 @@ class RideModes:
                 self.stash[(self.mode, i)] = graphs.take_ride()
                 graphs.put(self.stash.pop((mode, i), {}))
         self.ride.fused_consumers, self.ride.triton_expands = mode[0], mode[1]
+        self.ride.row_align = mode[3]
         if mode[2] != self.ride.rank_sized:  # the rows' layout changes: load them again
             self.ride.rank_sized, self.ride.loaded = mode[2], None
         self.mode = mode

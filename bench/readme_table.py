@@ -440,6 +440,7 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
             continue
         fields = next(k for k in v if "," in k)
         diff = ", ".join((f"{f} {'on' if on else 'off'}" if isinstance(on, bool) else
+                          f"{f} {on}" if isinstance(on, int) else
                           f"{f} {'x'.join(map(str, on)) if on else 'per step'}") for f, on, was in
                          zip(fields.split(", "), v[fields], default or v[fields], strict=True)
                          if on != was)

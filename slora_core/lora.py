@@ -18,12 +18,20 @@ from slora_core.context import PendingExpand, StepContext, defer_expand, get_con
 from slora_core.model import LlamaForCausalLM
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 @dataclass
 class RideRows:
     """A projection's weight with one adapter's A rows appended, and its expand matrix
     (slora_core/lora_ride.py): `weight` [out + modules * rank, in], the base Linear's weight
     a view of its first `out` rows; `b_t` [modules * rank, out], scale * B^T block-diagonal;
-    of both, the first modules * rows appended rows in use (module i's block at i * rows)."""
+    of both, the first modules * rows appended rows in use (module i's block at i * rows).
+    The GEMM's output is `width()` columns: out and the appended rows in use rounded up to
+    `align` (zero rows past them; `weight` holds out + modules * rank rounded up likewise), so
+    that its row stride is a multiple of `align` elements, as Triton's consumers of the strided outputs
+    (rotary, attention, rms_norm) need to vectorize their loads (RIDE_ROW_ALIGN)."""
 
     weight: torch.Tensor
     b_t: torch.Tensor
@@ -39,16 +47,23 @@ class RideRows:
     # Not deferred: the expand as a Triton launch behind the GEMM (slora_kernels.ride_expand,
     # on CUDA) instead of cuBLAS's addmm (SoleAdapterRide.triton_expands says why).
     triton_expand: bool = True
+    # The GEMM output's row stride a multiple of this many elements (1: no padding).
+    align: int = 1
 
     def __post_init__(self) -> None:
         self.rows = self.rows or self.rank
+
+    def width(self) -> int:
+        """Columns of the GEMM's output: out + modules * rows rounded up to `align`."""
+        return round_up(self.out + self.modules * self.rows, self.align)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W.T (+ bias) + the loaded adapter's delta: one GEMM, then one addmm or the
         expand deferred to the consumer; a strided [T, out] view of the wide output."""
         extra = self.modules * self.rows
-        wide = torch.mm(x, self.weight[: self.out + extra].t())
-        y, s, b_t = wide[:, : self.out], wide[:, self.out :], self.b_t[:extra]
+        wide = torch.mm(x, self.weight[: self.width()].t())
+        y, s, b_t = (wide[:, : self.out], wide[:, self.out : self.out + extra],
+                     self.b_t[:extra])
         if bias is not None:
             y.add_(bias)
         if self.defer:

@@ -22,8 +22,8 @@ reads its output fuses it in (ops.rotary, ops.silu_mul; FUSED_CONSUMERS). o's an
 Triton launch (slora_kernels.ride_expand; cuBLAS's addmm where Triton does not run). A module an
 adapter does not target, and a rank below `rows`, leaves zero rows and columns: they add
 nothing.
-The projection's output is then a strided view (row stride `out + modules * rows`): every
-consumer (rotary, the KV write and attention for qkv, rms_norm with the residual for o and
+The projection's output is then a strided view (row stride `out + modules * rows` rounded up
+to RIDE_ROW_ALIGN elements, through zero rows): every consumer (rotary, the KV write and attention for qkv, rms_norm with the residual for o and
 down, silu_mul for gate_up) takes row strides.
 
 The appended rows follow one adapter at a time: they are loaded from the arena when the same
@@ -54,12 +54,18 @@ import torch
 
 from slora_core.arena import PageArena
 from slora_core.config import MODULE_INDEX
-from slora_core.lora import LoraLinear, RideRows
+from slora_core.lora import LoraLinear, RideRows, round_up
 from slora_core.lora_merge import sole_slot
 from slora_core.step_inputs import StepInputs
 
 # Steps in a row on one sole adapter before its rows are loaded (see the docstring).
 RIDE_AFTER_STEPS = 4
+# The wide GEMM output's row stride a multiple of this many elements (RideRows.width): with
+# rank-8 rows qkv's 12,288 + 24 columns and o's and down's 4,096 + 8 are not multiples of 16,
+# and Triton specializes an integer argument (a row stride) on divisibility by 16 only, so
+# every kernel reading those outputs (rotary, the KV write, attention, the residual
+# rms_norm) could not prove its rows aligned and loaded them a few bytes at a time.
+RIDE_ROW_ALIGN = 16
 
 
 @torch.no_grad()
@@ -74,14 +80,15 @@ def attach_ride_rows(model: torch.nn.Module, max_rank: int) -> list[LoraLinear]:
         weight = lin.base.weight
         out, k = weight.shape
         extra = len(lin.module_ids) * max_rank
-        wide = torch.zeros(out + extra, k, dtype=weight.dtype, device=weight.device)
+        wide = torch.zeros(round_up(out + extra, RIDE_ROW_ALIGN), k, dtype=weight.dtype,
+                           device=weight.device)
         wide[:out].copy_(weight)
         # The Linear keeps its Parameter; its data becomes the first rows of the wide weight
         # (freeing the old storage once nothing else holds it).
         weight.data = wide[:out]
         b_t = torch.zeros(extra, out, dtype=weight.dtype, device=weight.device)
         lin.ride = RideRows(wide, b_t, out, max_rank, len(lin.module_ids),
-                            defer=lin.module_ids in FUSED_CONSUMERS)
+                            defer=lin.module_ids in FUSED_CONSUMERS, align=RIDE_ROW_ALIGN)
     return layers
 
 
@@ -140,6 +147,24 @@ class SoleAdapterRide:
         for lin in self.layers:
             assert lin.ride is not None
             lin.ride.triton_expand = on
+
+    @property
+    def row_align(self) -> int:
+        """The wide outputs' row stride a multiple of this many elements (RIDE_ROW_ALIGN by
+        default; 1: no zero columns added). Set it before graphs are captured."""
+        ride = self.layers[0].ride
+        assert ride is not None
+        return ride.align
+
+    @row_align.setter
+    def row_align(self, align: int) -> None:
+        for lin in self.layers:
+            assert lin.ride is not None
+            if lin.ride.weight.shape[0] < round_up(lin.ride.out + lin.ride.modules
+                                                   * lin.ride.rank, align):
+                raise ValueError(f"row_align {align}: the wide weights were allocated for "
+                                 f"{RIDE_ROW_ALIGN}")
+            lin.ride.align = align
 
     @property
     def rows(self) -> int:

@@ -13,7 +13,7 @@ import torch
 from slora_core.config import ConfigError, EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.lora import LoraLinear
-from slora_core.lora_ride import RIDE_AFTER_STEPS, SoleAdapterRide
+from slora_core.lora_ride import RIDE_AFTER_STEPS, RIDE_ROW_ALIGN, SoleAdapterRide
 from slora_core.sampling_params import SamplingParams
 from tests.slora_core.test_engine import hf_greedy
 from tests.slora_core.test_lora_merge import NEW_TOKENS, PROMPTS, _generate
@@ -310,7 +310,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
     fused_graph, tile_graph = graphs.graphs[ride_key], graphs.graphs[tile_key]
     wide_graph = graphs.graphs[wide_key]
     modes = RideModes(engine, ride)
-    assert modes.default == (True, True, True)
+    assert modes.default == (True, True, True, 16)
 
     modes.set(RIDE_VARIANTS["addmm"])
     assert (ride.fused_consumers, ride.triton_expands) == (False, False)
@@ -328,10 +328,13 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
     ride.loaded = (0, 0)
     modes.set(RIDE_VARIANTS["maxrows"])
     assert not ride.rank_sized and ride.loaded is None and ride.rows_for(8) == 64
+    modes.set(RIDE_VARIANTS["unaligned"])  # the outputs' row stride unpadded
+    assert ride.row_align == 1 and ride.rank_sized and ride_key not in graphs.graphs
     modes.set(modes.default)
     assert graphs.graphs[ride_key] is fused_graph and graphs.graphs[tile_key] is tile_graph
     assert graphs.graphs[wide_key] is wide_graph and ride.rank_sized and ride.rows_for(8) == 8
-    assert (ride.fused_consumers, ride.triton_expands, ride.rank_sized) == (True, True, True)
+    assert (ride.fused_consumers, ride.triton_expands, ride.rank_sized, ride.row_align) == (
+        True, True, True, 16)
 
     assert parse_ride_variants("addmm, triton") == ("addmm", "triton")
     assert parse_ride_variants("") == ()
@@ -403,3 +406,37 @@ def test_start_up_queues_a_ride_graph_for_every_row_count(demo_dir, monkeypatch)
     assert seen and set(seen) == {64} and ride.rows == 16
     ride.rank_sized = False
     assert ride.row_counts == (64,)
+
+
+def test_ride_outputs_row_stride_padded_to_the_alignment_gives_the_unpadded_logits(demo_dir):
+    """The wide GEMM's output is padded with zero columns to a row stride that is a multiple
+    of RIDE_ROW_ALIGN (rank-8 rows leave qkv's and o's widths off it); the same steps with the
+    padding off (row_align 1) give the same logits, and a row_align the weights were not
+    allocated for is refused."""
+    engine = _engine(demo_dir, ["attn-r8"])
+    runner, ride = engine.runner, _ride(engine)
+    assert ride.row_align == RIDE_ROW_ALIGN == 16
+    run = runner.run
+    diffs: list[float] = []
+    strides: set[tuple[int, int]] = set()
+
+    def both(scheduled, patch=None):
+        ride.row_align = RIDE_ROW_ALIGN
+        logits = run(scheduled, patch)
+        if ride.loaded is not None and ride._streak[0] == ride.loaded:
+            for lin in ride.layers:
+                rr = lin.ride
+                assert rr is not None and rr.width() % RIDE_ROW_ALIGN == 0
+                strides.add((rr.out + rr.modules * rr.rows, rr.width()))
+            ride.row_align = 1
+            unpadded = run(scheduled, patch)
+            diffs.append(float((logits - unpadded).abs().max() / unpadded.abs().max()))
+        return logits
+
+    runner.run = both  # type: ignore[method-assign]
+    _generate(engine, [(p, "attn-r8") for p in PROMPTS])
+    assert ride.rows == 8 and diffs and max(diffs) < 1e-5, diffs
+    # Some projection's unpadded width is off the alignment (so the padding was exercised).
+    assert any(used % RIDE_ROW_ALIGN for used, _ in strides), strides
+    with pytest.raises(ValueError, match="allocated for"):
+        ride.row_align = 4096
