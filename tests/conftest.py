@@ -139,7 +139,8 @@ UNIT_SECONDS = {
     "tests/slora_core/test_tensor_parallel.py": 27,
     "tests/kernel_tests/test_sm90_compile.py": 37,
     "tests/slora_core/test_mixed_graph_tiles.py": 20,  # the step on Triton's interpreter
-    "tests/slora_core/test_lora_ride.py": 12,  # fused ride steps on Triton's interpreter
+    "tests/slora_core/test_lora_ride.py": 14,  # fused ride steps on Triton's interpreter
+    "tests/bench/test_distinct_profile.py": 11,  # the profile scenario on the tiny shape
     "tests/kernel_tests/test_lora_variants.py": 21,
     "tests/services/dataplane/test_rollout_e2e.py": 19,
     "tests/services/dataplane/test_http_errors.py": 18,

@@ -1,4 +1,5 @@
-"""bench.distinct_profile's accounting of profiled kernels: families, busy time, one layer."""
+"""bench.distinct_profile's accounting of profiled kernels (families, busy time, one layer), and
+its scenario on the CPU."""
 
 from __future__ import annotations
 
@@ -29,3 +30,28 @@ def test_one_layer_is_the_run_between_two_attention_kernels() -> None:
     assert [k["name"] for k in got] == layer
     assert [k["family"] for k in got] == ["attention", "gemm", "lora_shrink", "rmsnorm"]
     assert one_layer(events[:3], layers=4) == []  # too few layers seen: nothing
+
+
+def test_the_scenario_profiles_each_arms_prefill_and_the_one_adapter_arm_on_the_kernels(
+        tmp_path):
+    """The distinct_profile scenario on the CPU (tiny shape): every arm's prefill is timed
+    and profiled; with the ride on, the one-adapter arm's prefill rides and the same requests
+    run on the LoRA kernels as one_kernels (the ride off for it, then back on)."""
+    import json
+
+    from bench import serving
+
+    out = tmp_path / "dp.json"
+    assert serving.main([
+        "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--scenarios",
+        "distinct_profile", "--distinct-arms", "one_unmerged", "--ride-sole-adapter",
+        "--profile-steps", "1", "--distinct-batch", "2", "--distinct-input", "64",
+        "--distinct-output", "4", "--arena-gb", "0.2", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())["distinct_profile"]
+    arms = ("base", "one_unmerged", "one_kernels")
+    assert all(d[a]["prefill"]["steps"] >= 1 and d[a]["prefill"]["step_ms"] > 0
+               and d[a]["prefill"]["kernels_per_step"] > 0 for a in arms)
+    assert [d[a]["prefill"]["ride_steps"] for a in arms] == [
+        0, d["one_unmerged"]["prefill"]["steps"], 0]
+    assert set(d["prefill_step_ratio_to_base"]) == {"one_unmerged", "one_kernels"}
+    assert d["one_kernels"]["distinct_adapters"] == 1  # the one adapter's requests, not base's
