@@ -639,6 +639,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-ride-ba20ecd-h100.json", distinct_rows),
                        ("distinct-adapters-split-b256-dc73b24-h100.json", distinct_rows),
                        ("distinct-adapters-378382f-h200.json", distinct_rows),
+                       ("distinct-adapters-91d9eee-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):
