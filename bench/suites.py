@@ -183,9 +183,13 @@ SUITES: dict[str, tuple[Step, ...]] = {
     # default until the auto upstream, per call then GenerateMux past 32 streams in flight on
     # the worker in a gateway process, won at 256 streams on an H100 at f0cf944): the
     # gateway_call path. 8 requests a stream: at 2 the first burst ruled every median.
+    # With the in-process loop's successors also arriving 1 ms late (in_process_after_1ms):
+    # at 64 streams on the H200 that alone added as much TTFT as the gateway path
+    # (service-overhead-7b-gw4-c64-fixed-378382f-h200.json); this shows it at 256 too.
     "service-path": (step("service", 540, "bench.service_overhead", *SERVICE_7B, "--repeats", "3",
                           "--requests-per-stream", "8", "--gateway-procs", "4",
                           "--client-channels", "8", "--also-upstream", "call",
+                          "--in-process-arrive-after-ms", "1",
                           "--out", OUT("service-overhead-7b-gw4")),),
     # Does the in-process closed loop run in waves on the GPU engine too (docs/performance.md,
     # issue 37's status)? The demo model with the engine's GPU settings, fixed and spread lengths.
@@ -246,6 +250,10 @@ SUITES["issue37"] = (
     dataclasses.replace(SUITES["distinct-adapters"][0], argv=(
         *SUITES["distinct-adapters"][0].argv, "--ride-sole-adapter")),
     dataclasses.replace(SUITES["churn"][0], limit_s=220))
+# Every distinct arm with the ride, and the one-adapter arm riding unpadded beside the padded
+# default (RIDE_ROW_ALIGN; distinct-adapters-91d9eee-h100.json), interleaved: ~230 s on the H200.
+SUITES["issue37-align"] = (dataclasses.replace(SUITES["issue37"][0], argv=(
+    *SUITES["issue37"][0].argv, "--ride-variants", "unaligned")),)
 # The sole-adapter ride (qkv's and gate_up's expands fused into rotary and silu_mul, 7c40866;
 # rows sized to the adapter's rank, 960db69; o's and down's expands a Triton launch, on since
 # 5be1284) in one call, in the order a call cut short by its 600 s should keep them: the
