@@ -134,6 +134,12 @@ def _families(events: list[tuple[float, float, str]], steps: int) -> dict[str, A
             "gaps_us": round(span - busy, 1)}
 
 
+def prefilling(engine: Any) -> bool:
+    """Whether a request waits or a running one's prompt is not yet all computed."""
+    return bool(engine.num_waiting) or any(s.num_computed_tokens < len(s.prompt_token_ids)
+                                           for s in engine.scheduler.running)
+
+
 def _prefill_pass(engine: Any, name: str, reqs: list[Any]) -> int:
     """Add the batch asking one token each and step until every prompt is computed; returns
     the steps taken (the requests are then run out, unprofiled)."""
@@ -142,8 +148,7 @@ def _prefill_pass(engine: Any, name: str, reqs: list[Any]) -> int:
                            SamplingParams(temperature=0, ignore_eos=True, max_new_tokens=1),
                            adapter=None if r.adapter is None else f"a{r.adapter}")
     steps = 0
-    while engine.num_waiting or any(s.num_computed_tokens < len(s.prompt_token_ids)
-                                    for s in engine.scheduler.running):
+    while prefilling(engine):
         engine.step()
         steps += 1
     return steps
@@ -184,8 +189,7 @@ def _profile(b: Bench, engine: Any, name: str, reqs: list[Any], steps: int) -> d
                            SamplingParams(temperature=0, ignore_eos=True,
                                           max_new_tokens=warm_steps + 2 * steps + 8),
                            adapter=None if r.adapter is None else f"a{r.adapter}")
-    while engine.num_waiting or any(s.num_computed_tokens < len(s.prompt_token_ids)
-                                    for s in engine.scheduler.running):
+    while prefilling(engine):
         engine.step()
     for _ in range(warm_steps):  # decode graphs replayed once before timing
         engine.step()

@@ -30,8 +30,9 @@ class RideRows:
     of both, the first modules * rows appended rows in use (module i's block at i * rows).
     The GEMM's output is `width()` columns: out and the appended rows in use rounded up to
     `align` (zero rows past them; `weight` holds out + modules * rank rounded up likewise), so
-    that its row stride is a multiple of `align` elements, as Triton's consumers of the strided outputs
-    (rotary, attention, rms_norm) need to vectorize their loads (RIDE_ROW_ALIGN)."""
+    that its row stride is a multiple of `align` elements, as Triton's consumers of the
+    strided outputs (rotary, attention, rms_norm) need to vectorize their loads
+    (RIDE_ROW_ALIGN)."""
 
     weight: torch.Tensor
     b_t: torch.Tensor

@@ -23,8 +23,9 @@ Triton launch (slora_kernels.ride_expand; cuBLAS's addmm where Triton does not r
 adapter does not target, and a rank below `rows`, leaves zero rows and columns: they add
 nothing.
 The projection's output is then a strided view (row stride `out + modules * rows` rounded up
-to RIDE_ROW_ALIGN elements, through zero rows): every consumer (rotary, the KV write and attention for qkv, rms_norm with the residual for o and
-down, silu_mul for gate_up) takes row strides.
+to RIDE_ROW_ALIGN elements, through zero rows): every consumer (rotary, the KV write and
+attention for qkv, rms_norm with the residual for o and down, silu_mul for gate_up) takes row
+strides.
 
 The appended rows follow one adapter at a time: they are loaded from the arena when the same
 sole adapter (slot and slot generation) has held RIDE_AFTER_STEPS steps in a row, since a load
@@ -158,13 +159,14 @@ class SoleAdapterRide:
 
     @row_align.setter
     def row_align(self, align: int) -> None:
-        for lin in self.layers:
-            assert lin.ride is not None
-            if lin.ride.weight.shape[0] < round_up(lin.ride.out + lin.ride.modules
-                                                   * lin.ride.rank, align):
-                raise ValueError(f"row_align {align}: the wide weights were allocated for "
-                                 f"{RIDE_ROW_ALIGN}")
-            lin.ride.align = align
+        if align < 1:
+            raise ValueError(f"row_align must be 1 or more elements, got {align}")
+        rides = [lin.ride for lin in self.layers if lin.ride is not None]
+        if any(r.weight.shape[0] < round_up(r.out + r.modules * r.rank, align) for r in rides):
+            raise ValueError(f"row_align {align}: the wide weights were allocated for "
+                             f"{RIDE_ROW_ALIGN}")
+        for r in rides:  # every projection or none
+            r.align = align
 
     @property
     def rows(self) -> int:

@@ -438,5 +438,10 @@ def test_ride_outputs_row_stride_padded_to_the_alignment_gives_the_unpadded_logi
     assert ride.rows == 8 and diffs and max(diffs) < 1e-5, diffs
     # Some projection's unpadded width is off the alignment (so the padding was exercised).
     assert any(used % RIDE_ROW_ALIGN for used, _ in strides), strides
+    ride.row_align = RIDE_ROW_ALIGN
     with pytest.raises(ValueError, match="allocated for"):
-        ride.row_align = 4096
+        ride.row_align = 128  # o's and gate_up's weights could take it, qkv's not
+    with pytest.raises(ValueError, match="1 or more"):
+        ride.row_align = 0
+    # A refused alignment changes no projection.
+    assert {lin.ride.align for lin in ride.layers if lin.ride} == {RIDE_ROW_ALIGN}
