@@ -175,3 +175,40 @@ def test_expands_in_other_launch_shapes_give_the_same_sums(blocks):
     rotary_reference(q64, k64, cos.double(), sin.double())
     rotary_expand_triton(qkv, s3, b3, rank, heads, heads, cos, sin, blocks)
     assert rel_err(qkv, ref) < TOLERANCE[dtype]
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,n,k,residual", [(1, 96, 8, True), (19, 200, 16, True),
+                                                  (40, 64, 64, True), (7, 128, 8, False)])
+def test_rms_norm_expand_matches_addmm_then_rms_norm(dtype, tokens, n, k, residual):
+    """o's and down's expand fused into the residual rms_norm that reads their output
+    (rmsnorm.rms_norm_triton's `expand`), on a strided view of the wide GEMM output, against
+    float64 torch (x + s @ b_t, residual add, norm) and against the addmm then the plain
+    kernel; the residual stream is updated in place as the plain kernel updates it."""
+    from slora_kernels.rmsnorm import rms_norm_triton
+
+    gen = generator(tokens * n + k + residual)
+    wide = randn(tokens, n + k, dtype=dtype, gen=gen)
+    x, s = wide[:, :n], wide[:, n:]
+    b_t = randn(k, n, dtype=dtype, gen=gen, std=0.25)
+    weight = randn(n, dtype=dtype, gen=gen)
+    res = randn(tokens, n, dtype=dtype, gen=gen) if residual else None
+    eps = 1e-5
+
+    def norm64(h: torch.Tensor) -> torch.Tensor:
+        return weight.double() * h / torch.sqrt((h * h).mean(-1, keepdim=True) + eps)
+
+    h64 = x.double() + s.double() @ b_t.double() + (res.double() if res is not None else 0)
+    ref = norm64(h64)
+    x_before, shrink = x.clone(), s.clone()
+    res_plain = res.clone() if res is not None else None
+    plain, plain_res = rms_norm_triton(x.clone().addmm_(s, b_t), weight, eps, res_plain)
+    got, got_res = rms_norm_triton(x, weight, eps, res, (s, b_t))
+    assert rel_err(got, ref) < TOLERANCE[dtype] and rel_err(got, plain) < TOLERANCE[dtype]
+    if res is not None:
+        assert got_res is res and plain_res is not None
+        assert rel_err(res, h64) < TOLERANCE[dtype] and rel_err(res, plain_res) < TOLERANCE[dtype]
+    # The delta matters: without it the norm would miss the reference by far.
+    assert rel_err(norm64(h64 - s.double() @ b_t.double()), ref) > 10 * TOLERANCE[dtype]
+    # x and s are read, not written (the sum goes to the residual stream and the norm).
+    assert torch.equal(s, shrink) and torch.equal(x, x_before)
+    with pytest.raises(ValueError, match=r"b_t \[K, N\]"):
+        rms_norm_triton(x, weight, eps, None, (s, b_t[:, :-1]))
