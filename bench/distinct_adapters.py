@@ -54,27 +54,25 @@ ARMS = {"distinct16": 16, "distinct64": 64, "one_unmerged": 1}  # arm -> distinc
 
 
 # --ride-variants: one-adapter arms riding with other launches than the default's, as
-# (SoleAdapterRide.fused_consumers, .triton_expands, .rank_sized, .row_align, .norm_expands);
-# each result records its arms' fields. addmm: every expand an addmm (the ride before
-# 7c40866); nopdl: o's and down's expands an addmm (the default at 5be1284); triton: o's and
-# down's in Triton (the default since); maxrows: every module's rows at max_rank (the ride
-# before 960db69); unaligned and align64: the wide outputs' row stride unpadded or padded to
-# 64 (RIDE_ROW_ALIGN, 16 since 91d9eee); norm: o's and down's expands fused into the residual
-# rms_norm in decode-sized steps (removed at ca134db after losing with a kernel that read the
-# expand matrix a row at a time, back with one that reads it at once). The PDL variant went
-# with the PDL launches (removed after 5be1284), and m32, m64 and w8 (a field expand_blocks:
-# the Triton expands launched 32 or 64 rows, or 16 rows and 8 warps, a program) with the
-# launch-shape switch after d3cf840 and 4325d23, where none beat the default
-# (docs/performance.md).
-RIDE_VARIANTS = {"addmm": (False, False, True, RIDE_ROW_ALIGN, False),
-                 "nopdl": (True, False, True, RIDE_ROW_ALIGN, False),
-                 "triton": (True, True, True, RIDE_ROW_ALIGN, False),
-                 "maxrows": (True, True, False, RIDE_ROW_ALIGN, False),
-                 "unaligned": (True, True, True, 1, False),
-                 "align64": (True, True, True, 64, False),
-                 "norm": (True, True, True, RIDE_ROW_ALIGN, True)}
-RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized, row_align, norm_expands"
-RideMode = tuple[bool, bool, bool, int, bool]
+# (SoleAdapterRide.fused_consumers, .triton_expands, .rank_sized, .row_align); each result
+# records its arms' fields. addmm: every expand an addmm (the ride before 7c40866); nopdl: o's
+# and down's expands an addmm (the default at 5be1284); triton: o's and down's in Triton (the
+# default since); maxrows: every module's rows at max_rank (the ride before 960db69);
+# unaligned, align64: the wide outputs' row stride unpadded or padded to 64 (16 since
+# 91d9eee). The PDL variant went with the PDL launches (removed after 5be1284); norm with the
+# norm fusion (ca134db; back at 3ceb912 with the expand matrix read as one tile and removed
+# again: on an H100 0.985x against the default's 0.984x at rank 8, 0.956x against 0.978x at
+# rank 16, distinct-adapters-norm{,-r16}-3ceb912-h100.json); m32, m64 and w8 (a field
+# expand_blocks: the Triton expands launched 32 or 64 rows, or 16 rows and 8 warps, a
+# program) with the launch-shape switch after d3cf840 and 4325d23, where none beat the
+# default (docs/performance.md).
+RIDE_VARIANTS = {"addmm": (False, False, True, RIDE_ROW_ALIGN),
+                 "nopdl": (True, False, True, RIDE_ROW_ALIGN),
+                 "triton": (True, True, True, RIDE_ROW_ALIGN),
+                 "maxrows": (True, True, False, RIDE_ROW_ALIGN),
+                 "unaligned": (True, True, True, 1), "align64": (True, True, True, 64)}
+RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized, row_align"
+RideMode = tuple[bool, bool, bool, int]
 
 
 def parse_ride_variants(text: str) -> tuple[str, ...]:
@@ -95,7 +93,7 @@ class RideModes:
     def __init__(self, engine: LLMEngine, ride: SoleAdapterRide) -> None:
         self.runner, self.ride = engine.runner, ride
         self.mode: RideMode = (ride.fused_consumers, ride.triton_expands, ride.rank_sized,
-                               ride.row_align, ride.norm_expands)
+                               ride.row_align)
         self.default = self.mode
         self.stash: dict[tuple[RideMode, int], dict[Any, Any]] = {}
 
@@ -107,7 +105,7 @@ class RideModes:
                 self.stash[(self.mode, i)] = graphs.take_ride()
                 graphs.put(self.stash.pop((mode, i), {}))
         self.ride.fused_consumers, self.ride.triton_expands = mode[0], mode[1]
-        self.ride.row_align, self.ride.norm_expands = mode[3], mode[4]
+        self.ride.row_align = mode[3]
         if mode[2] != self.ride.rank_sized:  # the rows' layout changes: load them again
             self.ride.rank_sized, self.ride.loaded = mode[2], None
         self.mode = mode

@@ -296,25 +296,6 @@ SUITES["issue37-ride"] = (
     dataclasses.replace(SUITES["distinct-profile"][0], limit_s=150, argv=(
         *SUITES["distinct-profile"][0].argv[:-1], OUT("distinct-profile-ride"),
         "--distinct-arms", "one_unmerged", "--ride-sole-adapter")))
-def _renamed(st: Step, stem: str) -> Step:
-    """`st` writing its result as `stem` instead of its own OUT name."""
-    argv = list(st.argv)
-    argv[argv.index("--out") + 1] = OUT(stem)
-    return dataclasses.replace(st, argv=tuple(argv))
-
-
-# o's and down's ride expands fused into the residual rms_norm (norm_expands, off by default,
-# its B read as one tile) against the default's Triton expand launches, interleaved with base:
-# the fused kernel's tests compiled on the GPU (bf16 too), the rank-8 arm, the rank-16 arm.
-SUITES["issue37-norm"] = (
-    step("norm-kernel-tests", 90, "pytest", "-q", "-p", "no:cacheprovider", "-m",
-         "slow or not slow", "tests/kernel_tests/test_ride_expand.py", "-k", "rms_norm"),
-    _renamed(dataclasses.replace(_RIDE_ONE, argv=(*_RIDE_ONE.argv, "--ride-variants", "norm")),
-             "distinct-adapters-norm"),
-    _renamed(dataclasses.replace(_ride_one_rank(16), limit_s=150, argv=(
-        *_ride_one_rank(16).argv, "--ride-variants", "norm")), "distinct-adapters-norm-r16"))
-
-
 # Decode graphs' middle tile list (decode_tile_caps) in one call: one layer's LoRA launches on
 # the full, middle and real-only lists at 64 rows (D = 16) and 256 rows (D = 64 and 32), then
 # the engine's D = 16 arm at batch 64 and D = 64 arm at batch 256 (four rows an adapter:

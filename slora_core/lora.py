@@ -17,10 +17,6 @@ from slora_core.config import MODULE_INDEX, ModelConfig
 from slora_core.context import PendingExpand, StepContext, defer_expand, get_context
 from slora_core.model import LlamaForCausalLM
 
-# Tokens up to which o's and down's ride expands may fuse into the residual rms_norm (one
-# program a token, each reading the expand matrix: past this the addmm's tiles read it less).
-NORM_EXPAND_MAX_TOKENS = 256
-
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -49,10 +45,6 @@ class RideRows:
     # Leave the expand to the op reading the output (qkv: rotary, gate_up: silu_mul), which
     # fuses it in (context.defer_expand); False: one addmm here.
     defer: bool = False
-    # o and down: leave it to the residual rms_norm reading the output when `rows` is at most
-    # this and the step at most NORM_EXPAND_MAX_TOKENS tokens (SoleAdapterRide.norm_expands;
-    # each of the norm's programs reads the whole expand matrix); 0: never.
-    norm_rows: int = 0
     # Not deferred: the expand as a Triton launch behind the GEMM (slora_kernels.ride_expand,
     # on CUDA) instead of cuBLAS's addmm (SoleAdapterRide.triton_expands says why).
     triton_expand: bool = True
@@ -75,8 +67,7 @@ class RideRows:
                      self.b_t[:extra])
         if bias is not None:
             y.add_(bias)
-        if self.defer or (self.rows <= self.norm_rows
-                          and x.shape[0] <= NORM_EXPAND_MAX_TOKENS):
+        if self.defer:
             defer_expand(PendingExpand(y, s, b_t, self.rows))
             return y
         if self.triton_expand and ops._use_triton(y):

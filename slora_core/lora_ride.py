@@ -99,11 +99,6 @@ def attach_ride_rows(model: torch.nn.Module, max_rank: int) -> list[LoraLinear]:
 FUSED_CONSUMERS = frozenset({
     tuple(MODULE_INDEX[m] for m in ("q_proj", "k_proj", "v_proj")),
     tuple(MODULE_INDEX[m] for m in ("gate_proj", "up_proj"))})
-# o's and down's expands may fuse into the residual rms_norm instead (norm_expands) when the
-# ride's rows are at most this: each of the norm's programs (one a token) reads the whole
-# expand matrix, 64 KB at 8 rows and 4096 columns, 512 KB at 64.
-NORM_CONSUMERS = frozenset({(MODULE_INDEX["o_proj"],), (MODULE_INDEX["down_proj"],)})
-NORM_EXPAND_MAX_ROWS = 16
 
 
 class SoleAdapterRide:
@@ -136,22 +131,6 @@ class SoleAdapterRide:
         for lin in self.layers:
             assert lin.ride is not None
             lin.ride.defer = on and lin.module_ids in FUSED_CONSUMERS
-
-    @property
-    def norm_expands(self) -> bool:
-        """Whether o's and down's expands are fused into the residual rms_norm that reads
-        their output (ops.rms_norm) at rows up to NORM_EXPAND_MAX_ROWS and steps up to
-        lora.NORM_EXPAND_MAX_TOKENS tokens, rather than an addmm launch. Off until measured
-        in the engine (bench.distinct_adapters --ride-variants norm). Set it before graphs are
-        captured."""
-        return any(lin.ride is not None and lin.ride.norm_rows for lin in self.layers)
-
-    @norm_expands.setter
-    def norm_expands(self, on: bool) -> None:
-        for lin in self.layers:
-            assert lin.ride is not None
-            lin.ride.norm_rows = (NORM_EXPAND_MAX_ROWS if on and lin.module_ids in NORM_CONSUMERS
-                                  else 0)
 
     @property
     def triton_expands(self) -> bool:

@@ -65,17 +65,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, arena: torch.Tensor, a_offsets: t
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(norm(x), None), or with `residual`: residual += x in place, (norm(residual), residual).
-    When x is a ride projection's output whose expand was deferred (o's or down's,
-    context.defer_expand), the expand is applied first: fused in on CUDA."""
-    pending = take_expand(x)
-    if pending is not None and not _use_triton(x):
-        pending.apply()
+    """(norm(x), None), or with `residual`: residual += x in place, (norm(residual), residual)."""
     if _use_triton(x):
         from slora_kernels.rmsnorm import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual, None if pending is None
-                               else (pending.s, pending.b_t))
+        return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual)
 
 

@@ -310,7 +310,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
     fused_graph, tile_graph = graphs.graphs[ride_key], graphs.graphs[tile_key]
     wide_graph = graphs.graphs[wide_key]
     modes = RideModes(engine, ride)
-    assert modes.default == (True, True, True, 16, False)
+    assert modes.default == (True, True, True, 16)
 
     modes.set(RIDE_VARIANTS["addmm"])
     assert (ride.fused_consumers, ride.triton_expands) == (False, False)
@@ -330,10 +330,7 @@ def test_bench_ride_modes_switch_launches_and_keep_each_modes_graphs(demo_dir):
     assert not ride.rank_sized and ride.loaded is None and ride.rows_for(8) == 64
     modes.set(RIDE_VARIANTS["unaligned"])  # the outputs' row stride unpadded
     assert ride.row_align == 1 and ride.rank_sized and ride_key not in graphs.graphs
-    modes.set(RIDE_VARIANTS["norm"])
-    assert ride.norm_expands and ride.rank_sized and ride.loaded is None
     modes.set(modes.default)
-    assert not ride.norm_expands
     assert graphs.graphs[ride_key] is fused_graph and graphs.graphs[tile_key] is tile_graph
     assert graphs.graphs[wide_key] is wide_graph and ride.rank_sized and ride.rows_for(8) == 8
     assert (ride.fused_consumers, ride.triton_expands, ride.rank_sized, ride.row_align) == (
@@ -448,59 +445,3 @@ def test_ride_outputs_row_stride_padded_to_the_alignment_gives_the_unpadded_logi
         ride.row_align = 0
     # A refused alignment changes no projection.
     assert {lin.ride.align for lin in ride.layers if lin.ride} == {RIDE_ROW_ALIGN}
-def test_norm_expands_give_the_addmm_logits(demo_dir, monkeypatch):
-    """o's and down's expands fused into the residual rms_norm (norm_expands; the kernels on
-    Triton's interpreter) give the logits of the same ride steps with those expands an addmm,
-    and only at rows up to NORM_EXPAND_MAX_ROWS."""
-    from slora_core import ops
-    from slora_core.lora_ride import NORM_EXPAND_MAX_ROWS
-    from slora_kernels import rmsnorm
-
-    monkeypatch.setattr(ops, "_use_triton", lambda t: True)
-    fused = [0]
-    real = rmsnorm.rms_norm_triton
-
-    def counted(x, weight, eps, residual=None, expand=None):  # type: ignore[no-untyped-def]
-        fused[0] += expand is not None
-        return real(x, weight, eps, residual, expand)
-
-    monkeypatch.setattr(rmsnorm, "rms_norm_triton", counted)
-    engine = _engine(demo_dir, ["all-r16"])
-    runner, ride = engine.runner, _ride(engine)
-    assert not ride.norm_expands
-    ride.norm_expands = True
-    layers = engine.model_config.num_hidden_layers
-    run = runner.run
-    diffs: list[float] = []
-
-    def both(scheduled, patch=None):
-        before = fused[0]
-        logits = run(scheduled, patch)
-        if fused[0] != before:  # this step rode, o's and down's expands in the norms
-            assert fused[0] - before == 2 * layers and ride.rows <= NORM_EXPAND_MAX_ROWS
-            ride.norm_expands = False
-            try:
-                plain = run(scheduled, patch)
-            finally:
-                ride.norm_expands = True
-            assert fused[0] == before + 2 * layers  # none the second time
-            diffs.append(float((logits - plain).abs().max() / plain.abs().max()))
-        return logits
-
-    runner.run = both  # type: ignore[method-assign]
-    new_tokens = RIDE_AFTER_STEPS + 3
-    engine.add_request("0", PROMPTS[0], SamplingParams(
-        temperature=0, max_new_tokens=new_tokens, ignore_eos=True), adapter="all-r16")
-    while engine.has_unfinished():
-        engine.step()
-    assert len(diffs) >= 2 and max(diffs) < 1e-4, diffs
-    # A rank-64 adapter's rows are past the limit: its o and down keep the addmm.
-    ride.rank_sized = False
-    ride.loaded = None
-    before, steps = fused[0], ride.ride_steps
-    runner.run = run  # type: ignore[method-assign]
-    engine.add_request("1", PROMPTS[1], SamplingParams(
-        temperature=0, max_new_tokens=RIDE_AFTER_STEPS + 2, ignore_eos=True), adapter="all-r16")
-    while engine.has_unfinished():
-        engine.step()
-    assert ride.rows == 64 and ride.ride_steps > steps and fused[0] == before
