@@ -94,8 +94,10 @@ def service_rows(result: dict[str, Any], source: str, upstream: str = "call") ->
             target = "" if "rate" in level else _service_target(result, path, c)
             what = PATHS.get(path, path)
             if path.startswith("in_process_after_"):  # service_overhead.late_path
-                what = (f"in process, each next request arriving "
-                        f"{path.removeprefix('in_process_after_')} after the step that "
+                late, _, spread_ms = path.removeprefix("in_process_after_").partition(
+                    "_spread")
+                late += f" (plus up to {spread_ms}, uniformly)" if spread_ms else ""
+                what = (f"in process, each next request arriving {late} after the step that "
                         f"ended the one before (added at the next step)")
             if path == "gateway" and upstream != "call":
                 what = PATHS[f"gateway_{upstream}"]

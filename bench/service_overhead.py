@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import math
 import multiprocessing
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -111,21 +112,27 @@ class StepLog:
 
 def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, concurrency: int,
                    arrivals: list[float] | None = None, log: StepLog | None = None,
-                   arrive_after_s: float = 0.0) -> dict[str, Any]:
+                   arrive_after_s: float = 0.0, arrive_spread_s: float = 0.0,
+                   seed: int = 0) -> dict[str, Any]:
     """Closed loop (`concurrency` in flight, the next request added as one finishes), or with
     `arrivals` open loop: request i arrives `arrivals[i]` s after the start and is added at the
     first step boundary after that; its TTFT counts from its arrival. `arrive_after_s` (closed
     loop): a finished request's successor arrives that long after the step that finished it
     returned, as through a service its send and the hops take time, and is added at the first
     step boundary after that, its TTFT counted from its arrival (0: added before the next
-    step, TTFT from the add). `log`: filled as the steps go."""
+    step, TTFT from the add). `arrive_spread_s`: each successor later still by a uniform draw
+    from [0, arrive_spread_s) (`seed`'s, the same each run), as a service's hops are not
+    equally long for every request. `log`: filled as the steps go."""
     pending = list(enumerate(reqs))[::-1]
+    rng = np.random.default_rng(seed)
     first: dict[str, Ttft] = {}
     added: dict[str, float] = {}
     added_at: dict[str, int] = {}  # rid -> the step it was added before
     tokens = 0
     t0 = time.perf_counter()
-    free = deque([t0] * concurrency)  # closed loop: when each free stream's next request arrives
+    # Closed loop: when each free stream's next request arrives (a heap: with a spread the
+    # successors need not arrive in the order their predecessors finished).
+    free = [t0] * concurrency
 
     def next_arrival() -> float:  # closed loop with every stream busy: none
         if arrivals is not None:
@@ -141,8 +148,9 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, 
             i, (prompt, adapter) = pending.pop()
             rid = f"r{i}-{t0}"
             if arrivals is None:
-                free.popleft()
-            added[rid] = (time.perf_counter() if arrivals is None and not arrive_after_s
+                heapq.heappop(free)
+            added[rid] = (time.perf_counter()
+                          if arrivals is None and not arrive_after_s and not arrive_spread_s
                           else arrived)
             params = SamplingParams(temperature=0, max_new_tokens=new_tokens.of(prompt),
                                     ignore_eos=True)
@@ -162,7 +170,9 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, 
                     log.to_first[len(log.adds) - added_at[out.request_id]] += 1
             tokens += len(out.token_ids)
             if out.finished:
-                free.append(returned + arrive_after_s)
+                late = arrive_after_s + (rng.uniform(0.0, arrive_spread_s)
+                                         if arrive_spread_s else 0.0)
+                heapq.heappush(free, returned + late)
     return summarize(time.perf_counter() - t0, tokens, list(first.values()))
 
 
@@ -510,6 +520,12 @@ def parse_args() -> argparse.Namespace:
                          "request's successor arriving D ms after the step that finished it "
                          "(added at the next step boundary, TTFT from its arrival), a path "
                          "each (in_process_after_Dms), beside the others")
+    ap.add_argument("--in-process-arrive-spread-ms", default=0.0,
+                    type=one_number("spread", "ms"), metavar="S",
+                    help="with --in-process-arrive-after-ms: also run each of those loops with "
+                         "every successor later still by a uniform draw from [0, S) ms "
+                         "(in_process_after_Dms_spreadSms): arrivals spread over a step, as "
+                         "a service's are, rather than all at once")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -525,9 +541,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def late_path(delay_ms: float) -> str:
-    """The path name of the in-process loop whose successors arrive `delay_ms` late."""
-    return f"in_process_after_{delay_ms:g}ms"
+def one_number(what: str, unit: str) -> Callable[[str], float]:
+    """An argparse type: one number of `unit`, 0 or more; a clear usage error otherwise."""
+    many = numbers_arg(what, unit, zero_ok=True)
+
+    def parse(text: str) -> float:
+        values = many(text)
+        if len(values) != 1:
+            raise argparse.ArgumentTypeError(f"one {what} in {unit} expected, got {text!r}")
+        return values[0]
+    return parse
+
+
+def late_path(delay_ms: float, spread_ms: float = 0.0) -> str:
+    """The path name of the in-process loop whose successors arrive `delay_ms` late (and up
+    to `spread_ms` more, uniformly)."""
+    return f"in_process_after_{delay_ms:g}ms" + (f"_spread{spread_ms:g}ms" if spread_ms else "")
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -557,16 +586,20 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
         runs[path] = []
     # The in-process loop again with its successors arriving late, as through a service
     # (closed loop only): how much of a path's added TTFT is the step it then waits out.
-    late = {late_path(d): d for d in args.in_process_arrive_after_ms} if rate is None else {}
+    spreads = (0.0, args.in_process_arrive_spread_ms) if args.in_process_arrive_spread_ms \
+        else (0.0,)
+    late = {late_path(d, sp): (d, sp) for d in args.in_process_arrive_after_ms
+            for sp in spreads} if rate is None else {}
     for path in late:
         runs[path] = []
     label = f"c={c}" if rate is None else f"rate={rate:g}/s"
     lengths = Lengths(args.new_tokens, args.new_tokens_spread)
     for r in range(args.repeats):
         runs["in_process"].append(run_in_process(engine, reqs, lengths, c, arrivals))
-        for path, delay_ms in late.items():
+        for path, (delay_ms, spread_ms) in late.items():
             runs[path].append(run_in_process(engine, reqs, lengths, c,
-                                             arrive_after_s=delay_ms / 1e3))
+                                             arrive_after_s=delay_ms / 1e3,
+                                             arrive_spread_s=spread_ms / 1e3, seed=r))
         runs["worker"].append(run_grpc(pool, args.client_procs, worker,
                                        ((GATEWAY_HEADER, stack.gateway_token),), reqs,
                                        lengths, cap, direct=True,

@@ -210,16 +210,21 @@ SUITES: dict[str, tuple[Step, ...]] = {
              f"{{out}}/hops-{name}", "--in-process-arrive-after-ms", "1,3",
              "--out", OUT(f"service-overhead-7b-gw4-c64-{name}"))
         for name, spread in (("fixed", "0"), ("spread32", "32"))),
-    # 256 streams only, gRPC only (no HTTP paths), beside the in-process loop with successors
-    # 1 ms late: does a late arrival account for the gateway's added TTFT at 256 streams too
-    # (13.2 ms on the H200, service-overhead-7b-gw4-378382f-h200.json)? ~5 min a card.
-    "service-path-late256": (step("service-256", 400, "bench.service_overhead", *GPU_7B,
-                                  "--num-pages", "2400", "--max-model-len", "256",
-                                  "--concurrency", "256", "--requests-per-stream", "8",
-                                  "--new-tokens", "64", "--client-procs", "8", "--repeats", "3",
-                                  "--gateway-procs", "4", "--client-channels", "8",
-                                  "--in-process-arrive-after-ms", "1",
-                                  "--out", OUT("service-overhead-7b-gw4-c256-late")),),
+    # gRPC only (no HTTP paths), at 64 and 256 streams, beside the in-process loop with
+    # successors 1 ms late, and 1 ms plus up to 6 more (uniformly: spread over a step, as a
+    # service's arrivals are, not all at once): does a late arrival account for the gateway's
+    # added TTFT at 256 streams too (13.2 ms on the H200,
+    # service-overhead-7b-gw4-378382f-h200.json),
+    # and do spread arrivals account for the service paths' lower throughput at 64 (0.93-0.95x
+    # against 0.98-0.99x for the 1 ms-late loop)? ~6 min a card.
+    "service-path-late": (step("service-late", 420, "bench.service_overhead", *GPU_7B,
+                               "--num-pages", "2400", "--max-model-len", "256",
+                               "--concurrency", "64,256", "--requests-per-stream", "8",
+                               "--new-tokens", "64", "--client-procs", "8", "--repeats", "3",
+                               "--gateway-procs", "4", "--client-channels", "8",
+                               "--in-process-arrive-after-ms", "1",
+                               "--in-process-arrive-spread-ms", "6",
+                               "--out", OUT("service-overhead-7b-gw4-late")),),
     # The same paths under open-loop Poisson arrivals (the same on every path): a request's
     # added TTFT is then the hop's, not the closed loop's wait for the step under way.
     "service-path-open": (step("service-open", 420, "bench.service_overhead",

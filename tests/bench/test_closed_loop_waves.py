@@ -89,3 +89,31 @@ def test_a_bad_arrival_delay_is_a_usage_error(value: str, says: str,
         main(["--arrive-after-ms", value])
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
+
+
+class WaveEngine(PacedEngine):
+    """Steps of a fixed length; every request runs 2 tokens."""
+
+    STEP_S = 0.05
+
+    def add_request(self, rid: str, prompt: list[int], params: object,
+                    adapter: str | None = None) -> None:
+        self.left[rid] = 2
+
+
+@pytest.mark.parametrize("spread_s", [0.0, 0.08])
+def test_successors_spread_over_a_step_split_the_waves(spread_s: float) -> None:
+    """Four streams of 2-token requests finish together. Each successor arriving 1 ms late
+    lands with the rest of its wave before one step; with a further uniform spread wider than
+    a step (`arrive_spread_s`, seeded) a wave's successors land before different steps, as
+    through a service's unequal hops, and each still counts its TTFT from its own arrival."""
+    log = StepLog()
+    run = run_in_process(WaveEngine(), [([i], "") for i in range(12)],  # type: ignore[arg-type]
+                         Lengths(2), 4, log=log, arrive_after_s=0.001, arrive_spread_s=spread_s,
+                         seed=3)
+    assert run["output_tokens"] == 24 and sum(log.adds) == 12
+    if spread_s:
+        assert any(0 < a < 4 for a in log.adds), log.adds
+    else:
+        assert all(a in (0, 4) for a in log.adds), log.adds
+    assert run["request_ttft_p50_s"] > WaveEngine.STEP_S

@@ -66,11 +66,13 @@ def test_a_closed_loop_runs_the_in_process_loop_with_late_successors_beside(
     res = subprocess.run(
         [sys.executable, "-m", "bench.service_overhead", "--concurrency", "4", "--repeats", "1",
          "--requests-per-stream", "3", "--new-tokens", "4", "--client-procs", "1",
-         "--in-process-arrive-after-ms", "2,5", "--out", str(out)],
+         "--in-process-arrive-after-ms", "2,5", "--in-process-arrive-spread-ms", "3",
+         "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     (level,) = json.loads(out.read_text())["levels"]
-    late = {"in_process_after_2ms", "in_process_after_5ms"}
+    late = {"in_process_after_2ms", "in_process_after_5ms", "in_process_after_2ms_spread3ms",
+            "in_process_after_5ms_spread3ms"}
     assert set(level["ratios"]) == {"worker", "gateway"} | late
     for path in late:
         (run,) = level["runs"][path]
@@ -93,6 +95,8 @@ def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     ("--rates", "fast", "is not comma-separated numbers"),
     ("--in-process-arrive-after-ms", "2,0", "every delay must be > 0 ms"),
     ("--in-process-arrive-after-ms", "soon", "is not comma-separated numbers"),
+    ("--in-process-arrive-spread-ms", "1,2", "one spread in ms expected"),
+    ("--in-process-arrive-spread-ms", "-1", "every spread must be >= 0 ms"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(flag: str, value: str, says: str) -> None:
     res = subprocess.run([sys.executable, "-m", "bench.service_overhead", flag, value],
