@@ -556,6 +556,10 @@ def rows() -> list[str]:
              traced_service_rows),
             ("service-overhead-7b-gw4-c64-fixed-378382f-h200.json",
              traced_service_rows),
+            # gRPC at 64 and 256 streams beside the in-process loop with successors 1 ms late
+            # and 1 ms plus up to 6 more (an H100; the H200 did not come).
+            ("service-overhead-7b-gw4-late-78a7fae-h100.json",
+             traced_service_rows),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),
