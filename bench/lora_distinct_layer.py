@@ -22,6 +22,7 @@ several launch choices:
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
+  `tiles_n512`: 512-column expand tiles;
 - `tiles_unpadded_split`, `tiles_unpadded`: the real tiles only (no padding to the graph's
   capacity), with the padded list's K split (what the padding's programs cost) or their own;
 - `tiles@L/S`: the list padded to L tiles with the K split picked for an S-tile list, L and S
@@ -186,6 +187,9 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         "tiles_early": (grph, dataclasses.replace(DECODE_TILES, early_loads=True), none),
         # Narrower expand column tiles: twice the programs, half the B and y a program.
         "tiles_n128": (grph, dataclasses.replace(DECODE_TILES, expand_block_n=128), none),
+        # Wider expand column tiles: half the programs, each reading twice the B and y (at
+        # D = 16 an expand program's B tile is 4-32 KB at 256 columns; not yet run).
+        "tiles_n512": (grph, dataclasses.replace(DECODE_TILES, expand_block_n=512), none),
         "tiles_early_n128": (grph, dataclasses.replace(DECODE_TILES, early_loads=True,
                                                        expand_block_n=128), none),
         # The real tiles only (a graph pads its list to its capacity, 64 at 64 rows: at
@@ -340,7 +344,7 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 
 # The names `choices` and `mixed_choices` give their launch choices (`tiles_short` only where
 # one adapter's tiles fit the short list), for checking --choices before anything is built.
-CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_early_n128",
+CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_early_n128",
                 "tiles_unpadded_split", "tiles_unpadded", "rows",
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
                 "tiles_bound", "tiles_graph")

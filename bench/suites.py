@@ -311,6 +311,17 @@ SUITES["issue37-ride"] = (
     dataclasses.replace(SUITES["distinct-profile"][0], limit_s=150, argv=(
         *SUITES["distinct-profile"][0].argv[:-1], OUT("distinct-profile-ride"),
         "--distinct-arms", "one_unmerged", "--ride-sole-adapter")))
+# What the next H200 call should run (under 600 s): 512-column expand tiles against today's
+# 256 at D = 4, 16 and 64 (the D = 16 expand is most of that batch's LoRA time:
+# docs/performance.md, "Every distinct adapter riding the base GEMMs"), then issue37-align
+# (every distinct arm; the padded ride beside the unpadded one).
+SUITES["issue37-next"] = (
+    step("expand-n512", 120, "bench.lora_distinct_layer", "--cases",
+         "4:8-16-32-64,16:8-16-32-64,64:8-16-32-64", "--choices", "tiles,tiles_n512,rows",
+         "--out", OUT("lora-distinct-layer-n512")),
+    *SUITES["issue37-align"])
+
+
 # Decode graphs' middle tile list (decode_tile_caps) in one call: one layer's LoRA launches on
 # the full, middle and real-only lists at 64 rows (D = 16) and 256 rows (D = 64 and 32), then
 # the engine's D = 16 arm at batch 64 and D = 64 arm at batch 256 (four rows an adapter:
