@@ -170,8 +170,7 @@ def run_in_process(engine: LLMEngine, reqs: list[Request], new_tokens: Lengths, 
                     log.to_first[len(log.adds) - added_at[out.request_id]] += 1
             tokens += len(out.token_ids)
             if out.finished:
-                late = arrive_after_s + (rng.uniform(0.0, arrive_spread_s)
-                                         if arrive_spread_s else 0.0)
+                late = arrive_after_s + rng.uniform(0.0, arrive_spread_s)
                 heapq.heappush(free, returned + late)
     return summarize(time.perf_counter() - t0, tokens, list(first.values()))
 
@@ -413,6 +412,18 @@ def numbers_arg(what: str, unit: str, zero_ok: bool = False) -> Callable[[str], 
 rates_arg = numbers_arg("rate", "requests/s")  # --rates
 
 
+def one_number(what: str, unit: str) -> Callable[[str], float]:
+    """An argparse type: one number of `unit`, 0 or more; a clear usage error otherwise."""
+    many = numbers_arg(what, unit, zero_ok=True)
+
+    def parse(text: str) -> float:
+        values = many(text)
+        if len(values) != 1:
+            raise argparse.ArgumentTypeError(f"one {what} in {unit} expected, got {text!r}")
+        return values[0]
+    return parse
+
+
 def _completion_body(new_tokens: Lengths, prompt: list[int], adapter: str) -> dict[str, Any]:
     return {"model": adapter, "prompt": prompt, "max_tokens": new_tokens.of(prompt),
             "temperature": 0,
@@ -531,6 +542,9 @@ def parse_args() -> argparse.Namespace:
     add_engine_args(ap, defaults={"num_pages": 128},
                     skip=("max_num_seqs", "max_adapters_per_batch", "max_queue"))
     args = ap.parse_args()
+    if args.in_process_arrive_spread_ms and not args.in_process_arrive_after_ms:
+        ap.error("--in-process-arrive-spread-ms needs --in-process-arrive-after-ms (the "
+                 "late loops it spreads)")
     if not 0 <= args.new_tokens_spread < args.new_tokens:
         ap.error(f"--new-tokens-spread must be in [0, --new-tokens), got "
                  f"{args.new_tokens_spread}")
@@ -539,18 +553,6 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--trace-hops {args.trace_hops} already holds traces (*.hops): "
                  "give an empty or new folder")
     return args
-
-
-def one_number(what: str, unit: str) -> Callable[[str], float]:
-    """An argparse type: one number of `unit`, 0 or more; a clear usage error otherwise."""
-    many = numbers_arg(what, unit, zero_ok=True)
-
-    def parse(text: str) -> float:
-        values = many(text)
-        if len(values) != 1:
-            raise argparse.ArgumentTypeError(f"one {what} in {unit} expected, got {text!r}")
-        return values[0]
-    return parse
 
 
 def late_path(delay_ms: float, spread_ms: float = 0.0) -> str:

@@ -214,9 +214,9 @@ SUITES: dict[str, tuple[Step, ...]] = {
     # successors 1 ms late, and 1 ms plus up to 6 more (uniformly: spread over a step, as a
     # service's arrivals are, not all at once): does a late arrival account for the gateway's
     # added TTFT at 256 streams too (13.2 ms on the H200,
-    # service-overhead-7b-gw4-378382f-h200.json),
-    # and do spread arrivals account for the service paths' lower throughput at 64 (0.93-0.95x
-    # against 0.98-0.99x for the 1 ms-late loop)? ~6 min a card.
+    # service-overhead-7b-gw4-378382f-h200.json), and do spread arrivals account for the
+    # service paths' lower throughput at 64 (0.93-0.95x against 0.98-0.99x for the 1 ms-late
+    # loop)? ~6 min a card.
     "service-path-late": (step("service-late", 420, "bench.service_overhead", *GPU_7B,
                                "--num-pages", "2400", "--max-model-len", "256",
                                "--concurrency", "64,256", "--requests-per-stream", "8",

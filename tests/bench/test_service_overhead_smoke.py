@@ -97,6 +97,7 @@ def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     ("--in-process-arrive-after-ms", "soon", "is not comma-separated numbers"),
     ("--in-process-arrive-spread-ms", "1,2", "one spread in ms expected"),
     ("--in-process-arrive-spread-ms", "-1", "every spread must be >= 0 ms"),
+    ("--in-process-arrive-spread-ms", "3", "needs --in-process-arrive-after-ms"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(flag: str, value: str, says: str) -> None:
     res = subprocess.run([sys.executable, "-m", "bench.service_overhead", flag, value],
