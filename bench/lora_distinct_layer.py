@@ -22,7 +22,9 @@ several launch choices:
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
-  `tiles_n512`: 512-column expand tiles;
+  `tiles_n512`: 512-column expand tiles (lost at D = 4, 16 and 64 on the H100,
+  lora-distinct-layer-n512-b6261c0-h100.json); `tiles_w8`, `tiles_w2`: 8 or 2 warps a
+  shrink and expand program instead of 4;
 - `tiles_unpadded_split`, `tiles_unpadded`: the real tiles only (no padding to the graph's
   capacity), with the padded list's K split (what the padding's programs cost) or their own;
 - `tiles@L/S`: the list padded to L tiles with the K split picked for an S-tile list, L and S
@@ -188,8 +190,13 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         # Narrower expand column tiles: twice the programs, half the B and y a program.
         "tiles_n128": (grph, dataclasses.replace(DECODE_TILES, expand_block_n=128), none),
         # Wider expand column tiles: half the programs, each reading twice the B and y (at
-        # D = 16 an expand program's B tile is 4-32 KB at 256 columns; not yet run).
+        # D = 16 an expand program's B tile is 4-32 KB at 256 columns). Lost everywhere on
+        # the H100: D = 4, 16, 64: 63.0, 87.8, 219.5 -> 70.5, 95.0, 226.9 us.
         "tiles_n512": (grph, dataclasses.replace(DECODE_TILES, expand_block_n=512), none),
+        # 8 or 2 warps a shrink and expand program instead of 4: at rank 64 a 4-warp expand
+        # program holds its 64 x 256 B tile in float32, 128 registers a thread.
+        "tiles_w8": (grph, dataclasses.replace(DECODE_TILES, num_warps=8), none),
+        "tiles_w2": (grph, dataclasses.replace(DECODE_TILES, num_warps=2), none),
         "tiles_early_n128": (grph, dataclasses.replace(DECODE_TILES, early_loads=True,
                                                        expand_block_n=128), none),
         # The real tiles only (a graph pads its list to its capacity, 64 at 64 rows: at
@@ -344,8 +351,8 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 
 # The names `choices` and `mixed_choices` give their launch choices (`tiles_short` only where
 # one adapter's tiles fit the short list), for checking --choices before anything is built.
-CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_early_n128",
-                "tiles_unpadded_split", "tiles_unpadded", "rows",
+CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", "tiles_w2",
+                "tiles_early_n128", "tiles_unpadded_split", "tiles_unpadded", "rows",
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
                 "tiles_bound", "tiles_graph")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S

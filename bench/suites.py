@@ -320,6 +320,14 @@ SUITES["issue37-next"] = (
          "4:8-16-32-64,16:8-16-32-64,64:8-16-32-64", "--choices", "tiles,tiles_n512,rows",
          "--out", OUT("lora-distinct-layer-n512")),
     *SUITES["issue37-align"])
+# The same call again after issue37-next's H100 run (tiles_n512 lost at every D,
+# lora-distinct-layer-n512-b6261c0-h100.json): 8 and 2 warps a tile program against 4, then
+# issue37-align for the H200's figure of the padded ride.
+SUITES["issue37-warps"] = (
+    step("tile-warps", 120, "bench.lora_distinct_layer", "--cases",
+         "4:8-16-32-64,16:8-16-32-64,64:8-16-32-64", "--choices", "tiles,tiles_w8,tiles_w2",
+         "--out", OUT("lora-distinct-layer-warps")),
+    *SUITES["issue37-align"])
 
 
 # Decode graphs' middle tile list (decode_tile_caps) in one call: one layer's LoRA launches on
