@@ -24,7 +24,7 @@ several launch choices:
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
   `tiles_n512`: 512-column expand tiles (lost at D = 4, 16 and 64 on the H100,
   lora-distinct-layer-n512-b6261c0-h100.json); `tiles_w8`, `tiles_w2`: 8 or 2 warps a
-  shrink and expand program instead of 4;
+  shrink and expand program instead of 4 (both lost, lora-distinct-layer-warps-a6e5365-h100.json);
 - `tiles_unpadded_split`, `tiles_unpadded`: the real tiles only (no padding to the graph's
   capacity), with the padded list's K split (what the padding's programs cost) or their own;
 - `tiles@L/S`: the list padded to L tiles with the K split picked for an S-tile list, L and S
@@ -194,7 +194,9 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         # the H100: D = 4, 16, 64: 63.0, 87.8, 219.5 -> 70.5, 95.0, 226.9 us.
         "tiles_n512": (grph, dataclasses.replace(DECODE_TILES, expand_block_n=512), none),
         # 8 or 2 warps a shrink and expand program instead of 4: at rank 64 a 4-warp expand
-        # program holds its 64 x 256 B tile in float32, 128 registers a thread.
+        # program holds its 64 x 256 B tile in float32, 128 registers a thread. Both lost on
+        # the H100 (lora-distinct-layer-warps-a6e5365-h100.json): D = 4, 16, 64: 61.8, 87.3,
+        # 217.6 us with 4 warps; 73.6, 116.6, 289.4 with 8; 83.1, 104.4, 231.9 with 2.
         "tiles_w8": (grph, dataclasses.replace(DECODE_TILES, num_warps=8), none),
         "tiles_w2": (grph, dataclasses.replace(DECODE_TILES, num_warps=2), none),
         "tiles_early_n128": (grph, dataclasses.replace(DECODE_TILES, early_loads=True,
