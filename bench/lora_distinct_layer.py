@@ -74,8 +74,10 @@ from slora_core.cuda_graphs import (
 from slora_kernels.lora import (
     DECODE_TILES,
     PREFILL_TILES,
+    LoraGroup,
     LoraTiles,
     add_lora_triton,
+    lora_groups,
     pick_split,
     rank_block,
 )
@@ -332,6 +334,76 @@ def base_gemms(shape: Shape, gen: torch.Generator, rows: int = ROWS) -> Callable
     return run
 
 
+def base_weights(shape: Shape, gen: torch.Generator) -> list[torch.Tensor]:
+    """The four projections' base weights [out, K], shared by every rotated layer: 405 MB at
+    7B, far past the L2, so every call streams them from memory as a layer does."""
+    return [torch.randn(sum(outs), k, dtype=DTYPE, device=DEVICE, generator=gen) * 0.02
+            for _, _, k, outs in shape.projections()]
+
+
+def with_base_calls(lay: Layer, shape: Shape, choice: Choice | None, ws: list[torch.Tensor],
+                    side: torch.cuda.Stream | None) -> Callable[[], None]:
+    """Each projection's base GEMM written into y, then (with a choice) its LoRA: in line
+    after the GEMM (side None), or with the shrinks on the `side` stream beside the GEMM
+    (they read only x) and the expands after both, launched plainly (a programmatic
+    dependent launch needs its producer on the same stream)."""
+    groups: list[list[LoraGroup]] = []
+    for (_, mods, k, outs), x in zip(shape.projections(), lay.xs, strict=True):
+        if choice is None:
+            groups.append([])
+            continue
+        meta, tiles, split = choice
+        starts = [sum(outs[:i]) for i in range(len(outs))]
+        groups.append(lora_groups(
+            x, lay.arena, lay.a_offsets, lay.b_offsets, lay.ranks, lay.scales, mods,
+            tuple(zip(starts, outs, strict=True)), meta, max_rank=MAX_RANK,
+            split_k=split(len(mods), k), tiles=tiles, pdl=False if side is not None else None))
+
+    def run() -> None:
+        for x, y, w, gs in zip(lay.xs, lay.ys, ws, groups, strict=True):
+            if side is None:
+                torch.mm(x, w.T, out=y)
+                for g in gs:
+                    g.shrink()
+                    g.expand(y)
+                continue
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                for g in gs:
+                    g.shrink()
+            torch.mm(x, w.T, out=y)
+            main.wait_stream(side)
+            for g in gs:
+                g.expand(y)
+
+    return run
+
+
+def time_with_base(layers: list[Layer], shape: Shape, name: str, choice: Choice,
+                   ws: list[torch.Tensor], row: dict[str, Any]) -> None:
+    """`--with-base`: the layer's base GEMMs alone (once a case), with `name`'s LoRA in line,
+    and with its shrinks forked beside them; whether the fork's y is the in-line one's bit
+    for bit (the same kernels and splits on the same inputs)."""
+    side = torch.cuda.Stream() if DEVICE == "cuda" else None
+    if "base_layer_us" not in row:
+        row["base_layer_us"] = graph_time_us(
+            [with_base_calls(lay, shape, None, ws, None) for lay in layers], replays=10)
+    row[f"{name}+base_us"] = graph_time_us(
+        [with_base_calls(lay, shape, choice, ws, None) for lay in layers], replays=10)
+    row[f"{name}+base_fork_us"] = graph_time_us(
+        [with_base_calls(lay, shape, choice, ws, side) for lay in layers], replays=10)
+    inline = with_base_calls(layers[0], shape, choice, ws, None)
+    fork = with_base_calls(layers[0], shape, choice, ws, side)
+    inline()
+    want = [y.clone() for y in layers[0].ys]
+    fork()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    row[f"{name}_fork_matches"] = all(torch.equal(a, b) for a, b in zip(
+        want, layers[0].ys, strict=True))
+
+
 def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
     """`--cases`: D:RANKS[:chunkN],... -> (adapters, ranks, prompt chunk tokens or 0)."""
     cases = []
@@ -374,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=ROWS,
                     help="decode rows (a decode graph's bucket), at least every case's D: "
                          "rows are dealt to adapters in order, rows / D each (rounded)")
+    ap.add_argument("--with-base", action="store_true",
+                    help="also time each chosen choice with the layer's base GEMMs, its LoRA "
+                         "in line after each GEMM and with its shrinks forked beside it on a "
+                         "second stream (decode cases only)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     try:
@@ -392,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{', '.join(sorted(known))})")
     shape = SHAPES[args.shape]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
+    ws = base_weights(shape, gen) if args.with_base else []
     per_call = adapter_bytes(shape, 16, RANKS) + n_rows * 2 * sum(
         k + 2 * sum(outs) for _, _, k, outs in shape.projections())
     copy = copy_bandwidth_gbs(min(256 << 20, per_call)) if DEVICE == "cuda" else {
@@ -425,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                                                for lay in layers], replays=10)
             row[f"{name}_rel_err"] = rel_err_f64(layers[0], shape, slots,
                                                  layer_calls(layers[0], shape, choice))
+            if args.with_base and not isinstance(choice, list):
+                time_with_base(layers, shape, name, choice, ws, row)
         add_row(args.out, result, rows, row, len(cases))
         del layers
         if DEVICE == "cuda":

@@ -320,6 +320,13 @@ SUITES["issue37-next"] = (
          "4:8-16-32-64,16:8-16-32-64,64:8-16-32-64", "--choices", "tiles,tiles_n512,rows",
          "--out", OUT("lora-distinct-layer-n512")),
     *SUITES["issue37-align"])
+# The many-adapter shrinks forked beside the base GEMMs (they read only x) on a second
+# stream, the expands after both (bench.lora_distinct_layer --with-base), against the LoRA
+# in line after each GEMM, at D = 4, 16 and 64 on what decode graphs replay.
+SUITES["issue37-fork"] = (
+    step("fork", 150, "bench.lora_distinct_layer", "--cases",
+         "4:8-16-32-64,16:8-16-32-64,64:8-16-32-64", "--choices", "tiles_graph,rows",
+         "--with-base", "--out", OUT("lora-distinct-layer-fork")),)
 # The same call again after issue37-next's H100 run (tiles_n512 lost at every D,
 # lora-distinct-layer-n512-b6261c0-h100.json): 8 and 2 warps a tile program against 4, then
 # issue37-align for the H200's figure of the padded ride.

@@ -228,16 +228,94 @@ def add_lora_triton(
     if meta.num_tiles == 0 or x.shape[0] == 0:
         return
     check_rows(x, y, meta)
+    for group in lora_groups(x, arena, a_offsets, b_offsets, ranks, scales, module_ids,
+                             out_slices, meta, max_rank=max_rank, split_k=split_k, tiles=tiles,
+                             pdl=pdl):
+        group.shrink()
+        group.expand(y)
+
+
+@dataclass
+class LoraGroup:
+    """One launch pair of `add_lora_triton`: up to MAX_MODULES_PER_LAUNCH modules' shrink into
+    the float32 partial sums `buf`, then their expand into y. The two may run on different
+    streams (the expand after the shrink); `pdl` then must be off."""
+
+    x: torch.Tensor
+    arena: torch.Tensor
+    a_offsets: torch.Tensor
+    b_offsets: torch.Tensor
+    ranks: torch.Tensor
+    scales: torch.Tensor
+    mods: tuple[int, ...]
+    slices: tuple[tuple[int, int], ...]
+    meta: LoraMeta
+    tiles: LoraTiles | RowTiles
+    block_r: int
+    buf: torch.Tensor
+    pdl: bool
+    early_loads: bool
+
+    def shrink(self) -> None:
+        t = self.tiles
+        if isinstance(t, RowTiles):
+            rows_shrink(self.buf, self.x, self.arena, self.a_offsets, self.ranks, self.mods,
+                        self.meta.token_slots, block_r=self.block_r, tile=t.tile,
+                        num_warps=t.num_warps, launch_dependents=self.pdl,
+                        rank_balanced=t.rank_balanced)
+            return
+        lora_shrink(self.buf, self.x, self.arena, self.a_offsets, self.ranks, self.mods,
+                    self.meta, block_m=t.shrink_block_m, block_r=self.block_r,
+                    block_k=t.shrink_block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+                    rank_buckets=t.rank_buckets, launch_dependents=self.pdl)
+
+    def expand(self, y: torch.Tensor) -> None:
+        t = self.tiles
+        if isinstance(t, RowTiles):
+            wide = self.x.shape[0] >= t.wide_min_rows
+            rows_expand(y, self.buf, self.arena, self.b_offsets, self.ranks, self.scales,
+                        self.mods, self.slices, self.meta.token_slots, block_r=self.block_r,
+                        block_n=t.wide_block_n if wide else t.block_n, num_warps=t.num_warps,
+                        sub_tile=t.expand_sub_tile, pdl=self.pdl,
+                        rank_balanced=t.rank_balanced)
+            return
+        lora_expand(y, self.buf, self.arena, self.b_offsets, self.ranks, self.scales, self.mods,
+                    self.slices, self.meta, block_m=t.expand_block_m, block_n=t.expand_block_n,
+                    block_r=self.block_r, num_warps=t.num_warps, num_stages=t.num_stages,
+                    rank_buckets=t.rank_buckets, early_loads=self.early_loads, pdl=self.pdl)
+
+
+def lora_groups(
+    x: torch.Tensor,
+    arena: torch.Tensor,
+    a_offsets: torch.Tensor,
+    b_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scales: torch.Tensor,
+    module_ids: tuple[int, ...],
+    out_slices: tuple[tuple[int, int], ...],
+    meta: LoraMeta,
+    *,
+    max_rank: int | None = None,
+    split_k: int | None = None,
+    tiles: LoraTiles | RowTiles | None = None,
+    pdl: bool | None = None,
+) -> list[LoraGroup]:
+    """`add_lora_triton`'s launch pairs (arguments as there), each with its partial-sum buffer
+    allocated, nothing launched; none for an empty step."""
+    if meta.num_tiles == 0 or x.shape[0] == 0:
+        return []
     if max_rank is None:
         max_rank = int(ranks.max())
     if max_rank <= 0:
-        return
+        return []
     tiles = _pick_tiles(meta, tiles, x.dtype)
     block_r = rank_block(max_rank)
     pdl = (tiles.pdl if pdl is None else pdl) and pdl_supported(x.device)
     early_loads = isinstance(tiles, LoraTiles) and (tiles.early_loads or (
         meta.block_m == DECODE_BLOCK_M and meta.num_tiles <= EARLY_LOADS_MAX_TILES))
     k = x.shape[1]
+    groups = []
     for g in range(0, len(module_ids), MAX_MODULES_PER_LAUNCH):
         mods = tuple(module_ids[g : g + MAX_MODULES_PER_LAUNCH])
         slices = tuple(out_slices[g : g + MAX_MODULES_PER_LAUNCH])
@@ -249,25 +327,9 @@ def add_lora_triton(
                                            len(mods), k, x.device, block_r)
         buf = torch.empty((splits, x.shape[0], len(mods), max_rank), dtype=torch.float32,
                           device=x.device)
-        if isinstance(tiles, RowTiles):
-            rows_shrink(buf, x, arena, a_offsets, ranks, mods, meta.token_slots,
-                        block_r=block_r, tile=tiles.tile, num_warps=tiles.num_warps,
-                        launch_dependents=pdl, rank_balanced=tiles.rank_balanced)
-            wide = x.shape[0] >= tiles.wide_min_rows
-            rows_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices,
-                        meta.token_slots, block_r=block_r,
-                        block_n=tiles.wide_block_n if wide else tiles.block_n,
-                        num_warps=tiles.num_warps, sub_tile=tiles.expand_sub_tile, pdl=pdl,
-                        rank_balanced=tiles.rank_balanced)
-            continue
-        lora_shrink(buf, x, arena, a_offsets, ranks, mods, meta, block_m=tiles.shrink_block_m,
-                    block_r=block_r, block_k=tiles.shrink_block_k, num_warps=tiles.num_warps,
-                    num_stages=tiles.num_stages, rank_buckets=tiles.rank_buckets,
-                    launch_dependents=pdl)
-        lora_expand(y, buf, arena, b_offsets, ranks, scales, mods, slices, meta,
-                    block_m=tiles.expand_block_m, block_n=tiles.expand_block_n,
-                    block_r=block_r, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                    rank_buckets=tiles.rank_buckets, early_loads=early_loads, pdl=pdl)
+        groups.append(LoraGroup(x, arena, a_offsets, b_offsets, ranks, scales, mods, slices,
+                                meta, tiles, block_r, buf, pdl, early_loads))
+    return groups
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None, dtype: torch.dtype,
