@@ -25,7 +25,9 @@ the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with dis
 the longest tile list instead of the middle one (`DecodeGraphs.use_mid_tiles` off), in
 the same interleaving: what the middle list (decode_tile_caps) is worth. `--own-split-arms`
 likewise runs arms with every tile list's K split picked for its own length
-(`DecodeGraphs.own_split`) instead of decode_split_tiles's.
+(`DecodeGraphs.own_split`) instead of decode_split_tiles's. `--fork-arms` runs arms with
+decode graphs' many-adapter LoRA shrinks on a second stream beside the base GEMMs
+(`DecodeGraphs.fork_shrink`).
 """
 
 from __future__ import annotations
@@ -129,6 +131,23 @@ class SplitModes:
         g.own_split = own
 
 
+class ForkModes:
+    """Switches decode graphs' many-adapter LoRA between in line and its shrinks forked
+    (DecodeGraphs.fork_shrink) between arms, keeping each way's captured graphs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.graphs = engine.runner.graphs
+        self.stash: dict[bool, dict[Any, Any]] = {}
+
+    def set(self, fork: bool) -> None:
+        g = self.graphs
+        if g is None or g.fork_shrink == fork:
+            return
+        self.stash[g.fork_shrink] = g.take_lora_graphs()
+        g.put(self.stash.pop(fork, {}))
+        g.fork_shrink = fork
+
+
 def parse_arms(text: str) -> tuple[str, ...]:
     """`--distinct-arms`: comma-separated names from ARMS, at least one."""
     chosen = tuple(n.strip() for n in text.split(",") if n.strip())
@@ -195,6 +214,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         raise SystemExit("--full-list-arms names arms not in --distinct-arms")
     if not set(a.own_split_arms) <= set(a.distinct_arms):
         raise SystemExit("--own-split-arms names arms not in --distinct-arms")
+    if not set(a.fork_arms) <= set(a.distinct_arms):
+        raise SystemExit("--fork-arms names arms not in --distinct-arms")
     engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
@@ -216,7 +237,11 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     own_split = {f"{n}_own_split": n for n in a.own_split_arms if n in arms}
     arms.update({name: arms[n] for name, n in own_split.items()})
     splits = SplitModes(engine)
-    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split)
+    # --fork-arms: the same requests with the shrinks forked beside the base GEMMs.
+    fork = {f"{n}_fork": n for n in a.fork_arms if n in arms}
+    arms.update({name: arms[n] for name, n in fork.items()})
+    forks = ForkModes(engine)
+    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *fork)
                        if n in arms)
     ratio_arms = (*targets, *extra_arms)
 
@@ -225,6 +250,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         if engine.runner.graphs is not None:
             engine.runner.graphs.use_mid_tiles = name not in full_list
         splits.set(name in own_split)
+        forks.set(name in fork)
         if modes is not None:
             modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)
@@ -283,6 +309,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     if engine.runner.graphs is not None:
         engine.runner.graphs.use_mid_tiles = True
     splits.set(False)
+    forks.set(False)
     if modes is not None:
         modes.set(modes.default)
     return summary(runs)

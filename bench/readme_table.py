@@ -425,10 +425,12 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
                     f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x"
                     f" | | {source} |")
     # --full-list-arms: the same requests with every tile step on its bucket's full tile list;
-    # --own-split-arms: with every tile list's K split picked for its own length.
+    # --own-split-arms: with every tile list's K split picked for its own length;
+    # --fork-arms: with the shrinks forked beside the base GEMMs.
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters")):
         for suffix, how in (("full_list", "on the longest tile list (the middle list off, "),
-                            ("own_split", "each tile list's K split for its own length (")):
+                            ("own_split", "each tile list's K split for its own length ("),
+                            ("fork", "the shrinks on a second stream beside the base GEMMs (")):
             k = d.get(f"{arm}_{suffix}")
             if k is not None:
                 rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"

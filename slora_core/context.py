@@ -51,6 +51,9 @@ class StepContext:
     # Every row reads the adapter loaded in the projections' ride rows (lora_ride.py): they
     # run LoraLinear.ride instead of the kernels (`lora` and `lora_tables` unused).
     lora_ride: bool = False
+    # A CUDA stream (DecodeGraphs.fork_shrink): each LoRA projection's shrinks run on it
+    # beside the base GEMM (they read only x), the expands after both; None: in line.
+    lora_side: torch.cuda.Stream | None = None
 
 
 @dataclass(frozen=True)

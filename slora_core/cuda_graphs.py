@@ -239,6 +239,10 @@ class _StepGraphs:
         """`take_ride` for the LoRA graphs on tile lists (DecodeGraphs.own_split)."""
         return self._take(lambda tiles: tiles > 0)
 
+    def take_lora_graphs(self) -> dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]:
+        """`take_ride` for every LoRA graph but the ride's (DecodeGraphs.fork_shrink)."""
+        return self._take(lambda tiles: tiles > 0 or tiles == ROW_GRAPH)
+
     def _take(self, which: Callable[[int], bool],
               ) -> dict[GraphKey, tuple[Any, torch.Tensor, StepContext]]:
         keys = [k for k in self.graphs if k[1] and which(k[2])]
@@ -400,6 +404,12 @@ class DecodeGraphs(_StepGraphs):
         # On, every tile list picks its K split for its own length (decode_split_tiles off):
         # a benchmark's switch, which swaps the graphs captured either way (take_tile_graphs).
         self.own_split = False
+        # On, the LoRA graphs on the middle and full tile lists and the row kernels' graph run
+        # each projection's shrinks on a second stream beside its base GEMM, the expands
+        # after both (StepContext.lora_side); a benchmark's switch, which swaps the graphs
+        # captured either way (take_lora_graphs).
+        self.fork_shrink = False
+        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.
         self.layout = BufferLayout(tokens=n, seqs=n, segments=n, tiles=n,
@@ -466,6 +476,8 @@ class DecodeGraphs(_StepGraphs):
             logits_indices=self.arange[:b].long(), kv_caches=r.arena.kv_caches, lora=lora,
             lora_tables=r.arena.tables if lora is not None else None, lora_modules=modules,
             lora_pdl=r.lora_pdl, lora_ride=ride,
+            lora_side=self.side if self.fork_shrink and lora is not None and (
+                tiles == ROW_GRAPH or tiles > -(-b // DECODE_BLOCK_M)) else None,
         )
 
     def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:

@@ -126,9 +126,34 @@ class LoraLinear(nn.Module):
         module_ids, out_slices = self._launch_modules(ctx.lora_modules)
         if not module_ids:
             return self.base(x)
+        if ctx.lora_side is not None:
+            return self._forked(x, ctx, module_ids, out_slices)
         y = self.base(x)
         self._add_delta(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), ctx, module_ids,
                         out_slices)
+        return y
+
+    def _forked(self, x: torch.Tensor, ctx: StepContext, module_ids: tuple[int, ...],
+                out_slices: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The base GEMM with the delta's shrinks on `ctx.lora_side` beside it (they read only
+        x), then the expands into its output (launched plainly: a programmatic dependent
+        launch needs its producer on the same stream)."""
+        from slora_kernels.lora import lora_groups
+
+        t, layer, side = ctx.lora_tables, self.layer, ctx.lora_side
+        assert t is not None and ctx.lora is not None and side is not None
+        groups = lora_groups(x.reshape(-1, x.shape[-1]), t.arena, t.a_offsets[layer],
+                             t.b_offsets[layer], t.ranks[layer], t.scales[layer], module_ids,
+                             out_slices, ctx.lora, max_rank=t.max_rank or None, pdl=False)
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for g in groups:
+                g.shrink()
+        y = self.base(x)
+        main.wait_stream(side)
+        for g in groups:
+            g.expand(y.view(-1, y.shape[-1]))
         return y
 
     def _add_delta(self, y: torch.Tensor, x: torch.Tensor, ctx: StepContext,

@@ -134,3 +134,78 @@ def test_own_split_switch_swaps_only_the_tile_graphs(demo_dir: Path) -> None:
     assert not graphs.own_split and graphs.graphs[keys[0]] == f"graph {keys[0]}"
     modes.set(True)
     assert graphs.graphs[keys[0]] == "own"
+
+
+def test_fork_switch_swaps_the_lora_graphs_and_forks_past_the_short_list(
+        demo_dir: Path) -> None:
+    """DecodeGraphs.fork_shrink: the middle and full tile lists and the row kernels' graph get
+    the side stream in their context, the short list and base graphs do not, and
+    bench.distinct_adapters.ForkModes keeps each way's LoRA graphs apart (base graphs stay)."""
+    from bench.distinct_adapters import ForkModes
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(max_num_seqs=64, device="cpu"))
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, 64,
+                                                 engine.config.max_model_len)
+    mods = frozenset({0})
+    side = graphs.side = object()  # type: ignore[assignment]  # a CPU stand-in stream
+    assert all(graphs._context(64, mods, t).lora_side is None for t in (4, 16, 33, ROW_GRAPH))
+    graphs.fork_shrink = True
+    assert graphs._context(64, mods, 4).lora_side is None  # the short list: cdiv(64, 16)
+    assert all(graphs._context(64, mods, t).lora_side is side for t in (16, 33, ROW_GRAPH))
+    assert graphs._context(64, frozenset(), 0).lora_side is None
+    graphs.fork_shrink = False
+    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
+    for k in keys:
+        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
+    modes = ForkModes(engine)
+    modes.set(True)
+    assert graphs.fork_shrink and set(graphs.graphs) == {keys[2]}
+    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "fork", None, None
+    modes.set(False)
+    assert not graphs.fork_shrink and graphs.graphs[keys[1]] == f"graph {keys[1]}"
+    modes.set(True)
+    assert graphs.graphs[keys[0]] == "fork" and keys[1] not in graphs.graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_forked_shrinks_give_the_in_line_tokens_and_logits(demo_dir: Path) -> None:
+    """Decode graphs with the shrinks forked beside the base GEMMs (fork_shrink) replay the
+    same kernels on the same inputs as in line: every greedy token and every logit of a batch
+    of three adapters interleaved, on the tile lists and the row kernels' graph, is the same
+    bit for bit."""
+    names = sorted(p.name for p in (demo_dir / "adapters").iterdir())[:3]
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(max_num_seqs=64, device="cuda"))
+    for name in names:
+        engine.register_adapter(name, demo_dir / "adapters" / name)
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    logits: dict[bool, list[torch.Tensor]] = {False: [], True: []}
+    run = engine.runner.run
+
+    def keep(scheduled, patch=None):  # type: ignore[no-untyped-def]
+        out = run(scheduled, patch)
+        logits[graphs.fork_shrink].append(out.float().cpu().clone())
+        return out
+
+    engine.runner.run = keep  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    tokens: dict[bool, dict[str, list[int]]] = {}
+    for fork in (False, True):
+        graphs.put({})
+        graphs.take_lora_graphs()  # captured again the other way
+        graphs.fork_shrink = fork
+        done: dict[str, list[int]] = {}
+        for n, rows in (("mid", 60), ("row", 3)):  # the middle list; a row an adapter
+            for i in range(rows):
+                engine.add_request(f"{fork}:{n}{i}", [13, 14 + i], params,
+                                   adapter=names[i % 3])
+            while engine.has_unfinished():
+                for out in engine.step():
+                    done.setdefault(out.request_id.split(":")[1], []).extend(out.token_ids)
+        assert all(len(t) == 6 for t in done.values()) and len(done) == 63
+        tokens[fork] = done
+    assert tokens[False] and tokens[False] == tokens[True]
+    assert len(logits[False]) == len(logits[True]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(logits[False], logits[True], strict=True))
