@@ -25,9 +25,10 @@ the sole-adapter merge off at least 0.97x. Punica reports 91.6% of base with dis
 the longest tile list instead of the middle one (`DecodeGraphs.use_mid_tiles` off), in
 the same interleaving: what the middle list (decode_tile_caps) is worth. `--own-split-arms`
 likewise runs arms with every tile list's K split picked for its own length
-(`DecodeGraphs.own_split`) instead of decode_split_tiles's. `--fork-arms` runs arms with
-decode graphs' many-adapter LoRA shrinks on a second stream beside the base GEMMs
-(`DecodeGraphs.fork_shrink`).
+(`DecodeGraphs.own_split`) instead of decode_split_tiles's. `--in-line-arms` runs arms with
+decode graphs' many-adapter LoRA shrinks in line after the base GEMMs instead of on a second
+stream beside them (`DecodeGraphs.fork_shrink` off; on by default since cb90780's run,
+distinct-adapters-fork-cb90780-h100.json, where `--fork-arms` ran the fork as the variant).
 """
 
 from __future__ import annotations
@@ -132,11 +133,13 @@ class SplitModes:
 
 
 class ForkModes:
-    """Switches decode graphs' many-adapter LoRA between in line and its shrinks forked
-    (DecodeGraphs.fork_shrink) between arms, keeping each way's captured graphs."""
+    """Switches decode graphs' many-adapter LoRA between its shrinks forked beside the base
+    GEMMs and in line (DecodeGraphs.fork_shrink) between arms, keeping each way's captured
+    graphs; `default` is the engine's own."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.graphs = engine.runner.graphs
+        self.default = self.graphs is not None and self.graphs.fork_shrink
         self.stash: dict[bool, dict[Any, Any]] = {}
 
     def set(self, fork: bool) -> None:
@@ -214,8 +217,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         raise SystemExit("--full-list-arms names arms not in --distinct-arms")
     if not set(a.own_split_arms) <= set(a.distinct_arms):
         raise SystemExit("--own-split-arms names arms not in --distinct-arms")
-    if not set(a.fork_arms) <= set(a.distinct_arms):
-        raise SystemExit("--fork-arms names arms not in --distinct-arms")
+    if not set(a.in_line_arms) <= set(a.distinct_arms):
+        raise SystemExit("--in-line-arms names arms not in --distinct-arms")
     engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
@@ -237,11 +240,11 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     own_split = {f"{n}_own_split": n for n in a.own_split_arms if n in arms}
     arms.update({name: arms[n] for name, n in own_split.items()})
     splits = SplitModes(engine)
-    # --fork-arms: the same requests with the shrinks forked beside the base GEMMs.
-    fork = {f"{n}_fork": n for n in a.fork_arms if n in arms}
-    arms.update({name: arms[n] for name, n in fork.items()})
+    # --in-line-arms: the same requests with the shrinks in line after the base GEMMs.
+    in_line = {f"{n}_in_line": n for n in a.in_line_arms if n in arms}
+    arms.update({name: arms[n] for name, n in in_line.items()})
     forks = ForkModes(engine)
-    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *fork)
+    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *in_line)
                        if n in arms)
     ratio_arms = (*targets, *extra_arms)
 
@@ -250,7 +253,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         if engine.runner.graphs is not None:
             engine.runner.graphs.use_mid_tiles = name not in full_list
         splits.set(name in own_split)
-        forks.set(name in fork)
+        forks.set(forks.default and name not in in_line)
         if modes is not None:
             modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)
@@ -309,7 +312,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     if engine.runner.graphs is not None:
         engine.runner.graphs.use_mid_tiles = True
     splits.set(False)
-    forks.set(False)
+    forks.set(forks.default)
     if modes is not None:
         modes.set(modes.default)
     return summary(runs)

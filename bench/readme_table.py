@@ -426,11 +426,13 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
                     f" | | {source} |")
     # --full-list-arms: the same requests with every tile step on its bucket's full tile list;
     # --own-split-arms: with every tile list's K split picked for its own length;
-    # --fork-arms: with the shrinks forked beside the base GEMMs.
+    # --fork-arms (cb90780, when the fork was the variant) / --in-line-arms: with the shrinks
+    # forked beside the base GEMMs / in line after them.
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters")):
         for suffix, how in (("full_list", "on the longest tile list (the middle list off, "),
                             ("own_split", "each tile list's K split for its own length ("),
-                            ("fork", "the shrinks on a second stream beside the base GEMMs (")):
+                            ("fork", "the shrinks on a second stream beside the base GEMMs ("),
+                            ("in_line", "the shrinks in line after the base GEMMs (")):
             k = d.get(f"{arm}_{suffix}")
             if k is not None:
                 rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"
@@ -652,6 +654,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-norm-3ceb912-h100.json", distinct_rows),
                        ("distinct-adapters-norm-r16-3ceb912-h100.json", distinct_rows),
                        ("distinct-adapters-b6261c0-h100.json", distinct_rows),
+                       ("distinct-adapters-fork-cb90780-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

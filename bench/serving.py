@@ -430,10 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--own-split-arms", type=parse_many_arms, default=(),
                    help="arms of 'distinct' also run with every tile list's K split picked "
                         "for its own length (decode_split_tiles off), side by side")
-    p.add_argument("--fork-arms", type=parse_many_arms, default=(),
+    p.add_argument("--in-line-arms", type=parse_many_arms, default=(),
                    help="arms of 'distinct' also run with decode graphs' many-adapter LoRA "
-                        "shrinks on a second stream beside the base GEMMs "
-                        "(DecodeGraphs.fork_shrink), side by side")
+                        "shrinks in line after the base GEMMs (lora_fork_shrink off), side "
+                        "by side")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
                    help="rank of the adapter on every request of 'distinct''s one-adapter "
                         "arms (all 7 modules)")

@@ -328,9 +328,10 @@ SUITES["issue37-fork"] = (
          "4:8-16-32-64,16:8-16-32-64,64:8-16-32-64", "--choices", "tiles_graph,rows",
          "--with-base", "--out", OUT("lora-distinct-layer-fork")),)
 # The fork in the engine: 16 and 64 distinct adapters with decode graphs' shrinks forked
-# (DecodeGraphs.fork_shrink) beside the same arms in line and base, interleaved.
+# beside the base GEMMs (EngineConfig.lora_fork_shrink, on since
+# distinct-adapters-fork-cb90780-h100.json) beside the same arms in line and base, interleaved.
 SUITES["issue37-fork-engine"] = (dataclasses.replace(SUITES["issue37"][0], limit_s=300, argv=(
-    *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16,distinct64", "--fork-arms",
+    *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16,distinct64", "--in-line-arms",
     "distinct16,distinct64", "--out", OUT("distinct-adapters-fork"))),)
 # The same call again after issue37-next's H100 run (tiles_n512 lost at every D,
 # lora-distinct-layer-n512-b6261c0-h100.json): 8 and 2 warps a tile program against 4, then

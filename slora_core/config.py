@@ -227,6 +227,13 @@ class EngineConfig:
     lora_row_kernels: bool = knob(
         True, "decode graphs run many-adapter LoRA one token row a program, a third LoRA "
               "graph per bucket (slora_kernels/lora_rows.py; off: 16-row tiles only)")
+    # H100, 7B, batch 64, ranks 8-64 on all 7 modules, interleaved with the same arms in line:
+    # 16 distinct adapters 0.805x vs 0.801x base, 64 distinct 0.700x vs 0.696x, ahead in every
+    # repeat; the same tokens and logits bit for bit (distinct-adapters-fork-cb90780-h100.json).
+    lora_fork_shrink: bool = knob(
+        True, "decode graphs of many adapters (past the one-adapter tile list) run each "
+              "projection's LoRA shrinks on a second CUDA stream beside its base GEMM, the "
+              "expands after both")
     # H200, one adapter at batch 64: 0.951x vs 0.933x base (engine-speed-{pdl,nopdl}-dccb3ce).
     lora_pdl: bool | None = knob(
         None, "launch each LoRA expand as a programmatic dependent of its shrink, so it "

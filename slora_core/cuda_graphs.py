@@ -39,6 +39,7 @@ class ModelRunner(Protocol):
     device: torch.device
     lora_row_kernels: bool
     lora_pdl: bool | None
+    lora_fork_shrink: bool
     ride: SoleAdapterRide | None
 
 
@@ -404,11 +405,11 @@ class DecodeGraphs(_StepGraphs):
         # On, every tile list picks its K split for its own length (decode_split_tiles off):
         # a benchmark's switch, which swaps the graphs captured either way (take_tile_graphs).
         self.own_split = False
-        # On, the LoRA graphs on the middle and full tile lists and the row kernels' graph run
-        # each projection's shrinks on a second stream beside its base GEMM, the expands
-        # after both (StepContext.lora_side); a benchmark's switch, which swaps the graphs
-        # captured either way (take_lora_graphs).
-        self.fork_shrink = False
+        # EngineConfig.lora_fork_shrink: the LoRA graphs on the middle and full tile lists
+        # and the row kernels' graph run each projection's shrinks on a second stream beside
+        # its base GEMM, the expands after both (StepContext.lora_side); a benchmark may
+        # switch it, swapping the graphs captured either way (take_lora_graphs).
+        self.fork_shrink = runner.lora_fork_shrink
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.

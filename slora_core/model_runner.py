@@ -42,13 +42,15 @@ class ModelRunner:
                  max_num_batched_tokens: int = 512, use_cuda_graphs: bool = True,
                  mixed_graphs: bool = True, merge_sole_adapter: bool = False,
                  ride_sole_adapter: bool = False, lora_row_kernels: bool = False,
-                 lora_pdl: bool | None = None) -> None:
+                 lora_pdl: bool | None = None, lora_fork_shrink: bool = False) -> None:
         self.model = model
         self.arena = arena
         # EngineConfig.lora_row_kernels: decode graphs' full LoRA list runs the row kernels.
         self.lora_row_kernels = lora_row_kernels
         # EngineConfig.lora_pdl: LoRA expands as programmatic dependents of their shrinks.
         self.lora_pdl = lora_pdl
+        # EngineConfig.lora_fork_shrink: decode graphs' many-adapter shrinks beside the GEMMs.
+        self.lora_fork_shrink = lora_fork_shrink
         # EngineConfig.merge_sole_adapter: steps on one adapter run as the base model.
         self.merge = SoleAdapterMerge(model, arena) if merge_sole_adapter else None
         # EngineConfig.ride_sole_adapter: unmerged steps on one adapter ride the base GEMMs.
@@ -87,7 +89,8 @@ class ModelRunner:
                    use_cuda_graphs=config.cuda_graphs, mixed_graphs=config.mixed_graphs,
                    merge_sole_adapter=config.merges_sole_adapter,
                    ride_sole_adapter=config.ride_sole_adapter,
-                   lora_row_kernels=config.lora_row_kernels, lora_pdl=config.lora_pdl)
+                   lora_row_kernels=config.lora_row_kernels, lora_pdl=config.lora_pdl,
+                   lora_fork_shrink=config.lora_fork_shrink)
 
     def build_context(self, inputs: StepInputs) -> tuple[torch.Tensor, StepContext]:
         """The step's input ids and context on the device (one copy for every array)."""

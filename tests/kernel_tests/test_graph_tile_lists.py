@@ -138,8 +138,8 @@ def test_own_split_switch_swaps_only_the_tile_graphs(demo_dir: Path) -> None:
 
 def test_fork_switch_swaps_the_lora_graphs_and_forks_past_the_short_list(
         demo_dir: Path) -> None:
-    """DecodeGraphs.fork_shrink: the middle and full tile lists and the row kernels' graph get
-    the side stream in their context, the short list and base graphs do not, and
+    """DecodeGraphs.fork_shrink (EngineConfig.lora_fork_shrink, on by default): the middle and
+    full tile lists and the row kernels' graph get the side stream in their context, the short list and base graphs do not, and
     bench.distinct_adapters.ForkModes keeps each way's LoRA graphs apart (base graphs stay)."""
     from bench.distinct_adapters import ForkModes
 
@@ -147,8 +147,13 @@ def test_fork_switch_swaps_the_lora_graphs_and_forks_past_the_short_list(
                                       EngineConfig(max_num_seqs=64, device="cpu"))
     graphs = engine.runner.graphs = DecodeGraphs(engine.runner, 64,
                                                  engine.config.max_model_len)
+    assert graphs.fork_shrink  # EngineConfig.lora_fork_shrink's default
+    off = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        max_num_seqs=64, device="cpu", lora_fork_shrink=False))
+    assert not DecodeGraphs(off.runner, 64, off.config.max_model_len).fork_shrink
     mods = frozenset({0})
     side = graphs.side = object()  # type: ignore[assignment]  # a CPU stand-in stream
+    graphs.fork_shrink = False
     assert all(graphs._context(64, mods, t).lora_side is None for t in (4, 16, 33, ROW_GRAPH))
     graphs.fork_shrink = True
     assert graphs._context(64, mods, 4).lora_side is None  # the short list: cdiv(64, 16)
@@ -156,6 +161,7 @@ def test_fork_switch_swaps_the_lora_graphs_and_forks_past_the_short_list(
     assert graphs._context(64, frozenset(), 0).lora_side is None
     graphs.fork_shrink = False
     keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
+    # ForkModes' default is the engine's own: off here, as graphs were set just above.
     for k in keys:
         graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
     modes = ForkModes(engine)
