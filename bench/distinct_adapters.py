@@ -114,41 +114,40 @@ class RideModes:
         self.mode = mode
 
 
-class SplitModes:
-    """Switches decode graphs' tile lists between their K split rules (DecodeGraphs.own_split)
-    between arms, keeping each rule's captured graphs (a graph replays the split it was
-    captured with)."""
+class GraphSwitch:
+    """Switches a boolean of the decode graphs (`attr`) between arms, keeping each value's
+    captured graphs (those `take` removes: a graph replays what it was captured with);
+    `default` is the engine's own value."""
+
+    attr = ""
+    take = ""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.graphs = engine.runner.graphs
+        self.default = self.graphs is not None and bool(getattr(self.graphs, self.attr))
         self.stash: dict[bool, dict[Any, Any]] = {}
 
-    def set(self, own: bool) -> None:
+    def set(self, value: bool) -> None:
         g = self.graphs
-        if g is None or g.own_split == own:
+        now = g is not None and bool(getattr(g, self.attr))
+        if g is None or now == value:
             return
-        self.stash[g.own_split] = g.take_tile_graphs()
-        g.put(self.stash.pop(own, {}))
-        g.own_split = own
+        self.stash[now] = getattr(g, self.take)()
+        g.put(self.stash.pop(value, {}))
+        setattr(g, self.attr, value)
 
 
-class ForkModes:
-    """Switches decode graphs' many-adapter LoRA between its shrinks forked beside the base
-    GEMMs and in line (DecodeGraphs.fork_shrink) between arms, keeping each way's captured
-    graphs; `default` is the engine's own."""
+class SplitModes(GraphSwitch):
+    """The tile lists' K split rule (DecodeGraphs.own_split), their graphs kept apart."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.graphs = engine.runner.graphs
-        self.default = self.graphs is not None and self.graphs.fork_shrink
-        self.stash: dict[bool, dict[Any, Any]] = {}
+    attr, take = "own_split", "take_tile_graphs"
 
-    def set(self, fork: bool) -> None:
-        g = self.graphs
-        if g is None or g.fork_shrink == fork:
-            return
-        self.stash[g.fork_shrink] = g.take_lora_graphs()
-        g.put(self.stash.pop(fork, {}))
-        g.fork_shrink = fork
+
+class ForkModes(GraphSwitch):
+    """Many-adapter LoRA with its shrinks forked beside the base GEMMs or in line
+    (DecodeGraphs.fork_shrink), every LoRA graph but the ride's kept apart."""
+
+    attr, take = "fork_shrink", "take_lora_graphs"
 
 
 def parse_arms(text: str) -> tuple[str, ...]:
