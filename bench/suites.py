@@ -323,10 +323,15 @@ SUITES["issue37-next"] = (
 # The many-adapter shrinks forked beside the base GEMMs (they read only x) on a second
 # stream, the expands after both (bench.lora_distinct_layer --with-base), against the LoRA
 # in line after each GEMM, at D = 4, 16 and 64 on what decode graphs replay.
+# Its b256 step (not yet run): the same at 256 rows, where 64 and 32 adapters (4 and 8 rows
+# each) take the middle list and 128 the row kernels.
 SUITES["issue37-fork"] = (
     step("fork", 150, "bench.lora_distinct_layer", "--cases",
          "4:8-16-32-64,16:8-16-32-64,64:8-16-32-64", "--choices", "tiles_graph,rows",
-         "--with-base", "--out", OUT("lora-distinct-layer-fork")),)
+         "--with-base", "--out", OUT("lora-distinct-layer-fork")),
+    step("fork-b256", 200, "bench.lora_distinct_layer", "--rows", "256", "--cases",
+         "32:8-16-32-64,64:8-16-32-64,128:8-16-32-64", "--choices", "tiles_graph,rows",
+         "--with-base", "--out", OUT("lora-distinct-layer-fork-b256")),)
 # The fork in the engine: 16 and 64 distinct adapters with decode graphs' shrinks forked
 # beside the base GEMMs (EngineConfig.lora_fork_shrink, on since
 # distinct-adapters-fork-cb90780-h100.json) beside the same arms in line and base, interleaved.
