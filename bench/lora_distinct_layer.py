@@ -367,7 +367,7 @@ def with_base_calls(lay: Layer, shape: Shape, choice: Choice | None, ws: list[to
                     g.shrink()
                     g.expand(y)
                 continue
-            main = torch.cuda.current_stream()
+            main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 for g in gs:

@@ -145,7 +145,7 @@ class LoraLinear(nn.Module):
         groups = lora_groups(x.reshape(-1, x.shape[-1]), t.arena, t.a_offsets[layer],
                              t.b_offsets[layer], t.ranks[layer], t.scales[layer], module_ids,
                              out_slices, ctx.lora, max_rank=t.max_rank or None, pdl=False)
-        main = torch.cuda.current_stream()
+        main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for g in groups:
