@@ -383,7 +383,8 @@ def with_base_calls(lay: Layer, shape: Shape, choice: Choice | None, ws: list[to
 def time_with_base(layers: list[Layer], shape: Shape, name: str, choice: Choice,
                    ws: list[torch.Tensor], row: dict[str, Any]) -> None:
     """`--with-base`: the layer's base GEMMs alone (once a case), with `name`'s LoRA in line,
-    and with its shrinks forked beside them; whether the fork's y is the in-line one's bit
+    and with its shrinks forked beside them (on a stream of default and of high priority);
+    whether the fork's y is the in-line one's bit
     for bit (the same kernels and splits on the same inputs)."""
     side = torch.cuda.Stream() if DEVICE == "cuda" else None
     if "base_layer_us" not in row:
@@ -393,6 +394,11 @@ def time_with_base(layers: list[Layer], shape: Shape, name: str, choice: Choice,
         [with_base_calls(lay, shape, choice, ws, None) for lay in layers], replays=10)
     row[f"{name}+base_fork_us"] = graph_time_us(
         [with_base_calls(lay, shape, choice, ws, side) for lay in layers], replays=10)
+    # The side stream at CUDA's highest priority: the shrinks' programs dispatched ahead of
+    # the GEMM's waiting ones (not yet run on a GPU).
+    high = torch.cuda.Stream(priority=-1) if DEVICE == "cuda" else None
+    row[f"{name}+base_fork_high_us"] = graph_time_us(
+        [with_base_calls(lay, shape, choice, ws, high) for lay in layers], replays=10)
     inline = with_base_calls(layers[0], shape, choice, ws, None)
     fork = with_base_calls(layers[0], shape, choice, ws, side)
     inline()

@@ -50,6 +50,7 @@ def test_with_base_records_each_arm(tmp_path: Path) -> None:
     assert ldl.main(["--shape", "toy", "--cases", "4:8-16", "--choices", "tiles",
                      "--with-base", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows_out"]
-    for key in ("base_layer_us", "tiles+base_us", "tiles+base_fork_us"):
+    for key in ("base_layer_us", "tiles+base_us", "tiles+base_fork_us",
+                "tiles+base_fork_high_us"):
         assert row[key] > 0, key
     assert row["tiles_fork_matches"] is True
