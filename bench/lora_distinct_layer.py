@@ -56,6 +56,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -77,6 +78,7 @@ from slora_kernels.lora import (
     LoraGroup,
     LoraTiles,
     add_lora_triton,
+    lora_forked,
     lora_groups,
     pick_split,
     rank_block,
@@ -367,15 +369,7 @@ def with_base_calls(lay: Layer, shape: Shape, choice: Choice | None, ws: list[to
                     g.shrink()
                     g.expand(y)
                 continue
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                for g in gs:
-                    g.shrink()
-            torch.mm(x, w.T, out=y)
-            main.wait_stream(side)
-            for g in gs:
-                g.expand(y)
+            lora_forked(gs, side, partial(torch.mm, x, w.T, out=y))
 
     return run
 
@@ -384,8 +378,8 @@ def time_with_base(layers: list[Layer], shape: Shape, name: str, choice: Choice,
                    ws: list[torch.Tensor], row: dict[str, Any]) -> None:
     """`--with-base`: the layer's base GEMMs alone (once a case), with `name`'s LoRA in line,
     and with its shrinks forked beside them (on a stream of default and of high priority);
-    whether the fork's y is the in-line one's bit
-    for bit (the same kernels and splits on the same inputs)."""
+    whether the fork's y is the in-line one's bit for bit (the same kernels and splits on the
+    same inputs). On the CPU, where there are no streams, the fork arms run in line."""
     side = torch.cuda.Stream() if DEVICE == "cuda" else None
     if "base_layer_us" not in row:
         row["base_layer_us"] = graph_time_us(

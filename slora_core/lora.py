@@ -8,6 +8,7 @@ page arena through the step context's offset tables.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -138,23 +139,14 @@ class LoraLinear(nn.Module):
         """The base GEMM with the delta's shrinks on `ctx.lora_side` beside it (they read only
         x), then the expands into its output (launched plainly: a programmatic dependent
         launch needs its producer on the same stream)."""
-        from slora_kernels.lora import lora_groups
+        from slora_kernels.lora import lora_forked, lora_groups
 
         t, layer, side = ctx.lora_tables, self.layer, ctx.lora_side
         assert t is not None and ctx.lora is not None and side is not None
         groups = lora_groups(x.reshape(-1, x.shape[-1]), t.arena, t.a_offsets[layer],
                              t.b_offsets[layer], t.ranks[layer], t.scales[layer], module_ids,
                              out_slices, ctx.lora, max_rank=t.max_rank or None, pdl=False)
-        main = torch.cuda.current_stream(x.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for g in groups:
-                g.shrink()
-        y = self.base(x)
-        main.wait_stream(side)
-        for g in groups:
-            g.expand(y.view(-1, y.shape[-1]))
-        return y
+        return lora_forked(groups, side, partial(self.base, x))
 
     def _add_delta(self, y: torch.Tensor, x: torch.Tensor, ctx: StepContext,
                    module_ids: tuple[int, ...], out_slices: tuple[tuple[int, int], ...]

@@ -9,6 +9,7 @@ token and module, split along K when there are too few segments to fill the GPU.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -330,6 +331,24 @@ def lora_groups(
         groups.append(LoraGroup(x, arena, a_offsets, b_offsets, ranks, scales, mods, slices,
                                 meta, tiles, block_r, buf, pdl, early_loads))
     return groups
+
+
+def lora_forked(groups: list[LoraGroup], side: torch.cuda.Stream,
+                gemm: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`gemm()`, the base projection on the current stream, with the groups' shrinks on `side`
+    beside it (they read only x, which the current stream wrote before), then their expands
+    into its output, which is returned. The groups must have `pdl` off: an expand launched
+    as a programmatic dependent would wait on the GEMM, not on its shrink."""
+    main = torch.cuda.current_stream(side.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for g in groups:
+            g.shrink()
+    y = gemm()
+    main.wait_stream(side)
+    for g in groups:
+        g.expand(y.view(-1, y.shape[-1]))
+    return y
 
 
 def _pick_tiles(meta: LoraMeta, tiles: LoraTiles | RowTiles | None, dtype: torch.dtype,

@@ -139,8 +139,9 @@ def test_own_split_switch_swaps_only_the_tile_graphs(demo_dir: Path) -> None:
 def test_fork_switch_swaps_the_lora_graphs_and_forks_past_the_short_list(
         demo_dir: Path) -> None:
     """DecodeGraphs.fork_shrink (EngineConfig.lora_fork_shrink, on by default): the middle and
-    full tile lists and the row kernels' graph get the side stream in their context, the short list and base graphs do not, and
-    bench.distinct_adapters.ForkModes keeps each way's LoRA graphs apart (base graphs stay)."""
+    full tile lists and the row kernels' graph get the side stream in their context, the short
+    list and base graphs do not, and bench.distinct_adapters.ForkModes keeps each way's LoRA
+    graphs apart (base graphs stay)."""
     from bench.distinct_adapters import ForkModes
 
     engine = LLMEngine.from_model_dir(demo_dir / "model",
@@ -199,7 +200,6 @@ def test_forked_shrinks_give_the_in_line_tokens_and_logits(demo_dir: Path) -> No
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     tokens: dict[bool, dict[str, list[int]]] = {}
     for fork in (False, True):
-        graphs.put({})
         graphs.take_lora_graphs()  # captured again the other way
         graphs.fork_shrink = fork
         done: dict[str, list[int]] = {}
