@@ -394,5 +394,14 @@ SUITES["issue37-tiles"] = (
          "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
          "--distinct-arms", "distinct64", "--full-list-arms", "distinct64",
          "--own-split-arms", "distinct64", "--out", OUT("distinct-adapters-mid-b256")))
+# The fork at 256 rows in the engine (the layer at 256 rows: on the middle list a tie at
+# D = 64 and 3.3 us a layer lost at D = 32, 2.2 us won on the row kernels at D = 128,
+# lora-distinct-layer-fork-b256-b02a099-h100.json): 64 distinct adapters in a batch of 256
+# (four rows each: the middle list) forked and in line, beside base, interleaved.
+SUITES["issue37-fork-b256"] = (step(
+    "distinct-fork-b256", 260, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "50",
+    "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
+    "--distinct-arms", "distinct64", "--in-line-arms", "distinct64",
+    "--out", OUT("distinct-adapters-fork-b256")),)
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
