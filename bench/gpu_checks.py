@@ -42,9 +42,16 @@ import pytest
 
 from bench.run_record import commit_id
 
+# Every test a CPU skips for want of a GPU is here, as its file or its node
+# (tests/bench/test_gpu_suite_smoke.py checks that none is missing).
 PYTEST_PATHS = ["tests/kernel_tests", "tests/slora_core/test_ops.py", "tests/slora_core/test_model.py",
                 "tests/slora_core/test_nonfinite_guard.py",
-                "tests/slora_core/test_graph_capture.py", "tests/slora_core/test_lora_merge.py"]
+                "tests/slora_core/test_graph_capture.py", "tests/slora_core/test_lora_merge.py",
+                "tests/slora_core/test_precompile.py", "tests/slora_core/test_sampler_penalties.py",
+                "tests/slora_core/test_prefix_cache.py::"
+                "test_on_the_gpu_with_graphs_the_cache_gives_the_tokens_without_it",
+                "tests/services/dataplane/test_worker_startup_graphs.py::"
+                "test_graphs_captured_while_serving_on_the_gpu"]
 SHAPES = ["llama2-7b", "llama3-8b"]
 LIMIT_EXIT = (124, 130, 137, -2, -9, -15)  # stopped at the limit
 EVERY_TEST = ("-m", "slow or not slow")  # the GPU run checks the slow set too

@@ -6,6 +6,7 @@ with the commit it was given: each part leaves its summary and one tarball of ev
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -16,6 +17,44 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def gpu_only_functions(source: str) -> set[str]:
+    """The test functions in `source` skipped with a reason naming the GPU or CUDA."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for deco in node.decorator_list:
+            if isinstance(deco, ast.Call) and ast.unparse(deco.func).endswith("mark.skipif"):
+                reason = " ".join(str(k.value.value) for k in deco.keywords
+                                  if k.arg == "reason" and isinstance(k.value, ast.Constant))
+                if "GPU" in reason or "CUDA" in reason:
+                    found.add(node.name)
+    return found
+
+
+def test_the_gpu_part_runs_every_test_a_cpu_skips_for_want_of_a_gpu() -> None:
+    """bench.gpu_checks A's default paths hold every GPU-only test function (as its directory,
+    its file or its node), and every file with cases for a CUDA device whole."""
+    from bench.gpu_checks import PYTEST_PATHS
+
+    def covered(file: str, func: str | None) -> bool:
+        return any(file == p or file.startswith(p.rstrip("/") + "/")
+                   or (func is not None and p == f"{file}::{func}") for p in PYTEST_PATHS)
+
+    missing = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        file, source = str(path.relative_to(ROOT)), path.read_text()
+        funcs = gpu_only_functions(source)
+        missing += [f"{file}::{f}" for f in sorted(funcs) if not covered(file, f)]
+        if (not funcs and "cuda.is_available()" in source and path != Path(__file__)
+                and not covered(file, None)):
+            missing.append(file)  # cases parametrized on a CUDA device where there is one
+    assert gpu_only_functions(
+        "@pytest.mark.skipif(True, reason='needs a CUDA GPU')\ndef test_a(): pass\n"
+        "@pytest.mark.skipif(True, reason='needs docker')\ndef test_b(): pass\n") == {"test_a"}
+    assert not missing, f"GPU-only tests bench.gpu_checks A would not run: {missing}"
 
 
 @pytest.mark.slow  # ~30 s: three processes at toy sizes
