@@ -11,6 +11,7 @@ the work, so the figures hold for this machine's CPU (the device's differs).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -43,10 +44,19 @@ POINTERS = {
 }
 
 
+def constexpr_names(fn: Any) -> list[str]:
+    """The constexpr parameters a Triton kernel declares (compiled or interpreted alike)."""
+    return [name for name, p in inspect.signature(fn.fn).parameters.items()
+            if "constexpr" in str(p.annotation)]
+
+
 def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool = False,
                  ) -> dict[str, Any]:
     """Compile one variant of `fn` for sm_90: seconds, PTX characters, registers a thread
     (`float32`: activations and arena in float32, as a float32 model runs them)."""
+    missing = [n for n in constexpr_names(fn) if n not in consts]
+    if missing:  # else each would compile as an int32 argument, and fail or mislead
+        raise ValueError(f"{fn.fn.__name__}: no value for constexpr {', '.join(missing)}")
     pointers = POINTERS | ({k: F32 for k in ("x_ptr", "y_ptr", "arena_ptr")} if float32 else {})
     sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=sig,
@@ -62,26 +72,34 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool 
 
 def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
     """(name, kernel, constexprs, warps): the row and the tile kernels at rank bounds 16 and 64,
-    with their default tiles (RowTiles(), DECODE_TILES); the row expand uncapped and with its
-    register tile capped at 4096 elements (RowTiles.expand_sub_tile, the default)."""
+    with their default tiles (RowTiles(), DECODE_TILES) launched as a decode graph in line
+    launches them (programmatic dependent launch on, rank-balanced row programs above rank
+    16); the row expand uncapped and with its register tile capped at 4096 elements
+    (RowTiles.expand_sub_tile, the default)."""
     rows = lora_rows.RowTiles()
     out: list[tuple[str, Any, dict[str, Any], int]] = []
     for bound in (16, 64):
+        balanced = bound > 16
         out += [
             (f"rows_shrink_r{bound}", lora_rows._rows_shrink_kernel,
-             {"MAX_RANK": bound, "BLOCK_R": bound, "TILE": rows.tile}, rows.num_warps),
+             {"MAX_RANK": bound, "BLOCK_R": bound, "TILE": rows.tile,
+              "LAUNCH_DEPENDENTS": True, "BALANCED": balanced}, rows.num_warps),
             (f"rows_expand_r{bound}", lora_rows._rows_expand_kernel,
              {"MAX_RANK": bound, "BLOCK_R": bound, "BLOCK_N": rows.block_n,
-              **lora_rows.expand_sub_tiles(rows.block_n, bound, 0)}, rows.num_warps),
+              **lora_rows.expand_sub_tiles(rows.block_n, bound, 0), "USE_PDL": True,
+              "BALANCED": balanced}, rows.num_warps),
             (f"rows_expand_r{bound}_sub4096", lora_rows._rows_expand_kernel,
              {"MAX_RANK": bound, "BLOCK_R": bound, "BLOCK_N": rows.block_n,
-              **lora_rows.expand_sub_tiles(rows.block_n, bound, 4096)}, rows.num_warps),
+              **lora_rows.expand_sub_tiles(rows.block_n, bound, 4096), "USE_PDL": True,
+              "BALANCED": balanced}, rows.num_warps),
             (f"tile_shrink_r{bound}", lora_shrink._lora_shrink_kernel,
              {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": bound,
-              "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False}, 4),
+              "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False,
+              "LAUNCH_DEPENDENTS": True}, 4),
             (f"tile_expand_r{bound}", lora_expand._lora_expand_kernel,
              {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 256,
-              "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False}, 4),
+              "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False,
+              "EARLY_LOADS": False, "USE_PDL": True}, 4),
         ]
     return out
 
