@@ -656,6 +656,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-b6261c0-h100.json", distinct_rows),
                        ("distinct-adapters-fork-cb90780-h100.json", distinct_rows),
                        ("distinct-adapters-fork-b02a099-h100.json", distinct_rows),
+                       ("distinct-adapters-fork-b256-ecdfb2a-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

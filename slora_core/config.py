@@ -229,7 +229,9 @@ class EngineConfig:
               "graph per bucket (slora_kernels/lora_rows.py; off: 16-row tiles only)")
     # H100, 7B, batch 64, ranks 8-64 on all 7 modules, interleaved with the same arms in line:
     # 16 distinct adapters 0.805x vs 0.801x base, 64 distinct 0.700x vs 0.696x, ahead in every
-    # repeat; the same tokens and logits bit for bit (distinct-adapters-fork-cb90780-h100.json).
+    # repeat; the same tokens and logits bit for bit (distinct-adapters-fork-cb90780-h100.json;
+    # again 0.805x / 0.701x at b02a099). Batch 256, 64 distinct: 0.731x vs 0.729x
+    # (distinct-adapters-fork-b256-ecdfb2a-h100.json).
     lora_fork_shrink: bool = knob(
         True, "decode graphs of many adapters (past the one-adapter tile list) run each "
               "projection's LoRA shrinks on a second CUDA stream beside its base GEMM, the "
