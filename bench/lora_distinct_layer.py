@@ -19,6 +19,9 @@ several launch choices:
   row kernels (slora_core.cuda_graphs.decode_tile_caps, tile_steps_max_tiles), each with its
   own K split; `tiles_graph`: the list and K split a decode graph replays for the step
   beside the row kernels (decode_split_tiles), where they leave it to the tiles;
+  `tiles_graph_s1`, `tiles_graph_k128`, `tiles_graph_k64`: that list with one pipeline stage,
+  or shrink K tiles of 128 or 64 (less shared memory a shrink program: for the fork beside
+  the base GEMMs, `--with-base`);
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -233,8 +236,18 @@ def choices(slots: list[int]) -> dict[str, Choice]:
                                ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
     if length != ROW_GRAPH:
         split_n = decode_split_tiles(rows_n, length, ROW_KERNELS_MAX_ROWS_PER_ADAPTER)
-        out["tiles_graph"] = (dataclasses.replace(padded_meta(slots, length),
-                                                  split_tiles=split_n), DECODE_TILES, none)
+        graph_meta = dataclasses.replace(padded_meta(slots, length), split_tiles=split_n)
+        out["tiles_graph"] = (graph_meta, DECODE_TILES, none)
+        # The same with lighter shrink programs, for the fork (--with-base): a shrink program
+        # stages its x and A tiles in shared memory (16 x 256 and 256 x 64 fp16, twice with
+        # 2 stages: ~80 KB), which a GEMM's resident blocks may leave no room for, so that the
+        # forked shrinks wait for the GEMM's blocks to retire. One stage or a K tile of 128
+        # or 64 halves or quarters that.
+        out["tiles_graph_s1"] = (graph_meta, dataclasses.replace(DECODE_TILES, num_stages=1),
+                                 none)
+        for bk in (128, 64):
+            out[f"tiles_graph_k{bk}"] = (
+                graph_meta, dataclasses.replace(DECODE_TILES, shrink_block_k=bk), none)
     # tiles@L/S: the list padded to L tiles, the K split picked as for an S-tile list, L and
     # S each the real tiles, the middle list, the bound or the bucket (where the real fit).
     lengths = {"real": real, "mid": caps[1] if len(caps) == 3 else 0, "bound": bound,
@@ -428,7 +441,8 @@ def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
 CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", "tiles_w2",
                 "tiles_early_n128", "tiles_unpadded_split", "tiles_unpadded", "rows",
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
-                "tiles_bound", "tiles_graph")
+                "tiles_bound", "tiles_graph", "tiles_graph_s1", "tiles_graph_k128",
+                "tiles_graph_k64")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles16", "mixed_rows_and_chunk_tiles")

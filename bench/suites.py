@@ -403,5 +403,17 @@ SUITES["issue37-fork-b256"] = (step(
     "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
     "--distinct-arms", "distinct64", "--in-line-arms", "distinct64",
     "--out", OUT("distinct-adapters-fork-b256")),)
+# The fork with lighter shrink programs: one pipeline stage, or shrink K tiles of 128 or 64
+# (a shrink program stages ~80 KB of x and A tiles in shared memory, which the GEMM's
+# resident blocks may not leave free), at 64 rows (D = 16, the middle list) and 256 rows
+# (D = 32 and 64, the middle list), each in line and forked beside the base GEMMs.
+SUITES["issue37-fork-smem"] = (
+    step("fork-smem", 120, "bench.lora_distinct_layer", "--cases", "16:8-16-32-64",
+         "--choices", "tiles_graph,tiles_graph_s1,tiles_graph_k128,tiles_graph_k64",
+         "--with-base", "--out", OUT("lora-distinct-layer-fork-smem")),
+    step("fork-smem-b256", 150, "bench.lora_distinct_layer", "--rows", "256", "--cases",
+         "32:8-16-32-64,64:8-16-32-64", "--choices",
+         "tiles_graph,tiles_graph_s1,tiles_graph_k128,tiles_graph_k64", "--with-base",
+         "--out", OUT("lora-distinct-layer-fork-smem-b256")),)
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
