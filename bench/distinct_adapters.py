@@ -150,6 +150,13 @@ class ForkModes(GraphSwitch):
     attr, take = "fork_shrink", "take_lora_graphs"
 
 
+class StageModes(GraphSwitch):
+    """The many-adapter tile lists with one pipeline stage or their tiles' two
+    (DecodeGraphs.one_stage, MANY_TILE_STAGES), the tile lists' graphs kept apart."""
+
+    attr, take = "one_stage", "take_tile_graphs"
+
+
 def parse_arms(text: str) -> tuple[str, ...]:
     """`--distinct-arms`: comma-separated names from ARMS, at least one."""
     chosen = tuple(n.strip() for n in text.split(",") if n.strip())
@@ -218,6 +225,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         raise SystemExit("--own-split-arms names arms not in --distinct-arms")
     if not set(a.in_line_arms) <= set(a.distinct_arms):
         raise SystemExit("--in-line-arms names arms not in --distinct-arms")
+    if not set(a.two_stage_arms) <= set(a.distinct_arms):
+        raise SystemExit("--two-stage-arms names arms not in --distinct-arms")
     engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
@@ -243,8 +252,13 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     in_line = {f"{n}_in_line": n for n in a.in_line_arms if n in arms}
     arms.update({name: arms[n] for name, n in in_line.items()})
     forks = ForkModes(engine)
-    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *in_line)
-                       if n in arms)
+    # --two-stage-arms: the same requests with the many-adapter tile lists on two pipeline
+    # stages, as before MANY_TILE_STAGES.
+    two_stage = {f"{n}_two_stage": n for n in a.two_stage_arms if n in arms}
+    arms.update({name: arms[n] for name, n in two_stage.items()})
+    stages = StageModes(engine)
+    extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *in_line,
+                                   *two_stage) if n in arms)
     ratio_arms = (*targets, *extra_arms)
 
     def run_arm(name: str, label: str) -> dict[str, Any]:
@@ -253,6 +267,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
             engine.runner.graphs.use_mid_tiles = name not in full_list
         splits.set(name in own_split)
         forks.set(forks.default and name not in in_line)
+        stages.set(stages.default and name not in two_stage)
         if modes is not None:
             modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)

@@ -427,12 +427,15 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
     # --full-list-arms: the same requests with every tile step on its bucket's full tile list;
     # --own-split-arms: with every tile list's K split picked for its own length;
     # --fork-arms (cb90780, when the fork was the variant) / --in-line-arms: with the shrinks
-    # forked beside the base GEMMs / in line after them.
+    # forked beside the base GEMMs / in line after them; --two-stage-arms: the tile lists on
+    # two pipeline stages (as before MANY_TILE_STAGES).
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters")):
         for suffix, how in (("full_list", "on the longest tile list (the middle list off, "),
                             ("own_split", "each tile list's K split for its own length ("),
                             ("fork", "the shrinks on a second stream beside the base GEMMs ("),
-                            ("in_line", "the shrinks in line after the base GEMMs (")):
+                            ("in_line", "the shrinks in line after the base GEMMs ("),
+                            ("two_stage", "the many-adapter tile lists on two pipeline stages "
+                                          "(")):
             k = d.get(f"{arm}_{suffix}")
             if k is not None:
                 rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"

@@ -147,6 +147,19 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
                tile_steps_max_tiles(bucket, row_kernels_max_rows))
 
 
+# The pipeline stages of the shrinks and expands on decode graphs' tile lists past the short
+# (one-adapter) one (LoraMeta.num_stages; the tiles' own is 2). A stage of a shrink program
+# holds a 16 x 256 tile of x and a 256 x 64 tile of A in shared memory, ~40 KB; a second
+# stage doubles that for a K split of one to four steps, and (the likely reason) leaves room
+# for fewer resident programs to hide memory latency. One 7B decode layer's four GEMMs and LoRA on an H100, graph
+# replay, in line (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json): 16 adapters at
+# 64 rows (the middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 -> 336.4 and 64
+# adapters 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0,
+# 415.6 -> 407.5. Shrink K tiles of 128 instead gained less (248.7, 342.1, 419.0 in line),
+# of 64 lost (255.4, 373.8, 436.8).
+MANY_TILE_STAGES = 1
+
+
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
 # (with lora_row_kernels): every row then reads its own adapter. Past it the 16-row tiles,
 # which read an adapter once for all its rows, hold their own (H200, lora-grid-h200.json at
@@ -410,6 +423,10 @@ class DecodeGraphs(_StepGraphs):
         # its base GEMM, the expands after both (StepContext.lora_side); a benchmark may
         # switch it, swapping the graphs captured either way (take_lora_graphs).
         self.fork_shrink = runner.lora_fork_shrink
+        # The tile lists past the short one launch with MANY_TILE_STAGES pipeline stages
+        # (LoraMeta.num_stages); off, with their tiles' two (a benchmark's switch, which
+        # swaps the graphs captured either way: take_tile_graphs).
+        self.one_stage = True
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.
@@ -460,6 +477,7 @@ class DecodeGraphs(_StepGraphs):
         # The row kernels read token_slots only; their meta keeps the full tile list's
         # buffers (filled, unread).
         cap = b if tiles == ROW_GRAPH else tiles
+        short = -(-b // DECODE_BLOCK_M)  # the one-adapter list: past it, many adapters
         lora = LoraMeta(seg_starts=buf.seg_starts[:b], seg_lens=buf.seg_lens[:b],
                         seg_slots=buf.seg_slots[:b], token_slots=buf.token_slots[:b],
                         max_seg_len=DECODE_BLOCK_M, num_segments=b,
@@ -468,6 +486,8 @@ class DecodeGraphs(_StepGraphs):
                         else DECODE_BLOCK_M,
                         split_tiles=None if tiles == ROW_GRAPH or self.own_split
                         else decode_split_tiles(b, cap, self._row_kernels_max_rows()),
+                        num_stages=MANY_TILE_STAGES if self.one_stage and tiles > short
+                        else None,
                         ) if modules and not ride else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
@@ -478,7 +498,7 @@ class DecodeGraphs(_StepGraphs):
             lora_tables=r.arena.tables if lora is not None else None, lora_modules=modules,
             lora_pdl=r.lora_pdl, lora_ride=ride,
             lora_side=self.side if self.fork_shrink and lora is not None and (
-                tiles == ROW_GRAPH or tiles > -(-b // DECODE_BLOCK_M)) else None,
+                tiles == ROW_GRAPH or tiles > short) else None,
         )
 
     def _forward(self, bucket: int, ctx: StepContext) -> torch.Tensor:

@@ -311,6 +311,8 @@ def lora_groups(
     if max_rank <= 0:
         return []
     tiles = _pick_tiles(meta, tiles, x.dtype)
+    if meta.num_stages is not None and isinstance(tiles, LoraTiles):
+        tiles = dataclasses.replace(tiles, num_stages=meta.num_stages)
     block_r = rank_block(max_rank)
     pdl = (tiles.pdl if pdl is None else pdl) and pdl_supported(x.device)
     early_loads = isinstance(tiles, LoraTiles) and (tiles.early_loads or (

@@ -68,6 +68,9 @@ class LoraMeta:
     # A CUDA graph's list is padded past its real tiles, and the split that suits them need
     # not be the one for the padded length (slora_core.cuda_graphs.decode_split_tiles).
     split_tiles: int | None = None
+    # host-side: the pipeline stages the tile launches run (None: their tiles'). Decode
+    # graphs past the one-adapter list take one (slora_core.cuda_graphs.MANY_TILE_STAGES).
+    num_stages: int | None = None
 
     def rows_or_slots(self) -> torch.Tensor:
         """A pointer argument for the kernels' row list (read only when `token_rows` is set)."""

@@ -5,6 +5,7 @@ step's real segments."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,50 @@ def test_forked_shrinks_give_the_in_line_tokens_and_logits(demo_dir: Path) -> No
     assert tokens[False] and tokens[False] == tokens[True]
     assert len(logits[False]) == len(logits[True]) > 0
     assert all(torch.equal(a, b) for a, b in zip(logits[False], logits[True], strict=True))
+
+
+def test_many_adapter_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
+        demo_dir: Path) -> None:
+    """Past the short list a decode graph's tile list launches with MANY_TILE_STAGES pipeline
+    stages (LoraMeta.num_stages, which lora_groups applies); the short list and the row
+    kernels keep their tiles' own. bench.distinct_adapters.StageModes keeps each way's tile
+    graphs apart."""
+    from bench.distinct_adapters import StageModes
+    from slora_core.cuda_graphs import MANY_TILE_STAGES
+    from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(max_num_seqs=64, device="cpu"))
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, 64,
+                                                 engine.config.max_model_len)
+    mods = frozenset({0})
+
+    def stages(tiles: int) -> int | None:
+        meta = graphs._context(64, mods, tiles).lora
+        assert meta is not None
+        return meta.num_stages
+
+    assert graphs.one_stage and DECODE_TILES.num_stages != MANY_TILE_STAGES
+    assert stages(4) is None and stages(ROW_GRAPH) is None  # the short list: cdiv(64, 16)
+    assert stages(16) == stages(33) == MANY_TILE_STAGES
+    meta = graphs._context(64, mods, 16).lora
+    assert meta is not None
+    x = torch.zeros(64, 8)
+    tables = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1, dtype=torch.int32)
+    (group,) = lora_groups(x, torch.zeros(64), tables[0], tables[0], tables[1],
+                           torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8,
+                           tiles=dataclasses.replace(DECODE_TILES, shrink_block_k=16))
+    assert isinstance(group.tiles, LoraTiles) and group.tiles.num_stages == MANY_TILE_STAGES
+    graphs.one_stage = False
+    assert stages(16) is None
+    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
+    for k in keys:
+        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
+    modes = StageModes(engine)  # its default is the engine's own: off, as set just above
+    modes.set(True)
+    assert graphs.one_stage and set(graphs.graphs) == set(keys[1:])
+    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "one", None, None
+    modes.set(False)
+    assert not graphs.one_stage and graphs.graphs[keys[0]] == f"graph {keys[0]}"
+    modes.set(True)
+    assert graphs.graphs[keys[0]] == "one"
