@@ -417,9 +417,15 @@ SUITES["issue37-fork-smem"] = (
          "--out", OUT("lora-distinct-layer-fork-smem-b256")),)
 # One pipeline stage on the many-adapter tile lists (MANY_TILE_STAGES) in the engine: 16
 # distinct adapters in a batch of 64 (the middle list) beside the same arm on two stages and
-# base, interleaved (64 distinct at 64 rows run the row kernels, which have no stages).
-SUITES["issue37-stages"] = (dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
-    *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--two-stage-arms",
-    "distinct16", "--out", OUT("distinct-adapters-stages"))),)
+# base, interleaved (64 distinct at 64 rows run the row kernels, which have no stages); then
+# one stage on the short lists, which keep two (one adapter, 4 adapters of 16 rows), in one
+# layer.
+SUITES["issue37-stages"] = (
+    dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
+        *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--two-stage-arms",
+        "distinct16", "--out", OUT("distinct-adapters-stages"))),
+    step("stages-short", 90, "bench.lora_distinct_layer", "--cases",
+         "1:16,1:64,4:8-16-32-64", "--choices", "tiles_graph,tiles_graph_s1", "--with-base",
+         "--out", OUT("lora-distinct-layer-stages-short")),)
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
