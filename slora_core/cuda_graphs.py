@@ -148,15 +148,15 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 
 
 # The pipeline stages of the shrinks and expands on decode graphs' tile lists past the short
-# (one-adapter) one (LoraMeta.num_stages; the tiles' own is 2). A stage of a shrink program
-# holds a 16 x 256 tile of x and a 256 x 64 tile of A in shared memory, ~40 KB; a second
-# stage doubles that for a K split of one to four steps, and (the likely reason) leaves room
-# for fewer resident programs to hide memory latency. One 7B decode layer's four GEMMs and LoRA on an H100, graph
-# replay, in line (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json): 16 adapters at
-# 64 rows (the middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 -> 336.4 and 64
-# adapters 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0,
-# 415.6 -> 407.5. Shrink K tiles of 128 instead gained less (248.7, 342.1, 419.0 in line),
-# of 64 lost (255.4, 373.8, 436.8).
+# (one-adapter) one (LoraMeta.num_stages; the tiles' own is 2). A stage of a shrink program holds
+# a 16 x 256 tile of x and a 256 x 64 tile of A in shared memory, ~40 KB; a second stage doubles
+# that for a K split of one to four steps, and (the likely reason) leaves room for fewer resident
+# programs to hide memory latency. One 7B decode layer's four GEMMs and LoRA on an H100, graph
+# replay, in line (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json): 16 adapters at 64
+# rows (the middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 -> 336.4 and 64 adapters
+# 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0, 415.6 -> 407.5. Shrink K
+# tiles of 128 instead gained less (248.7, 342.1, 419.0 in line), of 64 lost (255.4, 373.8,
+# 436.8). Not yet run in the engine (python -m bench issue37-stages).
 MANY_TILE_STAGES = 1
 
 
