@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,6 +110,26 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
     assert all(nonzero), "a checked step had no LoRA delta: the comparison proved nothing"
 
 
+def check_switch_keeps_each_way(graphs: DecodeGraphs, modes: Any, attr: str,
+                                taken: int) -> None:
+    """A bench.distinct_adapters.GraphSwitch made while `attr` is off: on, it takes the graphs
+    of the first `taken` of three keys (a tile list's, the row kernels', a base graph's) and
+    leaves the rest; a graph captured while on is kept apart, and switching back and forth
+    restores each way's own."""
+    mods = frozenset({0})
+    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
+    for k in keys:
+        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
+    modes.set(True)
+    assert getattr(graphs, attr) and set(graphs.graphs) == set(keys[taken:])
+    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "on", None, None
+    modes.set(False)
+    assert not getattr(graphs, attr)
+    assert all(graphs.graphs[k] == f"graph {k}" for k in keys)
+    modes.set(True)
+    assert graphs.graphs[keys[0]] == "on" and set(graphs.graphs) == {keys[0], *keys[taken:]}
+
+
 def test_own_split_switch_swaps_only_the_tile_graphs(demo_dir: Path) -> None:
     """DecodeGraphs.own_split: tile lists pick the split for their own length, and
     bench.distinct_adapters.SplitModes keeps each rule's captured tile graphs apart (the
@@ -124,17 +145,7 @@ def test_own_split_switch_swaps_only_the_tile_graphs(demo_dir: Path) -> None:
     graphs.own_split = True
     assert graphs._context(64, mods, 33).lora.split_tiles is None  # type: ignore[union-attr]
     graphs.own_split = False
-    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
-    for k in keys:
-        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
-    modes = SplitModes(engine)
-    modes.set(True)
-    assert graphs.own_split and set(graphs.graphs) == set(keys[1:])
-    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "own", None, None
-    modes.set(False)
-    assert not graphs.own_split and graphs.graphs[keys[0]] == f"graph {keys[0]}"
-    modes.set(True)
-    assert graphs.graphs[keys[0]] == "own"
+    check_switch_keeps_each_way(graphs, SplitModes(engine), "own_split", taken=1)
 
 
 def test_fork_switch_swaps_the_lora_graphs_and_forks_past_the_short_list(
@@ -161,19 +172,8 @@ def test_fork_switch_swaps_the_lora_graphs_and_forks_past_the_short_list(
     assert graphs._context(64, mods, 4).lora_side is None  # the short list: cdiv(64, 16)
     assert all(graphs._context(64, mods, t).lora_side is side for t in (16, 33, ROW_GRAPH))
     assert graphs._context(64, frozenset(), 0).lora_side is None
-    graphs.fork_shrink = False
-    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
-    # ForkModes' default is the engine's own: off here, as graphs were set just above.
-    for k in keys:
-        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
-    modes = ForkModes(engine)
-    modes.set(True)
-    assert graphs.fork_shrink and set(graphs.graphs) == {keys[2]}
-    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "fork", None, None
-    modes.set(False)
-    assert not graphs.fork_shrink and graphs.graphs[keys[1]] == f"graph {keys[1]}"
-    modes.set(True)
-    assert graphs.graphs[keys[0]] == "fork" and keys[1] not in graphs.graphs
+    graphs.fork_shrink = False  # ForkModes' default is the engine's own: off here
+    check_switch_keeps_each_way(graphs, ForkModes(engine), "fork_shrink", taken=2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -250,16 +250,6 @@ def test_many_adapter_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
                            torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8,
                            tiles=dataclasses.replace(DECODE_TILES, shrink_block_k=16))
     assert isinstance(group.tiles, LoraTiles) and group.tiles.num_stages == MANY_TILE_STAGES
-    graphs.one_stage = False
+    graphs.one_stage = False  # StageModes' default is the engine's own: off here
     assert stages(16) is None
-    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
-    for k in keys:
-        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
-    modes = StageModes(engine)  # its default is the engine's own: off, as set just above
-    modes.set(True)
-    assert graphs.one_stage and set(graphs.graphs) == set(keys[1:])
-    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "one", None, None
-    modes.set(False)
-    assert not graphs.one_stage and graphs.graphs[keys[0]] == f"graph {keys[0]}"
-    modes.set(True)
-    assert graphs.graphs[keys[0]] == "one"
+    check_switch_keeps_each_way(graphs, StageModes(engine), "one_stage", taken=1)
