@@ -18,7 +18,7 @@ import re
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
 # A fresh cache: a variant found in Triton's on-disk cache would time the cache, not ptxas.
@@ -50,10 +50,21 @@ def constexpr_names(fn: Any) -> list[str]:
             if "constexpr" in str(p.annotation)]
 
 
+class Variant(NamedTuple):
+    """One compiled variant of a kernel: its constexprs and launch options."""
+
+    name: str
+    fn: Any
+    consts: dict[str, Any]
+    num_warps: int
+    num_stages: int | None = None  # None: Triton's default, as the row kernels launch
+
+
 def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool = False,
-                 ) -> dict[str, Any]:
+                 num_stages: int | None = None) -> dict[str, Any]:
     """Compile one variant of `fn` for sm_90: seconds, PTX characters, registers a thread
-    (`float32`: activations and arena in float32, as a float32 model runs them)."""
+    (`float32`: activations and arena in float32, as a float32 model runs them;
+    `num_stages`: the launch's pipeline stages, None for Triton's default)."""
     missing = [n for n in constexpr_names(fn) if n not in consts]
     if missing:  # else each would compile as an int32 argument, and fail or mislead
         raise ValueError(f"{fn.fn.__name__}: no value for constexpr {', '.join(missing)}")
@@ -62,7 +73,10 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool 
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     t0 = time.perf_counter()
-    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    options: dict[str, Any] = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    kernel = triton.compile(src, target=TARGET, options=options)
     seconds = time.perf_counter() - t0
     ptx = kernel.asm.get("ptx", "")
     regs = re.search(r"\.reg \.b32\s+%r<(\d+)>", ptx)
@@ -70,72 +84,82 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool 
             "ptx_b32_registers_declared": int(regs.group(1)) if regs else None}
 
 
-def variants() -> list[tuple[str, Any, dict[str, Any], int]]:
-    """(name, kernel, constexprs, warps): the row and the tile kernels at rank bounds 16 and 64,
-    with their default tiles (RowTiles(), DECODE_TILES) launched as a decode graph in line
-    launches them (programmatic dependent launch on, rank-balanced row programs above rank
-    16); the row expand uncapped and with its register tile capped at 4096 elements
-    (RowTiles.expand_sub_tile, the default)."""
+def variants() -> list[Variant]:
+    """The row and the tile kernels at rank bounds 16 and 64, with their default tiles
+    (RowTiles(), DECODE_TILES) launched as a decode graph in line launches them (programmatic
+    dependent launch on, rank-balanced row programs above rank 16, the tiles' pipeline
+    stages); the row expand uncapped and with its register tile capped at 4096 elements
+    (RowTiles.expand_sub_tile, the default); and the tile kernels as decode graphs' lists
+    past the short one launch them since MANY_TILE_STAGES: one stage, forked (no PDL)."""
+    from slora_core.cuda_graphs import MANY_TILE_STAGES
+    from slora_kernels.lora import DECODE_TILES
+
     rows = lora_rows.RowTiles()
-    out: list[tuple[str, Any, dict[str, Any], int]] = []
+    stages = DECODE_TILES.num_stages
+    out: list[Variant] = []
     for bound in (16, 64):
         balanced = bound > 16
         out += [
-            (f"rows_shrink_r{bound}", lora_rows._rows_shrink_kernel,
+            Variant(f"rows_shrink_r{bound}", lora_rows._rows_shrink_kernel,
              {"MAX_RANK": bound, "BLOCK_R": bound, "TILE": rows.tile,
               "LAUNCH_DEPENDENTS": True, "BALANCED": balanced}, rows.num_warps),
-            (f"rows_expand_r{bound}", lora_rows._rows_expand_kernel,
+            Variant(f"rows_expand_r{bound}", lora_rows._rows_expand_kernel,
              {"MAX_RANK": bound, "BLOCK_R": bound, "BLOCK_N": rows.block_n,
               **lora_rows.expand_sub_tiles(rows.block_n, bound, 0), "USE_PDL": True,
               "BALANCED": balanced}, rows.num_warps),
-            (f"rows_expand_r{bound}_sub4096", lora_rows._rows_expand_kernel,
+            Variant(f"rows_expand_r{bound}_sub4096", lora_rows._rows_expand_kernel,
              {"MAX_RANK": bound, "BLOCK_R": bound, "BLOCK_N": rows.block_n,
               **lora_rows.expand_sub_tiles(rows.block_n, bound, 4096), "USE_PDL": True,
               "BALANCED": balanced}, rows.num_warps),
-            (f"tile_shrink_r{bound}", lora_shrink._lora_shrink_kernel,
-             {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": bound,
-              "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False,
-              "LAUNCH_DEPENDENTS": True}, 4),
-            (f"tile_expand_r{bound}", lora_expand._lora_expand_kernel,
-             {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 256,
-              "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False,
-              "EARLY_LOADS": False, "USE_PDL": True}, 4),
         ]
+        shrink = {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_R": bound,
+                  "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False}
+        expand = {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 256,
+                  "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False,
+                  "EARLY_LOADS": False}
+        for suffix, pdl, n in (("", True, stages), ("_one_stage", False, MANY_TILE_STAGES)):
+            out += [
+                Variant(f"tile_shrink_r{bound}{suffix}", lora_shrink._lora_shrink_kernel,
+                        {**shrink, "LAUNCH_DEPENDENTS": pdl}, 4, n),
+                Variant(f"tile_expand_r{bound}{suffix}", lora_expand._lora_expand_kernel,
+                        {**expand, "USE_PDL": pdl}, 4, n),
+            ]
     return out
 
 
-def float32_variants() -> list[tuple[str, Any, dict[str, Any], int]]:
+def float32_variants() -> list[Variant]:
     """The tile kernels of a float32 model (exact dots) at rank bound 64, with the 16-bit
     models' tile table and with float32's own (slora_kernels.lora.*_TILES_F32)."""
     from slora_kernels import lora
 
     common = {"MAX_RANK": 64, "DOT_PRECISION": "ieee", "BLOCK_R": 64, "RANK_BUCKETS": True,
               "GATHER_ROWS": False}
-    out: list[tuple[str, Any, dict[str, Any], int]] = []
+    out: list[Variant] = []
     for name, tiles in (("decode_16bit_tiles", lora.DECODE_TILES),
                         ("decode_f32_tiles", lora.DECODE_TILES_F32),
                         ("prefill_16bit_tiles", lora.PREFILL_TILES),
                         ("prefill_f32_tiles", lora.PREFILL_TILES_F32)):
-        out += [(f"{name}_shrink", lora_shrink._lora_shrink_kernel,
-                 {**common, "BLOCK_M": tiles.shrink_block_m, "BLOCK_K": tiles.shrink_block_k,
-                  "LAUNCH_DEPENDENTS": False},
-                 tiles.num_warps),
-                (f"{name}_expand", lora_expand._lora_expand_kernel,
-                 {**common, "BLOCK_M": tiles.expand_block_m, "BLOCK_N": tiles.expand_block_n,
-                  "EARLY_LOADS": False, "USE_PDL": False},
-                 tiles.num_warps)]
+        out += [Variant(f"{name}_shrink", lora_shrink._lora_shrink_kernel,
+                        {**common, "BLOCK_M": tiles.shrink_block_m,
+                         "BLOCK_K": tiles.shrink_block_k, "LAUNCH_DEPENDENTS": False},
+                        tiles.num_warps, tiles.num_stages),
+                Variant(f"{name}_expand", lora_expand._lora_expand_kernel,
+                        {**common, "BLOCK_M": tiles.expand_block_m,
+                         "BLOCK_N": tiles.expand_block_n, "EARLY_LOADS": False,
+                         "USE_PDL": False},
+                        tiles.num_warps, tiles.num_stages)]
     return out
 
 
-def threads_round(kernels: list[tuple[str, Any, dict[str, Any], int]], threads: int,
-                  float32: bool) -> dict[str, float]:
+def threads_round(kernels: list[Variant], threads: int, float32: bool) -> dict[str, float]:
     """Compile `kernels` once one after another and once on `threads` threads, each round in a
     fresh Triton cache (so both compile): the wall seconds of each, as slora_core.precompile
     compiles a start-up's kernels (Triton's passes and ptxas run outside the GIL)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def compile_one(k: tuple[str, Any, dict[str, Any], int]) -> float:
-        return float(compile_cost(k[1], k[2], k[3], float32=float32)["seconds"])
+    def compile_one(k: Variant) -> float:
+        return float(compile_cost(k.fn, k.consts, k.num_warps, float32=float32,
+                                  num_stages=k.num_stages)["seconds"])
 
     out: dict[str, float] = {}
     for name, workers in (("sequential_s", 1), ("threads_s", threads)):
@@ -163,17 +187,18 @@ def main(argv: list[str] | None = None) -> int:
         result = {**run_record(["bench.kernel_compile_cost", *(argv or sys.argv[1:])]),
                   "target": "cuda sm_90 (ahead of time, this machine's CPU)",
                   "triton": triton.__version__, "cpus": os.cpu_count(),
-                  "kernels": [k[0] for k in kernels], "threads": args.threads, **timing}
+                  "kernels": [k.name for k in kernels], "threads": args.threads, **timing}
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
         return 0
     rows: dict[str, Any] = {}
-    for name, fn, consts, warps in float32_variants() if args.float32 else variants():
-        cost = compile_cost(fn, consts, warps, float32=args.float32)
+    for v in float32_variants() if args.float32 else variants():
+        cost = compile_cost(v.fn, v.consts, v.num_warps, float32=args.float32,
+                            num_stages=v.num_stages)
         del cost["ptx"]
-        rows[name] = {"num_warps": warps, **cost}
-        print(f"{name}: {rows[name]}", flush=True)
+        rows[v.name] = {"num_warps": v.num_warps, "num_stages": v.num_stages, **cost}
+        print(f"{v.name}: {rows[v.name]}", flush=True)
     result = {**run_record(["bench.kernel_compile_cost", *(argv or sys.argv[1:])]),
               "target": "cuda sm_90 (ahead of time, this machine's CPU)",
               "triton": triton.__version__, "variants": rows}

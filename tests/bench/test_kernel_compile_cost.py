@@ -12,14 +12,23 @@ from bench import kernel_compile_cost as cost
 @pytest.mark.parametrize("make", [cost.variants, cost.float32_variants])
 def test_every_variant_names_each_constexpr_of_its_kernel(make: object) -> None:
     assert callable(make)
-    for name, fn, consts, _ in make():
-        declared = set(cost.constexpr_names(fn))
+    for v in make():
+        declared = set(cost.constexpr_names(v.fn))
         assert "MAX_RANK" in declared
-        assert declared == set(consts), (name, declared ^ set(consts))
+        assert declared == set(v.consts), (v.name, declared ^ set(v.consts))
 
 
 def test_a_missing_constexpr_is_refused_by_name() -> None:
-    name, fn, consts, warps = cost.variants()[0]
-    partial = {k: v for k, v in consts.items() if k != "TILE"}
+    v = cost.variants()[0]
+    partial = {k: c for k, c in v.consts.items() if k != "TILE"}
     with pytest.raises(ValueError, match="no value for constexpr TILE"):
-        cost.compile_cost(fn, partial, warps)
+        cost.compile_cost(v.fn, partial, v.num_warps)
+
+
+def test_the_tile_kernels_are_listed_at_the_stages_decode_graphs_launch() -> None:
+    from slora_core.cuda_graphs import MANY_TILE_STAGES
+    from slora_kernels.lora import DECODE_TILES
+
+    stages = {v.name: v.num_stages for v in cost.variants() if v.name.startswith("tile_")}
+    assert stages["tile_shrink_r64"] == stages["tile_expand_r16"] == DECODE_TILES.num_stages
+    assert stages["tile_shrink_r64_one_stage"] == MANY_TILE_STAGES
