@@ -327,6 +327,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         engine.runner.graphs.use_mid_tiles = True
     splits.set(False)
     forks.set(forks.default)
+    stages.set(stages.default)
     if modes is not None:
         modes.set(modes.default)
     return summary(runs)

@@ -18,10 +18,10 @@ several launch choices:
   when the real tiles fit it; `tiles_bound`: the longest list a tile step can need beside the
   row kernels (slora_core.cuda_graphs.decode_tile_caps, tile_steps_max_tiles), each with its
   own K split; `tiles_graph`: the list and K split a decode graph replays for the step
-  beside the row kernels (decode_split_tiles), where they leave it to the tiles;
-  `tiles_graph_s1`, `tiles_graph_k128`, `tiles_graph_k64`: that list with one pipeline stage,
-  or shrink K tiles of 128 or 64 (less shared memory a shrink program: for the fork beside
-  the base GEMMs, `--with-base`);
+  beside the row kernels (decode_split_tiles), where they leave it to the tiles, on the
+  tiles' two pipeline stages; `tiles_graph_s1`, `tiles_graph_k128`, `tiles_graph_k64`: that
+  list with one stage (what decode graphs launch past the short list since
+  MANY_TILE_STAGES), or shrink K tiles of 128 or 64 (less shared memory a shrink program);
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -402,7 +402,8 @@ def time_with_base(layers: list[Layer], shape: Shape, name: str, choice: Choice,
     row[f"{name}+base_fork_us"] = graph_time_us(
         [with_base_calls(lay, shape, choice, ws, side) for lay in layers], replays=10)
     # The side stream at CUDA's highest priority: the shrinks' programs dispatched ahead of
-    # the GEMM's waiting ones (not yet run on a GPU).
+    # the GEMM's waiting ones (tied the plain stream on the H100,
+    # lora-distinct-layer-fork-b02a099-h100.json).
     high = torch.cuda.Stream(priority=-1) if DEVICE == "cuda" else None
     row[f"{name}+base_fork_high_us"] = graph_time_us(
         [with_base_calls(lay, shape, choice, ws, high) for lay in layers], replays=10)

@@ -322,9 +322,9 @@ SUITES["issue37-next"] = (
     *SUITES["issue37-align"])
 # The many-adapter shrinks forked beside the base GEMMs (they read only x) on a second
 # stream, the expands after both (bench.lora_distinct_layer --with-base), against the LoRA
-# in line after each GEMM, at D = 4, 16 and 64 on what decode graphs replay.
-# Its b256 step (not yet run): the same at 256 rows, where 64 and 32 adapters (4 and 8 rows
-# each) take the middle list and 128 the row kernels.
+# in line after each GEMM, at D = 4, 16 and 64 on what decode graphs replay; its b256 step
+# the same at 256 rows, where 64 and 32 adapters (4 and 8 rows each) take the middle list and
+# 128 the row kernels (lora-distinct-layer-fork{,-b256}-b02a099-h100.json).
 SUITES["issue37-fork"] = (
     step("fork", 150, "bench.lora_distinct_layer", "--cases",
          "4:8-16-32-64,16:8-16-32-64,64:8-16-32-64", "--choices", "tiles_graph,rows",
