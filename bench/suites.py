@@ -427,5 +427,12 @@ SUITES["issue37-stages"] = (
     step("stages-short", 90, "bench.lora_distinct_layer", "--cases",
          "1:16,1:64,4:8-16-32-64", "--choices", "tiles_graph,tiles_graph_s1", "--with-base",
          "--out", OUT("lora-distinct-layer-stages-short")),)
+# The same at 256 rows: 64 distinct adapters in a batch of 256 (four rows each: the middle
+# list, one stage since MANY_TILE_STAGES) beside the same arm on two stages and base.
+SUITES["issue37-stages-b256"] = (step(
+    "distinct-stages-b256", 260, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "50",
+    "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
+    "--distinct-arms", "distinct64", "--two-stage-arms", "distinct64",
+    "--out", OUT("distinct-adapters-stages-b256")),)
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
