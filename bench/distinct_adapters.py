@@ -151,8 +151,8 @@ class ForkModes(GraphSwitch):
 
 
 class StageModes(GraphSwitch):
-    """The many-adapter tile lists with one pipeline stage or their tiles' two
-    (DecodeGraphs.one_stage, MANY_TILE_STAGES), the tile lists' graphs kept apart."""
+    """Decode graphs' tile lists with one pipeline stage or their tiles' two
+    (DecodeGraphs.one_stage, GRAPH_TILE_STAGES), the tile lists' graphs kept apart."""
 
     attr, take = "one_stage", "take_tile_graphs"
 
@@ -227,6 +227,9 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         raise SystemExit("--in-line-arms names arms not in --distinct-arms")
     if not set(a.two_stage_arms) <= set(a.distinct_arms):
         raise SystemExit("--two-stage-arms names arms not in --distinct-arms")
+    if a.ride_sole_adapter and "one_unmerged" in a.two_stage_arms:
+        raise SystemExit("--two-stage-arms: one_unmerged rides with --ride-sole-adapter, on no "
+                         "tile list (leave the ride off to stage its tile list)")
     engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
@@ -252,8 +255,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     in_line = {f"{n}_in_line": n for n in a.in_line_arms if n in arms}
     arms.update({name: arms[n] for name, n in in_line.items()})
     forks = ForkModes(engine)
-    # --two-stage-arms: the same requests with the many-adapter tile lists on two pipeline
-    # stages, as before MANY_TILE_STAGES.
+    # --two-stage-arms: the same requests with decode graphs' tile lists on two pipeline
+    # stages, as before GRAPH_TILE_STAGES.
     two_stage = {f"{n}_two_stage": n for n in a.two_stage_arms if n in arms}
     arms.update({name: arms[n] for name, n in two_stage.items()})
     stages = StageModes(engine)

@@ -88,10 +88,11 @@ def variants() -> list[Variant]:
     """The row and the tile kernels at rank bounds 16 and 64, with their default tiles
     (RowTiles(), DECODE_TILES) launched as a decode graph in line launches them (programmatic
     dependent launch on, rank-balanced row programs above rank 16, the tiles' pipeline
-    stages); the row expand uncapped and with its register tile capped at 4096 elements
-    (RowTiles.expand_sub_tile, the default); and the tile kernels as decode graphs' lists
-    past the short one launch them since MANY_TILE_STAGES: one stage, forked (no PDL)."""
-    from slora_core.cuda_graphs import MANY_TILE_STAGES
+    stages, as eager steps launch them); the row expand uncapped and with its register tile
+    capped at 4096 elements (RowTiles.expand_sub_tile, the default); and the tile kernels as
+    decode graphs launch them since GRAPH_TILE_STAGES: one stage, in line on the short list
+    and forked (no PDL) past it."""
+    from slora_core.cuda_graphs import GRAPH_TILE_STAGES
     from slora_kernels.lora import DECODE_TILES
 
     rows = lora_rows.RowTiles()
@@ -117,7 +118,8 @@ def variants() -> list[Variant]:
         expand = {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 256,
                   "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False,
                   "EARLY_LOADS": False}
-        for suffix, pdl, n in (("", True, stages), ("_one_stage", False, MANY_TILE_STAGES)):
+        for suffix, pdl, n in (("", True, stages), ("_one_stage", True, GRAPH_TILE_STAGES),
+                               ("_one_stage_forked", False, GRAPH_TILE_STAGES)):
             out += [
                 Variant(f"tile_shrink_r{bound}{suffix}", lora_shrink._lora_shrink_kernel,
                         {**shrink, "LAUNCH_DEPENDENTS": pdl}, 4, n),

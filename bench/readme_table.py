@@ -428,7 +428,7 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
     # --own-split-arms: with every tile list's K split picked for its own length;
     # --fork-arms (cb90780, when the fork was the variant) / --in-line-arms: with the shrinks
     # forked beside the base GEMMs / in line after them; --two-stage-arms: the tile lists on
-    # two pipeline stages (as before MANY_TILE_STAGES).
+    # two pipeline stages (as before GRAPH_TILE_STAGES).
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters")):
         for suffix, how in (("full_list", "on the longest tile list (the middle list off, "),
                             ("own_split", "each tile list's K split for its own length ("),

@@ -434,9 +434,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="arms of 'distinct' also run with decode graphs' many-adapter LoRA "
                         "shrinks in line after the base GEMMs (lora_fork_shrink off), side "
                         "by side")
-    p.add_argument("--two-stage-arms", type=parse_many_arms, default=(),
-                   help="arms of 'distinct' also run with decode graphs' many-adapter tile "
-                        "lists on two pipeline stages (MANY_TILE_STAGES off), side by side")
+    p.add_argument("--two-stage-arms", type=parse_arms, default=(),
+                   help="arms of 'distinct' also run with decode graphs' tile lists on two "
+                        "pipeline stages (GRAPH_TILE_STAGES off), side by side; one_unmerged "
+                        "only on the LoRA kernels (without --ride-sole-adapter)")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
                    help="rank of the adapter on every request of 'distinct''s one-adapter "
                         "arms (all 7 modules)")

@@ -415,7 +415,7 @@ SUITES["issue37-fork-smem"] = (
          "32:8-16-32-64,64:8-16-32-64", "--choices",
          "tiles_graph,tiles_graph_s1,tiles_graph_k128,tiles_graph_k64", "--with-base",
          "--out", OUT("lora-distinct-layer-fork-smem-b256")),)
-# One pipeline stage on the many-adapter tile lists (MANY_TILE_STAGES) in the engine: 16
+# One pipeline stage on the many-adapter tile lists (GRAPH_TILE_STAGES) in the engine: 16
 # distinct adapters in a batch of 64 (the middle list) beside the same arm on two stages and
 # base, interleaved (64 distinct at 64 rows run the row kernels, which have no stages); then
 # one stage on the short lists, which keep two (one adapter, 4 adapters of 16 rows), in one
@@ -428,11 +428,27 @@ SUITES["issue37-stages"] = (
          "1:16,1:64,4:8-16-32-64", "--choices", "tiles_graph,tiles_graph_s1", "--with-base",
          "--out", OUT("lora-distinct-layer-stages-short")),)
 # The same at 256 rows: 64 distinct adapters in a batch of 256 (four rows each: the middle
-# list, one stage since MANY_TILE_STAGES) beside the same arm on two stages and base.
+# list, one stage since GRAPH_TILE_STAGES) beside the same arm on two stages and base.
 SUITES["issue37-stages-b256"] = (step(
     "distinct-stages-b256", 260, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "50",
     "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
     "--distinct-arms", "distinct64", "--two-stage-arms", "distinct64",
     "--out", OUT("distinct-adapters-stages-b256")),)
+# One stage on the short (one-adapter) list too (GRAPH_TILE_STAGES on every decode graph's
+# tile list since the short list gained in one layer at 64 rows,
+# lora-distinct-layer-stages-short-752466d-h100.json): the same layer step at 256 rows, the
+# engine's one-adapter arm on the LoRA kernels (no ride: the short list) beside the same arm
+# on two stages and base, interleaved, then the GPU tests of the graphs' tile lists and the
+# precompile.
+SUITES["issue37-stages-short"] = (
+    step("stages-short-b256", 90, "bench.lora_distinct_layer", "--rows", "256", "--cases",
+         "1:16,1:64,4:8-16-32-64", "--choices", "tiles_graph,tiles_graph_s1", "--with-base",
+         "--out", OUT("lora-distinct-layer-stages-short-b256")),
+    step("distinct-stages-one", 220, "bench.serving", *GPU_7B, "--scenarios", "distinct",
+         "--arena-gb", "40", "--overhead-repeats", "3", "--distinct-arms", "one_unmerged",
+         "--two-stage-arms", "one_unmerged", "--out", OUT("distinct-adapters-stages-one")),
+    step("stage-tests", 150, "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+         "tests/kernel_tests/test_graph_tile_lists.py", "tests/slora_core/test_precompile.py",
+         "tests/slora_core/test_graph_capture.py"),)
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))

@@ -147,17 +147,22 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
                tile_steps_max_tiles(bucket, row_kernels_max_rows))
 
 
-# The pipeline stages of the shrinks and expands on decode graphs' tile lists past the short
-# (one-adapter) one (LoraMeta.num_stages; the tiles' own is 2). A stage of a shrink program holds
-# a 16 x 256 tile of x and a 256 x 64 tile of A in shared memory, ~40 KB; a second stage doubles
-# that for a K split of one to four steps, and (the likely reason) leaves room for fewer resident
-# programs to hide memory latency. One 7B decode layer's four GEMMs and LoRA on an H100, graph
-# replay, in line (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json): 16 adapters at 64
-# rows (the middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 -> 336.4 and 64 adapters
-# 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0, 415.6 -> 407.5. Shrink K
-# tiles of 128 instead gained less (248.7, 342.1, 419.0 in line), of 64 lost (255.4, 373.8,
-# 436.8). Not yet run in the engine (python -m bench issue37-stages).
-MANY_TILE_STAGES = 1
+# The pipeline stages of the shrinks and expands on every decode graph's tile list
+# (LoraMeta.num_stages; the tiles' own is 2, which mixed and eager steps keep). A stage of a
+# shrink program holds a 16 x 256 tile of x and a 256 x 64 tile of A in shared memory, ~40 KB; a
+# second stage doubles that for a K split of one to four steps, and (the likely reason) leaves
+# room for fewer resident programs to hide memory latency. One 7B decode layer's four GEMMs and
+# LoRA on an H100, graph replay, in line (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json):
+# 16 adapters at 64 rows (the middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 ->
+# 336.4 and 64 adapters 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0,
+# 415.6 -> 407.5. Shrink K tiles of 128 instead gained less (248.7, 342.1, 419.0 in line), of 64
+# lost (255.4, 373.8, 436.8). In the engine (python -m bench issue37-stages, H100, 752466d):
+# 16 distinct adapters 0.818x of base against 0.804x on two stages, 64 in a batch of 256 0.735x
+# against 0.732x (distinct-adapters-stages{,-b256}-752466d-h100.json). The short (one-adapter)
+# list gained as well in one layer at 64 rows (lora-distinct-layer-stages-short-752466d-h100.json:
+# one r16 adapter 204.2 -> 200.3 us, one r64 218.9 -> 215.3, four adapters 213.4 -> 207.9), so
+# since then every list takes one stage.
+GRAPH_TILE_STAGES = 1
 
 
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
@@ -423,7 +428,7 @@ class DecodeGraphs(_StepGraphs):
         # its base GEMM, the expands after both (StepContext.lora_side); a benchmark may
         # switch it, swapping the graphs captured either way (take_lora_graphs).
         self.fork_shrink = runner.lora_fork_shrink
-        # The tile lists past the short one launch with MANY_TILE_STAGES pipeline stages
+        # Every tile list launches with GRAPH_TILE_STAGES pipeline stages
         # (LoraMeta.num_stages); off, with their tiles' two (a benchmark's switch, which
         # swaps the graphs captured either way: take_tile_graphs).
         self.one_stage = True
@@ -486,8 +491,8 @@ class DecodeGraphs(_StepGraphs):
                         else DECODE_BLOCK_M,
                         split_tiles=None if tiles == ROW_GRAPH or self.own_split
                         else decode_split_tiles(b, cap, self._row_kernels_max_rows()),
-                        num_stages=MANY_TILE_STAGES if self.one_stage and tiles > short
-                        else None,
+                        num_stages=GRAPH_TILE_STAGES
+                        if self.one_stage and tiles != ROW_GRAPH else None,
                         ) if modules and not ride else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],

@@ -26,9 +26,10 @@ def test_a_missing_constexpr_is_refused_by_name() -> None:
 
 
 def test_the_tile_kernels_are_listed_at_the_stages_decode_graphs_launch() -> None:
-    from slora_core.cuda_graphs import MANY_TILE_STAGES
+    from slora_core.cuda_graphs import GRAPH_TILE_STAGES
     from slora_kernels.lora import DECODE_TILES
 
     stages = {v.name: v.num_stages for v in cost.variants() if v.name.startswith("tile_")}
     assert stages["tile_shrink_r64"] == stages["tile_expand_r16"] == DECODE_TILES.num_stages
-    assert stages["tile_shrink_r64_one_stage"] == MANY_TILE_STAGES
+    assert stages["tile_shrink_r64_one_stage"] == GRAPH_TILE_STAGES
+    assert stages["tile_expand_r16_one_stage_forked"] == GRAPH_TILE_STAGES

@@ -218,14 +218,14 @@ def test_forked_shrinks_give_the_in_line_tokens_and_logits(demo_dir: Path) -> No
     assert all(torch.equal(a, b) for a, b in zip(logits[False], logits[True], strict=True))
 
 
-def test_many_adapter_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
+def test_decode_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
         demo_dir: Path) -> None:
-    """Past the short list a decode graph's tile list launches with MANY_TILE_STAGES pipeline
-    stages (LoraMeta.num_stages, which lora_groups applies); the short list and the row
-    kernels keep their tiles' own. bench.distinct_adapters.StageModes keeps each way's tile
+    """Every decode graph's tile list, the short one too, launches with GRAPH_TILE_STAGES
+    pipeline stages (LoraMeta.num_stages, which lora_groups applies); the row kernels have
+    none. bench.distinct_adapters.StageModes keeps each way's tile
     graphs apart."""
     from bench.distinct_adapters import StageModes
-    from slora_core.cuda_graphs import MANY_TILE_STAGES
+    from slora_core.cuda_graphs import GRAPH_TILE_STAGES
     from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
 
     engine = LLMEngine.from_model_dir(demo_dir / "model",
@@ -239,9 +239,9 @@ def test_many_adapter_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
         assert meta is not None
         return meta.num_stages
 
-    assert graphs.one_stage and DECODE_TILES.num_stages != MANY_TILE_STAGES
-    assert stages(4) is None and stages(ROW_GRAPH) is None  # the short list: cdiv(64, 16)
-    assert stages(16) == stages(33) == MANY_TILE_STAGES
+    assert graphs.one_stage and DECODE_TILES.num_stages != GRAPH_TILE_STAGES
+    assert stages(ROW_GRAPH) is None
+    assert stages(4) == stages(16) == stages(33) == GRAPH_TILE_STAGES  # short: cdiv(64, 16)
     meta = graphs._context(64, mods, 16).lora
     assert meta is not None
     x = torch.zeros(64, 8)
@@ -249,7 +249,7 @@ def test_many_adapter_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
     (group,) = lora_groups(x, torch.zeros(64), tables[0], tables[0], tables[1],
                            torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8,
                            tiles=dataclasses.replace(DECODE_TILES, shrink_block_k=16))
-    assert isinstance(group.tiles, LoraTiles) and group.tiles.num_stages == MANY_TILE_STAGES
+    assert isinstance(group.tiles, LoraTiles) and group.tiles.num_stages == GRAPH_TILE_STAGES
     graphs.one_stage = False  # StageModes' default is the engine's own: off here
-    assert stages(16) is None
+    assert stages(4) is None and stages(16) is None
     check_switch_keeps_each_way(graphs, StageModes(engine), "one_stage", taken=1)
