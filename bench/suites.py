@@ -418,8 +418,9 @@ SUITES["issue37-fork-smem"] = (
 # One pipeline stage on the many-adapter tile lists (GRAPH_TILE_STAGES) in the engine: 16
 # distinct adapters in a batch of 64 (the middle list) beside the same arm on two stages and
 # base, interleaved (64 distinct at 64 rows run the row kernels, which have no stages); then
-# one stage on the short lists, which keep two (one adapter, 4 adapters of 16 rows), in one
-# layer.
+# one stage on the short lists, which kept two then (one adapter, 4 adapters of 16 rows), in
+# one layer. Run at 752466d: distinct-adapters-stages-752466d-h100.json,
+# lora-distinct-layer-stages-short-752466d-h100.json.
 SUITES["issue37-stages"] = (
     dataclasses.replace(SUITES["issue37"][0], limit_s=200, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--two-stage-arms",
@@ -438,17 +439,17 @@ SUITES["issue37-stages-b256"] = (step(
 # tile list since the short list gained in one layer at 64 rows,
 # lora-distinct-layer-stages-short-752466d-h100.json): the same layer step at 256 rows, the
 # engine's one-adapter arm on the LoRA kernels (no ride: the short list) beside the same arm
-# on two stages and base, interleaved, then the GPU tests of the graphs' tile lists and the
-# precompile.
+# on two stages and base, interleaved; the GPU tests of the graphs' tile lists and the
+# precompile first.
 SUITES["issue37-stages-short"] = (
-    step("stages-short-b256", 90, "bench.lora_distinct_layer", "--rows", "256", "--cases",
+    step("stage-tests", 130, "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+         "tests/kernel_tests/test_graph_tile_lists.py", "tests/slora_core/test_precompile.py",
+         "tests/slora_core/test_graph_capture.py"),
+    step("stages-short-b256", 60, "bench.lora_distinct_layer", "--rows", "256", "--cases",
          "1:16,1:64,4:8-16-32-64", "--choices", "tiles_graph,tiles_graph_s1", "--with-base",
          "--out", OUT("lora-distinct-layer-stages-short-b256")),
-    step("distinct-stages-one", 220, "bench.serving", *GPU_7B, "--scenarios", "distinct",
+    step("distinct-stages-one", 200, "bench.serving", *GPU_7B, "--scenarios", "distinct",
          "--arena-gb", "40", "--overhead-repeats", "3", "--distinct-arms", "one_unmerged",
-         "--two-stage-arms", "one_unmerged", "--out", OUT("distinct-adapters-stages-one")),
-    step("stage-tests", 150, "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
-         "tests/kernel_tests/test_graph_tile_lists.py", "tests/slora_core/test_precompile.py",
-         "tests/slora_core/test_graph_capture.py"),)
+         "--two-stage-arms", "one_unmerged", "--out", OUT("distinct-adapters-stages-one")),)
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
