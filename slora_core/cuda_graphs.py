@@ -160,8 +160,10 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 # 16 distinct adapters 0.818x of base against 0.804x on two stages, 64 in a batch of 256 0.735x
 # against 0.732x (distinct-adapters-stages{,-b256}-752466d-h100.json). The short (one-adapter)
 # list gained as well in one layer at 64 rows (lora-distinct-layer-stages-short-752466d-h100.json:
-# one r16 adapter 204.2 -> 200.3 us, one r64 218.9 -> 215.3, four adapters 213.4 -> 207.9), so
-# since then every list takes one stage.
+# one r16 adapter 204.2 -> 200.3 us, one r64 218.9 -> 215.3, four adapters 213.4 -> 207.9) and
+# at 256 rows (lora-distinct-layer-stages-short-b256-1732685-h100.json: 268.0 -> 256.4, 296.8 ->
+# 288.1, 283.6 -> 274.4), so since 6638066 every list takes one stage (not yet run in the engine
+# on the short list: python -m bench issue37-stages-short).
 GRAPH_TILE_STAGES = 1
 
 
