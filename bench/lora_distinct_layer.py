@@ -266,7 +266,9 @@ MixedChoice = list[Choice]  # launches one after another, each over its own meta
 def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
     """A mixed step: `decode_rows` one-row decode segments, then a prompt chunk. What mixed
     graphs run today (64-row tiles over every segment, the tile list padded to the graph's
-    capacity, K split from it), the same with more K splits, 16-row tiles over every
+    capacity, K split from it), the same with more K splits or with one or three pipeline
+    stages instead of the tiles' two (`_s1`, `_s3`: decode graphs take one since
+    GRAPH_TILE_STAGES; mixed graphs keep two), 16-row tiles over every
     segment, and two launch sets: the row kernels over the decode rows and 64-row tiles over
     the chunk."""
     t = len(slots)
@@ -290,6 +292,8 @@ def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
         "mixed_tiles64": [(graph, PREFILL_TILES, none)],
         "mixed_tiles64_split8": [(graph, wide, fixed(8))],
         "mixed_tiles64_split16": [(graph, wide, fixed(16))],
+        "mixed_tiles64_s1": [(graph, dataclasses.replace(PREFILL_TILES, num_stages=1), none)],
+        "mixed_tiles64_s3": [(graph, dataclasses.replace(PREFILL_TILES, num_stages=3), none)],
         "mixed_tiles16": [(dec16, DECODE_TILES, none)],
         "mixed_rows_and_chunk_tiles": [(rows, RowTiles(), none), (chunk, PREFILL_TILES, none)],
     }
@@ -446,7 +450,8 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", 
                 "tiles_graph_k64")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
-                      "mixed_tiles16", "mixed_rows_and_chunk_tiles")
+                      "mixed_tiles64_s1", "mixed_tiles64_s3", "mixed_tiles16",
+                      "mixed_rows_and_chunk_tiles")
 
 
 def main(argv: list[str] | None = None) -> int:

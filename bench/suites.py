@@ -436,20 +436,23 @@ SUITES["issue37-stages-b256"] = (step(
     "--distinct-arms", "distinct64", "--two-stage-arms", "distinct64",
     "--out", OUT("distinct-adapters-stages-b256")),)
 # One stage on the short (one-adapter) list too (GRAPH_TILE_STAGES on every decode graph's
-# tile list since the short list gained in one layer at 64 rows,
-# lora-distinct-layer-stages-short-752466d-h100.json): the same layer step at 256 rows, the
-# engine's one-adapter arm on the LoRA kernels (no ride: the short list) beside the same arm
-# on two stages and base, interleaved; the GPU tests of the graphs' tile lists and the
-# precompile first.
-SUITES["issue37-stages-short"] = (
-    step("stage-tests", 130, "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
-         "tests/kernel_tests/test_graph_tile_lists.py", "tests/slora_core/test_precompile.py",
-         "tests/slora_core/test_graph_capture.py"),
-    step("stages-short-b256", 60, "bench.lora_distinct_layer", "--rows", "256", "--cases",
-         "1:16,1:64,4:8-16-32-64", "--choices", "tiles_graph,tiles_graph_s1", "--with-base",
-         "--out", OUT("lora-distinct-layer-stages-short-b256")),
-    step("distinct-stages-one", 200, "bench.serving", *GPU_7B, "--scenarios", "distinct",
-         "--arena-gb", "40", "--overhead-repeats", "3", "--distinct-arms", "one_unmerged",
-         "--two-stage-arms", "one_unmerged", "--out", OUT("distinct-adapters-stages-one")),)
+# tile list since the short list gained in one layer at 64 and 256 rows,
+# lora-distinct-layer-stages-short{,-b256}-*-h100.json): the engine's one-adapter arm on the
+# LoRA kernels (no ride: the short list) beside the same arm on two stages and base,
+# interleaved. At 1732685 a cold H100 gave it 86 s, which its compiles took (no repeat); its
+# GPU tests belong to gpu-tests.
+SUITES["issue37-stages-short"] = (step(
+    "distinct-stages-one", 300, "bench.serving", *GPU_7B, "--scenarios", "distinct",
+    "--arena-gb", "40", "--overhead-repeats", "3", "--distinct-arms", "one_unmerged",
+    "--two-stage-arms", "one_unmerged", "--out", OUT("distinct-adapters-stages-one")),)
+# Mixed steps (decode rows and a prompt chunk, 64-row tiles) keep their tiles' two pipeline
+# stages: one layer's mixed-step LoRA with one and three stages beside two, at 16 adapters and
+# a 512-token chunk, 4 adapters and 2,048 tokens, 2 rank-16 adapters and 2,048 tokens (the
+# chunk on the last adapter, the 64 decode rows on the others).
+SUITES["issue37-mixed-stages"] = (step(
+    "mixed-stages", 120, "bench.lora_distinct_layer", "--cases",
+    "16:8-16-32-64:chunk512,4:8-16-32-64:chunk2048,2:16:chunk2048", "--choices",
+    "mixed_tiles64,mixed_tiles64_s1,mixed_tiles64_s3", "--out",
+    OUT("lora-distinct-layer-mixed-stages")),)
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
