@@ -481,7 +481,7 @@ def engine_settings(args: argparse.Namespace, max_seqs: int) -> tuple[dict[str, 
     return engine, tuple(engine_cli_args(engine))
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", default="16",
                     help="comma-separated numbers of requests in flight, e.g. 64,256")
@@ -541,7 +541,7 @@ def parse_args() -> argparse.Namespace:
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
                     skip=("max_num_seqs", "max_adapters_per_batch", "max_queue"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.in_process_arrive_spread_ms and not args.in_process_arrive_after_ms:
         ap.error("--in-process-arrive-spread-ms needs --in-process-arrive-after-ms (the "
                  "late loops it spreads)")

@@ -99,14 +99,23 @@ def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     ("--in-process-arrive-spread-ms", "-1", "every spread must be >= 0 ms"),
     ("--in-process-arrive-spread-ms", "3", "needs --in-process-arrive-after-ms"),
 ])
-def test_bad_flags_are_refused_before_anything_starts(flag: str, value: str, says: str) -> None:
-    res = subprocess.run([sys.executable, "-m", "bench.service_overhead", flag, value],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and says in res.stderr, res.stderr[-1000:]
+def test_bad_flags_are_refused_before_anything_starts(
+        flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # main() parses its flags before it starts anything: parse_args is where a refusal happens.
+    from bench.service_overhead import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args([flag, value])
+    assert exited.value.code == 2
+    assert says in capsys.readouterr().err
 
 
-def test_a_trace_folder_holding_another_runs_traces_is_refused(tmp_path: Path) -> None:
+def test_a_trace_folder_holding_another_runs_traces_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.service_overhead import parse_args
+
     (tmp_path / "123.hops").write_text("worker_entry x 1.0\n")
-    res = subprocess.run([sys.executable, "-m", "bench.service_overhead", "--trace-hops",
-                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and "already holds traces" in res.stderr, res.stderr[-1000:]
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--trace-hops", str(tmp_path)])
+    assert exited.value.code == 2
+    assert "already holds traces" in capsys.readouterr().err
