@@ -128,9 +128,9 @@ XDIST_GROUPS = {
     "tests/services/security/test_stack_hops.py": "http_stack",
 }
 UNIT_SECONDS = {  # a second run in a fresh clone of 08018eb (the static checks: its first)
-    "tests/kernel_tests/test_lora.py": 71,
     "tests/test_readme_examples.py": 64,
     "tests/test_static_checks.py": 58,  # mypy with a cold cache (a fresh clone)
+    "tests/kernel_tests/test_lora.py": 50,
     "tests/services/dataplane/test_stack_e2e.py": 48,
     "tests/slora_core/test_tp_keepalive.py": 45,  # sleeps mostly
     "http_stack": 45,

@@ -219,10 +219,18 @@ def test_new_batch_shapes_compile_no_new_variant() -> None:
     assert compiled_kernel_variants() == before
 
 
+# Every pair of (split_k, aligned, balanced) values meets in the default suite's six cases;
+# the other six of the full product run with the slow set (each is a few seconds of fp16 on
+# Triton's interpreter).
+PAIRWISE = {(None, False, False), (None, True, True), (1, False, True), (1, True, False),
+            (3, False, True), (3, True, False)}
+ROW_QKV_CASES = [pytest.param(k, a, b, marks=() if (k, a, b) in PAIRWISE else pytest.mark.slow,
+                              id=f"{b}-{a}-{k}")
+                 for k in (None, 1, 3) for a in (False, True) for b in (False, True)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [None, 1, 3])
-@pytest.mark.parametrize("aligned", [False, True])
-@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("split_k,aligned,balanced", ROW_QKV_CASES)
 def test_row_kernels_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None,
                                      aligned: bool, balanced: bool) -> None:
     """The row kernels (one token a program, its slot read directly): ranks below, at and
@@ -236,7 +244,7 @@ def test_row_kernels_mixed_ranks_qkv(dtype: torch.dtype, split_k: int | None,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [None, 4, 7])
+@pytest.mark.parametrize("split_k", [None, pytest.param(4, marks=pytest.mark.slow), 7])
 def test_row_kernels_rank_balanced_splits(dtype: torch.dtype, split_k: int | None) -> None:
     """RowTiles.rank_balanced: rows of rank <= 16 and <= 32 in a launch of rank tile 64 write
     a quarter and a half of the splits (at least one), each K chunk as long as a rank-64
