@@ -20,7 +20,7 @@ several launch choices:
   own K split; `tiles_graph`: the list and K split a decode graph replays for the step
   beside the row kernels (decode_split_tiles), where they leave it to the tiles, on the
   tiles' two pipeline stages; `tiles_graph_s1`, `tiles_graph_k128`, `tiles_graph_k64`: that
-  list with one stage (what decode graphs launch past the short list since
+  list with one stage (what decode graphs launch on every tile list since
   GRAPH_TILE_STAGES), or shrink K tiles of 128 or 64 (less shared memory a shrink program);
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
