@@ -59,6 +59,10 @@ class Variant(NamedTuple):
     num_warps: int
     num_stages: int | None = None  # None: Triton's default, as the row kernels launch
 
+    def cost(self, float32: bool = False) -> dict[str, Any]:
+        return compile_cost(self.fn, self.consts, self.num_warps, float32=float32,
+                            num_stages=self.num_stages)
+
 
 def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool = False,
                  num_stages: int | None = None) -> dict[str, Any]:
@@ -85,13 +89,12 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool 
 
 
 def variants() -> list[Variant]:
-    """The row and the tile kernels at rank bounds 16 and 64, with their default tiles
-    (RowTiles(), DECODE_TILES) launched as a decode graph in line launches them (programmatic
-    dependent launch on, rank-balanced row programs above rank 16, the tiles' pipeline
-    stages, as eager steps launch them); the row expand uncapped and with its register tile
-    capped at 4096 elements (RowTiles.expand_sub_tile, the default); and the tile kernels as
-    decode graphs launch them since GRAPH_TILE_STAGES: one stage, in line on the short list
-    and forked (no PDL) past it."""
+    """The row and the tile kernels at rank bounds 16 and 64 with their default tiles
+    (RowTiles(), DECODE_TILES), launched with programmatic dependent launch and rank-balanced
+    row programs above rank 16; the row expand uncapped and with its register tile capped at
+    4096 elements (RowTiles.expand_sub_tile, the default); the tile kernels at their tiles'
+    two pipeline stages (as eager steps launch them) and at decode graphs' one
+    (GRAPH_TILE_STAGES): in line on the short list, and forked (no PDL) past it."""
     from slora_core.cuda_graphs import GRAPH_TILE_STAGES
     from slora_kernels.lora import DECODE_TILES
 
@@ -160,8 +163,7 @@ def threads_round(kernels: list[Variant], threads: int, float32: bool) -> dict[s
     from concurrent.futures import ThreadPoolExecutor
 
     def compile_one(k: Variant) -> float:
-        return float(compile_cost(k.fn, k.consts, k.num_warps, float32=float32,
-                                  num_stages=k.num_stages)["seconds"])
+        return float(k.cost(float32)["seconds"])
 
     out: dict[str, float] = {}
     for name, workers in (("sequential_s", 1), ("threads_s", threads)):
@@ -196,8 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows: dict[str, Any] = {}
     for v in float32_variants() if args.float32 else variants():
-        cost = compile_cost(v.fn, v.consts, v.num_warps, float32=args.float32,
-                            num_stages=v.num_stages)
+        cost = v.cost(args.float32)
         del cost["ptx"]
         rows[v.name] = {"num_warps": v.num_warps, "num_stages": v.num_stages, **cost}
         print(f"{v.name}: {rows[v.name]}", flush=True)

@@ -69,7 +69,7 @@ class LoraMeta:
     # not be the one for the padded length (slora_core.cuda_graphs.decode_split_tiles).
     split_tiles: int | None = None
     # host-side: the pipeline stages the tile launches run (None: their tiles'). Decode
-    # graphs past the one-adapter list take one (slora_core.cuda_graphs.GRAPH_TILE_STAGES).
+    # graphs' tile lists take one (slora_core.cuda_graphs.GRAPH_TILE_STAGES).
     num_stages: int | None = None
 
     def rows_or_slots(self) -> torch.Tensor:

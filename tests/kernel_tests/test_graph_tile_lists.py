@@ -222,8 +222,7 @@ def test_decode_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
         demo_dir: Path) -> None:
     """Every decode graph's tile list, the short one too, launches with GRAPH_TILE_STAGES
     pipeline stages (LoraMeta.num_stages, which lora_groups applies); the row kernels have
-    none. bench.distinct_adapters.StageModes keeps each way's tile
-    graphs apart."""
+    none. bench.distinct_adapters.StageModes keeps each way's tile graphs apart."""
     from bench.distinct_adapters import StageModes
     from slora_core.cuda_graphs import GRAPH_TILE_STAGES
     from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
