@@ -115,15 +115,16 @@ class RideModes:
 
 
 class GraphSwitch:
-    """Switches a boolean of the decode graphs (`attr`) between arms, keeping each value's
-    captured graphs (those `take` removes: a graph replays what it was captured with);
-    `default` is the engine's own value."""
+    """Switches a boolean of a graph set (`attr` of the runner's `where`: the decode graphs or
+    the mixed ones) between arms, keeping each value's captured graphs (those `take` removes:
+    a graph replays what it was captured with); `default` is the engine's own value."""
 
     attr = ""
     take = ""
+    where = "graphs"
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.graphs = engine.runner.graphs
+        self.graphs = getattr(engine.runner, self.where)
         self.default = self.graphs is not None and bool(getattr(self.graphs, self.attr))
         self.stash: dict[bool, dict[Any, Any]] = {}
 
@@ -155,6 +156,13 @@ class StageModes(GraphSwitch):
     (DecodeGraphs.one_stage, GRAPH_TILE_STAGES), the tile lists' graphs kept apart."""
 
     attr, take = "one_stage", "take_tile_graphs"
+
+
+class MixedStageModes(GraphSwitch):
+    """Mixed graphs' 64-row tile lists with their tiles' stages (PREFILL_STAGES) or two
+    (MixedGraphs.own_stages), the tile lists' graphs kept apart."""
+
+    attr, take, where = "own_stages", "take_tile_graphs", "mixed"
 
 
 def parse_arms(text: str) -> tuple[str, ...]:
@@ -227,9 +235,13 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         raise SystemExit("--in-line-arms names arms not in --distinct-arms")
     if not set(a.two_stage_arms) <= set(a.distinct_arms):
         raise SystemExit("--two-stage-arms names arms not in --distinct-arms")
-    if a.ride_sole_adapter and "one_unmerged" in a.two_stage_arms:
-        raise SystemExit("--two-stage-arms: one_unmerged rides with --ride-sole-adapter, on no "
-                         "tile list (leave the ride off to stage its tile list)")
+    if not set(a.mixed_two_stage_arms) <= set(a.distinct_arms):
+        raise SystemExit("--mixed-two-stage-arms names arms not in --distinct-arms")
+    for flag, staged in (("--two-stage-arms", a.two_stage_arms),
+                         ("--mixed-two-stage-arms", a.mixed_two_stage_arms)):
+        if a.ride_sole_adapter and "one_unmerged" in staged:
+            raise SystemExit(f"{flag}: one_unmerged rides with --ride-sole-adapter, on no "
+                             "tile list (leave the ride off to stage its tile list)")
     engine, merge = distinct_engine(b)
     targets = {n: t for n, t in TARGETS.items() if n in a.distinct_arms}
     arms = {"base": distinct_requests(b, None),
@@ -260,8 +272,13 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     two_stage = {f"{n}_two_stage": n for n in a.two_stage_arms if n in arms}
     arms.update({name: arms[n] for name, n in two_stage.items()})
     stages = StageModes(engine)
+    # --mixed-two-stage-arms: the same requests with mixed graphs' 64-row tile lists on two
+    # pipeline stages, as before PREFILL_STAGES.
+    mixed_two = {f"{n}_mixed_two_stage": n for n in a.mixed_two_stage_arms if n in arms}
+    arms.update({name: arms[n] for name, n in mixed_two.items()})
+    mixed_stages = MixedStageModes(engine)
     extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *in_line,
-                                   *two_stage) if n in arms)
+                                   *two_stage, *mixed_two) if n in arms)
     ratio_arms = (*targets, *extra_arms)
 
     def run_arm(name: str, label: str) -> dict[str, Any]:
@@ -271,6 +288,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         splits.set(name in own_split)
         forks.set(forks.default and name not in in_line)
         stages.set(stages.default and name not in two_stage)
+        mixed_stages.set(mixed_stages.default and name not in mixed_two)
         if modes is not None:
             modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)

@@ -265,12 +265,13 @@ MixedChoice = list[Choice]  # launches one after another, each over its own meta
 
 def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
     """A mixed step: `decode_rows` one-row decode segments, then a prompt chunk. What mixed
-    graphs run today (64-row tiles over every segment, the tile list padded to the graph's
-    capacity, K split from it), the same with more K splits or with one or three pipeline
-    stages instead of the tiles' two (`_s1`, `_s3`: decode graphs take one since
-    GRAPH_TILE_STAGES; mixed graphs keep two), 16-row tiles over every
-    segment, and two launch sets: the row kernels over the decode rows and 64-row tiles over
-    the chunk."""
+    graphs run on steps of more than SHORT_TILES_MAX_TOKENS tokens (64-row tiles over every
+    segment, the tile list padded to the graph's capacity, K split from it), the same with
+    more K splits or with one or two pipeline stages instead of the tiles' three (`_s1`,
+    `_s2`: two before PREFILL_STAGES), 16-row tiles over every segment (what steps of at most
+    SHORT_TILES_MAX_TOKENS tokens run; `_s1`, `_s3`: one or three stages instead of the
+    tiles' two), and two launch sets: the row kernels over the decode rows and 64-row tiles
+    over the chunk."""
     t = len(slots)
     real = LoraMeta.from_token_slots(slots, device=DEVICE, block_m=PREFILL_BLOCK_M).num_tiles
     cap = -(-t // PREFILL_BLOCK_M) + min(decode_rows, t)  # MixedGraphs' capacity for t tokens
@@ -293,8 +294,10 @@ def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
         "mixed_tiles64_split8": [(graph, wide, fixed(8))],
         "mixed_tiles64_split16": [(graph, wide, fixed(16))],
         "mixed_tiles64_s1": [(graph, dataclasses.replace(PREFILL_TILES, num_stages=1), none)],
-        "mixed_tiles64_s3": [(graph, dataclasses.replace(PREFILL_TILES, num_stages=3), none)],
+        "mixed_tiles64_s2": [(graph, dataclasses.replace(PREFILL_TILES, num_stages=2), none)],
         "mixed_tiles16": [(dec16, DECODE_TILES, none)],
+        "mixed_tiles16_s1": [(dec16, dataclasses.replace(DECODE_TILES, num_stages=1), none)],
+        "mixed_tiles16_s3": [(dec16, dataclasses.replace(DECODE_TILES, num_stages=3), none)],
         "mixed_rows_and_chunk_tiles": [(rows, RowTiles(), none), (chunk, PREFILL_TILES, none)],
     }
 
@@ -450,8 +453,8 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", 
                 "tiles_graph_k64")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
-                      "mixed_tiles64_s1", "mixed_tiles64_s3", "mixed_tiles16",
-                      "mixed_rows_and_chunk_tiles")
+                      "mixed_tiles64_s1", "mixed_tiles64_s2", "mixed_tiles16",
+                      "mixed_tiles16_s1", "mixed_tiles16_s3", "mixed_rows_and_chunk_tiles")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -438,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="arms of 'distinct' also run with decode graphs' tile lists on two "
                         "pipeline stages (GRAPH_TILE_STAGES off), side by side; one_unmerged "
                         "only on the LoRA kernels (without --ride-sole-adapter)")
+    p.add_argument("--mixed-two-stage-arms", type=parse_arms, default=(),
+                   help="arms of 'distinct' also run with mixed graphs' 64-row tile lists on "
+                        "two pipeline stages (PREFILL_STAGES off), side by side; one_unmerged "
+                        "only on the LoRA kernels (without --ride-sole-adapter)")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
                    help="rank of the adapter on every request of 'distinct''s one-adapter "
                         "arms (all 7 modules)")

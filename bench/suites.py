@@ -445,14 +445,24 @@ SUITES["issue37-stages-short"] = (step(
     "distinct-stages-one", 300, "bench.serving", *GPU_7B, "--scenarios", "distinct",
     "--arena-gb", "40", "--overhead-repeats", "3", "--distinct-arms", "one_unmerged",
     "--two-stage-arms", "one_unmerged", "--out", OUT("distinct-adapters-stages-one")),)
-# Mixed steps (decode rows and a prompt chunk, 64-row tiles) keep their tiles' two pipeline
-# stages: one layer's mixed-step LoRA with one and three stages beside two, at 16 adapters and
-# a 512-token chunk, 4 adapters and 2,048 tokens, 2 rank-16 adapters and 2,048 tokens (the
-# chunk on the last adapter, the 64 decode rows on the others).
+# Mixed steps' pipeline stages in one layer: the LoRA of a step of 64 decode rows and a prompt
+# chunk, at 16 adapters and a 512-token chunk (16-row tiles in the engine: at most
+# SHORT_TILES_MAX_TOKENS tokens), 4 adapters and 2,048 tokens, 2 rank-16 adapters and 2,048
+# tokens (64-row tiles), the 64-row tiles on three stages (PREFILL_STAGES), two (as before)
+# or one, the 16-row tiles on two (their own), one or three. At 002a98c (64-row tiles then on
+# two stages, lora-distinct-layer-mixed-stages-002a98c-h100.json) three won every case.
 SUITES["issue37-mixed-stages"] = (step(
     "mixed-stages", 120, "bench.lora_distinct_layer", "--cases",
     "16:8-16-32-64:chunk512,4:8-16-32-64:chunk2048,2:16:chunk2048", "--choices",
-    "mixed_tiles64,mixed_tiles64_s1,mixed_tiles64_s3", "--out",
-    OUT("lora-distinct-layer-mixed-stages")),)
+    "mixed_tiles64,mixed_tiles64_s2,mixed_tiles64_s1,mixed_tiles16,mixed_tiles16_s1,"
+    "mixed_tiles16_s3", "--out", OUT("lora-distinct-layer-mixed-stages")),)
+# The same in the engine: 16 and 64 distinct adapters a batch of 64 (mixed steps of ~3,700
+# tokens: 64-row tiles) beside the same arms with mixed graphs' tile lists on two stages
+# (--mixed-two-stage-arms) and base, interleaved.
+SUITES["issue37-mixed-stages-engine"] = (dataclasses.replace(
+    SUITES["issue37"][0], name="distinct-mixed-stages", limit_s=260, argv=(
+        *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16,distinct64",
+        "--mixed-two-stage-arms", "distinct16,distinct64",
+        "--out", OUT("distinct-adapters-mixed-stages"))),)
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))

@@ -165,6 +165,8 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 # 288.1, 283.6 -> 274.4), so since 6638066 every list takes one stage (not yet run in the engine
 # on the short list: python -m bench issue37-stages-short).
 GRAPH_TILE_STAGES = 1
+# The tiles' pipeline stages before GRAPH_TILE_STAGES and PREFILL_STAGES (a benchmark's arms).
+TWO_STAGES = 2
 
 
 # Decode steps whose adapters own at most this many rows each on average run the row kernels
@@ -567,6 +569,10 @@ class MixedGraphs(_StepGraphs):
                                    max_blocks=self.max_blocks, sampled=b, query_starts=b + 1)
         self.buf = self.layout.device(runner.device)
         self.reset_buffers()
+        # 64-row tile lists launch with their tiles' stages (PREFILL_STAGES); off, with two, as
+        # before it (a benchmark's switch, which swaps the graphs captured either way:
+        # take_tile_graphs).
+        self.own_stages = True
 
     def reset_buffers(self) -> None:
         # Every sequence has no query (query_starts all 0) and logits rows are row 0: the
@@ -605,7 +611,8 @@ class MixedGraphs(_StepGraphs):
                         seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
                         tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=self._tile_rows(bucket))
+                        num_tiles=tiles, block_m=self._tile_rows(bucket),
+                        num_stages=None if self.own_stages else TWO_STAGES)
                 if modules and not ride else None)
         return StepContext(
             positions=buf.positions[:t], slot_mapping=buf.slot_mapping[:t],

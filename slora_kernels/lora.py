@@ -97,8 +97,16 @@ class LoraTiles:
 # decode requests on one adapter) use taller tiles so A and B are re-read less often.
 DECODE_TILES = LoraTiles(shrink_block_m=DECODE_BLOCK_M, shrink_block_k=256,
                          expand_block_m=DECODE_BLOCK_M, expand_block_n=256)
+# 64-row tiles (prompt chunks, mixed steps) run three pipeline stages (a shrink stage holds a
+# 64 x 128 tile of x and a 128 x 64 tile of A, 32 KB). One 7B layer's mixed-step LoRA (64 decode
+# rows and a prompt chunk) on an H100, graph replay, two stages -> three (one lost):
+# 16 adapters of ranks 8-64 and a 512-token chunk 295.9 -> 251.9 us (one stage 330.2); 4 adapters
+# and 2,048 tokens 447.9 -> 397.4 (460.3); 2 rank-16 adapters and 2,048 tokens 354.1 -> 325.0
+# (345.8) (lora-distinct-layer-mixed-stages-002a98c-h100.json).
+PREFILL_STAGES = 3
 PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
-                          expand_block_m=PREFILL_BLOCK_M, expand_block_n=128, max_split_k=2)
+                          expand_block_m=PREFILL_BLOCK_M, expand_block_n=128, max_split_k=2,
+                          num_stages=PREFILL_STAGES)
 # float32 models run exact (ieee) dots, which Triton lowers to FMAs unrolled over the whole
 # tile: at the 16-bit tiles above, ptxas sees 1-1.7 MB of PTX and 18-26k declared registers a
 # thread, and one prefill launch compiled for 28 s and a decode shrink for 32 s on the CPU
@@ -106,7 +114,9 @@ PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
 # tiles compile in 5-13 s, like the 16-bit ones, with 3.7-6.9k registers declared
 # (kernel-compile-f32-cpu.json: `python -m bench.kernel_compile_cost --float32`).
 DECODE_TILES_F32 = dataclasses.replace(DECODE_TILES, shrink_block_k=64, expand_block_n=64)
-PREFILL_TILES_F32 = dataclasses.replace(PREFILL_TILES, shrink_block_k=32, expand_block_n=32)
+# The float32 prefill tiles keep two stages, as their compile times were measured.
+PREFILL_TILES_F32 = dataclasses.replace(PREFILL_TILES, shrink_block_k=32, expand_block_n=32,
+                                        num_stages=2)
 # A K split shorter than this reads too little per program to hide memory latency.
 MIN_K_PER_SPLIT = 256
 MAX_SPLIT_K = 16

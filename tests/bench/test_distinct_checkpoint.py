@@ -78,11 +78,19 @@ def test_full_list_arms_outside_the_arms_run_are_refused() -> None:
                       "--full-list-arms", "distinct16", "--arena-gb", "0.2"])
 
 
-def test_two_stage_one_adapter_arm_is_refused_while_it_rides() -> None:
-    """--two-stage-arms one_unmerged stages the one-adapter arm's short tile list; with the ride
-    on that arm launches no tile kernel, so the pair is refused, naming both."""
-    with pytest.raises(SystemExit, match="one_unmerged rides with --ride-sole-adapter"):
+@pytest.mark.parametrize("flag", ["--two-stage-arms", "--mixed-two-stage-arms"])
+def test_two_stage_one_adapter_arm_is_refused_while_it_rides(flag: str) -> None:
+    """--two-stage-arms (--mixed-two-stage-arms) one_unmerged stages the one-adapter arm's
+    decode (mixed) tile lists; with the ride on that arm launches no tile kernel, so the pair
+    is refused, naming both."""
+    with pytest.raises(SystemExit, match=f"{flag}: one_unmerged rides with --ride-sole-adapter"):
         serving.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32",
                       "--scenarios", "distinct", "--distinct-arms", "one_unmerged",
-                      "--ride-sole-adapter", "--two-stage-arms", "one_unmerged",
-                      "--arena-gb", "0.2"])
+                      "--ride-sole-adapter", flag, "one_unmerged", "--arena-gb", "0.2"])
+
+
+def test_mixed_two_stage_arms_outside_the_arms_run_are_refused() -> None:
+    with pytest.raises(SystemExit, match="--mixed-two-stage-arms names arms not in"):
+        serving.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                      "--scenarios", "distinct", "--distinct-arms", "one_unmerged",
+                      "--mixed-two-stage-arms", "distinct16", "--arena-gb", "0.2"])

@@ -252,3 +252,49 @@ def test_decode_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
     graphs.one_stage = False  # StageModes' default is the engine's own: off here
     assert stages(4) is None and stages(16) is None
     check_switch_keeps_each_way(graphs, StageModes(engine), "one_stage", taken=1)
+
+
+def test_mixed_tile_lists_take_their_tiles_stages_and_the_switch_keeps_both_ways(
+        demo_dir: Path) -> None:
+    """Mixed graphs' tile lists launch with their tiles' stages (64-row tiles:
+    PREFILL_STAGES); off (MixedGraphs.own_stages), with two, as before.
+    bench.distinct_adapters.MixedStageModes keeps each way's tile graphs apart."""
+    from bench.distinct_adapters import MixedStageModes
+    from slora_core.cuda_graphs import TWO_STAGES, MixedGraphs
+    from slora_kernels.lora import PREFILL_STAGES, PREFILL_TILES, LoraTiles, lora_groups
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(max_num_seqs=64, device="cpu"))
+    mixed = engine.runner.mixed = MixedGraphs(engine.runner, 64, 4096,
+                                              engine.config.max_model_len)
+    mods = frozenset({0})
+    bucket = mixed.buckets[-1]
+    assert mixed._tile_rows(bucket) == PREFILL_TILES.shrink_block_m != DECODE_BLOCK_M
+    assert PREFILL_TILES.num_stages == PREFILL_STAGES != TWO_STAGES
+
+    def launched_stages() -> int:
+        meta = mixed._context(bucket, mods, mixed._tile_cap(bucket)).lora
+        assert meta is not None
+        x = torch.zeros(bucket, 8)
+        tables = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1, dtype=torch.int32)
+        (group,) = lora_groups(x, torch.zeros(64), tables[0], tables[0], tables[1],
+                               torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8,
+                               tiles=dataclasses.replace(PREFILL_TILES, shrink_block_k=16))
+        assert isinstance(group.tiles, LoraTiles)
+        return group.tiles.num_stages
+
+    assert mixed.own_stages and launched_stages() == PREFILL_STAGES
+    mixed.own_stages = False  # MixedStageModes' default is the engine's own: off here
+    assert launched_stages() == TWO_STAGES
+    modes = MixedStageModes(engine)
+    tile_key, base_key = (bucket, mods, mixed._tile_cap(bucket)), (bucket, frozenset(), 0)
+    graphs: dict[Any, Any] = mixed.graphs  # labels stand in for captured graphs
+    for k, label in ((tile_key, "off"), (base_key, "base")):
+        graphs[k], mixed.logits[k], mixed.contexts[k] = label, None, None  # type: ignore[assignment]
+    modes.set(True)  # the tile list's graph (captured off) is put away; base stays
+    assert mixed.own_stages and set(graphs) == {base_key}
+    graphs[tile_key], mixed.logits[tile_key], mixed.contexts[tile_key] = "on", None, None  # type: ignore[assignment]
+    modes.set(False)
+    assert not mixed.own_stages and graphs == {tile_key: "off", base_key: "base"}
+    modes.set(True)
+    assert graphs == {tile_key: "on", base_key: "base"}
