@@ -428,14 +428,16 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
     # --own-split-arms: with every tile list's K split picked for its own length;
     # --fork-arms (cb90780, when the fork was the variant) / --in-line-arms: with the shrinks
     # forked beside the base GEMMs / in line after them; --two-stage-arms: the tile lists on
-    # two pipeline stages (as before GRAPH_TILE_STAGES).
+    # two pipeline stages (as before GRAPH_TILE_STAGES); --mixed-two-stage-arms: mixed graphs'
+    # 64-row tile lists on two (as before PREFILL_STAGES).
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters"),
                        ("one_unmerged", "one adapter, merge off, on the LoRA kernels")):
         for suffix, how in (("full_list", "on the longest tile list (the middle list off, "),
                             ("own_split", "each tile list's K split for its own length ("),
                             ("fork", "the shrinks on a second stream beside the base GEMMs ("),
                             ("in_line", "the shrinks in line after the base GEMMs ("),
-                            ("two_stage", "the tile lists on two pipeline stages (")):
+                            ("two_stage", "the tile lists on two pipeline stages ("),
+                            ("mixed_two_stage", "mixed steps' 64-row tiles on two stages (")):
             k = d.get(f"{arm}_{suffix}")
             if k is not None:
                 rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"
@@ -662,6 +664,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-fork-b256-ecdfb2a-h100.json", distinct_rows),
                        ("distinct-adapters-stages-752466d-h100.json", distinct_rows),
                        ("distinct-adapters-stages-b256-752466d-h100.json", distinct_rows),
+                       ("distinct-adapters-stages-one-002a98c-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

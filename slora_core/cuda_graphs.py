@@ -148,10 +148,11 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 
 
 # The pipeline stages of the shrinks and expands on every decode graph's tile list
-# (LoraMeta.num_stages; the tiles' own is 2, which mixed and eager steps keep). A stage of a
-# shrink program holds a 16 x 256 tile of x and a 256 x 64 tile of A in shared memory, ~40 KB; a
-# second stage doubles that for a K split of one to four steps, and (the likely reason) leaves
-# room for fewer resident programs to hide memory latency. One 7B decode layer's four GEMMs and
+# (LoraMeta.num_stages; the 16-row tiles' own is 2, which mixed and eager steps keep; their
+# 64-row tiles take PREFILL_STAGES). A stage of a shrink program holds a 16 x 256 tile of x and
+# a 256 x 64 tile of A in shared memory, ~40 KB; a second stage doubles that for a K split of
+# one to four steps, and (the likely reason) leaves room for fewer resident programs to hide
+# memory latency. One 7B decode layer's four GEMMs and
 # LoRA on an H100, graph replay, in line (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json):
 # 16 adapters at 64 rows (the middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 ->
 # 336.4 and 64 adapters 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0,
@@ -162,8 +163,10 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 # list gained as well in one layer at 64 rows (lora-distinct-layer-stages-short-752466d-h100.json:
 # one r16 adapter 204.2 -> 200.3 us, one r64 218.9 -> 215.3, four adapters 213.4 -> 207.9) and
 # at 256 rows (lora-distinct-layer-stages-short-b256-1732685-h100.json: 268.0 -> 256.4, 296.8 ->
-# 288.1, 283.6 -> 274.4), so since 6638066 every list takes one stage (not yet run in the engine
-# on the short list: python -m bench issue37-stages-short).
+# 288.1, 283.6 -> 274.4), so since 6638066 every list takes one stage. In the engine (python -m
+# bench issue37-stages-short, H100, 002a98c) one rank-8 adapter on the LoRA kernels (the short
+# list, no ride) kept 0.895x of base against 0.885x on two stages, every repeat ahead
+# (distinct-adapters-stages-one-002a98c-h100.json).
 GRAPH_TILE_STAGES = 1
 # The tiles' pipeline stages before GRAPH_TILE_STAGES and PREFILL_STAGES (a benchmark's arms).
 TWO_STAGES = 2
