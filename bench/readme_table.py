@@ -406,6 +406,8 @@ def structured_rows(result: dict[str, Any], source: str) -> list[str]:
 def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
     d = result["distinct"]
     rows = []
+    # A run its time limit stopped before its last repeat says so beside every figure.
+    cut = f" (cut short: {d['cut_short']})" if "cut_short" in d else ""
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters"),
                        ("one_unmerged", "one adapter, merge off")):
         if arm not in d:  # a run of some arms only (--distinct-arms)
@@ -417,13 +419,13 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
                 else "ranks 8-64, all 7 modules")
         rows.append(f"| {label} in a batch of {d['batch']} ({what}) vs base, "
                     f"decode-heavy{on_card(result)} | {r['throughput_ratio']:.3f} [{r['ratio_min']:.3f}, "
-                    f"{r['ratio_max']:.3f}]x{bound} | {r['target']}x | {source} |")
+                    f"{r['ratio_max']:.3f}]x{cut}{bound} | {r['target']}x | {source} |")
     if "one_kernels" in d:  # the one-adapter arm rode; the same requests on the kernels
         k = d["one_kernels"]
         rows[-1] = rows[-1].replace("merge off", "merge off, riding the base GEMMs")
         rows.append(f"| one adapter, merge off, on the LoRA kernels (same run{on_card(result)}) | "
                     f"{k['throughput_ratio']:.3f} [{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x"
-                    f" | | {source} |")
+                    f"{cut} | | {source} |")
     # --full-list-arms: the same requests with every tile step on its bucket's full tile list;
     # --own-split-arms: with every tile list's K split picked for its own length;
     # --fork-arms (cb90780, when the fork was the variant) / --in-line-arms: with the shrinks
@@ -442,7 +444,7 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
             if k is not None:
                 rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"
                             f"{on_card(result)}) | {k['throughput_ratio']:.3f} "
-                            f"[{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x | | {source} |")
+                            f"[{k['ratio_min']:.3f}, {k['ratio_max']:.3f}]x{cut} | | {source} |")
     # --ride-variants: the same requests riding with other launches, interleaved.
     default = next((v for k, v in d.get("ride", {}).items() if k.startswith("one_unmerged ")),
                    None)
@@ -665,6 +667,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-stages-752466d-h100.json", distinct_rows),
                        ("distinct-adapters-stages-b256-752466d-h100.json", distinct_rows),
                        ("distinct-adapters-stages-one-002a98c-h100.json", distinct_rows),
+                       ("distinct-adapters-mixed-stages-f63146d-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

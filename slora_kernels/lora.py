@@ -102,7 +102,11 @@ DECODE_TILES = LoraTiles(shrink_block_m=DECODE_BLOCK_M, shrink_block_k=256,
 # rows and a prompt chunk) on an H100, graph replay, two stages -> three (one lost):
 # 16 adapters of ranks 8-64 and a 512-token chunk 295.9 -> 251.9 us (one stage 330.2); 4 adapters
 # and 2,048 tokens 447.9 -> 397.4 (460.3); 2 rank-16 adapters and 2,048 tokens 354.1 -> 325.0
-# (345.8) (lora-distinct-layer-mixed-stages-002a98c-h100.json).
+# (345.8) (lora-distinct-layer-mixed-stages-002a98c-h100.json). In the engine (python -m bench
+# issue37-mixed-stages-engine, H100, f63146d, cut after 2 of 3 repeats) the distinct batch's
+# ~3,700-token mixed steps ran 1-3 ms faster (111-114 against 112-116 ms), 16 distinct adapters
+# 0.810x of base against 0.808x, 64 0.696x against 0.695x
+# (distinct-adapters-mixed-stages-f63146d-h100.json).
 PREFILL_STAGES = 3
 PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
                           expand_block_m=PREFILL_BLOCK_M, expand_block_n=128, max_split_k=2,
