@@ -94,9 +94,11 @@ def variants() -> list[Variant]:
     row programs above rank 16; the row expand uncapped and with its register tile capped at
     4096 elements (RowTiles.expand_sub_tile, the default); the tile kernels at their tiles'
     two pipeline stages (as eager steps launch them) and at decode graphs' one
-    (GRAPH_TILE_STAGES): in line on the short list, and forked (no PDL) past it."""
-    from slora_core.cuda_graphs import GRAPH_TILE_STAGES
-    from slora_kernels.lora import DECODE_TILES
+    (GRAPH_TILE_STAGES): in line on the short list, and forked (no PDL) past it; the 64-row
+    tile kernels of prompt chunks and mixed steps (PREFILL_TILES) at their stages
+    (PREFILL_STAGES) and at two, as before them."""
+    from slora_core.cuda_graphs import GRAPH_TILE_STAGES, TWO_STAGES
+    from slora_kernels.lora import DECODE_TILES, PREFILL_TILES
 
     rows = lora_rows.RowTiles()
     stages = DECODE_TILES.num_stages
@@ -128,6 +130,16 @@ def variants() -> list[Variant]:
                         {**shrink, "LAUNCH_DEPENDENTS": pdl}, 4, n),
                 Variant(f"tile_expand_r{bound}{suffix}", lora_expand._lora_expand_kernel,
                         {**expand, "USE_PDL": pdl}, 4, n),
+            ]
+        p = PREFILL_TILES
+        for suffix, n in (("", p.num_stages), ("_two_stages", TWO_STAGES)):
+            out += [
+                Variant(f"prefill_shrink_r{bound}{suffix}", lora_shrink._lora_shrink_kernel,
+                        {**shrink, "BLOCK_M": p.shrink_block_m, "BLOCK_K": p.shrink_block_k,
+                         "LAUNCH_DEPENDENTS": p.pdl}, p.num_warps, n),
+                Variant(f"prefill_expand_r{bound}{suffix}", lora_expand._lora_expand_kernel,
+                        {**expand, "BLOCK_M": p.expand_block_m, "BLOCK_N": p.expand_block_n,
+                         "USE_PDL": p.pdl}, p.num_warps, n),
             ]
     return out
 

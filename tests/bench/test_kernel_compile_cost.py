@@ -33,3 +33,13 @@ def test_the_tile_kernels_are_listed_at_the_stages_decode_graphs_launch() -> Non
     assert stages["tile_shrink_r64"] == stages["tile_expand_r16"] == DECODE_TILES.num_stages
     assert stages["tile_shrink_r64_one_stage"] == GRAPH_TILE_STAGES
     assert stages["tile_expand_r16_one_stage_forked"] == GRAPH_TILE_STAGES
+
+
+def test_the_prefill_tile_kernels_are_listed_at_their_stages_and_at_two() -> None:
+    from slora_core.cuda_graphs import TWO_STAGES
+    from slora_kernels.lora import PREFILL_STAGES, PREFILL_TILES
+
+    listed = {v.name: v for v in cost.variants() if v.name.startswith("prefill_")}
+    assert listed["prefill_shrink_r64"].num_stages == PREFILL_STAGES != TWO_STAGES
+    assert listed["prefill_expand_r16_two_stages"].num_stages == TWO_STAGES
+    assert listed["prefill_shrink_r16"].consts["BLOCK_M"] == PREFILL_TILES.shrink_block_m
