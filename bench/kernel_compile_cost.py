@@ -3,7 +3,10 @@ needed: seconds, PTX size and registers a thread, at the engine's rank bounds.
 
 A kernel variant met for the first time mid-serving compiles on the step's thread, and every
 request waits for it; this shows which variants are expensive. Triton's bundled ptxas does
-the work, so the figures hold for this machine's CPU (the device's differs).
+the work, so the figures hold for this machine's CPU (the device's differs). Each variant is
+specialized as a 7B launch specializes it (`launch_ints`); runs before that compiled every
+integer argument unspecialized (results up to kernel-compile-cost-440d206-cpu.json), where
+the pipeline stages changed nothing in the PTX.
 
     python -m bench.kernel_compile_cost --out bench/results/kernel-compile-cost-cpu.json
 """
@@ -44,6 +47,37 @@ POINTERS = {
 }
 
 
+# Triton specializes a launch's integer arguments on their values: one equal to 1 compiles as
+# the constant 1 and one divisible by 16 as known to be (so a unit stride vectorizes loads and
+# lets the pipeliner stage them: without it every tile kernel compiled to the same PTX at 1, 2
+# or 3 stages). The values of a 7B decode step's qkv launch (64 rows, 16 tiles, K split 4,
+# q/k/v 4,096 columns each, partial sums rank-bound wide) stand in for the engine's; pointers
+# count as 16-byte aligned, as whole torch tensors are.
+def launch_ints(rank: int) -> dict[str, int]:
+    return {"mod0": 0, "mod1": 1, "mod2": 2, "num_mods": 3, "table_stride": 7, "split_k": 4,
+            "num_tiles": 16, "n_tiles": 16, "K": 4096, "k_chunk": 1024, "stride_xm": 4096,
+            "stride_xk": 1, "start0": 0, "start1": 4096, "start2": 8192, "size0": 4096,
+            "size1": 4096, "size2": 4096, "stride_ym": 12288, "stride_yn": 1,
+            "stride_bs": 64 * 3 * rank, "stride_bt": 3 * rank, "stride_bm": rank}
+
+
+def launch_specialization(fn: Any, consts: dict[str, Any],
+                          ) -> tuple[dict[str, Any], set[str]]:
+    """The constexprs of a launch of `fn` with `consts` and `launch_ints` (integers equal to 1
+    become constants) and the integer arguments Triton marks divisible by 16."""
+    ints = launch_ints(int(consts.get("MAX_RANK", 16)))
+    out, divisible = dict(consts), set()
+    for name in fn.arg_names:
+        value = ints.get(name)
+        if name in consts or value is None:
+            continue
+        if value == 1:
+            out[name] = 1
+        elif value % 16 == 0:
+            divisible.add(name)
+    return out, divisible
+
+
 def constexpr_names(fn: Any) -> list[str]:
     """The constexpr parameters a Triton kernel declares (compiled or interpreted alike)."""
     return [name for name, p in inspect.signature(fn.fn).parameters.items()
@@ -72,10 +106,14 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool 
     missing = [n for n in constexpr_names(fn) if n not in consts]
     if missing:  # else each would compile as an int32 argument, and fail or mislead
         raise ValueError(f"{fn.fn.__name__}: no value for constexpr {', '.join(missing)}")
+    consts, divisible = launch_specialization(fn, consts)
     pointers = POINTERS | ({k: F32 for k in ("x_ptr", "y_ptr", "arena_ptr")} if float32 else {})
     sig = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
+    aligned = [n for n in fn.arg_names if n in divisible or sig[n].startswith("*")]
     src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                           for n in aligned})
     t0 = time.perf_counter()
     options: dict[str, Any] = {"num_warps": num_warps}
     if num_stages is not None:

@@ -4,9 +4,17 @@ balance switches), and compile_cost refuses a variant that does not."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bench import kernel_compile_cost as cost
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("make", [cost.variants, cost.float32_variants])
@@ -43,3 +51,24 @@ def test_the_prefill_tile_kernels_are_listed_at_their_stages_and_at_two() -> Non
     assert listed["prefill_shrink_r64"].num_stages == PREFILL_STAGES != TWO_STAGES
     assert listed["prefill_expand_r16_two_stages"].num_stages == TWO_STAGES
     assert listed["prefill_shrink_r16"].consts["BLOCK_M"] == PREFILL_TILES.shrink_block_m
+
+
+def test_a_launch_is_specialized_as_triton_specializes_it() -> None:
+    """Unit strides compile as the constant 1 and multiples of 16 as divisible: with them the
+    pipeliner stages the shrink's loads (cp.async), so one and two stages compile apart, as
+    they launch on the GPU. Without them both compiled to the same PTX. (A child process: the
+    kernels compile only when imported with TRITON_INTERPRET=0.)"""
+    v = {x.name: x for x in cost.variants()}
+    shrink = v["tile_shrink_r16"]
+    consts, divisible = cost.launch_specialization(shrink.fn, shrink.consts)
+    assert consts["stride_xk"] == 1 and "stride_xk" not in divisible
+    assert {"K", "stride_xm", "stride_bm"} <= divisible and "table_stride" not in divisible
+    child = ("import json; from bench import kernel_compile_cost as c\n"
+             "v = {x.name: x for x in c.variants()}\n"
+             "print(json.dumps([v[n].cost()['ptx'].count('cp.async') for n in "
+             "('tile_shrink_r16', 'tile_shrink_r16_one_stage')]))")
+    res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, cwd=ROOT, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    two, one = json.loads(res.stdout.strip().splitlines()[-1])
+    assert two > 0 and one == 0
