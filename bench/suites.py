@@ -465,5 +465,8 @@ SUITES["issue37-mixed-stages-engine"] = (dataclasses.replace(
         *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16,distinct64",
         "--mixed-two-stage-arms", "distinct16,distinct64",
         "--out", OUT("distinct-adapters-mixed-stages"))),)
+# The next device call in one (under 600 s on a cold H100): the GPU suite with the 64-row tiles'
+# three stages (PREFILL_STAGES, not run there yet), then mixed steps' stages in one layer.
+SUITES["issue37-next"] = (*SUITES["gpu-tests"], *SUITES["issue37-mixed-stages"])
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
