@@ -1,5 +1,6 @@
 """What compiling each decode LoRA kernel costs, ahead of time for an H100/H200 (sm_90), no GPU
-needed: seconds, PTX size and registers a thread, at the engine's rank bounds.
+needed: seconds, PTX size, registers a thread and shared memory a program, at the engine's
+rank bounds.
 
 A kernel variant met for the first time mid-serving compiles on the step's thread, and every
 request waits for it; this shows which variants are expensive. Triton's bundled ptxas does
@@ -123,7 +124,8 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool 
     ptx = kernel.asm.get("ptx", "")
     regs = re.search(r"\.reg \.b32\s+%r<(\d+)>", ptx)
     return {"seconds": seconds, "ptx_chars": len(ptx), "ptx": ptx,
-            "ptx_b32_registers_declared": int(regs.group(1)) if regs else None}
+            "ptx_b32_registers_declared": int(regs.group(1)) if regs else None,
+            "shared_bytes": kernel.metadata.shared}
 
 
 def variants() -> list[Variant]:
