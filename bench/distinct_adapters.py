@@ -227,16 +227,13 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     a = b.args
     if a.ride_variants and not (a.ride_sole_adapter and "one_unmerged" in a.distinct_arms):
         raise SystemExit("--ride-variants needs --ride-sole-adapter and the one_unmerged arm")
-    if not set(a.full_list_arms) <= set(a.distinct_arms):
-        raise SystemExit("--full-list-arms names arms not in --distinct-arms")
-    if not set(a.own_split_arms) <= set(a.distinct_arms):
-        raise SystemExit("--own-split-arms names arms not in --distinct-arms")
-    if not set(a.in_line_arms) <= set(a.distinct_arms):
-        raise SystemExit("--in-line-arms names arms not in --distinct-arms")
-    if not set(a.two_stage_arms) <= set(a.distinct_arms):
-        raise SystemExit("--two-stage-arms names arms not in --distinct-arms")
-    if not set(a.mixed_two_stage_arms) <= set(a.distinct_arms):
-        raise SystemExit("--mixed-two-stage-arms names arms not in --distinct-arms")
+    for flag, named in (("--full-list-arms", a.full_list_arms),
+                        ("--own-split-arms", a.own_split_arms),
+                        ("--in-line-arms", a.in_line_arms),
+                        ("--two-stage-arms", a.two_stage_arms),
+                        ("--mixed-two-stage-arms", a.mixed_two_stage_arms)):
+        if not set(named) <= set(a.distinct_arms):
+            raise SystemExit(f"{flag} names arms not in --distinct-arms")
     for flag, staged in (("--two-stage-arms", a.two_stage_arms),
                          ("--mixed-two-stage-arms", a.mixed_two_stage_arms)):
         if a.ride_sole_adapter and "one_unmerged" in staged:
@@ -254,28 +251,29 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     if ride is not None and "one_unmerged" in arms:
         arms["one_kernels"] = arms["one_unmerged"]
         arms.update({name: arms["one_unmerged"] for name in variants})
+    def same_requests(named: tuple[str, ...], suffix: str) -> dict[str, str]:
+        """Arms `{name}_{suffix}` running the requests of each named arm (run ones only)."""
+        extra = {f"{n}_{suffix}": n for n in named if n in arms}
+        arms.update({name: arms[n] for name, n in extra.items()})
+        return extra
+
     # --full-list-arms: the same requests with every tile step on the longest tile list
     # (DecodeGraphs.use_mid_tiles off), as decode graphs replayed before the middle one.
-    full_list = {f"{n}_full_list": n for n in a.full_list_arms if n in arms}
-    arms.update({name: arms[n] for name, n in full_list.items()})
+    full_list = same_requests(a.full_list_arms, "full_list")
     # --own-split-arms: the same requests with every tile list's K split picked for its own
     # length (DecodeGraphs.own_split), each way's graphs kept (SplitModes).
-    own_split = {f"{n}_own_split": n for n in a.own_split_arms if n in arms}
-    arms.update({name: arms[n] for name, n in own_split.items()})
+    own_split = same_requests(a.own_split_arms, "own_split")
     splits = SplitModes(engine)
     # --in-line-arms: the same requests with the shrinks in line after the base GEMMs.
-    in_line = {f"{n}_in_line": n for n in a.in_line_arms if n in arms}
-    arms.update({name: arms[n] for name, n in in_line.items()})
+    in_line = same_requests(a.in_line_arms, "in_line")
     forks = ForkModes(engine)
     # --two-stage-arms: the same requests with decode graphs' tile lists on two pipeline
     # stages, as before GRAPH_TILE_STAGES.
-    two_stage = {f"{n}_two_stage": n for n in a.two_stage_arms if n in arms}
-    arms.update({name: arms[n] for name, n in two_stage.items()})
+    two_stage = same_requests(a.two_stage_arms, "two_stage")
     stages = StageModes(engine)
     # --mixed-two-stage-arms: the same requests with mixed graphs' 64-row tile lists on two
     # pipeline stages, as before PREFILL_STAGES.
-    mixed_two = {f"{n}_mixed_two_stage": n for n in a.mixed_two_stage_arms if n in arms}
-    arms.update({name: arms[n] for name, n in mixed_two.items()})
+    mixed_two = same_requests(a.mixed_two_stage_arms, "mixed_two_stage")
     mixed_stages = MixedStageModes(engine)
     extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *in_line,
                                    *two_stage, *mixed_two) if n in arms)

@@ -439,8 +439,9 @@ SUITES["issue37-stages-b256"] = (step(
 # tile list since the short list gained in one layer at 64 and 256 rows,
 # lora-distinct-layer-stages-short{,-b256}-*-h100.json): the engine's one-adapter arm on the
 # LoRA kernels (no ride: the short list) beside the same arm on two stages and base,
-# interleaved. At 1732685 a cold H100 gave it 86 s, which its compiles took (no repeat); its
-# GPU tests belong to gpu-tests.
+# interleaved. At 1732685 a cold H100 gave it 86 s, which its compiles took (no repeat); at
+# 002a98c it ran: 0.895x of base against 0.885x on two stages
+# (distinct-adapters-stages-one-002a98c-h100.json). Its GPU tests belong to gpu-tests.
 SUITES["issue37-stages-short"] = (step(
     "distinct-stages-one", 300, "bench.serving", *GPU_7B, "--scenarios", "distinct",
     "--arena-gb", "40", "--overhead-repeats", "3", "--distinct-arms", "one_unmerged",

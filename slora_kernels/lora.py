@@ -117,9 +117,9 @@ PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
 # (sm_90; a tiny float32 worker then took minutes to capture its graphs on the H200). These
 # tiles compile in 5-13 s, like the 16-bit ones, with 3.7-6.9k registers declared
 # (kernel-compile-f32-cpu.json: `python -m bench.kernel_compile_cost --float32`). Compiled
-# as launches specialize them (kernel-compile-f32-1f9f044-cpu.json) every figure is smaller and the
-# gap holds: 16-bit tiles 4.5-10.9 s with 11-23k registers declared, these 1.7-3.8 s with
-# 3.6-5.8k.
+# as launches specialize them (kernel-compile-f32-1f9f044-cpu.json) every figure is smaller
+# and the gap holds: 16-bit tiles 4.5-10.9 s with 11-23k registers declared, these 1.7-3.8 s
+# with 3.6-5.8k.
 DECODE_TILES_F32 = dataclasses.replace(DECODE_TILES, shrink_block_k=64, expand_block_n=64)
 # The float32 prefill tiles keep two stages, as their compile times were measured.
 PREFILL_TILES_F32 = dataclasses.replace(PREFILL_TILES, shrink_block_k=32, expand_block_n=32,

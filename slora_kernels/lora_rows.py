@@ -59,7 +59,7 @@ class RowTiles:
     # 64 (the engine's) 4096 is as fast or faster than no cap (r16 B64 U64 13.0 vs 14.7 us,
     # r8 B256 U256 25.7 vs 32.9, r64 B64 U64 32.4 vs 34.8; rank-16 bounds within 0.1 us:
     # lora-rows-sweep-fd01907-h200.json), and the rank-64 expand compiles to 0.83 MB of PTX in
-    # 6.6 s instead of 2.0 MB in 13.2 s (kernel-compile-cost-cpu.json; unspecialized: compiled
+    # 6.6 s instead of 2.0 MB in 13.2 s (kernel-compile-cost-cpu.json, compiled unspecialized;
     # as a launch specializes it, 0.21 MB in 1.0 s against 0.40 MB in 2.0 s,
     # kernel-compile-cost-ebb16eb-cpu.json).
     expand_sub_tile: int = 4096

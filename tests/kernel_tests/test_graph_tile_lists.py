@@ -110,14 +110,14 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
     assert all(nonzero), "a checked step had no LoRA delta: the comparison proved nothing"
 
 
-def check_switch_keeps_each_way(graphs: DecodeGraphs, modes: Any, attr: str,
-                                taken: int) -> None:
+def check_switch_keeps_each_way(graphs: Any, modes: Any, attr: str, taken: int,
+                                keys: list[Any] | None = None) -> None:
     """A bench.distinct_adapters.GraphSwitch made while `attr` is off: on, it takes the graphs
-    of the first `taken` of three keys (a tile list's, the row kernels', a base graph's) and
-    leaves the rest; a graph captured while on is kept apart, and switching back and forth
-    restores each way's own."""
+    of the first `taken` of `keys` (by default a decode tile list's, the row kernels', a base
+    graph's) and leaves the rest; a graph captured while on is kept apart, and switching back
+    and forth restores each way's own."""
     mods = frozenset({0})
-    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
+    keys = keys or [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
     for k in keys:
         graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
     modes.set(True)
@@ -286,15 +286,5 @@ def test_mixed_tile_lists_take_their_tiles_stages_and_the_switch_keeps_both_ways
     assert mixed.own_stages and launched_stages() == PREFILL_STAGES
     mixed.own_stages = False  # MixedStageModes' default is the engine's own: off here
     assert launched_stages() == TWO_STAGES
-    modes = MixedStageModes(engine)
-    tile_key, base_key = (bucket, mods, mixed._tile_cap(bucket)), (bucket, frozenset(), 0)
-    graphs: dict[Any, Any] = mixed.graphs  # labels stand in for captured graphs
-    for k, label in ((tile_key, "off"), (base_key, "base")):
-        graphs[k], mixed.logits[k], mixed.contexts[k] = label, None, None  # type: ignore[assignment]
-    modes.set(True)  # the tile list's graph (captured off) is put away; base stays
-    assert mixed.own_stages and set(graphs) == {base_key}
-    graphs[tile_key], mixed.logits[tile_key], mixed.contexts[tile_key] = "on", None, None  # type: ignore[assignment]
-    modes.set(False)
-    assert not mixed.own_stages and graphs == {tile_key: "off", base_key: "base"}
-    modes.set(True)
-    assert graphs == {tile_key: "on", base_key: "base"}
+    check_switch_keeps_each_way(mixed, MixedStageModes(engine), "own_stages", taken=1, keys=[
+        (bucket, mods, mixed._tile_cap(bucket)), (bucket, frozenset(), 0)])
