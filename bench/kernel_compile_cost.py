@@ -1,6 +1,7 @@
 """What compiling each decode LoRA kernel costs, ahead of time for an H100/H200 (sm_90), no GPU
-needed: seconds, PTX size, registers a thread and shared memory a program, at the engine's
-rank bounds.
+needed: seconds, PTX size, registers a thread (what ptxas allocated, and any spill), shared
+memory a program and the programs one multiprocessor holds at once, at the engine's rank
+bounds.
 
 A kernel variant met for the first time mid-serving compiles on the step's thread, and every
 request waits for it; this shows which variants are expensive. Triton's bundled ptxas does
@@ -19,6 +20,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -123,9 +125,45 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool 
     seconds = time.perf_counter() - t0
     ptx = kernel.asm.get("ptx", "")
     regs = re.search(r"\.reg \.b32\s+%r<(\d+)>", ptx)
+    usage = resource_usage(kernel.asm["cubin"])
     return {"seconds": seconds, "ptx_chars": len(ptx), "ptx": ptx,
             "ptx_b32_registers_declared": int(regs.group(1)) if regs else None,
-            "shared_bytes": kernel.metadata.shared}
+            "shared_bytes": kernel.metadata.shared, **usage,
+            "programs_per_sm": programs_per_sm(usage["registers"], num_warps,
+                                               kernel.metadata.shared)}
+
+
+# sm_90's limits a program's residency is counted against (CUDA occupancy calculator):
+# registers are allocated per warp in units of 256, shared memory per program in units of
+# 128 bytes plus 1 KB the system reserves, over 228 KB a multiprocessor.
+SM90 = {"registers": 65536, "warps": 64, "programs": 32, "shared": 233472,
+        "reserved_shared": 1024}
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """What ptxas allocated for the kernel in `cubin`, as Triton's bundled cuobjdump reads it:
+    registers a thread, stack and local bytes (spills)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], check=True,
+                              capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"cuobjdump gave no resource usage:\n{text}")
+    return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2)),
+            "local_bytes": int(found.group(3))}
+
+
+def programs_per_sm(registers: int, num_warps: int, shared: int) -> int:
+    """Programs of `num_warps` warps resident on one sm_90 multiprocessor at once."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM90["registers"] // (per_warp * num_warps)
+    by_warps = SM90["warps"] // num_warps
+    by_shared = SM90["shared"] // (-(-shared // 128) * 128 + SM90["reserved_shared"])
+    return min(by_registers, by_warps, by_shared, SM90["programs"])
 
 
 def variants() -> list[Variant]:

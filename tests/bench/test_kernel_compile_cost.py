@@ -72,3 +72,16 @@ def test_a_launch_is_specialized_as_triton_specializes_it() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     two, one = json.loads(res.stdout.strip().splitlines()[-1])
     assert two > 0 and one == 0
+
+
+@pytest.mark.parametrize(("registers", "warps", "shared", "programs"), [
+    (64, 4, 0, 8),  # 2,048 registers a warp: 32 warps of 64 by registers
+    (162, 4, 36864, 3),  # 168 a thread as allocated: 5,376 a warp, 12 warps
+    (255, 4, 0, 2),
+    (32, 4, 0, 16),  # bound by 64 warps a multiprocessor
+    (32, 1, 0, 32),  # bound by 32 programs a multiprocessor
+    (40, 4, 100 * 1024, 2),  # bound by 228 KB of shared memory, 1 KB reserved a program
+])
+def test_programs_per_multiprocessor_follow_sm90s_limits(registers: int, warps: int,
+                                                         shared: int, programs: int) -> None:
+    assert cost.programs_per_sm(registers, warps, shared) == programs
