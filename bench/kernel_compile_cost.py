@@ -95,17 +95,19 @@ class Variant(NamedTuple):
     consts: dict[str, Any]
     num_warps: int
     num_stages: int | None = None  # None: Triton's default, as the row kernels launch
+    maxnreg: int | None = None  # registers a thread at most (LoraTiles.maxnreg)
 
     def cost(self, float32: bool = False) -> dict[str, Any]:
         return compile_cost(self.fn, self.consts, self.num_warps, float32=float32,
-                            num_stages=self.num_stages)
+                            num_stages=self.num_stages, maxnreg=self.maxnreg)
 
 
 def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool = False,
-                 num_stages: int | None = None) -> dict[str, Any]:
+                 num_stages: int | None = None, maxnreg: int | None = None) -> dict[str, Any]:
     """Compile one variant of `fn` for sm_90: seconds, PTX characters, registers a thread
     (`float32`: activations and arena in float32, as a float32 model runs them;
-    `num_stages`: the launch's pipeline stages, None for Triton's default)."""
+    `num_stages`: the launch's pipeline stages, None for Triton's default; `maxnreg`: its
+    cap on registers a thread, None for none)."""
     missing = [n for n in constexpr_names(fn) if n not in consts]
     if missing:  # else each would compile as an int32 argument, and fail or mislead
         raise ValueError(f"{fn.fn.__name__}: no value for constexpr {', '.join(missing)}")
@@ -121,6 +123,8 @@ def compile_cost(fn: Any, consts: dict[str, Any], num_warps: int, float32: bool 
     options: dict[str, Any] = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     kernel = triton.compile(src, target=TARGET, options=options)
     seconds = time.perf_counter() - t0
     ptx = kernel.asm.get("ptx", "")
@@ -209,6 +213,20 @@ def variants() -> list[Variant]:
                 Variant(f"tile_expand_r{bound}{suffix}", lora_expand._lora_expand_kernel,
                         {**expand, "USE_PDL": pdl}, 4, n),
             ]
+        # The forked one-stage pair with more programs resident (bench.lora_distinct_layer's
+        # tiles_graph_s1_k128 and tiles_graph_s1_reg*): a shrink K tile of 128, registers
+        # capped at 168 or 128.
+        out.append(Variant(f"tile_shrink_r{bound}_one_stage_forked_k128",
+                           lora_shrink._lora_shrink_kernel,
+                           {**shrink, "BLOCK_K": 128, "LAUNCH_DEPENDENTS": False}, 4,
+                           GRAPH_TILE_STAGES))
+        for cap in (168, 128):
+            out += [Variant(f"tile_shrink_r{bound}_one_stage_forked_reg{cap}",
+                            lora_shrink._lora_shrink_kernel,
+                            {**shrink, "LAUNCH_DEPENDENTS": False}, 4, GRAPH_TILE_STAGES, cap),
+                    Variant(f"tile_expand_r{bound}_one_stage_forked_reg{cap}",
+                            lora_expand._lora_expand_kernel,
+                            {**expand, "USE_PDL": False}, 4, GRAPH_TILE_STAGES, cap)]
         p = PREFILL_TILES
         for suffix, n in (("", p.num_stages), ("_two_stages", TWO_STAGES)):
             out += [

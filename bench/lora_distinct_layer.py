@@ -22,6 +22,9 @@ several launch choices:
   tiles' two pipeline stages; `tiles_graph_s1`, `tiles_graph_k128`, `tiles_graph_k64`: that
   list with one stage (what decode graphs launch on every tile list since
   GRAPH_TILE_STAGES), or shrink K tiles of 128 or 64 (less shared memory a shrink program);
+  `tiles_graph_s1_k128`, `tiles_graph_s1_reg168`, `tiles_graph_s1_reg128`: one stage with
+  more programs resident a multiprocessor (a shrink K tile of 128, or registers capped:
+  `LoraTiles.maxnreg`);
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -243,11 +246,21 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         # 2 stages: ~80 KB), which a GEMM's resident blocks may leave no room for, so that the
         # forked shrinks wait for the GEMM's blocks to retire. One stage or a K tile of 128
         # or 64 halves or quarters that.
-        out["tiles_graph_s1"] = (graph_meta, dataclasses.replace(DECODE_TILES, num_stages=1),
-                                 none)
+        one = dataclasses.replace(DECODE_TILES, num_stages=1)
+        out["tiles_graph_s1"] = (graph_meta, one, none)
         for bk in (128, 64):
             out[f"tiles_graph_k{bk}"] = (
                 graph_meta, dataclasses.replace(DECODE_TILES, shrink_block_k=bk), none)
+        # One stage with more programs resident a multiprocessor: at rank bound 64 ptxas
+        # gives the shrink 253 registers a thread (two 4-warp programs a multiprocessor) and
+        # the expand 162 (three). A shrink K tile of 128 needs 126 (four, no spill); a cap of
+        # 168 registers holds three shrinks (144 bytes a thread spilled), of 128 four shrinks
+        # and four expands (584 and 128 bytes spilled) (kernel-compile-cost-*-cpu.json).
+        out["tiles_graph_s1_k128"] = (graph_meta, dataclasses.replace(one, shrink_block_k=128),
+                                      none)
+        for cap in (168, 128):
+            out[f"tiles_graph_s1_reg{cap}"] = (graph_meta,
+                                               dataclasses.replace(one, maxnreg=cap), none)
     # tiles@L/S: the list padded to L tiles, the K split picked as for an S-tile list, L and
     # S each the real tiles, the middle list, the bound or the bucket (where the real fit).
     lengths = {"real": real, "mid": caps[1] if len(caps) == 3 else 0, "bound": bound,
@@ -450,7 +463,8 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", 
                 "tiles_early_n128", "tiles_unpadded_split", "tiles_unpadded", "rows",
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
                 "tiles_bound", "tiles_graph", "tiles_graph_s1", "tiles_graph_k128",
-                "tiles_graph_k64")
+                "tiles_graph_k64", "tiles_graph_s1_k128", "tiles_graph_s1_reg168",
+                "tiles_graph_s1_reg128")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles64_s1", "mixed_tiles64_s2", "mixed_tiles16",

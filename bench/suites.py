@@ -471,3 +471,17 @@ SUITES["issue37-mixed-stages-engine"] = (dataclasses.replace(
 SUITES["issue37-next"] = (*SUITES["gpu-tests"], *SUITES["issue37-mixed-stages"])
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
+# More programs resident a multiprocessor on the decode tiles' one stage: ptxas allocates the
+# rank-64 shrink 253 registers a thread (two 4-warp programs a multiprocessor) and the expand
+# 162 (three) (kernel-compile-cost-*-cpu.json, `programs_per_sm`). One 7B layer with its
+# GEMMs, the shrinks forked beside them, at 64 rows (D = 4 and 16) and 256 (D = 32 and 64),
+# one stage against a shrink K tile of 128 and registers capped at 168 and 128; then mixed
+# steps' stages (issue37-mixed-stages).
+_REGS = "tiles_graph_s1,tiles_graph_s1_k128,tiles_graph_s1_reg168,tiles_graph_s1_reg128"
+SUITES["issue37-regs"] = (
+    step("regs", 150, "bench.lora_distinct_layer", "--cases", "4:8-16-32-64,16:8-16-32-64",
+         "--choices", _REGS, "--with-base", "--out", OUT("lora-distinct-layer-regs")),
+    step("regs-b256", 200, "bench.lora_distinct_layer", "--rows", "256", "--cases",
+         "32:8-16-32-64,64:8-16-32-64", "--choices", _REGS, "--with-base", "--out",
+         OUT("lora-distinct-layer-regs-b256")),
+    *SUITES["issue37-mixed-stages"])

@@ -33,6 +33,12 @@ class LoraTiles:
     expand_block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    # At most this many registers a thread in the shrink and expand (ptxas spills the rest;
+    # None: its own choice). At rank bound 64 a one-stage decode shrink is allocated 253
+    # registers a thread, so a multiprocessor holds two of its 4-warp programs, and the
+    # expand 162 (three) (kernel-compile-cost-*-cpu.json, `programs_per_sm`): a benchmark's
+    # arms cap them at 168 or 128.
+    maxnreg: int | None = None
     # The expand re-reads every K split's partial sums once per output tile, which costs more
     # than it saves once segments are long enough to fill the GPU with row tiles.
     max_split_k: int = 16  # MAX_SPLIT_K
@@ -285,6 +291,7 @@ class LoraGroup:
         lora_shrink(self.buf, self.x, self.arena, self.a_offsets, self.ranks, self.mods,
                     self.meta, block_m=t.shrink_block_m, block_r=self.block_r,
                     block_k=t.shrink_block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+                    maxnreg=t.maxnreg,
                     rank_buckets=t.rank_buckets, launch_dependents=self.pdl)
 
     def expand(self, y: torch.Tensor) -> None:
@@ -300,6 +307,7 @@ class LoraGroup:
         lora_expand(y, self.buf, self.arena, self.b_offsets, self.ranks, self.scales, self.mods,
                     self.slices, self.meta, block_m=t.expand_block_m, block_n=t.expand_block_n,
                     block_r=self.block_r, num_warps=t.num_warps, num_stages=t.num_stages,
+                    maxnreg=t.maxnreg,
                     rank_buckets=t.rank_buckets, early_loads=self.early_loads, pdl=self.pdl)
 
 

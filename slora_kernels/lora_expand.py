@@ -167,6 +167,7 @@ def lora_expand(
     block_r: int,
     num_warps: int = 4,
     num_stages: int = 2,
+    maxnreg: int | None = None,
     rank_buckets: bool = True,
     early_loads: bool = False,
     pdl: bool = False,
@@ -174,7 +175,8 @@ def lora_expand(
     """Add the expand of `buf` into y's column slices (see module docstring). `early_loads`:
     the y and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`):
     launched as a programmatic dependent of the shrink before it, which must write nothing
-    else this reads (slora_kernels.lora.LoraTiles.pdl)."""
+    else this reads (slora_kernels.lora.LoraTiles.pdl). `maxnreg`: at most this many registers
+    a thread (ptxas spills the rest; None: its own choice)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
@@ -199,6 +201,7 @@ def lora_expand(
         GATHER_ROWS=meta.token_rows is not None, EARLY_LOADS=early_loads, USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        maxnreg=maxnreg,
         **pdl_options(pdl),
     )
 
