@@ -152,8 +152,10 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 # 64-row tiles take PREFILL_STAGES). Not for shared memory: compiled as launched, a shrink
 # program holds 40 KB at rank bound 64 (16 KB at 16) on one stage or two, and only the two-stage
 # loop copies its x and A tiles asynchronously (cp.async); the expand compiles to the same code
-# either way (kernel-compile-cost-9ee23b4-cpu.json). Over K splits of one to four steps the
-# pipeline's prologue and waits may cost more than they hide (not measured apart). One 7B
+# either way (kernel-compile-cost-9ee23b4-cpu.json). For registers: ptxas allocates the rank-16
+# shrink 78 a thread on one stage and 175 on two (six 4-warp programs a multiprocessor against
+# two), the rank-64 shrink 253 and 255 with 176 bytes spilled (two programs either way)
+# (kernel-compile-cost-21de10f-cpu.json, Triton 3.9's ptxas on the CPU). One 7B
 # decode layer's four GEMMs and LoRA on an H100, graph replay, in line
 # (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json): 16 adapters at 64 rows (the middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 ->
 # 336.4 and 64 adapters 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0,
