@@ -485,3 +485,6 @@ SUITES["issue37-regs"] = (
          "32:8-16-32-64,64:8-16-32-64", "--choices", _REGS, "--with-base", "--out",
          OUT("lora-distinct-layer-regs-b256")),
     *SUITES["issue37-mixed-stages"])
+# One call of ~500 s: the GPU suite (the 64-row tiles' three stages, PREFILL_STAGES, not run
+# there yet), then issue37-regs's 64-row layer step.
+SUITES["issue37-call-a"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][0])
