@@ -115,23 +115,27 @@ class RideModes:
 
 
 class GraphSwitch:
-    """Switches a boolean of a graph set (`attr` of the runner's `where`: the decode graphs or
-    the mixed ones) between arms, keeping each value's captured graphs (those `take` removes:
-    a graph replays what it was captured with); `default` is the engine's own value."""
+    """Switches an attribute of a graph set (`attr` of the runner's `where`: the decode graphs
+    or the mixed ones) between arms, keeping each value's captured graphs (those `take`
+    removes: a graph replays what it was captured with); `default` is the engine's own value
+    (`off` without the graph set)."""
 
     attr = ""
     take = ""
     where = "graphs"
+    off: Any = False
 
     def __init__(self, engine: LLMEngine) -> None:
         self.graphs = getattr(engine.runner, self.where)
-        self.default = self.graphs is not None and bool(getattr(self.graphs, self.attr))
-        self.stash: dict[bool, dict[Any, Any]] = {}
+        self.default = getattr(self.graphs, self.attr) if self.graphs is not None else self.off
+        self.stash: dict[Any, dict[Any, Any]] = {}
 
-    def set(self, value: bool) -> None:
+    def set(self, value: Any) -> None:
         g = self.graphs
-        now = g is not None and bool(getattr(g, self.attr))
-        if g is None or now == value:
+        if g is None:
+            return
+        now = getattr(g, self.attr)
+        if now == value:
             return
         self.stash[now] = getattr(g, self.take)()
         g.put(self.stash.pop(value, {}))
@@ -156,6 +160,35 @@ class StageModes(GraphSwitch):
     (DecodeGraphs.one_stage, GRAPH_TILE_STAGES), the tile lists' graphs kept apart."""
 
     attr, take = "one_stage", "take_tile_graphs"
+
+
+class TileModes(GraphSwitch):
+    """Decode graphs' tile lists launched with LoraTiles fields of a variant
+    (DecodeGraphs.tile_overrides, TILE_VARIANTS) or their tiles' own, each way's tile graphs
+    kept apart."""
+
+    attr, take, off = "tile_overrides", "take_tile_graphs", ()
+
+
+# --tile-variants: decode graphs' tile lists with more programs resident a multiprocessor than
+# their one-stage shrink's two and expand's three at rank bound 64 (kernel-compile-cost-21de10f-
+# cpu.json): a shrink K tile of 128 (126 registers a thread, no spill), or registers capped.
+TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
+    "k128": (("shrink_block_k", 128),),
+    "reg168": (("maxnreg", 168),),
+    "reg128": (("maxnreg", 128),),
+}
+
+
+def parse_tile_variants(text: str) -> tuple[str, ...]:
+    """`--tile-variants`: comma-separated names from TILE_VARIANTS (may be empty)."""
+    chosen = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in chosen if n not in TILE_VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown tile variants {', '.join(unknown)} (choose from "
+            f"{', '.join(TILE_VARIANTS)})")
+    return chosen
 
 
 class MixedStageModes(GraphSwitch):
@@ -231,11 +264,15 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
                         ("--own-split-arms", a.own_split_arms),
                         ("--in-line-arms", a.in_line_arms),
                         ("--two-stage-arms", a.two_stage_arms),
-                        ("--mixed-two-stage-arms", a.mixed_two_stage_arms)):
+                        ("--mixed-two-stage-arms", a.mixed_two_stage_arms),
+                        ("--tile-variant-arms", a.tile_variant_arms)):
         if not set(named) <= set(a.distinct_arms):
             raise SystemExit(f"{flag} names arms not in --distinct-arms")
+    if bool(a.tile_variant_arms) != bool(a.tile_variants):
+        raise SystemExit("--tile-variant-arms and --tile-variants go together")
     for flag, staged in (("--two-stage-arms", a.two_stage_arms),
-                         ("--mixed-two-stage-arms", a.mixed_two_stage_arms)):
+                         ("--mixed-two-stage-arms", a.mixed_two_stage_arms),
+                         ("--tile-variant-arms", a.tile_variant_arms)):
         if a.ride_sole_adapter and "one_unmerged" in staged:
             raise SystemExit(f"{flag}: one_unmerged rides with --ride-sole-adapter, on no "
                              "tile list (leave the ride off to stage its tile list)")
@@ -275,8 +312,13 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     # pipeline stages, as before PREFILL_STAGES.
     mixed_two = same_requests(a.mixed_two_stage_arms, "mixed_two_stage")
     mixed_stages = MixedStageModes(engine)
+    # --tile-variant-arms with --tile-variants: the same requests with decode graphs' tile
+    # lists launched with each variant's LoraTiles fields (TILE_VARIANTS).
+    tile_arms = {name: TILE_VARIANTS[v] for v in a.tile_variants
+                 for name in same_requests(a.tile_variant_arms, f"tiles_{v}")}
+    tile_modes = TileModes(engine)
     extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *in_line,
-                                   *two_stage, *mixed_two) if n in arms)
+                                   *two_stage, *mixed_two, *tile_arms) if n in arms)
     ratio_arms = (*targets, *extra_arms)
 
     def run_arm(name: str, label: str) -> dict[str, Any]:
@@ -287,6 +329,7 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         forks.set(forks.default and name not in in_line)
         stages.set(stages.default and name not in two_stage)
         mixed_stages.set(mixed_stages.default and name not in mixed_two)
+        tile_modes.set(tile_arms.get(name, tile_modes.default))
         if modes is not None:
             modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)

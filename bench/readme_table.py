@@ -431,7 +431,8 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
     # --fork-arms (cb90780, when the fork was the variant) / --in-line-arms: with the shrinks
     # forked beside the base GEMMs / in line after them; --two-stage-arms: the tile lists on
     # two pipeline stages (as before GRAPH_TILE_STAGES); --mixed-two-stage-arms: mixed graphs'
-    # 64-row tile lists on two (as before PREFILL_STAGES).
+    # 64-row tile lists on two (as before PREFILL_STAGES); --tile-variant-arms: decode graphs'
+    # tile lists launched as a --tile-variants entry (a shrink K tile of 128, a register cap).
     for arm, label in (("distinct16", "16 distinct adapters"), ("distinct64", "64 distinct adapters"),
                        ("one_unmerged", "one adapter, merge off, on the LoRA kernels")):
         for suffix, how in (("full_list", "on the longest tile list (the middle list off, "),
@@ -439,7 +440,10 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
                             ("fork", "the shrinks on a second stream beside the base GEMMs ("),
                             ("in_line", "the shrinks in line after the base GEMMs ("),
                             ("two_stage", "the tile lists on two pipeline stages ("),
-                            ("mixed_two_stage", "mixed steps' 64-row tiles on two stages (")):
+                            ("mixed_two_stage", "mixed steps' 64-row tiles on two stages ("),
+                            ("tiles_k128", "the tile lists' shrinks on K tiles of 128 ("),
+                            ("tiles_reg168", "the tile lists' kernels capped at 168 registers ("),
+                            ("tiles_reg128", "the tile lists' kernels capped at 128 registers (")):
             k = d.get(f"{arm}_{suffix}")
             if k is not None:
                 rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"

@@ -30,9 +30,11 @@ from bench.distinct_adapters import (
     ARMS,
     RANKS,
     RIDE_VARIANTS,
+    TILE_VARIANTS,
     parse_arms,
     parse_many_arms,
     parse_ride_variants,
+    parse_tile_variants,
     scenario_distinct,
 )
 from bench.distinct_profile import scenario_distinct_profile
@@ -442,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="arms of 'distinct' also run with mixed graphs' 64-row tile lists on "
                         "two pipeline stages (PREFILL_STAGES off), side by side; one_unmerged "
                         "only on the LoRA kernels (without --ride-sole-adapter)")
+    p.add_argument("--tile-variant-arms", type=parse_arms, default=(),
+                   help="arms of 'distinct' also run with decode graphs' tile lists launched "
+                        "as each of --tile-variants, side by side; one_unmerged only on the "
+                        "LoRA kernels (without --ride-sole-adapter)")
+    p.add_argument("--tile-variants", type=parse_tile_variants, default=(),
+                   help=f"with --tile-variant-arms: {', '.join(TILE_VARIANTS)} (a shrink K "
+                        "tile of 128, registers capped at 168 or 128)")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
                    help="rank of the adapter on every request of 'distinct''s one-adapter "
                         "arms (all 7 modules)")

@@ -488,3 +488,14 @@ SUITES["issue37-regs"] = (
 # One call of ~500 s: the GPU suite (the 64-row tiles' three stages, PREFILL_STAGES, not run
 # there yet), then issue37-regs's 64-row layer step.
 SUITES["issue37-call-a"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][0])
+# The same variants in the engine: 16 distinct adapters a batch of 64 (16-row tiles, the middle
+# list, shrinks forked) beside the arm with decode graphs' tile lists launched as each variant
+# (--tile-variant-arms, TILE_VARIANTS) and base, interleaved; after the 64-row layer step.
+SUITES["issue37-tiles-engine"] = (dataclasses.replace(
+    SUITES["issue37"][0], name="distinct-tiles", limit_s=320, argv=(
+        *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--tile-variant-arms",
+        "distinct16", "--tile-variants", "k128,reg168,reg128",
+        "--out", OUT("distinct-adapters-tiles"))),)
+SUITES["issue37-regs-engine"] = (SUITES["issue37-regs"][0], *SUITES["issue37-tiles-engine"])
+# What is left of issue37-regs and the GPU suite, in one call.
+SUITES["issue37-call-b"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][1])

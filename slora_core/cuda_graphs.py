@@ -442,6 +442,10 @@ class DecodeGraphs(_StepGraphs):
         # (LoraMeta.num_stages); off, with their tiles' two (a benchmark's switch, which
         # swaps the graphs captured either way: take_tile_graphs).
         self.one_stage = True
+        # LoraTiles fields every tile list launches with instead of its tiles' (name, value;
+        # LoraMeta.tile_overrides): a benchmark's switch, which swaps the graphs captured
+        # either way (take_tile_graphs). Empty: the tiles' own.
+        self.tile_overrides: tuple[tuple[str, int], ...] = ()
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.
@@ -503,6 +507,7 @@ class DecodeGraphs(_StepGraphs):
                         else decode_split_tiles(b, cap, self._row_kernels_max_rows()),
                         num_stages=GRAPH_TILE_STAGES
                         if self.one_stage and tiles != ROW_GRAPH else None,
+                        tile_overrides=self.tile_overrides if tiles != ROW_GRAPH else (),
                         ) if modules and not ride else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],

@@ -338,6 +338,8 @@ def lora_groups(
     tiles = _pick_tiles(meta, tiles, x.dtype)
     if meta.num_stages is not None and isinstance(tiles, LoraTiles):
         tiles = dataclasses.replace(tiles, num_stages=meta.num_stages)
+    if meta.tile_overrides and isinstance(tiles, LoraTiles):
+        tiles = dataclasses.replace(tiles, **dict(meta.tile_overrides))
     block_r = rank_block(max_rank)
     pdl = (tiles.pdl if pdl is None else pdl) and pdl_supported(x.device)
     early_loads = isinstance(tiles, LoraTiles) and (tiles.early_loads or (

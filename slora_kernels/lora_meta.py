@@ -71,6 +71,10 @@ class LoraMeta:
     # host-side: the pipeline stages the tile launches run (None: their tiles'). Decode
     # graphs' tile lists take one (slora_core.cuda_graphs.GRAPH_TILE_STAGES).
     num_stages: int | None = None
+    # host-side: other LoraTiles fields the tile launches take instead of their tiles' (name,
+    # value), such as a shrink K tile or a register cap (`LoraTiles.maxnreg`): a benchmark's
+    # decode graph variants (slora_core.cuda_graphs.DecodeGraphs.tile_overrides).
+    tile_overrides: tuple[tuple[str, int], ...] = ()
 
     def rows_or_slots(self) -> torch.Tensor:
         """A pointer argument for the kernels' row list (read only when `token_rows` is set)."""

@@ -94,3 +94,25 @@ def test_mixed_two_stage_arms_outside_the_arms_run_are_refused() -> None:
         serving.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32",
                       "--scenarios", "distinct", "--distinct-arms", "one_unmerged",
                       "--mixed-two-stage-arms", "distinct16", "--arena-gb", "0.2"])
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--tile-variant-arms", "distinct16"], "--tile-variant-arms and --tile-variants go together"),
+    (["--tile-variants", "k128"], "--tile-variant-arms and --tile-variants go together"),
+    (["--tile-variant-arms", "distinct64", "--tile-variants", "k128"],
+     "--tile-variant-arms names arms not in"),
+])
+def test_tile_variant_arms_need_their_variants_and_their_arms(flags: list[str],
+                                                              says: str) -> None:
+    with pytest.raises(SystemExit, match=says):
+        serving.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+                      "--scenarios", "distinct", "--distinct-arms", "distinct16", *flags,
+                      "--arena-gb", "0.2"])
+
+
+def test_an_unknown_tile_variant_is_a_usage_error(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        serving.main(["--device", "cpu", "--scenarios", "distinct", "--tile-variant-arms",
+                      "distinct16", "--tile-variants", "k128,k96"])
+    assert exited.value.code == 2
+    assert "unknown tile variants k96 (choose from k128, reg168, reg128)" in capfd.readouterr().err

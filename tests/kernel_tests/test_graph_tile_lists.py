@@ -288,3 +288,57 @@ def test_mixed_tile_lists_take_their_tiles_stages_and_the_switch_keeps_both_ways
     assert launched_stages() == TWO_STAGES
     check_switch_keeps_each_way(mixed, MixedStageModes(engine), "own_stages", taken=1, keys=[
         (bucket, mods, mixed._tile_cap(bucket)), (bucket, frozenset(), 0)])
+
+
+def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
+        demo_dir: Path) -> None:
+    """DecodeGraphs.tile_overrides go to every tile list's meta (not the row kernels'), and
+    lora_groups launches with them (a shrink K tile, a register cap: LoraTiles.maxnreg).
+    bench.distinct_adapters.TileModes keeps each variant's tile graphs apart and puts the
+    tiles' own back."""
+    from bench.distinct_adapters import TILE_VARIANTS, TileModes
+    from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(max_num_seqs=64, device="cpu"))
+    graphs = engine.runner.graphs = DecodeGraphs(engine.runner, 64,
+                                                 engine.config.max_model_len)
+    mods = frozenset({0})
+
+    def launched(tiles: int) -> LoraTiles:
+        meta = graphs._context(64, mods, tiles).lora
+        assert meta is not None
+        x = torch.zeros(64, 8)
+        tables = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1, dtype=torch.int32)
+        (group,) = lora_groups(x, torch.zeros(64), tables[0], tables[0], tables[1],
+                               torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8,
+                               tiles=dataclasses.replace(DECODE_TILES, shrink_block_k=16))
+        assert isinstance(group.tiles, LoraTiles)
+        return group.tiles
+
+    assert graphs.tile_overrides == () and launched(16).maxnreg is None
+    graphs.tile_overrides = TILE_VARIANTS["reg128"]
+    assert launched(4).maxnreg == launched(33).maxnreg == 128
+    assert launched(16).shrink_block_k == 16 and launched(16).num_stages == 1
+    row = graphs._context(64, mods, ROW_GRAPH).lora
+    assert row is not None and row.tile_overrides == ()
+    graphs.tile_overrides = TILE_VARIANTS["k128"]
+    assert launched(16).shrink_block_k == 128 and launched(16).maxnreg is None
+    graphs.tile_overrides = ()
+
+    modes = TileModes(engine)
+    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
+    for k in keys:
+        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
+    modes.set(TILE_VARIANTS["k128"])
+    assert graphs.tile_overrides == TILE_VARIANTS["k128"] and set(graphs.graphs) == set(keys[1:])
+    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "k128", None, None
+    modes.set(TILE_VARIANTS["reg128"])
+    assert set(graphs.graphs) == set(keys[1:])
+    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "reg", None, None
+    modes.set(modes.default)
+    assert graphs.tile_overrides == () and graphs.graphs[keys[0]] == f"graph {keys[0]}"
+    modes.set(TILE_VARIANTS["k128"])
+    assert graphs.graphs[keys[0]] == "k128"
+    modes.set(TILE_VARIANTS["reg128"])
+    assert graphs.graphs[keys[0]] == "reg"
