@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 import triton
@@ -339,7 +340,8 @@ def lora_groups(
     if meta.num_stages is not None and isinstance(tiles, LoraTiles):
         tiles = dataclasses.replace(tiles, num_stages=meta.num_stages)
     if meta.tile_overrides and isinstance(tiles, LoraTiles):
-        tiles = dataclasses.replace(tiles, **dict(meta.tile_overrides))
+        overrides: dict[str, Any] = dict(meta.tile_overrides)
+        tiles = dataclasses.replace(tiles, **overrides)
     block_r = rank_block(max_rank)
     pdl = (tiles.pdl if pdl is None else pdl) and pdl_supported(x.device)
     early_loads = isinstance(tiles, LoraTiles) and (tiles.early_loads or (
