@@ -172,11 +172,15 @@ class TileModes(GraphSwitch):
 
 # --tile-variants: decode graphs' tile lists with more programs resident a multiprocessor than
 # their one-stage shrink's two and expand's three at rank bound 64 (kernel-compile-cost-21de10f-
-# cpu.json): a shrink K tile of 128 (126 registers a thread, no spill), or registers capped.
+# cpu.json): a shrink K tile of 128 (126 registers a thread, no spill), or registers capped;
+# or expand programs that each cover several column tiles.
 TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
     "k128": (("shrink_block_k", 128),),
     "reg168": (("maxnreg", 168),),
     "reg128": (("maxnreg", 128),),
+    # Expand programs covering several column tiles in turn (LoraTiles.expand_cols).
+    "cols2": (("expand_cols", 2),),
+    "n128cols4": (("expand_block_n", 128), ("expand_cols", 4)),
 }
 
 

@@ -24,7 +24,8 @@ several launch choices:
   GRAPH_TILE_STAGES), or shrink K tiles of 128 or 64 (less shared memory a shrink program);
   `tiles_graph_s1_k128`, `tiles_graph_s1_reg168`, `tiles_graph_s1_reg128`: one stage with
   more programs resident a multiprocessor (a shrink K tile of 128, or registers capped:
-  `LoraTiles.maxnreg`);
+  `LoraTiles.maxnreg`); `tiles_graph_s1_cols2`, `tiles_graph_s1_n128c4`: one stage with each
+  expand program covering two 256-column tiles or four of 128 (`LoraTiles.expand_cols`);
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -261,6 +262,13 @@ def choices(slots: list[int]) -> dict[str, Choice]:
         for cap in (168, 128):
             out[f"tiles_graph_s1_reg{cap}"] = (graph_meta,
                                                dataclasses.replace(one, maxnreg=cap), none)
+        # Expand programs covering two 256-column tiles, or four of 128, in turn
+        # (LoraTiles.expand_cols): the entry's chain of dependent loads and the K-split sum
+        # once a program, the next tile's B and y loaded while the one before is multiplied.
+        out["tiles_graph_s1_cols2"] = (graph_meta, dataclasses.replace(one, expand_cols=2),
+                                       none)
+        out["tiles_graph_s1_n128c4"] = (graph_meta, dataclasses.replace(
+            one, expand_block_n=128, expand_cols=4), none)
     # tiles@L/S: the list padded to L tiles, the K split picked as for an S-tile list, L and
     # S each the real tiles, the middle list, the bound or the bucket (where the real fit).
     lengths = {"real": real, "mid": caps[1] if len(caps) == 3 else 0, "bound": bound,
@@ -464,7 +472,7 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", 
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
                 "tiles_bound", "tiles_graph", "tiles_graph_s1", "tiles_graph_k128",
                 "tiles_graph_k64", "tiles_graph_s1_k128", "tiles_graph_s1_reg168",
-                "tiles_graph_s1_reg128")
+                "tiles_graph_s1_reg128", "tiles_graph_s1_cols2", "tiles_graph_s1_n128c4")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles64_s1", "mixed_tiles64_s2", "mixed_tiles16",

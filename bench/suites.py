@@ -475,11 +475,13 @@ SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["mo
 # rank-64 shrink 253 registers a thread (two 4-warp programs a multiprocessor) and the expand
 # 162 (three) (kernel-compile-cost-*-cpu.json, `programs_per_sm`). One 7B layer with its
 # GEMMs, the shrinks forked beside them, at 64 rows (D = 4 and 16) and 256 (D = 32 and 64),
-# one stage against a shrink K tile of 128 and registers capped at 168 and 128; then mixed
-# steps' stages (issue37-mixed-stages).
-_REGS = "tiles_graph_s1,tiles_graph_s1_k128,tiles_graph_s1_reg168,tiles_graph_s1_reg128"
+# one stage against a shrink K tile of 128, registers capped at 168 and 128, and expand
+# programs of two 256-column tiles or four of 128 (LoraTiles.expand_cols); then mixed steps'
+# stages (issue37-mixed-stages).
+_REGS = ("tiles_graph_s1,tiles_graph_s1_k128,tiles_graph_s1_reg168,tiles_graph_s1_reg128,"
+         "tiles_graph_s1_cols2,tiles_graph_s1_n128c4")
 SUITES["issue37-regs"] = (
-    step("regs", 150, "bench.lora_distinct_layer", "--cases", "4:8-16-32-64,16:8-16-32-64",
+    step("regs", 170, "bench.lora_distinct_layer", "--cases", "4:8-16-32-64,16:8-16-32-64",
          "--choices", _REGS, "--with-base", "--out", OUT("lora-distinct-layer-regs")),
     step("regs-b256", 200, "bench.lora_distinct_layer", "--rows", "256", "--cases",
          "32:8-16-32-64,64:8-16-32-64", "--choices", _REGS, "--with-base", "--out",
@@ -492,9 +494,9 @@ SUITES["issue37-call-a"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][0])
 # list, shrinks forked) beside the arm with decode graphs' tile lists launched as each variant
 # (--tile-variant-arms, TILE_VARIANTS) and base, interleaved; after the 64-row layer step.
 SUITES["issue37-tiles-engine"] = (dataclasses.replace(
-    SUITES["issue37"][0], name="distinct-tiles", limit_s=320, argv=(
+    SUITES["issue37"][0], name="distinct-tiles", limit_s=380, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--tile-variant-arms",
-        "distinct16", "--tile-variants", "k128,reg168,reg128",
+        "distinct16", "--tile-variants", "k128,reg128,cols2,n128cols4",
         "--out", OUT("distinct-adapters-tiles"))),)
 SUITES["issue37-regs-engine"] = (SUITES["issue37-regs"][0], *SUITES["issue37-tiles-engine"])
 # What is left of issue37-regs and the GPU suite, in one call.

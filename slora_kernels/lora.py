@@ -40,6 +40,13 @@ class LoraTiles:
     # expand 162 (three) (kernel-compile-cost-*-cpu.json, `programs_per_sm`): a benchmark's
     # arms cap them at 168 or 128.
     maxnreg: int | None = None
+    # Column tiles an expand program covers in turn (1: one, each its own program). At 64
+    # decode rows a program's time is mostly a chain of dependent loads (the tile entry's
+    # segment, slot, rank, offsets; its B tile; the shrink's sums), and a multiprocessor holds
+    # three at rank bound 64, so the 768-1,376 programs of a 16-tile qkv or gate_up expand run
+    # in 2-4 waves of that chain. Over 1, a program walks the chain once, sums the K splits
+    # once, and loads each next tile's B and y while the one before is multiplied.
+    expand_cols: int = 1
     # The expand re-reads every K split's partial sums once per output tile, which costs more
     # than it saves once segments are long enough to fill the GPU with row tiles.
     max_split_k: int = 16  # MAX_SPLIT_K
@@ -309,7 +316,8 @@ class LoraGroup:
                     self.slices, self.meta, block_m=t.expand_block_m, block_n=t.expand_block_n,
                     block_r=self.block_r, num_warps=t.num_warps, num_stages=t.num_stages,
                     maxnreg=t.maxnreg,
-                    rank_buckets=t.rank_buckets, early_loads=self.early_loads, pdl=self.pdl)
+                    rank_buckets=t.rank_buckets, early_loads=self.early_loads, pdl=self.pdl,
+                    cols=t.expand_cols)
 
 
 def lora_groups(

@@ -34,6 +34,12 @@ VARIANTS = {
     "no_pdl": dataclasses.replace(DECODE_TILES, pdl=False),
     "no_pdl_early_loads": dataclasses.replace(DECODE_TILES, pdl=False, early_loads=True),
     "no_wave_split": dataclasses.replace(DECODE_TILES, wave_split=False),
+    # Column tiles a program (LoraTiles.expand_cols) on 16-column tiles, so that the 48 and
+    # 32 outputs take several: groups of two (the last with one tile past the outputs) and
+    # of four (one group a module, partly past them).
+    "cols2": dataclasses.replace(DECODE_TILES, expand_block_n=16, expand_cols=2),
+    "cols4_no_pdl": dataclasses.replace(DECODE_TILES, expand_block_n=16, expand_cols=4,
+                                        pdl=False),
 }
 
 
@@ -84,16 +90,20 @@ def test_padded_tile_list(dtype: torch.dtype, variant: str, rows: int, adapters:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ranks", [[8], [16, 24], [1, 8, 16, 32, 33, 64]])
+@pytest.mark.parametrize("variant", ["default", "cols2"])
 def test_rank_buckets_mixed_ranks_under_a_wide_bound(dtype: torch.dtype,
-                                                     ranks: list[int]) -> None:
+                                                     ranks: list[int], variant: str) -> None:
     """Ranks meet the 16-, 32- and 64-wide tiles of a launch bounded at rank 64."""
     _check([2, 0, 0, 1, -1, 3, 3, 3, 1], 4, ranks, dtype, seed=len(ranks), capacity=12,
-           tiles=DECODE_TILES)
+           tiles=VARIANTS[variant])
 
 
-def test_rank_buckets_under_a_rank_128_bound() -> None:
+@pytest.mark.parametrize("variant", ["default", "cols2"])
+def test_rank_buckets_under_a_rank_128_bound(variant: str) -> None:
+    """Rank 100 under a 128 bound loops over 64-wide rank tiles (with column tiles a
+    program, a column tile at a time)."""
     _check([0, 1, 1, 2], 3, [8, 24, 100], torch.float16, seed=5, capacity=4,
-           tiles=DECODE_TILES, max_rank=128)
+           tiles=VARIANTS[variant], max_rank=128)
 
 
 def test_shrink_work_items_cover_every_split() -> None:

@@ -46,10 +46,11 @@ for case in sys.argv[1:]:
         if kernel == "shrink":
             out = compile_cost(lora_shrink._lora_shrink_kernel,
                                {**common, "BLOCK_K": 256, "LAUNCH_DEPENDENTS": True}, 4)
-        else:
+        else:  # expand: one column tile a program; expand_cols: four of 128 columns
+            cols = {"BLOCK_N": 128, "COLS": 4} if kernel == "expand_cols" else {
+                "BLOCK_N": 256, "COLS": 1}
             out = compile_cost(lora_expand._lora_expand_kernel,
-                               {**common, "BLOCK_N": 256, "EARLY_LOADS": True, "USE_PDL": True},
-                               4)
+                               {**common, **cols, "EARLY_LOADS": True, "USE_PDL": True}, 4)
     ptx = out["ptx"]
     print(json.dumps({"case": case, "mma": sorted(set(re.findall(r"mma[.][a-z0-9_.]+", ptx))),
                       "pdl_wait": "griddepcontrol.wait" in ptx,
@@ -57,7 +58,8 @@ for case in sys.argv[1:]:
 """
 RIDE_CASES = ["silu_mul_expand", "silu_mul_expand_m64", "rotary_expand", "rotary_expand_m64",
               "expand_add"]
-CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand") for gather in (0, 1)] \
+CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand", "expand_cols")
+         for gather in (0, 1)] \
     + RIDE_CASES
 
 
@@ -80,11 +82,13 @@ def test_shrink_compiles_for_sm90(compiled: dict[str, dict[str, object]],
     assert compiled[f"shrink:{int(gather_rows)}"]["pdl_launch"]
 
 
+@pytest.mark.parametrize("kernel", ["expand", "expand_cols"])
 @pytest.mark.parametrize("gather_rows", [False, True])
-def test_expand_compiles_for_sm90(compiled: dict[str, dict[str, object]],
+def test_expand_compiles_for_sm90(compiled: dict[str, dict[str, object]], kernel: str,
                                   gather_rows: bool) -> None:
-    """The expand's dot is tf32 on the float32 sums and B widened to float32 (m16n8k8)."""
-    out = compiled[f"expand:{int(gather_rows)}"]
+    """The expand's dot is tf32 on the float32 sums and B widened to float32 (m16n8k8), one
+    column tile a program or several (LoraTiles.expand_cols)."""
+    out = compiled[f"{kernel}:{int(gather_rows)}"]
     assert out["pdl_wait"]
     kinds = " ".join(out["mma"])  # type: ignore[arg-type]
     assert "tf32" in kinds and "f32.f16.f16.f32" not in kinds, kinds
