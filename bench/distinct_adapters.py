@@ -181,6 +181,7 @@ TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
     # Expand programs covering several column tiles in turn (LoraTiles.expand_cols).
     "cols2": (("expand_cols", 2),),
     "n128cols4": (("expand_block_n", 128), ("expand_cols", 4)),
+    "n128cols4a": (("expand_block_n", 128), ("expand_cols", 4), ("expand_cols_async", 1)),
 }
 
 

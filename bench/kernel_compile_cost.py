@@ -204,7 +204,7 @@ def variants() -> list[Variant]:
                   "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False}
         expand = {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 256,
                   "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False,
-                  "EARLY_LOADS": False, "COLS": 1}
+                  "EARLY_LOADS": False, "COLS": 1, "COLS_ASYNC": False}
         for suffix, pdl, n in (("", True, stages), ("_one_stage", True, GRAPH_TILE_STAGES),
                                ("_one_stage_forked", False, GRAPH_TILE_STAGES)):
             out += [
@@ -216,14 +216,19 @@ def variants() -> list[Variant]:
         # The forked one-stage pair with more programs resident (bench.lora_distinct_layer's
         # tiles_graph_s1_k128 and tiles_graph_s1_reg*): a shrink K tile of 128, registers
         # capped at 168 or 128; and expands covering several column tiles a program
-        # (LoraTiles.expand_cols: two of 256 columns, four of 128).
+        # (LoraTiles.expand_cols: two of 256 columns, four of 128, those loaded through the
+        # compiler's pipeline: expand_cols_async).
         out += [Variant(f"tile_expand_r{bound}_one_stage_forked_cols2",
                         lora_expand._lora_expand_kernel,
                         {**expand, "USE_PDL": False, "COLS": 2}, 4, GRAPH_TILE_STAGES),
                 Variant(f"tile_expand_r{bound}_one_stage_forked_n128_cols4",
                         lora_expand._lora_expand_kernel,
                         {**expand, "BLOCK_N": 128, "USE_PDL": False, "COLS": 4}, 4,
-                        GRAPH_TILE_STAGES)]
+                        GRAPH_TILE_STAGES),
+                Variant(f"tile_expand_r{bound}_one_stage_forked_n128_cols4_async",
+                        lora_expand._lora_expand_kernel,
+                        {**expand, "BLOCK_N": 128, "USE_PDL": False, "COLS": 4,
+                         "COLS_ASYNC": True}, 4, GRAPH_TILE_STAGES)]
         out.append(Variant(f"tile_shrink_r{bound}_one_stage_forked_k128",
                            lora_shrink._lora_shrink_kernel,
                            {**shrink, "BLOCK_K": 128, "LAUNCH_DEPENDENTS": False}, 4,
@@ -267,6 +272,7 @@ def float32_variants() -> list[Variant]:
                 Variant(f"{name}_expand", lora_expand._lora_expand_kernel,
                         {**common, "BLOCK_M": tiles.expand_block_m,
                          "BLOCK_N": tiles.expand_block_n, "EARLY_LOADS": False, "COLS": 1,
+                         "COLS_ASYNC": False,
                          "USE_PDL": False},
                         tiles.num_warps, tiles.num_stages)]
     return out

@@ -26,6 +26,7 @@ several launch choices:
   more programs resident a multiprocessor (a shrink K tile of 128, or registers capped:
   `LoraTiles.maxnreg`); `tiles_graph_s1_cols2`, `tiles_graph_s1_n128c4`: one stage with each
   expand program covering two 256-column tiles or four of 128 (`LoraTiles.expand_cols`);
+  `tiles_graph_s1_n128c4a`: the four loaded through the compiler's pipeline;
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -269,6 +270,10 @@ def choices(slots: list[int]) -> dict[str, Choice]:
                                        none)
         out["tiles_graph_s1_n128c4"] = (graph_meta, dataclasses.replace(
             one, expand_block_n=128, expand_cols=4), none)
+        # The same four tiles loaded through the compiler's two-stage pipeline instead
+        # (LoraTiles.expand_cols_async: 114 registers a thread against 216).
+        out["tiles_graph_s1_n128c4a"] = (graph_meta, dataclasses.replace(
+            one, expand_block_n=128, expand_cols=4, expand_cols_async=True), none)
     # tiles@L/S: the list padded to L tiles, the K split picked as for an S-tile list, L and
     # S each the real tiles, the middle list, the bound or the bucket (where the real fit).
     lengths = {"real": real, "mid": caps[1] if len(caps) == 3 else 0, "bound": bound,
@@ -472,7 +477,8 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", 
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
                 "tiles_bound", "tiles_graph", "tiles_graph_s1", "tiles_graph_k128",
                 "tiles_graph_k64", "tiles_graph_s1_k128", "tiles_graph_s1_reg168",
-                "tiles_graph_s1_reg128", "tiles_graph_s1_cols2", "tiles_graph_s1_n128c4")
+                "tiles_graph_s1_reg128", "tiles_graph_s1_cols2", "tiles_graph_s1_n128c4",
+                "tiles_graph_s1_n128c4a")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles64_s1", "mixed_tiles64_s2", "mixed_tiles16",

@@ -445,7 +445,9 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
                             ("tiles_reg168", "the tile lists' kernels capped at 168 registers ("),
                             ("tiles_reg128", "the tile lists' kernels capped at 128 registers ("),
                             ("tiles_cols2", "expand programs of two 256-column tiles ("),
-                            ("tiles_n128cols4", "expand programs of four 128-column tiles (")):
+                            ("tiles_n128cols4", "expand programs of four 128-column tiles ("),
+                            ("tiles_n128cols4a", "expand programs of four 128-column tiles, "
+                             "pipelined (")):
             k = d.get(f"{arm}_{suffix}")
             if k is not None:
                 rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"

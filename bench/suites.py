@@ -476,10 +476,10 @@ SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["mo
 # 162 (three) (kernel-compile-cost-*-cpu.json, `programs_per_sm`). One 7B layer with its
 # GEMMs, the shrinks forked beside them, at 64 rows (D = 4 and 16) and 256 (D = 32 and 64),
 # one stage against a shrink K tile of 128, registers capped at 168 and 128, and expand
-# programs of two 256-column tiles or four of 128 (LoraTiles.expand_cols); then mixed steps'
-# stages (issue37-mixed-stages).
+# programs of two 256-column tiles or four of 128 (LoraTiles.expand_cols; the four also through
+# the compiler's pipeline, expand_cols_async); then mixed steps' stages (issue37-mixed-stages).
 _REGS = ("tiles_graph_s1,tiles_graph_s1_k128,tiles_graph_s1_reg168,tiles_graph_s1_reg128,"
-         "tiles_graph_s1_cols2,tiles_graph_s1_n128c4")
+         "tiles_graph_s1_cols2,tiles_graph_s1_n128c4,tiles_graph_s1_n128c4a")
 SUITES["issue37-regs"] = (
     step("regs", 170, "bench.lora_distinct_layer", "--cases", "4:8-16-32-64,16:8-16-32-64",
          "--choices", _REGS, "--with-base", "--out", OUT("lora-distinct-layer-regs")),
@@ -496,7 +496,7 @@ SUITES["issue37-call-a"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][0])
 SUITES["issue37-tiles-engine"] = (dataclasses.replace(
     SUITES["issue37"][0], name="distinct-tiles", limit_s=380, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--tile-variant-arms",
-        "distinct16", "--tile-variants", "k128,reg128,cols2,n128cols4",
+        "distinct16", "--tile-variants", "k128,reg128,cols2,n128cols4a",
         "--out", OUT("distinct-adapters-tiles"))),)
 SUITES["issue37-regs-engine"] = (SUITES["issue37-regs"][0], *SUITES["issue37-tiles-engine"])
 # What is left of issue37-regs and the GPU suite, in one call.

@@ -47,6 +47,10 @@ class LoraTiles:
     # in 2-4 waves of that chain. Over 1, a program walks the chain once, sums the K splits
     # once, and loads each next tile's B and y while the one before is multiplied.
     expand_cols: int = 1
+    # With expand_cols over 1: the next tile's loads pipelined by the compiler (asynchronous
+    # copies through shared memory: 114 registers a thread at four 128-column tiles, rank
+    # bound 64) instead of held in registers by hand (216).
+    expand_cols_async: bool = False
     # The expand re-reads every K split's partial sums once per output tile, which costs more
     # than it saves once segments are long enough to fill the GPU with row tiles.
     max_split_k: int = 16  # MAX_SPLIT_K
@@ -317,7 +321,7 @@ class LoraGroup:
                     block_r=self.block_r, num_warps=t.num_warps, num_stages=t.num_stages,
                     maxnreg=t.maxnreg,
                     rank_buckets=t.rank_buckets, early_loads=self.early_loads, pdl=self.pdl,
-                    cols=t.expand_cols)
+                    cols=t.expand_cols, cols_async=t.expand_cols_async)
 
 
 def lora_groups(
