@@ -501,3 +501,8 @@ SUITES["issue37-tiles-engine"] = (dataclasses.replace(
 SUITES["issue37-regs-engine"] = (SUITES["issue37-regs"][0], *SUITES["issue37-tiles-engine"])
 # What is left of issue37-regs and the GPU suite, in one call.
 SUITES["issue37-call-b"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][1])
+# The same in less device time: the layer step, then the engine with two of the variants.
+SUITES["issue37-regs-engine-short"] = (SUITES["issue37-regs"][0], dataclasses.replace(
+    SUITES["issue37-tiles-engine"][0], limit_s=300, argv=tuple(
+        "cols2,n128cols4a" if a == "k128,reg128,cols2,n128cols4a" else a
+        for a in SUITES["issue37-tiles-engine"][0].argv)))
