@@ -182,6 +182,9 @@ TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
     "cols2": (("expand_cols", 2),),
     "n128cols4": (("expand_block_n", 128), ("expand_cols", 4)),
     "n128cols4a": (("expand_block_n", 128), ("expand_cols", 4), ("expand_cols_async", 1)),
+    # One 256-column tile an expand program on every list: the lists past the short one as
+    # before MANY_TILE_OVERRIDES (a variant replaces those overrides).
+    "cols1": (("expand_block_n", 256), ("expand_cols", 1), ("expand_cols_async", 0)),
 }
 
 

@@ -447,7 +447,8 @@ def distinct_rows(result: dict[str, Any], source: str) -> list[str]:
                             ("tiles_cols2", "expand programs of two 256-column tiles ("),
                             ("tiles_n128cols4", "expand programs of four 128-column tiles ("),
                             ("tiles_n128cols4a", "expand programs of four 128-column tiles, "
-                             "pipelined (")):
+                             "pipelined ("),
+                            ("tiles_cols1", "expand programs of one 256-column tile (")):
             k = d.get(f"{arm}_{suffix}")
             if k is not None:
                 rows.append(f"| {label} in a batch of {d['batch']}, {how}same run"
@@ -676,6 +677,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-stages-b256-752466d-h100.json", distinct_rows),
                        ("distinct-adapters-stages-one-002a98c-h100.json", distinct_rows),
                        ("distinct-adapters-mixed-stages-f63146d-h100.json", distinct_rows),
+                       ("distinct-adapters-tiles-51483c3-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

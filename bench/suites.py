@@ -493,16 +493,21 @@ SUITES["issue37-call-a"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][0])
 # The same variants in the engine: 16 distinct adapters a batch of 64 (16-row tiles, the middle
 # list, shrinks forked) beside the arm with decode graphs' tile lists launched as each variant
 # (--tile-variant-arms, TILE_VARIANTS) and base, interleaved; after the 64-row layer step.
-SUITES["issue37-tiles-engine"] = (dataclasses.replace(
+# At 51483c3 (k128, reg128, cols2, n128cols4a; a 359 s limit cut it after 1 of 3 repeats,
+# distinct-adapters-tiles-51483c3-h100.json) n128cols4a won and became the many lists' default
+# (MANY_TILE_OVERRIDES): since, the default against `cols1`, the expands as before it.
+_TILES_ENGINE = dataclasses.replace(
     SUITES["issue37"][0], name="distinct-tiles", limit_s=380, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--tile-variant-arms",
         "distinct16", "--tile-variants", "k128,reg128,cols2,n128cols4a",
-        "--out", OUT("distinct-adapters-tiles"))),)
-SUITES["issue37-regs-engine"] = (SUITES["issue37-regs"][0], *SUITES["issue37-tiles-engine"])
-# What is left of issue37-regs and the GPU suite, in one call.
-SUITES["issue37-call-b"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][1])
-# The same in less device time: the layer step, then the engine with two of the variants.
-SUITES["issue37-regs-engine-short"] = (SUITES["issue37-regs"][0], dataclasses.replace(
-    SUITES["issue37-tiles-engine"][0], limit_s=300, argv=tuple(
-        "cols2,n128cols4a" if a == "k128,reg128,cols2,n128cols4a" else a
-        for a in SUITES["issue37-tiles-engine"][0].argv)))
+        "--out", OUT("distinct-adapters-tiles")))
+SUITES["issue37-regs-engine"] = (SUITES["issue37-regs"][0], _TILES_ENGINE)
+SUITES["issue37-tiles-engine"] = (dataclasses.replace(_TILES_ENGINE, limit_s=300, argv=tuple(
+    "cols1" if a == "k128,reg128,cols2,n128cols4a" else a for a in _TILES_ENGINE.argv)),)
+# The GPU suite, then one layer at 256 rows (32 and 64 adapters on the middle list) with one
+# 256-column tile an expand program and with four of 128, pipelined (the many lists' default
+# since MANY_TILE_OVERRIDES, measured at 64 rows only).
+SUITES["issue37-call-b"] = (*SUITES["gpu-tests"], dataclasses.replace(
+    SUITES["issue37-regs"][1], limit_s=180, argv=tuple(
+        "tiles_graph_s1,tiles_graph_s1_n128c4a" if a == _REGS else a
+        for a in SUITES["issue37-regs"][1].argv)))

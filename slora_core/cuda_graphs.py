@@ -171,6 +171,23 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 # list, no ride) kept 0.895x of base against 0.885x on two stages, every repeat ahead
 # (distinct-adapters-stages-one-002a98c-h100.json).
 GRAPH_TILE_STAGES = 1
+# The tile lists past the short one (many adapters; the lists the fork takes) launch their
+# expands with four 128-column tiles a program, loaded through the compiler's two-stage
+# pipeline (LoraTiles.expand_cols, expand_cols_async): a program walks its tile entry's chain
+# of dependent loads and sums the K splits once for 512 columns, instead of once for 256 in
+# each of two to four waves of programs (at rank bound 64 a multiprocessor held three expands
+# of 162 registers a thread; these take 114 and it holds four). One 7B decode layer on an H100,
+# 64 rows, 16 adapters of ranks 8-64 on the middle list
+# (lora-distinct-layer-regs-51483c3-h100.json): LoRA alone 82.4 -> 77.3 us, with the GEMMs and
+# the shrinks forked 234.2 -> 228.9 (in line 237.9 -> 235.2); by hand into registers instead
+# (216 registers, two programs) 114.6, two 256-column tiles 102.8 (255) lost, as did capping
+# registers at 128 (115.7) and a shrink K tile of 128 (82.5; a cap of 168: 77.5 alone, 236.5
+# forked). On the short list (4 adapters of 16 rows, in line) it lost: 44.6 -> 55.7 us alone
+# (its 192 programs fit one wave), so that list keeps one tile a program. In the engine (python -m bench issue37-regs-engine, H100, 51483c3,
+# its limit cut it after 1 of 3 repeats: distinct-adapters-tiles-51483c3-h100.json) 16 distinct
+# adapters kept 0.824x of base against 0.810x. Not yet measured at 256 rows.
+MANY_TILE_OVERRIDES: tuple[tuple[str, int], ...] = (
+    ("expand_block_n", 128), ("expand_cols", 4), ("expand_cols_async", 1))
 # The tiles' pipeline stages before GRAPH_TILE_STAGES and PREFILL_STAGES (a benchmark's arms).
 TWO_STAGES = 2
 
@@ -444,8 +461,12 @@ class DecodeGraphs(_StepGraphs):
         self.one_stage = True
         # LoraTiles fields every tile list launches with instead of its tiles' (name, value;
         # LoraMeta.tile_overrides): a benchmark's switch, which swaps the graphs captured
-        # either way (take_tile_graphs). Empty: the tiles' own.
+        # either way (take_tile_graphs). Empty: the lists past the short one take
+        # `many_tile_overrides`, the short one its tiles' own.
         self.tile_overrides: tuple[tuple[str, int], ...] = ()
+        # The lists past the short one: MANY_TILE_OVERRIDES; () launches them as the short one
+        # (a benchmark's switch too).
+        self.many_tile_overrides = MANY_TILE_OVERRIDES
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.
@@ -507,7 +528,8 @@ class DecodeGraphs(_StepGraphs):
                         else decode_split_tiles(b, cap, self._row_kernels_max_rows()),
                         num_stages=GRAPH_TILE_STAGES
                         if self.one_stage and tiles != ROW_GRAPH else None,
-                        tile_overrides=self.tile_overrides if tiles != ROW_GRAPH else (),
+                        tile_overrides=() if tiles == ROW_GRAPH else self.tile_overrides or (
+                            self.many_tile_overrides if tiles > short else ()),
                         ) if modules and not ride else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],

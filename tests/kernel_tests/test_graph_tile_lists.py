@@ -292,11 +292,14 @@ def test_mixed_tile_lists_take_their_tiles_stages_and_the_switch_keeps_both_ways
 
 def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
         demo_dir: Path) -> None:
-    """DecodeGraphs.tile_overrides go to every tile list's meta (not the row kernels'), and
-    lora_groups launches with them (a shrink K tile, a register cap: LoraTiles.maxnreg).
-    bench.distinct_adapters.TileModes keeps each variant's tile graphs apart and puts the
-    tiles' own back."""
+    """The tile lists past the short one launch their expands with four 128-column tiles a
+    program, pipelined (MANY_TILE_OVERRIDES), the short one with its tiles' own.
+    DecodeGraphs.tile_overrides, where set, go to every tile list's meta instead (not the row
+    kernels'), and lora_groups launches with them (a shrink K tile, a register cap:
+    LoraTiles.maxnreg). bench.distinct_adapters.TileModes keeps each variant's tile graphs
+    apart and puts the default back."""
     from bench.distinct_adapters import TILE_VARIANTS, TileModes
+    from slora_core.cuda_graphs import MANY_TILE_OVERRIDES
     from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
 
     engine = LLMEngine.from_model_dir(demo_dir / "model",
@@ -317,9 +320,20 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
         return group.tiles
 
     assert graphs.tile_overrides == () and launched(16).maxnreg is None
-    graphs.tile_overrides = TILE_VARIANTS["reg128"]
+    short, many = launched(4), launched(16)  # the short list: cdiv(64, 16)
+    assert (short.expand_cols, short.expand_block_n, short.expand_cols_async) == (
+        DECODE_TILES.expand_cols, DECODE_TILES.expand_block_n, False) == (1, 256, False)
+    assert (many.expand_cols, many.expand_block_n, many.expand_cols_async) == (4, 128, True)
+    assert launched(33) == many and many.shrink_block_k == 16 and many.num_stages == 1
+    graphs.many_tile_overrides = ()
+    assert launched(16) == short
+    graphs.many_tile_overrides = MANY_TILE_OVERRIDES
+    graphs.tile_overrides = TILE_VARIANTS["reg128"]  # instead of the many lists' too
     assert launched(4).maxnreg == launched(33).maxnreg == 128
     assert launched(16).shrink_block_k == 16 and launched(16).num_stages == 1
+    assert launched(16).expand_cols == 1
+    graphs.tile_overrides = TILE_VARIANTS["cols1"]  # the many lists as before them
+    assert launched(16) == short
     row = graphs._context(64, mods, ROW_GRAPH).lora
     assert row is not None and row.tile_overrides == ()
     graphs.tile_overrides = TILE_VARIANTS["k128"]
