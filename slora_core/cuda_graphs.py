@@ -185,7 +185,7 @@ GRAPH_TILE_STAGES = 1
 # forked). On the short list (4 adapters of 16 rows, in line) it lost: 44.6 -> 55.7 us alone
 # (its 192 programs fit one wave), so that list keeps one tile a program. In the engine (python -m bench issue37-regs-engine, H100, 51483c3,
 # its limit cut it after 1 of 3 repeats: distinct-adapters-tiles-51483c3-h100.json) 16 distinct
-# adapters kept 0.824x of base against 0.810x. Not yet measured at 256 rows.
+# adapters kept 0.824x of base against 0.810x. Not yet measured at 256 rows. 16-bit models only.
 MANY_TILE_OVERRIDES: tuple[tuple[str, int], ...] = (
     ("expand_block_n", 128), ("expand_cols", 4), ("expand_cols_async", 1))
 # The tiles' pipeline stages before GRAPH_TILE_STAGES and PREFILL_STAGES (a benchmark's arms).
@@ -465,8 +465,10 @@ class DecodeGraphs(_StepGraphs):
         # `many_tile_overrides`, the short one its tiles' own.
         self.tile_overrides: tuple[tuple[str, int], ...] = ()
         # The lists past the short one: MANY_TILE_OVERRIDES; () launches them as the short one
-        # (a benchmark's switch too).
-        self.many_tile_overrides = MANY_TILE_OVERRIDES
+        # (a benchmark's switch too). Float32 models keep their own tiles (DECODE_TILES_F32,
+        # sized for their compile times; not measured with these).
+        self.many_tile_overrides = (MANY_TILE_OVERRIDES if runner.arena.pages.dtype
+                                    != torch.float32 else ())
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         n = self.buckets[-1]
         # One row per sequence, token, segment and tile alike.

@@ -297,7 +297,7 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
     DecodeGraphs.tile_overrides, where set, go to every tile list's meta instead (not the row
     kernels'), and lora_groups launches with them (a shrink K tile, a register cap:
     LoraTiles.maxnreg). bench.distinct_adapters.TileModes keeps each variant's tile graphs
-    apart and puts the default back."""
+    apart and puts the default back. Float32 models keep their own tiles on every list."""
     from bench.distinct_adapters import TILE_VARIANTS, TileModes
     from slora_core.cuda_graphs import MANY_TILE_OVERRIDES
     from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
@@ -320,6 +320,13 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
         return group.tiles
 
     assert graphs.tile_overrides == () and launched(16).maxnreg is None
+    half = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        max_num_seqs=64, device="cpu", dtype="float16"))
+    assert DecodeGraphs(half.runner, 64, 64).many_tile_overrides == MANY_TILE_OVERRIDES
+    full = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        max_num_seqs=64, device="cpu", dtype="float32"))
+    assert DecodeGraphs(full.runner, 64, 64).many_tile_overrides == ()
+    graphs.many_tile_overrides = MANY_TILE_OVERRIDES  # the 16-bit rule on this engine
     short, many = launched(4), launched(16)  # the short list: cdiv(64, 16)
     assert (short.expand_cols, short.expand_block_n, short.expand_cols_async) == (
         DECODE_TILES.expand_cols, DECODE_TILES.expand_block_n, False) == (1, 256, False)
