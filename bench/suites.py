@@ -487,9 +487,6 @@ SUITES["issue37-regs"] = (
          "32:8-16-32-64,64:8-16-32-64", "--choices", _REGS, "--with-base", "--out",
          OUT("lora-distinct-layer-regs-b256")),
     *SUITES["issue37-mixed-stages"])
-# One call of ~500 s: the GPU suite (the 64-row tiles' three stages, PREFILL_STAGES, not run
-# there yet), then issue37-regs's 64-row layer step.
-SUITES["issue37-call-a"] = (*SUITES["gpu-tests"], SUITES["issue37-regs"][0])
 # The same variants in the engine: 16 distinct adapters a batch of 64 (16-row tiles, the middle
 # list, shrinks forked) beside the arm with decode graphs' tile lists launched as each variant
 # (--tile-variant-arms, TILE_VARIANTS) and base, interleaved; after the 64-row layer step.
