@@ -170,21 +170,18 @@ class TileModes(GraphSwitch):
     attr, take, off = "tile_overrides", "take_tile_graphs", ()
 
 
-# --tile-variants: decode graphs' tile lists with more programs resident a multiprocessor than
-# their one-stage shrink's two and expand's three at rank bound 64 (kernel-compile-cost-21de10f-
-# cpu.json): a shrink K tile of 128 (126 registers a thread, no spill), or registers capped;
-# or expand programs that each cover several column tiles.
+# --tile-variants: decode graphs' tile lists launched with other LoraTiles fields, each
+# replacing the lists' own (MANY_TILE_OVERRIDES past the short list). At 51483c3 (an H100,
+# 1 of 3 repeats, distinct-adapters-tiles-51483c3-h100.json) 16 distinct adapters kept 0.810x
+# of base as before, 0.824x with four pipelined 128-column tiles an expand program (kept:
+# MANY_TILE_OVERRIDES), 0.802x with a shrink K tile of 128, 0.766x with two 256-column tiles
+# held in registers by hand and 0.748x with registers capped at 128 (both removed).
 TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
     "k128": (("shrink_block_k", 128),),
-    "reg168": (("maxnreg", 168),),
-    "reg128": (("maxnreg", 128),),
-    # Expand programs covering several column tiles in turn (LoraTiles.expand_cols).
-    "cols2": (("expand_cols", 2),),
-    "n128cols4": (("expand_block_n", 128), ("expand_cols", 4)),
-    "n128cols4a": (("expand_block_n", 128), ("expand_cols", 4), ("expand_cols_async", 1)),
+    "n128cols4a": (("expand_block_n", 128), ("expand_cols", 4)),
     # One 256-column tile an expand program on every list: the lists past the short one as
-    # before MANY_TILE_OVERRIDES (a variant replaces those overrides).
-    "cols1": (("expand_block_n", 256), ("expand_cols", 1), ("expand_cols_async", 0)),
+    # before MANY_TILE_OVERRIDES.
+    "cols1": (("expand_block_n", 256), ("expand_cols", 1)),
 }
 
 

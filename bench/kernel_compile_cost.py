@@ -95,7 +95,7 @@ class Variant(NamedTuple):
     consts: dict[str, Any]
     num_warps: int
     num_stages: int | None = None  # None: Triton's default, as the row kernels launch
-    maxnreg: int | None = None  # registers a thread at most (LoraTiles.maxnreg)
+    maxnreg: int | None = None  # registers a thread at most (Triton's `maxnreg` option)
 
     def cost(self, float32: bool = False) -> dict[str, Any]:
         return compile_cost(self.fn, self.consts, self.num_warps, float32=float32,
@@ -204,7 +204,7 @@ def variants() -> list[Variant]:
                   "BLOCK_K": 256, "RANK_BUCKETS": True, "GATHER_ROWS": False}
         expand = {"MAX_RANK": bound, "DOT_PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 256,
                   "BLOCK_R": bound, "RANK_BUCKETS": True, "GATHER_ROWS": False,
-                  "EARLY_LOADS": False, "COLS": 1, "COLS_ASYNC": False}
+                  "EARLY_LOADS": False, "COLS": 1}
         for suffix, pdl, n in (("", True, stages), ("_one_stage", True, GRAPH_TILE_STAGES),
                                ("_one_stage_forked", False, GRAPH_TILE_STAGES)):
             out += [
@@ -214,21 +214,13 @@ def variants() -> list[Variant]:
                         {**expand, "USE_PDL": pdl}, 4, n),
             ]
         # The forked one-stage pair with more programs resident (bench.lora_distinct_layer's
-        # tiles_graph_s1_k128 and tiles_graph_s1_reg*): a shrink K tile of 128, registers
-        # capped at 168 or 128; and expands covering several column tiles a program
-        # (LoraTiles.expand_cols: two of 256 columns, four of 128, those loaded through the
-        # compiler's pipeline: expand_cols_async).
-        out += [Variant(f"tile_expand_r{bound}_one_stage_forked_cols2",
-                        lora_expand._lora_expand_kernel,
-                        {**expand, "USE_PDL": False, "COLS": 2}, 4, GRAPH_TILE_STAGES),
-                Variant(f"tile_expand_r{bound}_one_stage_forked_n128_cols4",
-                        lora_expand._lora_expand_kernel,
-                        {**expand, "BLOCK_N": 128, "USE_PDL": False, "COLS": 4}, 4,
-                        GRAPH_TILE_STAGES),
-                Variant(f"tile_expand_r{bound}_one_stage_forked_n128_cols4_async",
-                        lora_expand._lora_expand_kernel,
-                        {**expand, "BLOCK_N": 128, "USE_PDL": False, "COLS": 4,
-                         "COLS_ASYNC": True}, 4, GRAPH_TILE_STAGES)]
+        # tiles_graph_s1_k128 and, until f979e18, tiles_graph_s1_reg*): a shrink K tile of
+        # 128, registers capped at 168 or 128; and the expand as decode graphs' many-adapter
+        # lists launch it, four 128-column tiles a program (LoraTiles.expand_cols).
+        out.append(Variant(f"tile_expand_r{bound}_one_stage_forked_n128_cols4",
+                           lora_expand._lora_expand_kernel,
+                           {**expand, "BLOCK_N": 128, "USE_PDL": False, "COLS": 4}, 4,
+                           GRAPH_TILE_STAGES))
         out.append(Variant(f"tile_shrink_r{bound}_one_stage_forked_k128",
                            lora_shrink._lora_shrink_kernel,
                            {**shrink, "BLOCK_K": 128, "LAUNCH_DEPENDENTS": False}, 4,
@@ -272,7 +264,7 @@ def float32_variants() -> list[Variant]:
                 Variant(f"{name}_expand", lora_expand._lora_expand_kernel,
                         {**common, "BLOCK_M": tiles.expand_block_m,
                          "BLOCK_N": tiles.expand_block_n, "EARLY_LOADS": False, "COLS": 1,
-                         "COLS_ASYNC": False,
+
                          "USE_PDL": False},
                         tiles.num_warps, tiles.num_stages)]
     return out

@@ -22,11 +22,11 @@ several launch choices:
   tiles' two pipeline stages; `tiles_graph_s1`, `tiles_graph_k128`, `tiles_graph_k64`: that
   list with one stage (what decode graphs launch on every tile list since
   GRAPH_TILE_STAGES), or shrink K tiles of 128 or 64 (less shared memory a shrink program);
-  `tiles_graph_s1_k128`, `tiles_graph_s1_reg168`, `tiles_graph_s1_reg128`: one stage with
-  more programs resident a multiprocessor (a shrink K tile of 128, or registers capped:
-  `LoraTiles.maxnreg`); `tiles_graph_s1_cols2`, `tiles_graph_s1_n128c4`: one stage with each
-  expand program covering two 256-column tiles or four of 128 (`LoraTiles.expand_cols`);
-  `tiles_graph_s1_n128c4a`: the four loaded through the compiler's pipeline;
+  `tiles_graph_s1_k128`: one stage with a shrink K tile of 128 (four shrink programs a
+  multiprocessor at rank bound 64, not two); `tiles_graph_s1_n128c4a`: one stage with each
+  expand program covering four 128-column tiles (`LoraTiles.expand_cols`, what the
+  many-adapter lists launch since MANY_TILE_OVERRIDES; lora-distinct-layer-regs-51483c3-h100.json
+  also timed register caps and column tiles held by hand, removed since);
 - `tiles_early`, `tiles_n128`, `tiles_early_n128`: `tiles` with the expand loading its y and B
   tiles before the K-split sum (`LoraTiles.early_loads`, which decode launches get only at
   16 tiles or fewer: a graph's padded list is 64), with 128-column expand tiles, or both;
@@ -254,26 +254,19 @@ def choices(slots: list[int]) -> dict[str, Choice]:
             out[f"tiles_graph_k{bk}"] = (
                 graph_meta, dataclasses.replace(DECODE_TILES, shrink_block_k=bk), none)
         # One stage with more programs resident a multiprocessor: at rank bound 64 ptxas
-        # gives the shrink 253 registers a thread (two 4-warp programs a multiprocessor) and
-        # the expand 162 (three). A shrink K tile of 128 needs 126 (four, no spill); a cap of
-        # 168 registers holds three shrinks (144 bytes a thread spilled), of 128 four shrinks
-        # and four expands (584 and 128 bytes spilled) (kernel-compile-cost-*-cpu.json).
+        # gives the shrink 253 registers a thread (two 4-warp programs a multiprocessor), a
+        # shrink K tile of 128 needs 126 (four); and expand programs covering four 128-column
+        # tiles in turn through the compiler's pipeline (LoraTiles.expand_cols: the entry's
+        # chain of dependent loads and the K-split sum once a program; what decode graphs'
+        # many-adapter lists launch since MANY_TILE_OVERRIDES). At 51483c3 the K tile gained
+        # nothing and the column tiles won at 16 adapters
+        # (lora-distinct-layer-regs-51483c3-h100.json); the register caps (168, 128) and the
+        # column tiles held in registers by hand (two of 256, four of 128) lost and were
+        # removed after f979e18.
         out["tiles_graph_s1_k128"] = (graph_meta, dataclasses.replace(one, shrink_block_k=128),
                                       none)
-        for cap in (168, 128):
-            out[f"tiles_graph_s1_reg{cap}"] = (graph_meta,
-                                               dataclasses.replace(one, maxnreg=cap), none)
-        # Expand programs covering two 256-column tiles, or four of 128, in turn
-        # (LoraTiles.expand_cols): the entry's chain of dependent loads and the K-split sum
-        # once a program, the next tile's B and y loaded while the one before is multiplied.
-        out["tiles_graph_s1_cols2"] = (graph_meta, dataclasses.replace(one, expand_cols=2),
-                                       none)
-        out["tiles_graph_s1_n128c4"] = (graph_meta, dataclasses.replace(
-            one, expand_block_n=128, expand_cols=4), none)
-        # The same four tiles loaded through the compiler's two-stage pipeline instead
-        # (LoraTiles.expand_cols_async: 114 registers a thread against 216).
         out["tiles_graph_s1_n128c4a"] = (graph_meta, dataclasses.replace(
-            one, expand_block_n=128, expand_cols=4, expand_cols_async=True), none)
+            one, expand_block_n=128, expand_cols=4), none)
     # tiles@L/S: the list padded to L tiles, the K split picked as for an S-tile list, L and
     # S each the real tiles, the middle list, the bound or the bucket (where the real fit).
     lengths = {"real": real, "mid": caps[1] if len(caps) == 3 else 0, "bound": bound,
@@ -476,9 +469,7 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", 
                 "tiles_early_n128", "tiles_unpadded_split", "tiles_unpadded", "rows",
                 "rows_unbalanced", "rows_balanced_first", "tiles_short", "tiles_mid",
                 "tiles_bound", "tiles_graph", "tiles_graph_s1", "tiles_graph_k128",
-                "tiles_graph_k64", "tiles_graph_s1_k128", "tiles_graph_s1_reg168",
-                "tiles_graph_s1_reg128", "tiles_graph_s1_cols2", "tiles_graph_s1_n128c4",
-                "tiles_graph_s1_n128c4a")
+                "tiles_graph_k64", "tiles_graph_s1_k128", "tiles_graph_s1_n128c4a")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles64_s1", "mixed_tiles64_s2", "mixed_tiles16",

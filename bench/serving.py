@@ -450,9 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                         "LoRA kernels (without --ride-sole-adapter)")
     p.add_argument("--tile-variants", type=parse_tile_variants, default=(),
                    help=f"with --tile-variant-arms: {', '.join(TILE_VARIANTS)} (a shrink K "
-                        "tile of 128, registers capped at 168 or 128, expand programs of two "
-                        "256-column tiles or four of 128, or one of 256 on every list: each "
-                        "replaces the lists' own)")
+                        "tile of 128, expand programs of four 128-column tiles or of one "
+                        "256-column tile on every list: each replaces the lists' own)")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
                    help="rank of the adapter on every request of 'distinct''s one-adapter "
                         "arms (all 7 modules)")

@@ -471,40 +471,29 @@ SUITES["issue37-mixed-stages-engine"] = (dataclasses.replace(
 SUITES["issue37-next"] = (*SUITES["gpu-tests"], *SUITES["issue37-mixed-stages"])
 # Both GPU check parts side by side on one GPU (each with a share of the host's cores).
 SUITES["gpu-checks"] = (*in_lane(0, SUITES["gpu-tests"]), *in_lane(1, SUITES["model-agreement"]))
-# More programs resident a multiprocessor on the decode tiles' one stage: ptxas allocates the
-# rank-64 shrink 253 registers a thread (two 4-warp programs a multiprocessor) and the expand
-# 162 (three) (kernel-compile-cost-*-cpu.json, `programs_per_sm`). One 7B layer with its
-# GEMMs, the shrinks forked beside them, at 64 rows (D = 4 and 16) and 256 (D = 32 and 64),
-# one stage against a shrink K tile of 128, registers capped at 168 and 128, and expand
-# programs of two 256-column tiles or four of 128 (LoraTiles.expand_cols; the four also through
-# the compiler's pipeline, expand_cols_async); then mixed steps' stages (issue37-mixed-stages).
-_REGS = ("tiles_graph_s1,tiles_graph_s1_k128,tiles_graph_s1_reg168,tiles_graph_s1_reg128,"
-         "tiles_graph_s1_cols2,tiles_graph_s1_n128c4,tiles_graph_s1_n128c4a")
-SUITES["issue37-regs"] = (
-    step("regs", 170, "bench.lora_distinct_layer", "--cases", "4:8-16-32-64,16:8-16-32-64",
-         "--choices", _REGS, "--with-base", "--out", OUT("lora-distinct-layer-regs")),
-    step("regs-b256", 200, "bench.lora_distinct_layer", "--rows", "256", "--cases",
-         "32:8-16-32-64,64:8-16-32-64", "--choices", _REGS, "--with-base", "--out",
-         OUT("lora-distinct-layer-regs-b256")),
-    *SUITES["issue37-mixed-stages"])
-# The same variants in the engine: 16 distinct adapters a batch of 64 (16-row tiles, the middle
-# list, shrinks forked) beside the arm with decode graphs' tile lists launched as each variant
-# (--tile-variant-arms, TILE_VARIANTS) and base, interleaved; after the 64-row layer step.
-# At 51483c3 (k128, reg128, cols2, n128cols4a; a 359 s limit cut it after 1 of 3 repeats,
-# distinct-adapters-tiles-51483c3-h100.json) n128cols4a won and became the many lists' default
-# (MANY_TILE_OVERRIDES): since, the default against `cols1`, the expands as before it.
+# More programs resident a multiprocessor on the decode tiles' one stage, and expand programs
+# covering several column tiles (LoraTiles.expand_cols), one 7B layer with its GEMMs and the
+# shrinks forked at 64 rows (D = 4 and 16), then 16 distinct adapters in the engine. At 51483c3
+# (an H100; lora-distinct-layer-regs-51483c3-h100.json, distinct-adapters-tiles-51483c3-h100.json,
+# the engine's 359 s cut after 1 of 3 repeats) that call also ran register caps of 168 and 128
+# and column tiles held by hand, which lost and were removed with their arms; four pipelined
+# 128-column tiles won and became the many lists' default (MANY_TILE_OVERRIDES). Since, the
+# engine's arm runs the default against `cols1`, the expands as before it.
+_REGS = "tiles_graph_s1,tiles_graph_s1_k128,tiles_graph_s1_n128c4a"
 _TILES_ENGINE = dataclasses.replace(
-    SUITES["issue37"][0], name="distinct-tiles", limit_s=380, argv=(
+    SUITES["issue37"][0], name="distinct-tiles", limit_s=300, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--tile-variant-arms",
-        "distinct16", "--tile-variants", "k128,reg128,cols2,n128cols4a",
+        "distinct16", "--tile-variants", "cols1,k128",
         "--out", OUT("distinct-adapters-tiles")))
-SUITES["issue37-regs-engine"] = (SUITES["issue37-regs"][0], _TILES_ENGINE)
-SUITES["issue37-tiles-engine"] = (dataclasses.replace(_TILES_ENGINE, limit_s=300, argv=tuple(
-    "cols1" if a == "k128,reg128,cols2,n128cols4a" else a for a in _TILES_ENGINE.argv)),)
+SUITES["issue37-regs-engine"] = (
+    step("regs", 150, "bench.lora_distinct_layer", "--cases", "4:8-16-32-64,16:8-16-32-64",
+         "--choices", _REGS, "--with-base", "--out", OUT("lora-distinct-layer-regs")),
+    _TILES_ENGINE)
+SUITES["issue37-tiles-engine"] = (_TILES_ENGINE,)
 # The GPU suite, then one layer at 256 rows (32 and 64 adapters on the middle list) with one
 # 256-column tile an expand program and with four of 128, pipelined (the many lists' default
 # since MANY_TILE_OVERRIDES, measured at 64 rows only).
-SUITES["issue37-call-b"] = (*SUITES["gpu-tests"], dataclasses.replace(
-    SUITES["issue37-regs"][1], limit_s=180, argv=tuple(
-        "tiles_graph_s1,tiles_graph_s1_n128c4a" if a == _REGS else a
-        for a in SUITES["issue37-regs"][1].argv)))
+SUITES["issue37-call-b"] = (*SUITES["gpu-tests"], step(
+    "regs-b256", 180, "bench.lora_distinct_layer", "--rows", "256", "--cases",
+    "32:8-16-32-64,64:8-16-32-64", "--choices", "tiles_graph_s1,tiles_graph_s1_n128c4a",
+    "--with-base", "--out", OUT("lora-distinct-layer-regs-b256")))

@@ -173,7 +173,7 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 GRAPH_TILE_STAGES = 1
 # The tile lists past the short one (many adapters; the lists the fork takes) launch their
 # expands with four 128-column tiles a program, loaded through the compiler's two-stage
-# pipeline (LoraTiles.expand_cols, expand_cols_async): a program walks its tile entry's chain
+# pipeline (LoraTiles.expand_cols): a program walks its tile entry's chain
 # of dependent loads and sums the K splits once for 512 columns, instead of once for 256 in
 # each of two to four waves of programs (at rank bound 64 a multiprocessor held three expands
 # of 162 registers a thread; these take 114 and it holds four). One 7B decode layer on an H100,
@@ -186,8 +186,7 @@ GRAPH_TILE_STAGES = 1
 # (its 192 programs fit one wave), so that list keeps one tile a program. In the engine (python -m bench issue37-regs-engine, H100, 51483c3,
 # its limit cut it after 1 of 3 repeats: distinct-adapters-tiles-51483c3-h100.json) 16 distinct
 # adapters kept 0.824x of base against 0.810x. Not yet measured at 256 rows. 16-bit models only.
-MANY_TILE_OVERRIDES: tuple[tuple[str, int], ...] = (
-    ("expand_block_n", 128), ("expand_cols", 4), ("expand_cols_async", 1))
+MANY_TILE_OVERRIDES: tuple[tuple[str, int], ...] = (("expand_block_n", 128), ("expand_cols", 4))
 # The tiles' pipeline stages before GRAPH_TILE_STAGES and PREFILL_STAGES (a benchmark's arms).
 TWO_STAGES = 2
 

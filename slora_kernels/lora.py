@@ -34,23 +34,21 @@ class LoraTiles:
     expand_block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    # At most this many registers a thread in the shrink and expand (ptxas spills the rest;
-    # None: its own choice). At rank bound 64 a one-stage decode shrink is allocated 253
-    # registers a thread, so a multiprocessor holds two of its 4-warp programs, and the
-    # expand 162 (three) (kernel-compile-cost-*-cpu.json, `programs_per_sm`): a benchmark's
-    # arms cap them at 168 or 128.
-    maxnreg: int | None = None
+    # Removed after f979e18: `maxnreg`, registers a thread capped (ptxas spilling the rest).
+    # At rank bound 64 a one-stage decode shrink is allocated 253 registers a thread (two
+    # 4-warp programs a multiprocessor) and the expand 162 (three)
+    # (kernel-compile-cost-f979e18-cpu.json); capped at 128, one 7B layer's LoRA at 64 rows,
+    # 16 adapters, went 82.4 -> 115.7 us on an H100, at 168 to 77.5 alone but 234.2 -> 236.5
+    # beside the GEMMs (lora-distinct-layer-regs-51483c3-h100.json).
     # Column tiles an expand program covers in turn (1: one, each its own program). At 64
     # decode rows a program's time is mostly a chain of dependent loads (the tile entry's
     # segment, slot, rank, offsets; its B tile; the shrink's sums), and a multiprocessor holds
     # three at rank bound 64, so the 768-1,376 programs of a 16-tile qkv or gate_up expand run
     # in 2-4 waves of that chain. Over 1, a program walks the chain once, sums the K splits
-    # once, and loads each next tile's B and y while the one before is multiplied.
+    # once, and the compiler's two-stage pipeline loads each next tile's B and y while the one
+    # before is multiplied (114 registers a thread at four 128-column tiles, rank bound 64).
+    # Decode graphs' many-adapter lists take four (slora_core.cuda_graphs.MANY_TILE_OVERRIDES).
     expand_cols: int = 1
-    # With expand_cols over 1: the next tile's loads pipelined by the compiler (asynchronous
-    # copies through shared memory: 114 registers a thread at four 128-column tiles, rank
-    # bound 64) instead of held in registers by hand (216).
-    expand_cols_async: bool = False
     # The expand re-reads every K split's partial sums once per output tile, which costs more
     # than it saves once segments are long enough to fill the GPU with row tiles.
     max_split_k: int = 16  # MAX_SPLIT_K
@@ -303,7 +301,6 @@ class LoraGroup:
         lora_shrink(self.buf, self.x, self.arena, self.a_offsets, self.ranks, self.mods,
                     self.meta, block_m=t.shrink_block_m, block_r=self.block_r,
                     block_k=t.shrink_block_k, num_warps=t.num_warps, num_stages=t.num_stages,
-                    maxnreg=t.maxnreg,
                     rank_buckets=t.rank_buckets, launch_dependents=self.pdl)
 
     def expand(self, y: torch.Tensor) -> None:
@@ -319,9 +316,8 @@ class LoraGroup:
         lora_expand(y, self.buf, self.arena, self.b_offsets, self.ranks, self.scales, self.mods,
                     self.slices, self.meta, block_m=t.expand_block_m, block_n=t.expand_block_n,
                     block_r=self.block_r, num_warps=t.num_warps, num_stages=t.num_stages,
-                    maxnreg=t.maxnreg,
                     rank_buckets=t.rank_buckets, early_loads=self.early_loads, pdl=self.pdl,
-                    cols=t.expand_cols, cols_async=t.expand_cols_async)
+                    cols=t.expand_cols)
 
 
 def lora_groups(

@@ -129,48 +129,21 @@ def _expand_col(y_rows, mask_m, h, b_base, rank, scale, offs_r, mask_r, n_lo, ou
 def _expand_cols(
     y_rows, mask_m, buf_rows, b_base, rank, scale, n0, out_size, stride_yn, stride_bs,
     split_k, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, COLS: tl.constexpr, COLS_ASYNC: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, COLS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """y[rows, n0 : n0 + COLS * BLOCK_N] += scale * h @ B.T for a rank of at most BLOCK_R,
-    COLS column tiles in turn, the K splits summed once for all of them. Each tile's B and y
-    are loaded while the one before is multiplied: with COLS_ASYNC by the compiler's
-    two-stage pipeline (asynchronous copies through shared memory), else into registers by
-    hand, the first tile's before the sum (overlapping its wait on the shrink)."""
+    COLS column tiles in turn, the K splits summed once for all of them; each tile's B and y
+    are loaded while the one before is multiplied, by the compiler's two-stage pipeline
+    (asynchronous copies through shared memory). Held in registers by hand instead (the
+    first tile's before the sum), they took 216-255 registers a thread and lost
+    (lora-distinct-layer-regs-51483c3-h100.json)."""
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
-    h_mask = mask_m[:, None] & mask_r[None, :]
-    if COLS_ASYNC:
-        h = _split_sum(buf_rows, h_mask, offs_r, stride_bs, split_k, BLOCK_M, BLOCK_R,
-                       USE_PDL)
-        for c in tl.range(0, COLS, num_stages=2):
-            _expand_col(y_rows, mask_m, h, b_base, rank, scale, offs_r, mask_r,
-                        n0 + c * BLOCK_N, out_size, stride_yn, DOT_PRECISION, BLOCK_N)
-    else:
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < out_size
-        b_tile = tl.load(b_base + offs_n[None, :] * rank + offs_r[:, None],
-                         mask=mask_n[None, :] & mask_r[:, None], other=0.0)
-        y_ptrs = y_rows[:, None] + offs_n[None, :] * stride_yn
-        y_mask = mask_m[:, None] & mask_n[None, :]
-        y_old = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        h = _split_sum(buf_rows, h_mask, offs_r, stride_bs, split_k, BLOCK_M, BLOCK_R,
-                       USE_PDL)
-        for c in tl.static_range(COLS):
-            if c + 1 < COLS:
-                offs_next = n0 + (c + 1) * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask_next = offs_next < out_size
-                b_next = tl.load(b_base + offs_next[None, :] * rank + offs_r[:, None],
-                                 mask=mask_next[None, :] & mask_r[:, None], other=0.0)
-                y_ptrs_next = y_rows[:, None] + offs_next[None, :] * stride_yn
-                y_mask_next = mask_m[:, None] & mask_next[None, :]
-                y_next = tl.load(y_ptrs_next, mask=y_mask_next, other=0.0)
-            acc = tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
-            tl.store(y_ptrs,
-                     (y_old.to(tl.float32) + acc * scale).to(y_ptrs.dtype.element_ty),
-                     mask=y_mask)
-            if c + 1 < COLS:
-                b_tile, y_old, y_ptrs, y_mask = b_next, y_next, y_ptrs_next, y_mask_next
+    h = _split_sum(buf_rows, mask_m[:, None] & mask_r[None, :], offs_r, stride_bs, split_k,
+                   BLOCK_M, BLOCK_R, USE_PDL)
+    for c in tl.range(0, COLS, num_stages=2):
+        _expand_col(y_rows, mask_m, h, b_base, rank, scale, offs_r, mask_r,
+                    n0 + c * BLOCK_N, out_size, stride_yn, DOT_PRECISION, BLOCK_N)
 
 
 @triton.jit
@@ -178,22 +151,20 @@ def _expand_cols_bucketed(
     y_rows, mask_m, buf_rows, b_base, rank, scale, n0, out_size, stride_yn, stride_bs,
     split_k, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, RANK_BUCKETS: tl.constexpr, COLS: tl.constexpr,
-    COLS_ASYNC: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """`_expand_cols` at the narrowest rank tile (16, 32 or BLOCK_R) covering `rank`; a rank
     above BLOCK_R (a rank bound over 64) runs `_expand_rank_tiles` a column tile at a time."""
     if RANK_BUCKETS and BLOCK_R > 16 and rank <= 16:
         _expand_cols(y_rows, mask_m, buf_rows, b_base, rank, scale, n0, out_size, stride_yn,
-                     stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16, COLS, COLS_ASYNC,
-                     USE_PDL)
+                     stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 16, COLS, USE_PDL)
     elif RANK_BUCKETS and BLOCK_R > 32 and rank <= 32:
         _expand_cols(y_rows, mask_m, buf_rows, b_base, rank, scale, n0, out_size, stride_yn,
-                     stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32, COLS, COLS_ASYNC,
-                     USE_PDL)
+                     stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, 32, COLS, USE_PDL)
     elif rank <= BLOCK_R:
         _expand_cols(y_rows, mask_m, buf_rows, b_base, rank, scale, n0, out_size, stride_yn,
                      stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, COLS,
-                     COLS_ASYNC, USE_PDL)
+                     USE_PDL)
     else:
         for c in tl.static_range(COLS):
             offs_n = n0 + c * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,7 +187,7 @@ def _lora_expand_kernel(
     MAX_RANK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_BUCKETS: tl.constexpr, GATHER_ROWS: tl.constexpr, EARLY_LOADS: tl.constexpr,
-    USE_PDL: tl.constexpr, COLS: tl.constexpr, COLS_ASYNC: tl.constexpr,
+    USE_PDL: tl.constexpr, COLS: tl.constexpr,
 ):
     """A program a (tile entry, module and group of COLS column tiles; `n_tiles` counts the
     groups); an unused entry, a rank-0 module or a group past the module's outputs does
@@ -251,12 +222,12 @@ def _lora_expand_kernel(
                 _expand_cols_bucketed(y_rows, mask_m, buf_rows, arena_ptr + b_off // 8 * 8,
                                       rank // 8 * 8, scale, n0, out_size, stride_yn,
                                       stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                                      BLOCK_R, RANK_BUCKETS, COLS, COLS_ASYNC, USE_PDL)
+                                      BLOCK_R, RANK_BUCKETS, COLS, USE_PDL)
             else:
                 _expand_cols_bucketed(y_rows, mask_m, buf_rows, arena_ptr + b_off, rank, scale,
                                       n0, out_size, stride_yn, stride_bs, split_k,
                                       DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, RANK_BUCKETS,
-                                      COLS, COLS_ASYNC, USE_PDL)
+                                      COLS, USE_PDL)
         elif (b_off % 8 == 0) & (rank % 8 == 0):
             # Aligned B with rows of a multiple of 8 elements (`// 8 * 8` tells the
             # compiler): every B row segment loads as 16-byte vectors.
@@ -287,20 +258,16 @@ def lora_expand(
     block_r: int,
     num_warps: int = 4,
     num_stages: int = 2,
-    maxnreg: int | None = None,
     rank_buckets: bool = True,
     early_loads: bool = False,
     pdl: bool = False,
     cols: int = 1,
-    cols_async: bool = False,
 ) -> None:
     """Add the expand of `buf` into y's column slices (see module docstring). `early_loads`:
     the y and B tiles loaded before the K splits are summed; `pdl` (where `pdl_supported`):
     launched as a programmatic dependent of the shrink before it, which must write nothing
-    else this reads (slora_kernels.lora.LoraTiles.pdl). `maxnreg`: at most this many registers
-    a thread (ptxas spills the rest; None: its own choice). `cols`: column tiles a program
-    (LoraTiles.expand_cols; over 1 they always load early); `cols_async`: their loads
-    pipelined by the compiler (LoraTiles.expand_cols_async)."""
+    else this reads (slora_kernels.lora.LoraTiles.pdl). `cols`: column tiles a program
+    (LoraTiles.expand_cols)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
     if meta.num_tiles == 0 or num_tokens == 0:
@@ -325,10 +292,9 @@ def lora_expand(
         MAX_RANK=max_rank, DOT_PRECISION=dot_precision(arena.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, EARLY_LOADS=early_loads, USE_PDL=pdl,
-        COLS=cols, COLS_ASYNC=cols_async,
+        COLS=cols,
         num_warps=num_warps,
         num_stages=num_stages,
-        maxnreg=maxnreg,
         **pdl_options(pdl),
     )
 

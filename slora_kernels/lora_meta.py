@@ -72,8 +72,9 @@ class LoraMeta:
     # graphs' tile lists take one (slora_core.cuda_graphs.GRAPH_TILE_STAGES).
     num_stages: int | None = None
     # host-side: other LoraTiles fields the tile launches take instead of their tiles' (name,
-    # value), such as a shrink K tile or a register cap (`LoraTiles.maxnreg`): a benchmark's
-    # decode graph variants (slora_core.cuda_graphs.DecodeGraphs.tile_overrides).
+    # value), such as a shrink K tile or the expand's column tiles a program: decode graphs'
+    # many-adapter lists (slora_core.cuda_graphs.MANY_TILE_OVERRIDES) and a benchmark's
+    # variants (DecodeGraphs.tile_overrides).
     tile_overrides: tuple[tuple[str, int], ...] = ()
 
     def rows_or_slots(self) -> torch.Tensor:

@@ -156,14 +156,12 @@ def lora_shrink(
     block_k: int,
     num_warps: int = 4,
     num_stages: int = 2,
-    maxnreg: int | None = None,
     rank_buckets: bool = True,
     launch_dependents: bool = False,
 ) -> None:
     """Write the shrink partial sums into `buf` (see module docstring). `buf.shape[0]` is the
     K split count and `buf.shape[3]` the rank bound; ranks above it are clipped to it.
-    `launch_dependents`: let an expand launched with `pdl` start while this runs. `maxnreg`:
-    at most this many registers a thread (ptxas spills the rest; None: its own choice)."""
+    `launch_dependents`: let an expand launched with `pdl` start while this runs."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_shrink_inputs(buf, x, arena, a_offsets, ranks, module_ids)
     if meta.num_tiles == 0 or num_tokens == 0:
@@ -181,7 +179,6 @@ def lora_shrink(
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, RANK_BUCKETS=rank_buckets,
         GATHER_ROWS=meta.token_rows is not None, LAUNCH_DEPENDENTS=launch_dependents, num_warps=num_warps,
         num_stages=num_stages,
-        maxnreg=maxnreg,
     )
 
 

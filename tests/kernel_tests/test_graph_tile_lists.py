@@ -295,9 +295,9 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
     """The tile lists past the short one launch their expands with four 128-column tiles a
     program, pipelined (MANY_TILE_OVERRIDES), the short one with its tiles' own.
     DecodeGraphs.tile_overrides, where set, go to every tile list's meta instead (not the row
-    kernels'), and lora_groups launches with them (a shrink K tile, a register cap:
-    LoraTiles.maxnreg). bench.distinct_adapters.TileModes keeps each variant's tile graphs
-    apart and puts the default back. Float32 models keep their own tiles on every list."""
+    kernels'), and lora_groups launches with them (a shrink K tile, the expand's column
+    tiles). bench.distinct_adapters.TileModes keeps each variant's tile graphs apart and puts
+    the default back. Float32 models keep their own tiles on every list."""
     from bench.distinct_adapters import TILE_VARIANTS, TileModes
     from slora_core.cuda_graphs import MANY_TILE_OVERRIDES
     from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
@@ -319,7 +319,7 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
         assert isinstance(group.tiles, LoraTiles)
         return group.tiles
 
-    assert graphs.tile_overrides == () and launched(16).maxnreg is None
+    assert graphs.tile_overrides == ()
     half = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
         max_num_seqs=64, device="cpu", dtype="float16"))
     assert DecodeGraphs(half.runner, 64, 64).many_tile_overrides == MANY_TILE_OVERRIDES
@@ -328,23 +328,22 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
     assert DecodeGraphs(full.runner, 64, 64).many_tile_overrides == ()
     graphs.many_tile_overrides = MANY_TILE_OVERRIDES  # the 16-bit rule on this engine
     short, many = launched(4), launched(16)  # the short list: cdiv(64, 16)
-    assert (short.expand_cols, short.expand_block_n, short.expand_cols_async) == (
-        DECODE_TILES.expand_cols, DECODE_TILES.expand_block_n, False) == (1, 256, False)
-    assert (many.expand_cols, many.expand_block_n, many.expand_cols_async) == (4, 128, True)
+    assert (short.expand_cols, short.expand_block_n) == (
+        DECODE_TILES.expand_cols, DECODE_TILES.expand_block_n) == (1, 256)
+    assert (many.expand_cols, many.expand_block_n) == (4, 128)
     assert launched(33) == many and many.shrink_block_k == 16 and many.num_stages == 1
     graphs.many_tile_overrides = ()
     assert launched(16) == short
     graphs.many_tile_overrides = MANY_TILE_OVERRIDES
-    graphs.tile_overrides = TILE_VARIANTS["reg128"]  # instead of the many lists' too
-    assert launched(4).maxnreg == launched(33).maxnreg == 128
-    assert launched(16).shrink_block_k == 16 and launched(16).num_stages == 1
-    assert launched(16).expand_cols == 1
+    graphs.tile_overrides = TILE_VARIANTS["k128"]  # instead of the many lists' too
+    assert launched(4).shrink_block_k == launched(33).shrink_block_k == 128
+    assert launched(16).num_stages == 1 and launched(16).expand_cols == 1
+    graphs.tile_overrides = TILE_VARIANTS["n128cols4a"]  # on the short list too
+    assert launched(4) == many
     graphs.tile_overrides = TILE_VARIANTS["cols1"]  # the many lists as before them
     assert launched(16) == short
     row = graphs._context(64, mods, ROW_GRAPH).lora
     assert row is not None and row.tile_overrides == ()
-    graphs.tile_overrides = TILE_VARIANTS["k128"]
-    assert launched(16).shrink_block_k == 128 and launched(16).maxnreg is None
     graphs.tile_overrides = ()
 
     modes = TileModes(engine)
@@ -354,12 +353,12 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
     modes.set(TILE_VARIANTS["k128"])
     assert graphs.tile_overrides == TILE_VARIANTS["k128"] and set(graphs.graphs) == set(keys[1:])
     graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "k128", None, None
-    modes.set(TILE_VARIANTS["reg128"])
+    modes.set(TILE_VARIANTS["cols1"])
     assert set(graphs.graphs) == set(keys[1:])
-    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "reg", None, None
+    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "one", None, None
     modes.set(modes.default)
     assert graphs.tile_overrides == () and graphs.graphs[keys[0]] == f"graph {keys[0]}"
     modes.set(TILE_VARIANTS["k128"])
     assert graphs.graphs[keys[0]] == "k128"
-    modes.set(TILE_VARIANTS["reg128"])
-    assert graphs.graphs[keys[0]] == "reg"
+    modes.set(TILE_VARIANTS["cols1"])
+    assert graphs.graphs[keys[0]] == "one"

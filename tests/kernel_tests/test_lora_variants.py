@@ -40,8 +40,6 @@ VARIANTS = {
     "cols2": dataclasses.replace(DECODE_TILES, expand_block_n=16, expand_cols=2),
     "cols4_no_pdl": dataclasses.replace(DECODE_TILES, expand_block_n=16, expand_cols=4,
                                         pdl=False),
-    "cols4_async": dataclasses.replace(DECODE_TILES, expand_block_n=16, expand_cols=4,
-                                       expand_cols_async=True),
 }
 
 
@@ -92,7 +90,7 @@ def test_padded_tile_list(dtype: torch.dtype, variant: str, rows: int, adapters:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ranks", [[8], [16, 24], [1, 8, 16, 32, 33, 64]])
-@pytest.mark.parametrize("variant", ["default", "cols2", "cols4_async"])
+@pytest.mark.parametrize("variant", ["default", "cols2", "cols4_no_pdl"])
 def test_rank_buckets_mixed_ranks_under_a_wide_bound(dtype: torch.dtype,
                                                      ranks: list[int], variant: str) -> None:
     """Ranks meet the 16-, 32- and 64-wide tiles of a launch bounded at rank 64."""

@@ -46,11 +46,9 @@ for case in sys.argv[1:]:
         if kernel == "shrink":
             out = compile_cost(lora_shrink._lora_shrink_kernel,
                                {**common, "BLOCK_K": 256, "LAUNCH_DEPENDENTS": True}, 4)
-        else:  # expand: one column tile a program; expand_cols: four of 128 columns, in
-            # registers or through the compiler's pipeline (expand_cols_async)
-            cols = {"BLOCK_N": 128, "COLS": 4, "COLS_ASYNC": kernel.endswith("async")} if (
-                kernel.startswith("expand_cols")) else {"BLOCK_N": 256, "COLS": 1,
-                                                        "COLS_ASYNC": False}
+        else:  # expand: one column tile a program; expand_cols: four of 128 columns
+            cols = {"BLOCK_N": 128, "COLS": 4} if kernel == "expand_cols" else {
+                "BLOCK_N": 256, "COLS": 1}
             out = compile_cost(lora_expand._lora_expand_kernel,
                                {**common, **cols, "EARLY_LOADS": True, "USE_PDL": True}, 4)
     ptx = out["ptx"]
@@ -61,8 +59,7 @@ for case in sys.argv[1:]:
 """
 RIDE_CASES = ["silu_mul_expand", "silu_mul_expand_m64", "rotary_expand", "rotary_expand_m64",
               "expand_add"]
-CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand", "expand_cols",
-                                             "expand_cols_async")
+CASES = [f"{kernel}:{gather}" for kernel in ("shrink", "expand", "expand_cols")
          for gather in (0, 1)] \
     + RIDE_CASES
 
@@ -86,15 +83,15 @@ def test_shrink_compiles_for_sm90(compiled: dict[str, dict[str, object]],
     assert compiled[f"shrink:{int(gather_rows)}"]["pdl_launch"]
 
 
-@pytest.mark.parametrize("kernel", ["expand", "expand_cols", "expand_cols_async"])
+@pytest.mark.parametrize("kernel", ["expand", "expand_cols"])
 @pytest.mark.parametrize("gather_rows", [False, True])
 def test_expand_compiles_for_sm90(compiled: dict[str, dict[str, object]], kernel: str,
                                   gather_rows: bool) -> None:
     """The expand's dot is tf32 on the float32 sums and B widened to float32 (m16n8k8), one
-    column tile a program or several (LoraTiles.expand_cols); those through the compiler's
-    pipeline copy asynchronously (expand_cols_async), the others not (one stage)."""
+    column tile a program or several (LoraTiles.expand_cols), whose loop the compiler
+    pipelines (asynchronous copies; one tile a program has no loop to pipeline)."""
     out = compiled[f"{kernel}:{int(gather_rows)}"]
-    assert out["cp_async"] == kernel.endswith("async")
+    assert out["cp_async"] == (kernel == "expand_cols")
     assert out["pdl_wait"]
     kinds = " ".join(out["mma"])  # type: ignore[arg-type]
     assert "tf32" in kinds and "f32.f16.f16.f32" not in kinds, kinds
