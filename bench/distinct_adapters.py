@@ -34,6 +34,7 @@ distinct-adapters-fork-cb90780-h100.json, where `--fork-arms` ran the fork as th
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -78,15 +79,21 @@ RIDE_MODE_FIELDS = "fused_consumers, triton_expands, rank_sized, row_align"
 RideMode = tuple[bool, bool, bool, int]
 
 
-def parse_ride_variants(text: str) -> tuple[str, ...]:
-    """`--ride-variants`: comma-separated names from RIDE_VARIANTS (may be empty)."""
+def parse_names(text: str, known: Iterable[str], what: str) -> tuple[str, ...]:
+    """Comma-separated names from `known` (may be empty); another is a usage error naming
+    `what` they are."""
+    known = tuple(known)
     chosen = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in chosen if n not in RIDE_VARIANTS]
+    unknown = [n for n in chosen if n not in known]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: unknown ride variants {', '.join(unknown)} "
-            f"(choose from {', '.join(RIDE_VARIANTS)})")
+            f"{text!r}: unknown {what} {', '.join(unknown)} (choose from {', '.join(known)})")
     return chosen
+
+
+def parse_ride_variants(text: str) -> tuple[str, ...]:
+    """`--ride-variants`: names from RIDE_VARIANTS."""
+    return parse_names(text, RIDE_VARIANTS, "ride variants")
 
 
 class RideModes:
@@ -186,14 +193,8 @@ TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
 
 
 def parse_tile_variants(text: str) -> tuple[str, ...]:
-    """`--tile-variants`: comma-separated names from TILE_VARIANTS (may be empty)."""
-    chosen = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in chosen if n not in TILE_VARIANTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: unknown tile variants {', '.join(unknown)} (choose from "
-            f"{', '.join(TILE_VARIANTS)})")
-    return chosen
+    """`--tile-variants`: names from TILE_VARIANTS."""
+    return parse_names(text, TILE_VARIANTS, "tile variants")
 
 
 class MixedStageModes(GraphSwitch):

@@ -110,6 +110,20 @@ def test_decode_graph_tile_lists(demo_dir: Path, row_kernels: bool) -> None:
     assert all(nonzero), "a checked step had no LoRA delta: the comparison proved nothing"
 
 
+def launched_tiles(meta: Any, rows: int, tiles: Any) -> Any:
+    """The LoraTiles lora_groups launches a one-module group of `rows` rows with on `meta` (a
+    graph's context's), starting from `tiles`."""
+    from slora_kernels.lora import LoraTiles, lora_groups
+
+    assert meta is not None
+    x = torch.zeros(rows, 8)
+    tables = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1, dtype=torch.int32)
+    (group,) = lora_groups(x, torch.zeros(64), tables[0], tables[0], tables[1],
+                           torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8, tiles=tiles)
+    assert isinstance(group.tiles, LoraTiles)
+    return group.tiles
+
+
 def check_switch_keeps_each_way(graphs: Any, modes: Any, attr: str, taken: int,
                                 keys: list[Any] | None = None) -> None:
     """A bench.distinct_adapters.GraphSwitch made while `attr` is off: on, it takes the graphs
@@ -225,7 +239,7 @@ def test_decode_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
     none. bench.distinct_adapters.StageModes keeps each way's tile graphs apart."""
     from bench.distinct_adapters import StageModes
     from slora_core.cuda_graphs import GRAPH_TILE_STAGES
-    from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
+    from slora_kernels.lora import DECODE_TILES
 
     engine = LLMEngine.from_model_dir(demo_dir / "model",
                                       EngineConfig(max_num_seqs=64, device="cpu"))
@@ -241,14 +255,8 @@ def test_decode_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
     assert graphs.one_stage and DECODE_TILES.num_stages != GRAPH_TILE_STAGES
     assert stages(ROW_GRAPH) is None
     assert stages(4) == stages(16) == stages(33) == GRAPH_TILE_STAGES  # short: cdiv(64, 16)
-    meta = graphs._context(64, mods, 16).lora
-    assert meta is not None
-    x = torch.zeros(64, 8)
-    tables = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1, dtype=torch.int32)
-    (group,) = lora_groups(x, torch.zeros(64), tables[0], tables[0], tables[1],
-                           torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8,
-                           tiles=dataclasses.replace(DECODE_TILES, shrink_block_k=16))
-    assert isinstance(group.tiles, LoraTiles) and group.tiles.num_stages == GRAPH_TILE_STAGES
+    assert launched_tiles(graphs._context(64, mods, 16).lora, 64, dataclasses.replace(
+        DECODE_TILES, shrink_block_k=16)).num_stages == GRAPH_TILE_STAGES
     graphs.one_stage = False  # StageModes' default is the engine's own: off here
     assert stages(4) is None and stages(16) is None
     check_switch_keeps_each_way(graphs, StageModes(engine), "one_stage", taken=1)
@@ -261,7 +269,7 @@ def test_mixed_tile_lists_take_their_tiles_stages_and_the_switch_keeps_both_ways
     bench.distinct_adapters.MixedStageModes keeps each way's tile graphs apart."""
     from bench.distinct_adapters import MixedStageModes
     from slora_core.cuda_graphs import TWO_STAGES, MixedGraphs
-    from slora_kernels.lora import PREFILL_STAGES, PREFILL_TILES, LoraTiles, lora_groups
+    from slora_kernels.lora import PREFILL_STAGES, PREFILL_TILES
 
     engine = LLMEngine.from_model_dir(demo_dir / "model",
                                       EngineConfig(max_num_seqs=64, device="cpu"))
@@ -273,15 +281,9 @@ def test_mixed_tile_lists_take_their_tiles_stages_and_the_switch_keeps_both_ways
     assert PREFILL_TILES.num_stages == PREFILL_STAGES != TWO_STAGES
 
     def launched_stages() -> int:
-        meta = mixed._context(bucket, mods, mixed._tile_cap(bucket)).lora
-        assert meta is not None
-        x = torch.zeros(bucket, 8)
-        tables = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1, dtype=torch.int32)
-        (group,) = lora_groups(x, torch.zeros(64), tables[0], tables[0], tables[1],
-                               torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8,
-                               tiles=dataclasses.replace(PREFILL_TILES, shrink_block_k=16))
-        assert isinstance(group.tiles, LoraTiles)
-        return group.tiles.num_stages
+        return int(launched_tiles(mixed._context(bucket, mods, mixed._tile_cap(bucket)).lora,
+                                  bucket, dataclasses.replace(PREFILL_TILES,
+                                                              shrink_block_k=16)).num_stages)
 
     assert mixed.own_stages and launched_stages() == PREFILL_STAGES
     mixed.own_stages = False  # MixedStageModes' default is the engine's own: off here
@@ -300,7 +302,7 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
     the default back. Float32 models keep their own tiles on every list."""
     from bench.distinct_adapters import TILE_VARIANTS, TileModes
     from slora_core.cuda_graphs import MANY_TILE_OVERRIDES
-    from slora_kernels.lora import DECODE_TILES, LoraTiles, lora_groups
+    from slora_kernels.lora import DECODE_TILES, LoraTiles
 
     engine = LLMEngine.from_model_dir(demo_dir / "model",
                                       EngineConfig(max_num_seqs=64, device="cpu"))
@@ -309,15 +311,8 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
     mods = frozenset({0})
 
     def launched(tiles: int) -> LoraTiles:
-        meta = graphs._context(64, mods, tiles).lora
-        assert meta is not None
-        x = torch.zeros(64, 8)
-        tables = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1, dtype=torch.int32)
-        (group,) = lora_groups(x, torch.zeros(64), tables[0], tables[0], tables[1],
-                               torch.ones(2, 1), (0,), ((0, 8),), meta, max_rank=8,
-                               tiles=dataclasses.replace(DECODE_TILES, shrink_block_k=16))
-        assert isinstance(group.tiles, LoraTiles)
-        return group.tiles
+        return launched_tiles(graphs._context(64, mods, tiles).lora, 64,
+                              dataclasses.replace(DECODE_TILES, shrink_block_k=16))
 
     assert graphs.tile_overrides == ()
     half = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
