@@ -155,11 +155,11 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 # either way (kernel-compile-cost-9ee23b4-cpu.json). For registers: ptxas allocates the rank-16
 # shrink 78 a thread on one stage and 175 on two (six 4-warp programs a multiprocessor against
 # two), the rank-64 shrink 253 and 255 with 176 bytes spilled (two programs either way)
-# (kernel-compile-cost-21de10f-cpu.json, Triton 3.9's ptxas on the CPU). One 7B
-# decode layer's four GEMMs and LoRA on an H100, graph replay, in line
-# (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json): 16 adapters at 64 rows (the middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 ->
-# 336.4 and 64 adapters 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0,
-# 415.6 -> 407.5. Shrink K tiles of 128 instead gained less (248.7, 342.1, 419.0 in line), of 64
+# (kernel-compile-cost-21de10f-cpu.json, Triton 3.9's ptxas on the CPU). One 7B decode
+# layer's four GEMMs and LoRA on an H100, graph replay, in line
+# (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json): 16 adapters at 64 rows (the
+# middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 -> 336.4 and 64 adapters
+# 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0, 415.6 -> 407.5. Shrink K tiles of 128 instead gained less (248.7, 342.1, 419.0 in line), of 64
 # lost (255.4, 373.8, 436.8). In the engine (python -m bench issue37-stages, H100, 752466d):
 # 16 distinct adapters 0.818x of base against 0.804x on two stages, 64 in a batch of 256 0.735x
 # against 0.732x (distinct-adapters-stages{,-b256}-752466d-h100.json). The short (one-adapter)
@@ -173,19 +173,20 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 GRAPH_TILE_STAGES = 1
 # The tile lists past the short one (many adapters; the lists the fork takes) launch their
 # expands with four 128-column tiles a program, loaded through the compiler's two-stage
-# pipeline (LoraTiles.expand_cols): a program walks its tile entry's chain
-# of dependent loads and sums the K splits once for 512 columns, instead of once for 256 in
-# each of two to four waves of programs (at rank bound 64 a multiprocessor held three expands
-# of 162 registers a thread; these take 114 and it holds four). One 7B decode layer on an H100,
+# pipeline (LoraTiles.expand_cols): a program walks its tile entry's chain of dependent loads
+# and sums the K splits once for 512 columns, instead of once for 256 in each of two to four
+# waves of programs (at rank bound 64 a multiprocessor held three expands of 162 registers a
+# thread; these take 114 and it holds four). One 7B decode layer on an H100,
 # 64 rows, 16 adapters of ranks 8-64 on the middle list
 # (lora-distinct-layer-regs-51483c3-h100.json): LoRA alone 82.4 -> 77.3 us, with the GEMMs and
 # the shrinks forked 234.2 -> 228.9 (in line 237.9 -> 235.2); by hand into registers instead
 # (216 registers, two programs) 114.6, two 256-column tiles 102.8 (255) lost, as did capping
 # registers at 128 (115.7) and a shrink K tile of 128 (82.5; a cap of 168: 77.5 alone, 236.5
 # forked). On the short list (4 adapters of 16 rows, in line) it lost: 44.6 -> 55.7 us alone
-# (its 192 programs fit one wave), so that list keeps one tile a program. In the engine (python -m bench issue37-regs-engine, H100, 51483c3,
-# its limit cut it after 1 of 3 repeats: distinct-adapters-tiles-51483c3-h100.json) 16 distinct
-# adapters kept 0.824x of base against 0.810x. Not yet measured at 256 rows. 16-bit models only.
+# (its 192 programs fit one wave), so that list keeps one tile a program. In the engine
+# (python -m bench issue37-regs-engine, H100, 51483c3, its limit cut it after 1 of 3 repeats:
+# distinct-adapters-tiles-51483c3-h100.json) 16 distinct adapters kept 0.824x of base against
+# 0.810x. Not yet measured at 256 rows. 16-bit models only.
 MANY_TILE_OVERRIDES: tuple[tuple[str, int], ...] = (("expand_block_n", 128), ("expand_cols", 4))
 # The tiles' pipeline stages before GRAPH_TILE_STAGES and PREFILL_STAGES (a benchmark's arms).
 TWO_STAGES = 2

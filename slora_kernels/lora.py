@@ -34,12 +34,6 @@ class LoraTiles:
     expand_block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    # Removed after f979e18: `maxnreg`, registers a thread capped (ptxas spilling the rest).
-    # At rank bound 64 a one-stage decode shrink is allocated 253 registers a thread (two
-    # 4-warp programs a multiprocessor) and the expand 162 (three)
-    # (kernel-compile-cost-f979e18-cpu.json); capped at 128, one 7B layer's LoRA at 64 rows,
-    # 16 adapters, went 82.4 -> 115.7 us on an H100, at 168 to 77.5 alone but 234.2 -> 236.5
-    # beside the GEMMs (lora-distinct-layer-regs-51483c3-h100.json).
     # Column tiles an expand program covers in turn (1: one, each its own program). At 64
     # decode rows a program's time is mostly a chain of dependent loads (the tile entry's
     # segment, slot, rank, offsets; its B tile; the shrink's sums), and a multiprocessor holds
@@ -72,6 +66,12 @@ class LoraTiles:
     # not in the grid, take it too; the engine runs include them)
     # (lora-grid-pdl-dccb3ce-h200.json, engine-speed-{pdl,nopdl}-dccb3ce-h200.json).
     pdl: bool = True
+    # Removed after f979e18: `maxnreg`, registers a thread capped (ptxas spilling the rest).
+    # At rank bound 64 a one-stage decode shrink is allocated 253 registers a thread (two
+    # 4-warp programs a multiprocessor) and the expand 162 (three)
+    # (kernel-compile-cost-f979e18-cpu.json); capped at 128, one 7B layer's LoRA at 64 rows,
+    # 16 adapters, went 82.4 -> 115.7 us on an H100, at 168 to 77.5 alone but 234.2 -> 236.5
+    # beside the GEMMs (lora-distinct-layer-regs-51483c3-h100.json).
     # Measured on the H200 and taken out (each lost or gained nothing at the engine's cases):
     # reading the K splits' sums four at a time in the expand (lora-grid-h200.json,
     # `split_unroll4`), the shrink's rank tile shared by four programs (r64 B64 U1 8.9 ->

@@ -37,6 +37,18 @@ from slora_kernels.lora_meta import LoraMeta
 
 
 @triton.jit
+def _split_sum(buf_rows, h_mask, offs_r, stride_bs, split_k, BLOCK_M: tl.constexpr,
+               BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+    """The shrink's K splits of these rows summed (float32 [BLOCK_M, BLOCK_R]), after it."""
+    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    wait_for_producer(USE_PDL)
+    for j in range(split_k):
+        h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
+                     other=0.0)
+    return h
+
+
+@triton.jit
 def _expand_rank_tiles(
     y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n, mask_m, stride_bs, split_k,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -61,11 +73,8 @@ def _expand_rank_tiles(
         b_mask = mask_n[None, :] & mask_r[:, None]
         if EARLY_LOADS:
             b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
-        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        wait_for_producer(USE_PDL)
-        for j in range(split_k):
-            h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
-                         other=0.0)
+        h = _split_sum(buf_rows, h_mask, offs_r, stride_bs, split_k, BLOCK_M, BLOCK_R,
+                       USE_PDL)
         if not EARLY_LOADS:
             b_tile = tl.load(b_ptrs, mask=b_mask, other=0.0)
         acc += tl.dot(h, b_tile.to(tl.float32), input_precision=DOT_PRECISION)
@@ -95,18 +104,6 @@ def _expand_bucketed(
         _expand_rank_tiles(y_ptrs, y_mask, buf_rows, b_base, rank, scale, offs_n, mask_n,
                            mask_m, stride_bs, split_k, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
                            EARLY_LOADS, USE_PDL)
-
-
-@triton.jit
-def _split_sum(buf_rows, h_mask, offs_r, stride_bs, split_k, BLOCK_M: tl.constexpr,
-               BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
-    """The shrink's K splits of these rows summed (float32 [BLOCK_M, BLOCK_R]), after it."""
-    h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    wait_for_producer(USE_PDL)
-    for j in range(split_k):
-        h += tl.load(buf_rows[:, None] + j * stride_bs + offs_r[None, :], mask=h_mask,
-                     other=0.0)
-    return h
 
 
 @triton.jit
