@@ -159,8 +159,9 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 # layer's four GEMMs and LoRA on an H100, graph replay, in line
 # (lora-distinct-layer-fork-smem{,-b256}-b4b1c89-h100.json): 16 adapters at 64 rows (the
 # middle list) 251.6 -> 244.2 us; at 256 rows 32 adapters 346.4 -> 336.4 and 64 adapters
-# 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0, 415.6 -> 407.5. Shrink K tiles of 128 instead gained less (248.7, 342.1, 419.0 in line), of 64
-# lost (255.4, 373.8, 436.8). In the engine (python -m bench issue37-stages, H100, 752466d):
+# 421.1 -> 408.7; forked beside the GEMMs 250.7 -> 244.2, 337.9 -> 336.0, 415.6 -> 407.5.
+# Shrink K tiles of 128 instead gained less (248.7, 342.1, 419.0 in line), of 64 lost (255.4,
+# 373.8, 436.8). In the engine (python -m bench issue37-stages, H100, 752466d):
 # 16 distinct adapters 0.818x of base against 0.804x on two stages, 64 in a batch of 256 0.735x
 # against 0.732x (distinct-adapters-stages{,-b256}-752466d-h100.json). The short (one-adapter)
 # list gained as well in one layer at 64 rows (lora-distinct-layer-stages-short-752466d-h100.json:
