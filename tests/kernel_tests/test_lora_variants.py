@@ -11,6 +11,7 @@ import torch
 
 import slora_kernels.lora
 from slora_kernels.lora import DECODE_TILES, add_lora_triton, pick_split, split_cap
+from slora_kernels.lora_expand import lora_expand
 from slora_kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
 from slora_kernels.lora_reference import add_lora_reference
 from slora_kernels.lora_shrink import lora_shrink
@@ -104,6 +105,20 @@ def test_rank_buckets_under_a_rank_128_bound(variant: str) -> None:
     program, a column tile at a time)."""
     _check([0, 1, 1, 2], 3, [8, 24, 100], torch.float16, seed=5, capacity=4,
            tiles=VARIANTS[variant], max_rank=128)
+
+
+def test_expand_refuses_fewer_than_one_column_tile_a_program() -> None:
+    gen = generator(7)
+    case = build_lora_case([0, 0], 1, 32, OUT_SIZES, {(0, m): 8 for m in QKV},
+                           torch.float32, gen, block_m=DECODE_BLOCK_M)
+    y = randn(2, 112, dtype=torch.float32, gen=gen)
+    y0 = y.clone()
+    buf = torch.zeros((1, 2, 3, 8), device=DEVICE)
+    with pytest.raises(ValueError, match="cols must be at least 1, got 0"):
+        lora_expand(y, buf, case.arena, case.b_offsets, case.ranks, case.scales, QKV,
+                    ((0, 48), (48, 32), (80, 32)), case.meta, block_m=DECODE_BLOCK_M,
+                    block_n=16, block_r=16, cols=0)
+    assert torch.equal(y, y0)
 
 
 def test_shrink_work_items_cover_every_split() -> None:
