@@ -497,3 +497,16 @@ SUITES["issue37-call-b"] = (*SUITES["gpu-tests"], step(
     "regs-b256", 180, "bench.lora_distinct_layer", "--rows", "256", "--cases",
     "32:8-16-32-64,64:8-16-32-64", "--choices", "tiles_graph_s1,tiles_graph_s1_n128c4a",
     "--with-base", "--out", OUT("lora-distinct-layer-regs-b256")))
+# The whole many-adapter LoRA beside the base GEMM (shrinks and expands on the side stream,
+# the expands into a buffer y takes after both), with that add and without it (the ceiling of
+# folding the add into y's consumer), against the shrinks alone forked (the default) and in
+# line: one 7B layer at 64 rows, 16 adapters on the decode graphs' tile list with the
+# many-adapter expands, 16 and 64 on the row kernels.
+SUITES["issue37-forkall"] = (step(
+    "forkall", 150, "bench.lora_distinct_layer", "--cases", "16:8-16-32-64,64:8-16-32-64",
+    "--choices", "tiles_graph_s1_n128c4a,rows", "--with-base", "--fork-all",
+    "--out", OUT("lora-distinct-layer-forkall")),)
+# One call without the GPU suite: the 256-row layer (issue37-call-b's second step), the whole
+# LoRA forked, and mixed steps' stages.
+SUITES["issue37-call-c"] = (SUITES["issue37-call-b"][-1], *SUITES["issue37-forkall"],
+                            *SUITES["issue37-mixed-stages"])
