@@ -510,3 +510,12 @@ SUITES["issue37-forkall"] = (step(
 # LoRA forked, and mixed steps' stages.
 SUITES["issue37-call-c"] = (SUITES["issue37-call-b"][-1], *SUITES["issue37-forkall"],
                             *SUITES["issue37-mixed-stages"])
+# The many-adapter expands' column tiles (MANY_TILE_OVERRIDES) at 256 rows in the engine: 64
+# distinct adapters in a batch of 256 (four rows each: the middle list) with them and with
+# one column tile a program (`cols1`, as before), beside base, interleaved. In one layer they
+# won there (lora-distinct-layer-regs-b256-a1de8ba-h100.json).
+SUITES["issue37-tiles-b256"] = (step(
+    "distinct-tiles-b256", 260, "bench.serving", *GPU_7B, *_MID, "--arena-gb", "50",
+    "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
+    "--distinct-arms", "distinct64", "--tile-variant-arms", "distinct64", "--tile-variants",
+    "cols1", "--out", OUT("distinct-adapters-tiles-b256")),)
