@@ -383,16 +383,11 @@ def base_weights(shape: Shape, gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def with_base_calls(lay: Layer, shape: Shape, choice: Choice | None, ws: list[torch.Tensor],
-                    side: torch.cuda.Stream | None, delta: str | None = None,
-                    ) -> Callable[[], None]:
+                    side: torch.cuda.Stream | None) -> Callable[[], None]:
     """Each projection's base GEMM written into y, then (with a choice) its LoRA: in line
     after the GEMM (side None), or with the shrinks on the `side` stream beside the GEMM
     (they read only x) and the expands after both, launched plainly (a programmatic
-    dependent launch needs its producer on the same stream). With `delta` ("add" or
-    "noadd") the whole LoRA goes to `side`: the expands add into a zeroed buffer of y's shape
-    beside the GEMM, and y takes that buffer in one add after both ("add"), or not at all
-    ("noadd": y lacks the LoRA; what the layer would cost were the add folded into y's
-    consumer, the rotary, activation or residual kernel)."""
+    dependent launch needs its producer on the same stream)."""
     groups: list[list[LoraGroup]] = []
     for (_, mods, k, outs), x in zip(shape.projections(), lay.xs, strict=True):
         if choice is None:
@@ -405,14 +400,7 @@ def with_base_calls(lay: Layer, shape: Shape, choice: Choice | None, ws: list[to
             tuple(zip(starts, outs, strict=True)), meta, max_rank=MAX_RANK,
             split_k=split(len(mods), k), tiles=tiles, pdl=False if side is not None else None))
 
-    deltas = [torch.empty_like(y) for y in lay.ys] if delta is not None else []
-
     def run() -> None:
-        if delta is not None:
-            for x, y, w, gs, d in zip(lay.xs, lay.ys, ws, groups, deltas, strict=True):
-                lora_delta_forked(gs, side, partial(torch.mm, x, w.T, out=y), d,
-                                  add=delta == "add")
-            return
         for x, y, w, gs in zip(lay.xs, lay.ys, ws, groups, strict=True):
             if side is None:
                 torch.mm(x, w.T, out=y)
@@ -425,36 +413,8 @@ def with_base_calls(lay: Layer, shape: Shape, choice: Choice | None, ws: list[to
     return run
 
 
-def lora_delta_forked(groups: list[LoraGroup], side: torch.cuda.Stream | None,
-                      gemm: Callable[[], torch.Tensor], delta: torch.Tensor, *,
-                      add: bool) -> torch.Tensor:
-    """`gemm()` on the current stream with the groups' shrinks and expands beside it on
-    `side`, the expands adding into `delta` (zeroed there first); then y += delta (`add`).
-    Without a side stream (the CPU) all of it in line, in that order."""
-    def lora() -> None:
-        delta.zero_()
-        for g in groups:
-            g.shrink()
-            g.expand(delta.view(-1, delta.shape[-1]))
-
-    if side is None:
-        lora()
-        y = gemm()
-    else:
-        main = torch.cuda.current_stream(side.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            lora()
-        y = gemm()
-        main.wait_stream(side)
-    if add:
-        y.add_(delta)
-    return y
-
-
 def time_with_base(layers: list[Layer], shape: Shape, name: str, choice: Choice,
-                   ws: list[torch.Tensor], row: dict[str, Any], fork_all: bool = False,
-                   ) -> None:
+                   ws: list[torch.Tensor], row: dict[str, Any]) -> None:
     """`--with-base`: the layer's base GEMMs alone (once a case), with `name`'s LoRA in line,
     and with its shrinks forked beside them (on a stream of default and of high priority);
     whether the fork's y is the in-line one's bit for bit (the same kernels and splits on the
@@ -482,22 +442,6 @@ def time_with_base(layers: list[Layer], shape: Shape, name: str, choice: Choice,
         torch.cuda.synchronize()
     row[f"{name}_fork_matches"] = all(torch.equal(a, b) for a, b in zip(
         want, layers[0].ys, strict=True))
-    if not fork_all:
-        return
-    # The whole LoRA beside the GEMM into a buffer (its groups launched without PDL, as the
-    # fork's): with the add after, and without it (the ceiling of folding the add into y's
-    # consumer). Its y against the in-line one's: one rounding more (the delta's, to fp16).
-    for mode in ("add", "noadd"):
-        row[f"{name}+base_forkall_{mode}_us"] = graph_time_us(
-            [with_base_calls(lay, shape, choice, ws, side, mode) for lay in layers],
-            replays=10)
-    with_base_calls(layers[0], shape, choice, ws, side, "add")()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    num = sum(float((a.double() - b.double()).norm() ** 2) for a, b in zip(
-        want, layers[0].ys, strict=True))
-    den = sum(float(a.double().norm() ** 2) for a in want)
-    row[f"{name}_forkall_rel_diff"] = (num / den) ** 0.5
 
 
 def parse_cases(text: str) -> list[tuple[int, tuple[int, ...], int]]:
@@ -548,14 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time each chosen choice with the layer's base GEMMs, its LoRA "
                          "in line after each GEMM and with its shrinks forked beside it on a "
                          "second stream (decode cases only)")
-    ap.add_argument("--fork-all", action="store_true",
-                    help="with --with-base, also time each choice's whole LoRA (shrinks and "
-                         "expands) beside the GEMM, the expands into a buffer y takes in an "
-                         "add after, and without that add (in line on the CPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.fork_all and not args.with_base:
-        ap.error("--fork-all needs --with-base")
     try:
         cases = parse_cases(args.cases)
     except ValueError as e:
@@ -607,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
             row[f"{name}_rel_err"] = rel_err_f64(layers[0], shape, slots,
                                                  layer_calls(layers[0], shape, choice))
             if args.with_base and not isinstance(choice, list):
-                time_with_base(layers, shape, name, choice, ws, row, args.fork_all)
+                time_with_base(layers, shape, name, choice, ws, row)
         add_row(args.out, result, rows, row, len(cases))
         del layers
         if DEVICE == "cuda":

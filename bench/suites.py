@@ -497,19 +497,12 @@ SUITES["issue37-call-b"] = (*SUITES["gpu-tests"], step(
     "regs-b256", 180, "bench.lora_distinct_layer", "--rows", "256", "--cases",
     "32:8-16-32-64,64:8-16-32-64", "--choices", "tiles_graph_s1,tiles_graph_s1_n128c4a",
     "--with-base", "--out", OUT("lora-distinct-layer-regs-b256")))
-# The whole many-adapter LoRA beside the base GEMM (shrinks and expands on the side stream,
-# the expands into a buffer y takes after both), with that add and without it (the ceiling of
-# folding the add into y's consumer), against the shrinks alone forked (the default) and in
-# line: one 7B layer at 64 rows, 16 adapters on the decode graphs' tile list with the
-# many-adapter expands, 16 and 64 on the row kernels.
-SUITES["issue37-forkall"] = (step(
-    "forkall", 150, "bench.lora_distinct_layer", "--cases", "16:8-16-32-64,64:8-16-32-64",
-    "--choices", "tiles_graph_s1_n128c4a,rows", "--with-base", "--fork-all",
-    "--out", OUT("lora-distinct-layer-forkall")),)
-# One call without the GPU suite: the 256-row layer (issue37-call-b's second step), the whole
-# LoRA forked, and mixed steps' stages.
-SUITES["issue37-call-c"] = (SUITES["issue37-call-b"][-1], *SUITES["issue37-forkall"],
-                            *SUITES["issue37-mixed-stages"])
+# The whole many-adapter LoRA beside the base GEMM (shrinks and expands on a side stream, the
+# expands into a buffer y took after both; `bench.lora_distinct_layer --fork-all`, suites
+# issue37-forkall and issue37-call-c) lost at a1de8ba even without that add, the ceiling of
+# folding it into y's consumer: one 7B layer at 64 rows, D = 16 on the tile list 244.9 us
+# against 235.5 with the shrinks alone forked, D = 64 on the row kernels 330.5 against 317.7
+# (lora-distinct-layer-forkall-a1de8ba-h100.json). Removed after a1de8ba.
 # The many-adapter expands' column tiles (MANY_TILE_OVERRIDES) at 256 rows in the engine: 64
 # distinct adapters in a batch of 256 (four rows each: the middle list) with them and with
 # one column tile a program (`cols1`, as before), beside base, interleaved. In one layer they

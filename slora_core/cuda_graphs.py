@@ -185,9 +185,11 @@ GRAPH_TILE_STAGES = 1
 # registers at 128 (115.7) and a shrink K tile of 128 (82.5; a cap of 168: 77.5 alone, 236.5
 # forked). On the short list (4 adapters of 16 rows, in line) it lost: 44.6 -> 55.7 us alone
 # (its 192 programs fit one wave), so that list keeps one tile a program. In the engine
-# (python -m bench issue37-regs-engine, H100, 51483c3, its limit cut it after 1 of 3 repeats:
-# distinct-adapters-tiles-51483c3-h100.json) 16 distinct adapters kept 0.824x of base against
-# 0.810x. Not yet measured at 256 rows. 16-bit models only.
+# (python -m bench issue37-tiles-engine, H100, a1de8ba, 3 repeats:
+# distinct-adapters-tiles-a1de8ba-h100.json) 16 distinct adapters keep 0.828x of base against
+# 0.818x. At 256 rows on the middle list (lora-distinct-layer-regs-b256-a1de8ba-h100.json)
+# 32 adapters 141.2 -> 130.2 us alone, 333.8 -> 321.8 with the GEMMs forked; 64 adapters
+# 214.9 -> 186.0 and 404.7 -> 380.8. 16-bit models only.
 MANY_TILE_OVERRIDES: tuple[tuple[str, int], ...] = (("expand_block_n", 128), ("expand_cols", 4))
 # The tiles' pipeline stages before GRAPH_TILE_STAGES and PREFILL_STAGES (a benchmark's arms).
 TWO_STAGES = 2
