@@ -177,8 +177,18 @@ class TileModes(GraphSwitch):
     attr, take, off = "tile_overrides", "take_tile_graphs", ()
 
 
+class MixedTileModes(GraphSwitch):
+    """Mixed graphs' 64-row tile lists launched with LoraTiles fields of a variant
+    (MixedGraphs.tile_overrides; TILE_VARIANTS' `mixed_` ones) or PREFILL_TILES' own, each
+    way's tile graphs kept apart."""
+
+    attr, take, off, where = "tile_overrides", "take_tile_graphs", (), "mixed"
+
+
 # --tile-variants: decode graphs' tile lists launched with other LoraTiles fields, each
-# replacing the lists' own (MANY_TILE_OVERRIDES past the short list). At 51483c3 (an H100,
+# replacing the lists' own (MANY_TILE_OVERRIDES past the short list); those named `mixed_`
+# apply to mixed graphs' 64-row lists instead (prompt chunks and mixed steps of over
+# SHORT_TILES_MAX_TOKENS tokens; MixedGraphs.tile_overrides). At 51483c3 (an H100,
 # 1 of 3 repeats, distinct-adapters-tiles-51483c3-h100.json) 16 distinct adapters kept 0.810x
 # of base as before, 0.824x with four pipelined 128-column tiles an expand program (kept:
 # MANY_TILE_OVERRIDES), 0.802x with a shrink K tile of 128, 0.766x with two 256-column tiles
@@ -189,6 +199,10 @@ TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
     # One 256-column tile an expand program on every list: the lists past the short one as
     # before MANY_TILE_OVERRIDES.
     "cols1": (("expand_block_n", 256), ("expand_cols", 1)),
+    # Mixed steps' 64-row expands covering two or four of their 128-column tiles a program
+    # (LoraTiles.expand_cols): the K-split sums read once for 256 or 512 columns.
+    "mixed_cols2": (("expand_cols", 2),),
+    "mixed_cols4": (("expand_cols", 4),),
 }
 
 
@@ -320,9 +334,9 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     mixed_stages = MixedStageModes(engine)
     # --tile-variant-arms with --tile-variants: the same requests with decode graphs' tile
     # lists launched with each variant's LoraTiles fields (TILE_VARIANTS).
-    tile_arms = {name: TILE_VARIANTS[v] for v in a.tile_variants
+    tile_arms = {name: v for v in a.tile_variants
                  for name in same_requests(a.tile_variant_arms, f"tiles_{v}")}
-    tile_modes = TileModes(engine)
+    tile_modes, mixed_tile_modes = TileModes(engine), MixedTileModes(engine)
     extra_arms = tuple(n for n in ("one_kernels", *variants, *full_list, *own_split, *in_line,
                                    *two_stage, *mixed_two, *tile_arms) if n in arms)
     ratio_arms = (*targets, *extra_arms)
@@ -335,7 +349,11 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
         forks.set(forks.default and name not in in_line)
         stages.set(stages.default and name not in two_stage)
         mixed_stages.set(mixed_stages.default and name not in mixed_two)
-        tile_modes.set(tile_arms.get(name, tile_modes.default))
+        variant = tile_arms.get(name, "")
+        fields = TILE_VARIANTS.get(variant, ())
+        mixed = variant.startswith("mixed_")
+        tile_modes.set(fields if variant and not mixed else tile_modes.default)
+        mixed_tile_modes.set(fields if mixed else mixed_tile_modes.default)
         if modes is not None:
             modes.set(variants.get(name, modes.default))
         return replay(engine, arms[name], label)

@@ -23,6 +23,7 @@ from slora_core.model import LlamaForCausalLM
 from slora_core.step_inputs import StepInputs, TokenPatch, apply_patch
 from slora_kernels.lora_meta import (
     DECODE_BLOCK_M,
+    PREFILL_BLOCK_M,
     ROW_BLOCK_M,
     LoraMeta,
     lora_tile_count,
@@ -611,6 +612,10 @@ class MixedGraphs(_StepGraphs):
         # before it (a benchmark's switch, which swaps the graphs captured either way:
         # take_tile_graphs).
         self.own_stages = True
+        # LoraTiles fields the 64-row tile lists launch with instead of PREFILL_TILES' (name,
+        # value; LoraMeta.tile_overrides): a benchmark's switch, which swaps the graphs
+        # captured either way (take_tile_graphs). The 16-row lists keep their tiles' own.
+        self.tile_overrides: tuple[tuple[str, int], ...] = ()
 
     def reset_buffers(self) -> None:
         # Every sequence has no query (query_starts all 0) and logits rows are row 0: the
@@ -645,12 +650,15 @@ class MixedGraphs(_StepGraphs):
     def _context(self, bucket: int, modules: frozenset[int], tiles: int) -> StepContext:
         r, t, buf = self.runner, bucket, self.buf
         ride = is_ride(tiles)  # the ride's rows, no kernel: no segments or tiles read
+        block_m = self._tile_rows(bucket)
         lora = (LoraMeta(seg_starts=buf.seg_starts, seg_lens=buf.seg_lens,
                         seg_slots=buf.seg_slots, token_slots=buf.token_slots[:t],
                         max_seg_len=t, num_segments=self.b_max,
                         tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
-                        num_tiles=tiles, block_m=self._tile_rows(bucket),
-                        num_stages=None if self.own_stages else TWO_STAGES)
+                        num_tiles=tiles, block_m=block_m,
+                        num_stages=None if self.own_stages else TWO_STAGES,
+                        tile_overrides=self.tile_overrides if block_m == PREFILL_BLOCK_M
+                        else ())
                 if modules and not ride else None)
         return StepContext(
             positions=buf.positions[:t], slot_mapping=buf.slot_mapping[:t],

@@ -357,3 +357,46 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
     assert graphs.graphs[keys[0]] == "k128"
     modes.set(TILE_VARIANTS["cols1"])
     assert graphs.graphs[keys[0]] == "one"
+
+
+def test_mixed_tile_overrides_reach_only_the_64_row_lists(demo_dir: Path) -> None:
+    """MixedGraphs.tile_overrides go to the 64-row tile lists' launches (buckets over
+    SHORT_TILES_MAX_TOKENS), not the 16-row ones'; bench.distinct_adapters.MixedTileModes
+    keeps each variant's tile graphs apart and puts the default back."""
+    from bench.distinct_adapters import TILE_VARIANTS, MixedTileModes
+    from slora_core.cuda_graphs import MixedGraphs
+    from slora_kernels.lora import DECODE_TILES, PREFILL_TILES
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model",
+                                      EngineConfig(max_num_seqs=64, device="cpu"))
+    mixed = engine.runner.mixed = MixedGraphs(engine.runner, 64, 4096,
+                                              engine.config.max_model_len)
+    mods = frozenset({0})
+    wide, narrow = mixed.buckets[-1], mixed.buckets[0]
+    assert mixed._tile_rows(wide) == PREFILL_TILES.shrink_block_m
+    assert mixed._tile_rows(narrow) == DECODE_BLOCK_M
+
+    def launched(bucket: int) -> Any:
+        base = PREFILL_TILES if bucket == wide else DECODE_TILES
+        return launched_tiles(mixed._context(bucket, mods, mixed._tile_cap(bucket)).lora,
+                              bucket, dataclasses.replace(base, shrink_block_k=16))
+
+    assert mixed.tile_overrides == () and launched(wide).expand_cols == 1
+    mixed.tile_overrides = TILE_VARIANTS["mixed_cols4"]
+    assert launched(wide).expand_cols == 4
+    assert launched(wide).expand_block_n == PREFILL_TILES.expand_block_n
+    assert launched(narrow).expand_cols == 1
+    mixed.tile_overrides = ()
+
+    modes = MixedTileModes(engine)
+    keys = [(wide, mods, mixed._tile_cap(wide)), (wide, frozenset(), 0)]
+    for k in keys:
+        mixed.graphs[k], mixed.logits[k], mixed.contexts[k] = f"graph {k}", None, None
+    modes.set(TILE_VARIANTS["mixed_cols2"])
+    assert mixed.tile_overrides == TILE_VARIANTS["mixed_cols2"]
+    assert set(mixed.graphs) == set(keys[1:])
+    mixed.graphs[keys[0]], mixed.logits[keys[0]], mixed.contexts[keys[0]] = "c2", None, None
+    modes.set(modes.default)
+    assert mixed.tile_overrides == () and mixed.graphs[keys[0]] == f"graph {keys[0]}"
+    modes.set(TILE_VARIANTS["mixed_cols2"])
+    assert mixed.graphs[keys[0]] == "c2"

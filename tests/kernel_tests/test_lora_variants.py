@@ -10,9 +10,15 @@ import pytest
 import torch
 
 import slora_kernels.lora
-from slora_kernels.lora import DECODE_TILES, add_lora_triton, pick_split, split_cap
+from slora_kernels.lora import (
+    DECODE_TILES,
+    PREFILL_TILES,
+    add_lora_triton,
+    pick_split,
+    split_cap,
+)
 from slora_kernels.lora_expand import lora_expand
-from slora_kernels.lora_meta import DECODE_BLOCK_M, LoraMeta
+from slora_kernels.lora_meta import DECODE_BLOCK_M, PREFILL_BLOCK_M, LoraMeta
 from slora_kernels.lora_reference import add_lora_reference
 from slora_kernels.lora_shrink import lora_shrink
 from tests.kernel_tests.helpers import (
@@ -54,11 +60,11 @@ def padded(meta: LoraMeta, capacity: int) -> LoraMeta:
 
 def _check(slots: list[int], adapters: int, ranks: list[int], dtype: torch.dtype, seed: int,
            capacity: int, tiles: object, max_rank: int = 64, in_features: int = 64,
-           split_k: int | None = None) -> None:
+           split_k: int | None = None, block_m: int = DECODE_BLOCK_M) -> None:
     gen = generator(seed)
     rank_of = {(s, m): ranks[(s + m) % len(ranks)] for s in range(adapters) for m in QKV}
     case = build_lora_case(slots, adapters, in_features, OUT_SIZES, rank_of, dtype, gen,
-                           aligned=seed % 2 == 0, block_m=DECODE_BLOCK_M)
+                           aligned=seed % 2 == 0, block_m=block_m)
     meta = padded(case.meta, capacity)
     slices = ((0, 48), (48, 32), (80, 32))
     x = randn(len(slots), in_features, dtype=dtype, gen=gen)
@@ -105,6 +111,18 @@ def test_rank_buckets_under_a_rank_128_bound(variant: str) -> None:
     program, a column tile at a time)."""
     _check([0, 1, 1, 2], 3, [8, 24, 100], torch.float16, seed=5, capacity=4,
            tiles=VARIANTS[variant], max_rank=128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [2, 4])
+def test_64_row_tiles_with_column_tiles_a_program(dtype: torch.dtype, cols: int) -> None:
+    """Prompt chunks' 64-row tiles (PREFILL_TILES) with expand programs covering several
+    16-column tiles (mixed graphs' `mixed_cols` variants): a 70-row segment over two tiles,
+    a base row, a 5-row one, with K split in two, in a list padded as graphs capture it."""
+    tiles = dataclasses.replace(PREFILL_TILES, expand_block_n=16, expand_cols=cols)
+    slots = [0] * 70 + [-1] + [1] * 5
+    _check(slots, 2, [8, 64], dtype, seed=cols, capacity=6, tiles=tiles, in_features=128,
+           split_k=2, block_m=PREFILL_BLOCK_M)
 
 
 def test_expand_refuses_fewer_than_one_column_tile_a_program() -> None:
