@@ -333,7 +333,8 @@ def scenario_distinct(b: Bench) -> dict[str, Any]:
     mixed_two = same_requests(a.mixed_two_stage_arms, "mixed_two_stage")
     mixed_stages = MixedStageModes(engine)
     # --tile-variant-arms with --tile-variants: the same requests with decode graphs' tile
-    # lists launched with each variant's LoraTiles fields (TILE_VARIANTS).
+    # lists, or with a `mixed_` variant mixed graphs' 64-row ones, launched with each
+    # variant's LoraTiles fields (TILE_VARIANTS).
     tile_arms = {name: v for v in a.tile_variants
                  for name in same_requests(a.tile_variant_arms, f"tiles_{v}")}
     tile_modes, mixed_tile_modes = TileModes(engine), MixedTileModes(engine)
