@@ -200,9 +200,12 @@ TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
     # before MANY_TILE_OVERRIDES.
     "cols1": (("expand_block_n", 256), ("expand_cols", 1)),
     # Mixed steps' 64-row expands covering two or four of their 128-column tiles a program
-    # (LoraTiles.expand_cols): the K-split sums read once for 256 or 512 columns.
+    # (LoraTiles.expand_cols): the K-split sums read once for 256 or 512 columns. ptxas gives
+    # these 242-244 registers at rank bound 64 (two programs a multiprocessor against three);
+    # eight 64-column tiles, 512 columns too, keep three (kernel_compile_cost).
     "mixed_cols2": (("expand_cols", 2),),
     "mixed_cols4": (("expand_cols", 4),),
+    "mixed_n64c8": (("expand_block_n", 64), ("expand_cols", 8)),
 }
 
 

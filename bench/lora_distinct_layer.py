@@ -318,6 +318,9 @@ def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
         # K splits' partial sums, re-read once a column tile, read once for 256 or 512.
         "mixed_tiles64_c2": [(graph, dataclasses.replace(PREFILL_TILES, expand_cols=2), none)],
         "mixed_tiles64_c4": [(graph, dataclasses.replace(PREFILL_TILES, expand_cols=4), none)],
+        # Eight 64-column tiles: 512 columns a program at the registers of one 128-column tile.
+        "mixed_tiles64_n64c8": [(graph, dataclasses.replace(PREFILL_TILES, expand_block_n=64,
+                                                            expand_cols=8), none)],
         "mixed_tiles16": [(dec16, DECODE_TILES, none)],
         "mixed_tiles16_s1": [(dec16, dataclasses.replace(DECODE_TILES, num_stages=1), none)],
         "mixed_tiles16_s3": [(dec16, dataclasses.replace(DECODE_TILES, num_stages=3), none)],
@@ -477,7 +480,7 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", 
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
                       "mixed_tiles64_s1", "mixed_tiles64_s2", "mixed_tiles64_c2",
-                      "mixed_tiles64_c4", "mixed_tiles16",
+                      "mixed_tiles64_c4", "mixed_tiles64_n64c8", "mixed_tiles16",
                       "mixed_tiles16_s1", "mixed_tiles16_s3", "mixed_rows_and_chunk_tiles")
 
 

@@ -512,7 +512,7 @@ SUITES["issue37-tiles-b256"] = (step(
     "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
     "--distinct-arms", "distinct64", "--tile-variant-arms", "distinct64", "--tile-variants",
     "cols1", "--out", OUT("distinct-adapters-tiles-b256")),)
-# Mixed steps' 64-row expands covering two or four 128-column tiles a program
+# Mixed steps' 64-row expands covering two or four 128-column tiles a program, or eight of 64
 # (LoraTiles.expand_cols, which won on the decode lists): one 7B layer's mixed-step LoRA as in
 # issue37-mixed-stages, then in the engine 16 distinct adapters a batch of 64 (~3,700-token
 # mixed steps: 64-row tiles) with each beside the default and base, interleaved (a profile at
@@ -520,9 +520,9 @@ SUITES["issue37-tiles-b256"] = (step(
 SUITES["issue37-mixed-cols"] = (
     step("mixed-cols", 90, "bench.lora_distinct_layer", "--cases",
          "16:8-16-32-64:chunk512,4:8-16-32-64:chunk2048,2:16:chunk2048", "--choices",
-         "mixed_tiles64,mixed_tiles64_c2,mixed_tiles64_c4",
+         "mixed_tiles64,mixed_tiles64_c2,mixed_tiles64_c4,mixed_tiles64_n64c8",
          "--out", OUT("lora-distinct-layer-mixed-cols")),
-    dataclasses.replace(SUITES["issue37"][0], name="distinct-mixed-cols", limit_s=280, argv=(
+    dataclasses.replace(SUITES["issue37"][0], name="distinct-mixed-cols", limit_s=320, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--tile-variant-arms",
-        "distinct16", "--tile-variants", "mixed_cols2,mixed_cols4",
+        "distinct16", "--tile-variants", "mixed_cols2,mixed_cols4,mixed_n64c8",
         "--out", OUT("distinct-adapters-mixed-cols"))))
