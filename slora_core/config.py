@@ -222,6 +222,12 @@ class EngineConfig:
         None, "launch each step before reading the previous one's tokens, which feed it on "
               "the device (overlaps host work with the GPU; outputs come one step() later; "
               "default: on for one CUDA device, off otherwise)")
+    # Not measured on a GPU yet (slora_core/admission.py; docs/performance.md, "Late
+    # admission").
+    admission_lead_ms: float = knob(
+        0.0, "with asynchronous steps, the serving loop takes new requests after a step "
+             "returns until the step under way on the GPU is about to end, less the host's "
+             "launch time and this many ms, so that they join the next step (0: off)")
     # The batch-64 decode step with 64 adapters gains 0.5-0.8 ms (1.27-1.33x its floor vs
     # 1.39x on the H200, engine-floor-*-h200.json).
     lora_row_kernels: bool = knob(
@@ -267,6 +273,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if not self.admission_lead_ms >= 0.0:  # NaN too
+            raise ConfigError(f"admission_lead_ms must be at least 0, got "
+                              f"{self.admission_lead_ms}")
         for name in ("num_pages", "max_rank", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size"):
             if getattr(self, name) <= 0:

@@ -8,6 +8,7 @@ ids arrive computed one token too many; it is dropped before sampling."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from slora_core import step_checks
 from slora_core.adapter_tiers import AdapterTiers, unloadable
+from slora_core.admission import AdmissionPacer
 from slora_core.intake import Request, Requests
 from slora_core.model_runner import ModelRunner
 from slora_core.outputs import (
@@ -40,6 +42,9 @@ class Inflight:
 
     seqs: list[Sequence]
     pending: PendingSample
+    # CUDA events before the step's launches and after its sampling (late admission's
+    # AdmissionPacer times the step's GPU work with them); None without it.
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 class StepLoop:
@@ -55,10 +60,14 @@ class StepLoop:
         self.steps_async = steps_async
         self.inflight: Inflight | None = None  # async steps: the sampled batch not yet read
         self.grammars: GrammarRequests | None = None  # structured output (engine sets it)
+        # Late admission (EngineConfig.admission_lead_ms; the engine sets it): how long the
+        # serving loop may take requests after a step returns.
+        self.pacer: AdmissionPacer | None = None
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; the outputs of requests that made progress."""
         inflight, self.inflight = self.inflight, None
+        entered = time.monotonic()
         self.tiers.sweep()
         outputs = self._finish_reads() if self.tiers.reading else []
         if self.grammars is not None and self.grammars.active:
@@ -71,22 +80,47 @@ class StepLoop:
         elif not sched.scheduled and inflight is None and not outputs and (
                 self.grammars is not None and self.grammars.has_pending):
             self.grammars.wait(GRAMMAR_WAIT_S)  # nothing to run until a grammar compiles
-        logits, sampling = None, []
+        logits: torch.Tensor | None = None
+        sampling: list[Sequence] = []
+        started: torch.cuda.Event | None = None
         if sched.scheduled:
             self.tiers.wait_for_copies(sched)
             if step_checks.ENABLED:  # after the waits: it reads the slots' table rows
                 step_checks.check_scheduled(sched.scheduled, self.tiers.pool, self.tiers.arena)
             patch = None if inflight is None else self.runner.token_patch(
                 sched.scheduled, inflight.seqs, inflight.pending.tokens)
+            started = self._record_event() if self.pacer is not None else None
             logits = self.runner.run(sched.scheduled, patch)
+            if self.pacer is not None:
+                self.pacer.launched(time.monotonic() - entered)
             sampling = [s.seq for s in sched.scheduled if s.samples]
         if inflight is not None:
             outputs += self._complete(inflight)
             logits, sampling = self._drop_finished(logits, sampling)
+            if self.pacer is not None:
+                self._paced(inflight, running=bool(sched.scheduled))
         if not self.steps_async:
             return outputs + self.sample(sched, logits, sampling)
         self.inflight = self._sample_async(sched, logits, sampling)
+        if self.inflight is not None and started is not None:
+            self.inflight.events = (started, self._record_event())
         return outputs
+
+    @staticmethod
+    def _record_event() -> torch.cuda.Event:
+        """A timing event recorded on the current CUDA stream (late admission's)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _paced(self, inflight: Inflight, running: bool) -> None:
+        """Tell the pacer the step `inflight` held is read (its events done with it)."""
+        assert self.pacer is not None
+        self.pacer.read(time.monotonic(), running)
+        if inflight.events is not None:
+            start, end = inflight.events
+            end.synchronize()  # recorded just after the sampled ids' copy, already read
+            self.pacer.step_done(start.elapsed_time(end) / 1e3)
 
     # ---- adapters ------------------------------------------------------------------------
     def _finish_reads(self) -> list[RequestOutput]:

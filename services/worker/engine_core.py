@@ -124,6 +124,8 @@ class EngineCore:
                 self.outputs.send(m.encoder.encode(result))
             if self.engine.has_unfinished():
                 self._step()
+                if not self._admit_late(inputs):
+                    return
             elif self._failed or self._state_changed():
                 self._send([])
             elif os.getppid() != self.parent_pid:
@@ -151,6 +153,20 @@ class EngineCore:
             self.graphs.failed, records = True, []
         update = m.StartupUpdate(records, self.graphs.engine.graphs_pending())
         self.outputs.send(m.encoder.encode(update))
+
+    def _admit_late(self, inputs: zmq.Socket) -> bool:
+        """Late admission (EngineConfig.admission_lead_ms, slora_core/admission.py): while the
+        step under way on the GPU leaves time before the next must be launched, take the
+        requests that arrive, so that they join that next step; False once asked to shut
+        down."""
+        wait = self.engine.admission_wait_s()
+        if wait <= 0.0:
+            return True
+        deadline = time.monotonic() + wait
+        while (left_ms := int((deadline - time.monotonic()) * 1e3)) > 0:
+            if inputs.poll(left_ms) and not self._drain(inputs):
+                return False
+        return True
 
     def _drain(self, inputs: zmq.Socket) -> bool:
         """Handle every message already waiting; False once asked to shut down."""

@@ -149,6 +149,9 @@ class TPEngine:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
+    def admission_wait_s(self) -> float:
+        return self.engine.admission_wait_s()
+
     def request_ids(self) -> list[str]:
         return self.engine.request_ids()
 

@@ -1,0 +1,56 @@
+"""Late admission for asynchronous steps.
+
+With asynchronous steps `step()` schedules and launches step k, then reads step k-1's tokens
+and returns: the GPU runs step k from then on, and the next `step()` schedules step k+1 at
+once. A request that arrives a moment after that (a closed-loop client's next request, which
+comes the hops after its predecessor's last token) waits until step k+2 is scheduled: a
+whole step later than one added before `step()` returned (docs/performance.md, "the late
+arrival"). With `EngineConfig.admission_lead_ms` set, the serving loop may keep taking new
+requests after a step returns, until the step under way on the GPU is about to end less the
+host's time to schedule and launch the next one and that lead: the next step still starts
+as the GPU frees, and requests that came meanwhile join it.
+
+`AdmissionPacer` keeps the estimates: the GPU time of a step (CUDA events around each
+step's launches, read once its tokens are read), the host's time from entering `step()` to
+its launch, and when the last read returned (the step after it started on the GPU then)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Weight of the newest sample in the running estimates.
+EWMA = 0.25
+
+
+@dataclass
+class AdmissionPacer:
+    """When the serving loop must call `step()` again so the GPU does not idle, less
+    `lead_s`; 0 while nothing is measured yet or no step is under way."""
+
+    lead_s: float
+    gpu_step_s: float = 0.0     # a step's GPU time (running estimate)
+    host_launch_s: float = 0.0  # step() entry to its launch (running estimate)
+    read_at: float | None = None  # when the last step's tokens were read (monotonic s)
+
+    def launched(self, host_s: float) -> None:
+        self.host_launch_s = _mix(self.host_launch_s, host_s)
+
+    def step_done(self, gpu_s: float) -> None:
+        self.gpu_step_s = _mix(self.gpu_step_s, gpu_s)
+
+    def read(self, at: float, running: bool) -> None:
+        """A step's tokens were read at `at`; `running`: the next step is on the GPU."""
+        self.read_at = at if running else None
+
+    def wait_s(self, now: float) -> float:
+        """How long the loop may still take requests before calling `step()`: until the step
+        under way ends (it began when the step before was read) less the host's launch time
+        and the lead; never more than one step's GPU time."""
+        if self.read_at is None or self.gpu_step_s <= 0.0:
+            return 0.0
+        end = self.read_at + self.gpu_step_s
+        return max(0.0, min(self.gpu_step_s, end - self.host_launch_s - self.lead_s - now))
+
+
+def _mix(old: float, new: float) -> float:
+    return new if old <= 0.0 else old + EWMA * (new - old)

@@ -1,0 +1,165 @@
+"""Late admission (slora_core/admission.py, EngineConfig.admission_lead_ms): the pacer's
+estimate of how long the serving loop may take requests before the next step must launch,
+and the engine core's loop taking the requests that arrive in that window."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from services.worker import core_protocol as m
+from services.worker.engine_core import EngineCore
+from slora_core.admission import EWMA, AdmissionPacer
+from slora_core.config import ConfigError, EngineConfig
+
+
+def test_the_wait_runs_to_the_steps_end_less_launch_and_lead() -> None:
+    pacer = AdmissionPacer(lead_s=0.001)
+    assert pacer.wait_s(now=0.0) == 0.0  # nothing measured
+    pacer.launched(0.002)
+    pacer.step_done(0.010)
+    assert pacer.wait_s(now=0.0) == 0.0  # no step read yet: none known to be running
+    pacer.read(at=100.0, running=True)
+    # The step under way started at 100.0 and ends at 100.010; the next must launch 2 ms
+    # (host) + 1 ms (lead) before: 7 ms from the read, 4 ms from 100.003.
+    assert pacer.wait_s(now=100.0) == pytest.approx(0.007)
+    assert pacer.wait_s(now=100.003) == pytest.approx(0.004)
+    assert pacer.wait_s(now=100.008) == 0.0  # past it: launch at once
+    pacer.read(at=200.0, running=False)  # nothing launched: nothing to wait for
+    assert pacer.wait_s(now=200.0) == 0.0
+
+
+def test_the_estimates_follow_the_steps_and_the_wait_stays_under_one_step() -> None:
+    pacer = AdmissionPacer(lead_s=0.0)
+    pacer.step_done(0.010)
+    pacer.step_done(0.030)  # a longer step moves the estimate by EWMA of the difference
+    assert pacer.gpu_step_s == pytest.approx(0.010 + EWMA * 0.020)
+    pacer.read(at=0.0, running=True)
+    # A clock read before the step started never waits more than one step's GPU time.
+    assert pacer.wait_s(now=-1.0) == pytest.approx(pacer.gpu_step_s)
+
+
+def test_a_negative_or_nan_lead_is_refused() -> None:
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="admission_lead_ms"):
+            EngineConfig(admission_lead_ms=bad)
+    assert EngineConfig().admission_lead_ms == 0.0  # off by default
+
+
+class WaitingEngine:
+    """What EngineCore's late admission uses of an engine: the wait, and the aborts a test
+    sends as the messages to drain."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self.aborted: list[tuple[str, float]] = []
+
+    def admission_wait_s(self) -> float:
+        return self.wait_s
+
+    def abort_request(self, rid: str) -> Any:
+        self.aborted.append((rid, time.monotonic()))
+
+
+@pytest.fixture
+def sockets() -> Any:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://admission")
+    push.connect("inproc://admission")
+    yield push, pull
+    push.close(linger=0)
+    pull.close(linger=0)
+    ctx.term()
+
+
+def send_later(push: zmq.Socket, msg: Any, after_s: float) -> threading.Thread:
+    def run() -> None:
+        time.sleep(after_s)
+        push.send(m.encoder.encode(msg))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_the_core_takes_requests_that_arrive_within_the_wait(sockets: Any) -> None:
+    push, pull = sockets
+    engine = WaitingEngine(wait_s=0.3)
+    core = EngineCore(engine, outputs=None, parent_pid=0)  # type: ignore[arg-type]
+    began = time.monotonic()
+    thread = send_later(push, m.Abort([7]), after_s=0.05)
+    assert core._admit_late(pull)
+    thread.join()
+    took = time.monotonic() - began
+    assert [rid for rid, _ in engine.aborted] == ["7"]  # drained inside the window
+    assert 0.29 <= took < 1.0  # it waited the window out, not just until the first message
+
+
+def test_without_a_wait_the_core_goes_straight_to_the_next_step(sockets: Any) -> None:
+    push, pull = sockets
+    engine = WaitingEngine(wait_s=0.0)
+    core = EngineCore(engine, outputs=None, parent_pid=0)  # type: ignore[arg-type]
+    push.send(m.encoder.encode(m.Abort([3])))
+    time.sleep(0.05)
+    began = time.monotonic()
+    assert core._admit_late(pull)
+    assert time.monotonic() - began < 0.05 and engine.aborted == []  # left for the loop
+
+
+def test_a_shutdown_inside_the_wait_ends_it(sockets: Any) -> None:
+    push, pull = sockets
+    engine = WaitingEngine(wait_s=5.0)
+    core = EngineCore(engine, outputs=None, parent_pid=0)  # type: ignore[arg-type]
+    thread = send_later(push, m.Shutdown(), after_s=0.05)
+    began = time.monotonic()
+    assert not core._admit_late(pull)
+    thread.join()
+    assert time.monotonic() - began < 2.0
+
+
+def test_the_pacer_runs_only_with_asynchronous_steps_on_cuda(demo_dir: Path) -> None:
+    """On the CPU (nothing runs beside the host) late admission stays off, asked or not."""
+    from slora_core.engine import LLMEngine
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        num_pages=64, block_size=16, max_rank=16, async_steps=True, admission_lead_ms=1.0))
+    assert engine.loop.pacer is None and engine.admission_wait_s() == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_the_pacer_times_the_steps_and_changes_no_token(demo_dir: Path) -> None:
+    """With late admission the engine measures its steps' GPU and launch times and offers a
+    wait within one step; the tokens are those of an engine without it."""
+    from slora_core.engine import LLMEngine
+    from slora_core.sampling_params import SamplingParams
+
+    def tokens(lead_ms: float) -> tuple[dict[str, list[int]], Any]:
+        engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+            num_pages=64, block_size=16, max_rank=16, device="cuda",
+            admission_lead_ms=lead_ms))
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        for i in range(4):
+            engine.add_request(str(i), [1, 5 + i, 9, 13], params)
+        out: dict[str, list[int]] = {}
+        waits = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.token_ids)
+            waits.append(engine.admission_wait_s())
+        pacer = engine.loop.pacer
+        engine.close()
+        return out, (pacer, waits)
+
+    plain, (none, _) = tokens(0.0)
+    paced, (pacer, waits) = tokens(0.5)
+    assert none is None and pacer is not None
+    assert paced == plain and all(len(t) == 12 for t in paced.values())
+    assert pacer.gpu_step_s > 0.0 and pacer.host_launch_s > 0.0
+    assert all(0.0 <= w <= pacer.gpu_step_s for w in waits)
