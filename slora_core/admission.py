@@ -10,16 +10,23 @@ requests after a step returns, until the step under way on the GPU is about to e
 host's time to schedule and launch the next one and that lead: the next step still starts
 as the GPU frees, and requests that came meanwhile join it.
 
-`AdmissionPacer` keeps the estimates: the GPU time of a step (CUDA events around each
-step's launches, read once its tokens are read), the host's time from entering `step()` to
-its launch, and when the last read returned (the step after it started on the GPU then)."""
+`AdmissionPacer` keeps the estimates: the GPU time of a step of about as many tokens
+(CUDA events around each step's launches, read once its tokens are read; steps are told
+apart by their token count's power of two, so that a long prefill step does not lengthen
+the wait before a decode step), the host's time from entering `step()` to its launch, and
+when the last read returned (the step after it started on the GPU then)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Weight of the newest sample in the running estimates.
 EWMA = 0.25
+
+
+def size_class(tokens: int) -> int:
+    """Steps of 2^(c-1) to 2^c - 1 tokens share class c."""
+    return tokens.bit_length()
 
 
 @dataclass
@@ -28,28 +35,33 @@ class AdmissionPacer:
     `lead_s`; 0 while nothing is measured yet or no step is under way."""
 
     lead_s: float
-    gpu_step_s: float = 0.0     # a step's GPU time (running estimate)
+    gpu_step_s: dict[int, float] = field(default_factory=dict)  # by size_class
     host_launch_s: float = 0.0  # step() entry to its launch (running estimate)
     read_at: float | None = None  # when the last step's tokens were read (monotonic s)
+    running: int | None = None    # the size class of the step launched last
 
-    def launched(self, host_s: float) -> None:
+    def launched(self, host_s: float, tokens: int) -> None:
         self.host_launch_s = _mix(self.host_launch_s, host_s)
+        self.running = size_class(tokens)
 
-    def step_done(self, gpu_s: float) -> None:
-        self.gpu_step_s = _mix(self.gpu_step_s, gpu_s)
+    def step_done(self, gpu_s: float, tokens: int) -> None:
+        c = size_class(tokens)
+        self.gpu_step_s[c] = _mix(self.gpu_step_s.get(c, 0.0), gpu_s)
 
     def read(self, at: float, running: bool) -> None:
-        """A step's tokens were read at `at`; `running`: the next step is on the GPU."""
+        """A step's tokens were read at `at`; `running`: the step launched last is on the
+        GPU."""
         self.read_at = at if running else None
 
     def wait_s(self, now: float) -> float:
         """How long the loop may still take requests before calling `step()`: until the step
-        under way ends (it began when the step before was read) less the host's launch time
-        and the lead; never more than one step's GPU time."""
-        if self.read_at is None or self.gpu_step_s <= 0.0:
+        under way ends (it began when the step before was read; as long as steps of its size
+        took) less the host's launch time and the lead; never more than that step's time."""
+        step = self.gpu_step_s.get(self.running, 0.0) if self.running is not None else 0.0
+        if self.read_at is None or step <= 0.0:
             return 0.0
-        end = self.read_at + self.gpu_step_s
-        return max(0.0, min(self.gpu_step_s, end - self.host_launch_s - self.lead_s - now))
+        end = self.read_at + step
+        return max(0.0, min(step, end - self.host_launch_s - self.lead_s - now))
 
 
 def _mix(old: float, new: float) -> float:

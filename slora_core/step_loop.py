@@ -42,9 +42,9 @@ class Inflight:
 
     seqs: list[Sequence]
     pending: PendingSample
-    # CUDA events before the step's launches and after its sampling (late admission's
-    # AdmissionPacer times the step's GPU work with them); None without it.
-    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    # CUDA events before the step's launches and after its sampling, and its token count
+    # (late admission's AdmissionPacer times the step's GPU work with them); None without.
+    timing: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None
 
 
 class StepLoop:
@@ -92,7 +92,7 @@ class StepLoop:
             started = self._record_event() if self.pacer is not None else None
             logits = self.runner.run(sched.scheduled, patch)
             if self.pacer is not None:
-                self.pacer.launched(time.monotonic() - entered)
+                self.pacer.launched(time.monotonic() - entered, sched.num_tokens)
             sampling = [s.seq for s in sched.scheduled if s.samples]
         if inflight is not None:
             outputs += self._complete(inflight)
@@ -103,7 +103,7 @@ class StepLoop:
             return outputs + self.sample(sched, logits, sampling)
         self.inflight = self._sample_async(sched, logits, sampling)
         if self.inflight is not None and started is not None:
-            self.inflight.events = (started, self._record_event())
+            self.inflight.timing = (started, self._record_event(), sched.num_tokens)
         return outputs
 
     @staticmethod
@@ -117,10 +117,10 @@ class StepLoop:
         """Tell the pacer the step `inflight` held is read (its events done with it)."""
         assert self.pacer is not None
         self.pacer.read(time.monotonic(), running)
-        if inflight.events is not None:
-            start, end = inflight.events
+        if inflight.timing is not None:
+            start, end, tokens = inflight.timing
             end.synchronize()  # recorded just after the sampled ids' copy, already read
-            self.pacer.step_done(start.elapsed_time(end) / 1e3)
+            self.pacer.step_done(start.elapsed_time(end) / 1e3, tokens)
 
     # ---- adapters ------------------------------------------------------------------------
     def _finish_reads(self) -> list[RequestOutput]:

@@ -15,15 +15,15 @@ import zmq
 
 from services.worker import core_protocol as m
 from services.worker.engine_core import EngineCore
-from slora_core.admission import EWMA, AdmissionPacer
+from slora_core.admission import EWMA, AdmissionPacer, size_class
 from slora_core.config import ConfigError, EngineConfig
 
 
 def test_the_wait_runs_to_the_steps_end_less_launch_and_lead() -> None:
     pacer = AdmissionPacer(lead_s=0.001)
     assert pacer.wait_s(now=0.0) == 0.0  # nothing measured
-    pacer.launched(0.002)
-    pacer.step_done(0.010)
+    pacer.step_done(0.010, tokens=64)
+    pacer.launched(0.002, tokens=64)
     assert pacer.wait_s(now=0.0) == 0.0  # no step read yet: none known to be running
     pacer.read(at=100.0, running=True)
     # The step under way started at 100.0 and ends at 100.010; the next must launch 2 ms
@@ -35,14 +35,34 @@ def test_the_wait_runs_to_the_steps_end_less_launch_and_lead() -> None:
     assert pacer.wait_s(now=200.0) == 0.0
 
 
+def test_steps_of_another_size_keep_their_own_estimate() -> None:
+    """A long prefill step does not lengthen the wait before a decode step, and a step of a
+    size never timed gets no wait."""
+    pacer = AdmissionPacer(lead_s=0.0)
+    pacer.step_done(0.010, tokens=64)   # decode steps
+    pacer.step_done(0.100, tokens=3700)  # a mixed step
+    pacer.step_done(0.030, tokens=40)   # 32-63 tokens: the same class as 63, not 64
+    assert size_class(63) == size_class(40) != size_class(64) == size_class(127)
+    pacer.launched(0.0, tokens=64)
+    pacer.read(at=0.0, running=True)
+    assert pacer.wait_s(now=0.0) == pytest.approx(0.010)
+    pacer.launched(0.0, tokens=3000)
+    pacer.read(at=0.0, running=True)
+    assert pacer.wait_s(now=0.0) == pytest.approx(0.100)
+    pacer.launched(0.0, tokens=300)  # never timed
+    pacer.read(at=0.0, running=True)
+    assert pacer.wait_s(now=0.0) == 0.0
+
+
 def test_the_estimates_follow_the_steps_and_the_wait_stays_under_one_step() -> None:
     pacer = AdmissionPacer(lead_s=0.0)
-    pacer.step_done(0.010)
-    pacer.step_done(0.030)  # a longer step moves the estimate by EWMA of the difference
-    assert pacer.gpu_step_s == pytest.approx(0.010 + EWMA * 0.020)
+    pacer.step_done(0.010, tokens=64)
+    pacer.step_done(0.030, tokens=64)  # a longer step moves the estimate by EWMA of it
+    assert pacer.gpu_step_s[size_class(64)] == pytest.approx(0.010 + EWMA * 0.020)
+    pacer.launched(0.0, tokens=64)
     pacer.read(at=0.0, running=True)
     # A clock read before the step started never waits more than one step's GPU time.
-    assert pacer.wait_s(now=-1.0) == pytest.approx(pacer.gpu_step_s)
+    assert pacer.wait_s(now=-1.0) == pytest.approx(pacer.gpu_step_s[size_class(64)])
 
 
 def test_a_negative_or_nan_lead_is_refused() -> None:
@@ -161,5 +181,6 @@ def test_on_the_gpu_the_pacer_times_the_steps_and_changes_no_token(demo_dir: Pat
     paced, (pacer, waits) = tokens(0.5)
     assert none is None and pacer is not None
     assert paced == plain and all(len(t) == 12 for t in paced.values())
-    assert pacer.gpu_step_s > 0.0 and pacer.host_launch_s > 0.0
-    assert all(0.0 <= w <= pacer.gpu_step_s for w in waits)
+    assert pacer.gpu_step_s and min(pacer.gpu_step_s.values()) > 0.0
+    assert pacer.host_launch_s > 0.0
+    assert all(0.0 <= w <= max(pacer.gpu_step_s.values()) for w in waits)
