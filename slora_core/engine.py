@@ -14,7 +14,6 @@ step. A tensor-parallel engine (`slora_core.tp.engine.TPEngine`) wraps one of th
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,6 @@ import torch
 from slora_core.adapter_cache import AdapterStore, UnknownAdapterError
 from slora_core.adapter_tiers import AdapterTiers, ArenaListener
 from slora_core.adapters import LoraAdapter
-from slora_core.admission import AdmissionPacer
 from slora_core.config import LORA_MODULES, ConfigError, EngineConfig, ModelConfig
 from slora_core.intake import QueueFullError, RequestError, Requests
 from slora_core.model import LlamaForCausalLM
@@ -94,13 +92,11 @@ class LLMEngine:
         # Graphs warmup(background=True) queued, in capture order (capture_next_graph).
         self._graph_queue: list[tuple[DecodeGraphs | MixedGraphs, GraphKey]] = []
         self.loop = StepLoop(self.scheduler, self.runner, self.sampler, self.requests,
-                             self.tiers, self.eos_token_ids, config.steps_async)
+                             self.tiers, self.eos_token_ids, config.steps_async,
+                             config.admission_lead_ms)
         self.loop.grammars = grammars_for(tokenizer, model_config.vocab_size, self.eos_token_ids,
                                           config.grammar_compile_timeout_s,
                                           self.arena.pages.device.type == "cuda")
-        if (config.admission_lead_ms > 0 and config.steps_async
-                and self.arena.pages.device.type == "cuda"):
-            self.loop.pacer = AdmissionPacer(config.admission_lead_ms / 1e3)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig, *,
@@ -255,12 +251,6 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests.live) or self.loop.inflight is not None
-
-    def admission_wait_s(self) -> float:
-        """How long a serving loop may still take new requests before calling `step()`
-        (late admission, EngineConfig.admission_lead_ms; 0 without it)."""
-        pacer = self.loop.pacer
-        return pacer.wait_s(time.monotonic()) if pacer is not None else 0.0
 
     @property
     def num_waiting(self) -> int:

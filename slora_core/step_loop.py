@@ -50,7 +50,7 @@ class Inflight:
 class StepLoop:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
                  requests: Requests, tiers: AdapterTiers, eos_token_ids: tuple[int, ...],
-                 steps_async: bool) -> None:
+                 steps_async: bool, admission_lead_ms: float = 0.0) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
@@ -60,9 +60,16 @@ class StepLoop:
         self.steps_async = steps_async
         self.inflight: Inflight | None = None  # async steps: the sampled batch not yet read
         self.grammars: GrammarRequests | None = None  # structured output (engine sets it)
-        # Late admission (EngineConfig.admission_lead_ms; the engine sets it): how long the
-        # serving loop may take requests after a step returns.
-        self.pacer: AdmissionPacer | None = None
+        # Late admission (EngineConfig.admission_lead_ms): how long the serving loop may take
+        # requests after a step returns (`admission_wait_s`). Asynchronous steps on CUDA only:
+        # on the CPU nothing runs beside the host.
+        self.pacer = (AdmissionPacer(admission_lead_ms / 1e3) if admission_lead_ms > 0
+                      and steps_async and runner.device.type == "cuda" else None)
+
+    def admission_wait_s(self) -> float:
+        """How long a serving loop may still take new requests before calling `step()`; 0
+        without late admission."""
+        return self.pacer.wait_s(time.monotonic()) if self.pacer is not None else 0.0
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one batch; the outputs of requests that made progress."""

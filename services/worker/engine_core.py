@@ -159,7 +159,7 @@ class EngineCore:
         step under way on the GPU leaves time before the next must be launched, take the
         requests that arrive, so that they join that next step; False once asked to shut
         down."""
-        wait = self.engine.admission_wait_s()
+        wait = self.engine.loop.admission_wait_s()
         if wait <= 0.0:
             return True
         deadline = time.monotonic() + wait

@@ -31,6 +31,7 @@ from slora_core.page_pool import PagePool
 from slora_core.sampling_params import SamplingParams
 from slora_core.scheduler import Scheduler, SchedulerOutput
 from slora_core.stats import EngineSnapshot, EngineStats
+from slora_core.step_loop import StepLoop
 from slora_core.structured.spec import StructuredOutput
 from slora_core.tokenizer import Tokenizer
 from slora_core.tp.group import TPGroup
@@ -149,8 +150,9 @@ class TPEngine:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
-    def admission_wait_s(self) -> float:
-        return self.engine.admission_wait_s()
+    @property
+    def loop(self) -> StepLoop:
+        return self.engine.loop
 
     def request_ids(self) -> list[str]:
         return self.engine.request_ids()

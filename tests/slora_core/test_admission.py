@@ -73,12 +73,16 @@ def test_a_negative_or_nan_lead_is_refused() -> None:
 
 
 class WaitingEngine:
-    """What EngineCore's late admission uses of an engine: the wait, and the aborts a test
-    sends as the messages to drain."""
+    """What EngineCore's late admission uses of an engine (its loop's wait; the engine stands
+    for its loop here), and the aborts a test sends as the messages to drain."""
 
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
         self.aborted: list[tuple[str, float]] = []
+
+    @property
+    def loop(self) -> WaitingEngine:
+        return self
 
     def admission_wait_s(self) -> float:
         return self.wait_s
@@ -150,7 +154,7 @@ def test_the_pacer_runs_only_with_asynchronous_steps_on_cuda(demo_dir: Path) -> 
 
     engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
         num_pages=64, block_size=16, max_rank=16, async_steps=True, admission_lead_ms=1.0))
-    assert engine.loop.pacer is None and engine.admission_wait_s() == 0.0
+    assert engine.loop.pacer is None and engine.loop.admission_wait_s() == 0.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -172,7 +176,7 @@ def test_on_the_gpu_the_pacer_times_the_steps_and_changes_no_token(demo_dir: Pat
         while engine.has_unfinished():
             for o in engine.step():
                 out.setdefault(o.request_id, []).extend(o.token_ids)
-            waits.append(engine.admission_wait_s())
+            waits.append(engine.loop.admission_wait_s())
         pacer = engine.loop.pacer
         engine.close()
         return out, (pacer, waits)
