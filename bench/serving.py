@@ -445,13 +445,15 @@ def main(argv: list[str] | None = None) -> int:
                         "two pipeline stages (PREFILL_STAGES off), side by side; one_unmerged "
                         "only on the LoRA kernels (without --ride-sole-adapter)")
     p.add_argument("--tile-variant-arms", type=parse_arms, default=(),
-                   help="arms of 'distinct' also run with decode graphs' tile lists launched "
-                        "as each of --tile-variants, side by side; one_unmerged only on the "
+                   help="arms of 'distinct' also run with the tile lists launched as each of "
+                        "--tile-variants, side by side; one_unmerged only on the "
                         "LoRA kernels (without --ride-sole-adapter)")
     p.add_argument("--tile-variants", type=parse_tile_variants, default=(),
-                   help=f"with --tile-variant-arms: {', '.join(TILE_VARIANTS)} (a shrink K "
-                        "tile of 128, expand programs of four 128-column tiles or of one "
-                        "256-column tile on every list: each replaces the lists' own)")
+                   help=f"with --tile-variant-arms: {', '.join(TILE_VARIANTS)} (decode "
+                        "graphs' lists: a shrink K tile of 128, expand programs of four "
+                        "128-column tiles or of one 256-column tile on every list; mixed_*: "
+                        "mixed graphs' 64-row lists, expand programs of several column tiles; "
+                        "each replaces the lists' own)")
     p.add_argument("--one-adapter-rank", type=int, choices=RANKS, default=RANKS[0],
                    help="rank of the adapter on every request of 'distinct''s one-adapter "
                         "arms (all 7 modules)")

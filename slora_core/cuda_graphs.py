@@ -149,7 +149,7 @@ def decode_split_tiles(bucket: int, length: int, row_kernels_max_rows: int | Non
 
 
 # The pipeline stages of the shrinks and expands on every decode graph's tile list
-# (LoraMeta.num_stages; the 16-row tiles' own is 2, which mixed and eager steps keep; their
+# (LoraMeta.tile_overrides; the 16-row tiles' own is 2, which mixed and eager steps keep; their
 # 64-row tiles take PREFILL_STAGES). Not for shared memory: compiled as launched, a shrink
 # program holds 40 KB at rank bound 64 (16 KB at 16) on one stage or two, and only the two-stage
 # loop copies its x and A tiles asynchronously (cp.async); the expand compiles to the same code
@@ -460,7 +460,7 @@ class DecodeGraphs(_StepGraphs):
         # switch it, swapping the graphs captured either way (take_lora_graphs).
         self.fork_shrink = runner.lora_fork_shrink
         # Every tile list launches with GRAPH_TILE_STAGES pipeline stages
-        # (LoraMeta.num_stages); off, with their tiles' two (a benchmark's switch, which
+        # (LoraMeta.tile_overrides); off, with their tiles' two (a benchmark's switch, which
         # swaps the graphs captured either way: take_tile_graphs).
         self.one_stage = True
         # LoraTiles fields every tile list launches with instead of its tiles' (name, value;
@@ -532,10 +532,10 @@ class DecodeGraphs(_StepGraphs):
                         else DECODE_BLOCK_M,
                         split_tiles=None if tiles == ROW_GRAPH or self.own_split
                         else decode_split_tiles(b, cap, self._row_kernels_max_rows()),
-                        num_stages=GRAPH_TILE_STAGES
-                        if self.one_stage and tiles != ROW_GRAPH else None,
-                        tile_overrides=() if tiles == ROW_GRAPH else self.tile_overrides or (
-                            self.many_tile_overrides if tiles > short else ()),
+                        tile_overrides=() if tiles == ROW_GRAPH else (
+                            (("num_stages", GRAPH_TILE_STAGES),) if self.one_stage else ())
+                        + (self.tile_overrides or (
+                            self.many_tile_overrides if tiles > short else ())),
                         ) if modules and not ride else None
         return StepContext(
             positions=buf.positions[:b], slot_mapping=buf.slot_mapping[:b],
@@ -656,9 +656,8 @@ class MixedGraphs(_StepGraphs):
                         max_seg_len=t, num_segments=self.b_max,
                         tile_segs=buf.tile_segs[:tiles], tile_m0=buf.tile_m0[:tiles],
                         num_tiles=tiles, block_m=block_m,
-                        num_stages=None if self.own_stages else TWO_STAGES,
-                        tile_overrides=self.tile_overrides if block_m == PREFILL_BLOCK_M
-                        else ())
+                        tile_overrides=(() if self.own_stages else (("num_stages", TWO_STAGES),))
+                        + (self.tile_overrides if block_m == PREFILL_BLOCK_M else ()))
                 if modules and not ride else None)
         return StepContext(
             positions=buf.positions[:t], slot_mapping=buf.slot_mapping[:t],

@@ -345,8 +345,6 @@ def lora_groups(
     if max_rank <= 0:
         return []
     tiles = _pick_tiles(meta, tiles, x.dtype)
-    if meta.num_stages is not None and isinstance(tiles, LoraTiles):
-        tiles = dataclasses.replace(tiles, num_stages=meta.num_stages)
     if meta.tile_overrides and isinstance(tiles, LoraTiles):
         overrides: dict[str, Any] = dict(meta.tile_overrides)
         tiles = dataclasses.replace(tiles, **overrides)

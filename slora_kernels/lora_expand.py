@@ -267,10 +267,10 @@ def lora_expand(
     (LoraTiles.expand_cols)."""
     split_k, num_tokens, num_mods, max_rank = buf.shape
     _check_expand_inputs(y, buf, arena, b_offsets, ranks, scales, module_ids, out_slices)
-    if meta.num_tiles == 0 or num_tokens == 0:
-        return
     if cols < 1:
         raise ValueError(f"cols must be at least 1, got {cols}")
+    if meta.num_tiles == 0 or num_tokens == 0:
+        return
     max_n = max(size for _, size in out_slices)
     n_tiles = triton.cdiv(max_n, block_n * cols)
     pad = (0,) * (MAX_MODULES_PER_LAUNCH - num_mods)

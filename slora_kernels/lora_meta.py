@@ -68,13 +68,10 @@ class LoraMeta:
     # A CUDA graph's list is padded past its real tiles, and the split that suits them need
     # not be the one for the padded length (slora_core.cuda_graphs.decode_split_tiles).
     split_tiles: int | None = None
-    # host-side: the pipeline stages the tile launches run (None: their tiles'). Decode
-    # graphs' tile lists take one (slora_core.cuda_graphs.GRAPH_TILE_STAGES).
-    num_stages: int | None = None
-    # host-side: other LoraTiles fields the tile launches take instead of their tiles' (name,
-    # value), such as a shrink K tile or the expand's column tiles a program: decode graphs'
-    # many-adapter lists (slora_core.cuda_graphs.MANY_TILE_OVERRIDES) and a benchmark's
-    # variants (DecodeGraphs.tile_overrides).
+    # host-side: LoraTiles fields the tile launches take instead of their tiles' (name,
+    # value; the last of a name wins): decode graphs' pipeline stages
+    # (slora_core.cuda_graphs.GRAPH_TILE_STAGES), their many-adapter lists' expand column
+    # tiles (MANY_TILE_OVERRIDES), a benchmark's variants (DecodeGraphs.tile_overrides).
     tile_overrides: tuple[tuple[str, int], ...] = ()
 
     def rows_or_slots(self) -> torch.Tensor:

@@ -144,6 +144,26 @@ def check_switch_keeps_each_way(graphs: Any, modes: Any, attr: str, taken: int,
     assert graphs.graphs[keys[0]] == "on" and set(graphs.graphs) == {keys[0], *keys[taken:]}
 
 
+def check_switch_keeps_each_variant(graphs: Any, modes: Any, keys: list[Any],
+                                    variants: list[Any]) -> None:
+    """A bench.distinct_adapters.GraphSwitch of tile overrides made while they are off (())
+    takes the graph of the first of `keys` (a tile list's) for each variant and leaves the
+    rest; a graph captured under each variant is kept apart, and the default, then each
+    variant again, gets its own back."""
+    for k in keys:
+        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
+    for i, v in enumerate(variants):
+        modes.set(v)
+        assert graphs.tile_overrides == v and set(graphs.graphs) == set(keys[1:])
+        graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = (
+            f"variant {i}", None, None)
+    modes.set(modes.default)
+    assert graphs.tile_overrides == () and graphs.graphs[keys[0]] == f"graph {keys[0]}"
+    for i, v in enumerate(variants):
+        modes.set(v)
+        assert graphs.graphs[keys[0]] == f"variant {i}"
+
+
 def test_own_split_switch_swaps_only_the_tile_graphs(demo_dir: Path) -> None:
     """DecodeGraphs.own_split: tile lists pick the split for their own length, and
     bench.distinct_adapters.SplitModes keeps each rule's captured tile graphs apart (the
@@ -235,8 +255,8 @@ def test_forked_shrinks_give_the_in_line_tokens_and_logits(demo_dir: Path) -> No
 def test_decode_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
         demo_dir: Path) -> None:
     """Every decode graph's tile list, the short one too, launches with GRAPH_TILE_STAGES
-    pipeline stages (LoraMeta.num_stages, which lora_groups applies); the row kernels have
-    none. bench.distinct_adapters.StageModes keeps each way's tile graphs apart."""
+    pipeline stages (a LoraMeta.tile_overrides entry, which lora_groups applies); the row
+    kernels have none. bench.distinct_adapters.StageModes keeps each way's tile graphs apart."""
     from bench.distinct_adapters import StageModes
     from slora_core.cuda_graphs import GRAPH_TILE_STAGES
     from slora_kernels.lora import DECODE_TILES
@@ -250,7 +270,7 @@ def test_decode_tile_lists_take_one_stage_and_the_switch_keeps_both_ways(
     def stages(tiles: int) -> int | None:
         meta = graphs._context(64, mods, tiles).lora
         assert meta is not None
-        return meta.num_stages
+        return dict(meta.tile_overrides).get("num_stages")
 
     assert graphs.one_stage and DECODE_TILES.num_stages != GRAPH_TILE_STAGES
     assert stages(ROW_GRAPH) is None
@@ -341,22 +361,9 @@ def test_tile_overrides_reach_the_tile_launches_and_the_switch_keeps_both_ways(
     assert row is not None and row.tile_overrides == ()
     graphs.tile_overrides = ()
 
-    modes = TileModes(engine)
-    keys = [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)]
-    for k in keys:
-        graphs.graphs[k], graphs.logits[k], graphs.contexts[k] = f"graph {k}", None, None
-    modes.set(TILE_VARIANTS["k128"])
-    assert graphs.tile_overrides == TILE_VARIANTS["k128"] and set(graphs.graphs) == set(keys[1:])
-    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "k128", None, None
-    modes.set(TILE_VARIANTS["cols1"])
-    assert set(graphs.graphs) == set(keys[1:])
-    graphs.graphs[keys[0]], graphs.logits[keys[0]], graphs.contexts[keys[0]] = "one", None, None
-    modes.set(modes.default)
-    assert graphs.tile_overrides == () and graphs.graphs[keys[0]] == f"graph {keys[0]}"
-    modes.set(TILE_VARIANTS["k128"])
-    assert graphs.graphs[keys[0]] == "k128"
-    modes.set(TILE_VARIANTS["cols1"])
-    assert graphs.graphs[keys[0]] == "one"
+    check_switch_keeps_each_variant(
+        graphs, TileModes(engine), [(64, mods, 33), (64, mods, ROW_GRAPH), (64, frozenset(), 0)],
+        [TILE_VARIANTS["k128"], TILE_VARIANTS["cols1"]])
 
 
 def test_mixed_tile_overrides_reach_only_the_64_row_lists(demo_dir: Path) -> None:
@@ -388,15 +395,7 @@ def test_mixed_tile_overrides_reach_only_the_64_row_lists(demo_dir: Path) -> Non
     assert launched(narrow).expand_cols == 1
     mixed.tile_overrides = ()
 
-    modes = MixedTileModes(engine)
-    keys = [(wide, mods, mixed._tile_cap(wide)), (wide, frozenset(), 0)]
-    for k in keys:
-        mixed.graphs[k], mixed.logits[k], mixed.contexts[k] = f"graph {k}", None, None
-    modes.set(TILE_VARIANTS["mixed_cols2"])
-    assert mixed.tile_overrides == TILE_VARIANTS["mixed_cols2"]
-    assert set(mixed.graphs) == set(keys[1:])
-    mixed.graphs[keys[0]], mixed.logits[keys[0]], mixed.contexts[keys[0]] = "c2", None, None
-    modes.set(modes.default)
-    assert mixed.tile_overrides == () and mixed.graphs[keys[0]] == f"graph {keys[0]}"
-    modes.set(TILE_VARIANTS["mixed_cols2"])
-    assert mixed.graphs[keys[0]] == "c2"
+    check_switch_keeps_each_variant(
+        mixed, MixedTileModes(engine), [(wide, mods, mixed._tile_cap(wide)),
+                                        (wide, frozenset(), 0)],
+        [TILE_VARIANTS["mixed_cols2"], TILE_VARIANTS["mixed_cols4"]])
