@@ -27,7 +27,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -537,6 +537,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "every successor later still by a uniform draw from [0, S) ms "
                          "(in_process_after_Dms_spreadSms): arrivals spread over a step, as "
                          "a service's are, rather than all at once")
+    ap.add_argument("--worker-admission-leads", default=[], metavar="L,...",
+                    type=numbers_arg("lead", "ms", zero_ok=True),
+                    help="run the worker at each late-admission lead in turn (its "
+                         "--admission-lead-ms; 0: off), restarting it between them (same name "
+                         "and compile cache), every level at each; the in-process engine, "
+                         "assets and clients stay: one run, side by side")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -641,8 +647,9 @@ def main() -> int:
     names = sorted(demo.adapter_dirs)
     engine_args, worker_args = engine_settings(args, max(levels))
     config = EngineConfig(**engine_args)
+    first = args.worker_admission_leads[:1]
     stack = Stack(StackConfig(demo_dir=demo.root, state_dir=root / "state",
-                              worker_args=worker_args))
+                              worker_args=(*worker_args, *lead_flag(first[0] if first else None))))
     results = []
     pool = multiprocessing.get_context("spawn").Pool(args.client_procs)
     try:
@@ -672,21 +679,49 @@ def main() -> int:
             run_grpc(pool, args.client_procs, address, bearer(token), warm, Lengths(4), 8,
                      channels=args.client_channels)
         run_in_process(engine, warm, Lengths(4), 8)
-        if args.rates:
-            for rate in args.rates:
-                reqs = workload(names, max(1, round(rate * args.open_loop_s)), vocab=512)
-                results.append(measure(args, stack, engine, token, pool, reqs, max(levels),
-                                       rate))
-                write_result(args, results)
-        else:
-            for c in levels:
-                reqs = workload(names, c * args.requests_per_stream, vocab=512)
-                results.append(measure(args, stack, engine, token, pool, reqs, c))
+        leads = args.worker_admission_leads or [None]
+        for i, lead in enumerate(leads):
+            if i:  # the worker again at this lead (its kernels from its compile cache)
+                restart_worker(stack, lead, token, names)
+            for level in run_levels(args, stack, engine, token, pool, names, levels):
+                if lead is not None:
+                    level["worker_admission_lead_ms"] = lead
+                results.append(level)
                 write_result(args, results)  # what is measured so far survives a failure
     finally:
         pool.terminate()
         stack.stop()
     return 0
+
+
+def run_levels(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
+               pool: Any, names: list[str], levels: list[int]) -> Iterator[dict[str, Any]]:
+    """Each --rates level (open loop) or each concurrency (closed loop), measured."""
+    if args.rates:
+        for rate in args.rates:
+            reqs = workload(names, max(1, round(rate * args.open_loop_s)), vocab=512)
+            yield measure(args, stack, engine, token, pool, reqs, max(levels), rate)
+    else:
+        for c in levels:
+            reqs = workload(names, c * args.requests_per_stream, vocab=512)
+            yield measure(args, stack, engine, token, pool, reqs, c)
+
+
+def lead_flag(lead: float | None) -> tuple[str, ...]:
+    """The worker's flag for late admission at `lead` ms (None: as the engine arguments say;
+    argparse takes the last of a repeated flag)."""
+    return () if lead is None else ("--admission-lead-ms", f"{lead:g}")
+
+
+def restart_worker(stack: Stack, lead: float, token: str, names: list[str]) -> None:
+    """Stop worker-0 and start it again at late-admission `lead`, routable before return."""
+    t0 = time.perf_counter()
+    stack.workers.pop("worker-0").stop()
+    stack.start_worker("worker-0", extra=lead_flag(lead), wait_s=300)
+    for address in stack.gateway_addresses.values():
+        wait_until_routable(address, token, names, timeout_s=120)
+    print(f"worker restarted at admission lead {lead:g} ms in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
@@ -712,7 +747,10 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
     if args.trace_hops is not None:
         result["hop_trace"] = legs(read(args.trace_hops))
     for level in results:
-        print(f"rate={level['rate']:g}/s:" if "rate" in level else f"c={level['concurrency']}:")
+        lead = (f" worker admission lead {level['worker_admission_lead_ms']:g} ms"
+                if "worker_admission_lead_ms" in level else "")
+        print((f"rate={level['rate']:g}/s" if "rate" in level
+               else f"c={level['concurrency']}") + f"{lead}:")
         for path, figs in level["ratios"].items():
             print(f"  {path:8s} " + "  ".join(
                 f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]" for k, v in figs.items()))

@@ -119,3 +119,24 @@ def test_a_trace_folder_holding_another_runs_traces_is_refused(
         parse_args(["--trace-hops", str(tmp_path)])
     assert exited.value.code == 2
     assert "already holds traces" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_worker_admission_leads_restart_the_worker_and_measure_every_level_at_each(
+        tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.service_overhead", "--concurrency", "2,4", "--repeats",
+         "1", "--requests-per-stream", "2", "--new-tokens", "4", "--client-procs", "1",
+         "--worker-admission-leads", "0,1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "worker restarted at admission lead 1 ms" in res.stdout
+    levels = json.loads(out.read_text())["levels"]
+    assert [(lv["worker_admission_lead_ms"], lv["concurrency"]) for lv in levels] == [
+        (0, 2), (0, 4), (1, 2), (1, 4)]
+    for level in levels:  # the restarted worker serves every path, through the gateway too
+        for path in ("worker", "gateway"):
+            (run,) = level["runs"][path]
+            assert run["errors"] == [], (path, run["errors"])
+            assert run["output_tokens"] == level["requests"] * 4, path
