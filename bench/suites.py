@@ -540,3 +540,7 @@ SUITES["service-path-admission"] = (step(
     "--new-tokens", "64", "--client-procs", "8", "--repeats", "2", "--gateway-procs", "4",
     "--client-channels", "8", "--worker-admission-leads", "0,1",
     "--out", OUT("service-overhead-7b-gw4-admission")),)
+# One device call for the sixteenth session (an H100 came rarely): late admission, then the
+# mixed steps' column tiles in one layer (what is left of the call; the engine's arm,
+# issue37-mixed-cols's second step, only if a variant wins there).
+SUITES["issue37-s16"] = (*SUITES["service-path-admission"], SUITES["issue37-mixed-cols"][0])
