@@ -544,3 +544,10 @@ SUITES["service-path-admission"] = (step(
 # mixed steps' column tiles in one layer (what is left of the call; the engine's arm,
 # issue37-mixed-cols's second step, only if a variant wins there).
 SUITES["issue37-s16"] = (*SUITES["service-path-admission"], SUITES["issue37-mixed-cols"][0])
+# The same with one repeat a level, for a call with little device time left (~280 s on an
+# H100: the stack and the in-process engine, then ~45 s a lead and the worker's restart).
+SUITES["service-path-admission-1r"] = (dataclasses.replace(
+    SUITES["service-path-admission"][0], name="service-admission-1r", limit_s=380,
+    argv=tuple("1" if prev == "--repeats" else a for prev, a in zip(
+        ("",) + SUITES["service-path-admission"][0].argv,
+        SUITES["service-path-admission"][0].argv, strict=True))),)
