@@ -548,6 +548,4 @@ SUITES["issue37-s16"] = (*SUITES["service-path-admission"], SUITES["issue37-mixe
 # H100: the stack and the in-process engine, then ~45 s a lead and the worker's restart).
 SUITES["service-path-admission-1r"] = (dataclasses.replace(
     SUITES["service-path-admission"][0], name="service-admission-1r", limit_s=380,
-    argv=tuple("1" if prev == "--repeats" else a for prev, a in zip(
-        ("",) + SUITES["service-path-admission"][0].argv,
-        SUITES["service-path-admission"][0].argv, strict=True))),)
+    argv=(*SUITES["service-path-admission"][0].argv, "--repeats", "1")),)  # the last wins
