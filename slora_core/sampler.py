@@ -400,8 +400,12 @@ class PendingSample:
         else:
             self._host = packed
 
-    def result(self) -> list[SampledToken]:
-        """Wait for the host copy (not for later work on the stream) and unpack it."""
+    def wait(self) -> None:
+        """Wait for the host copy (not for later work on the stream)."""
         if self._event is not None:
             self._event.synchronize()
+
+    def result(self) -> list[SampledToken]:
+        """Wait for the host copy and unpack it."""
+        self.wait()
         return _unpack(self._host.tolist(), self.params)

@@ -102,10 +102,14 @@ class StepLoop:
                 self.pacer.launched(time.monotonic() - entered, sched.num_tokens)
             sampling = [s.seq for s in sched.scheduled if s.samples]
         if inflight is not None:
+            if self.pacer is not None:
+                # Read as its tokens land, before streaming them (milliseconds at 256 rows:
+                # counted after, the wait overran the step under way by as much and the GPU
+                # idled; service-overhead-7b-gw4-admission-f770983-h100.json).
+                inflight.pending.wait()
+                self._paced(inflight, running=bool(sched.scheduled))
             outputs += self._complete(inflight)
             logits, sampling = self._drop_finished(logits, sampling)
-            if self.pacer is not None:
-                self._paced(inflight, running=bool(sched.scheduled))
         if not self.steps_async:
             return outputs + self.sample(sched, logits, sampling)
         self.inflight = self._sample_async(sched, logits, sampling)

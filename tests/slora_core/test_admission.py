@@ -168,17 +168,30 @@ def test_on_the_gpu_the_pacer_times_the_steps_and_changes_no_token(demo_dir: Pat
         engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
             num_pages=64, block_size=16, max_rank=16, device="cuda",
             admission_lead_ms=lead_ms))
-        params = SamplingParams(max_tokens=12, temperature=0.0)
+        params = SamplingParams(max_new_tokens=12, temperature=0.0)
         for i in range(4):
             engine.add_request(str(i), [1, 5 + i, 9, 13], params)
         out: dict[str, list[int]] = {}
         waits = []
+        late_reads: list[float] = []  # read times stamped after the tokens were streamed
+        complete = engine.loop._complete
+
+        def streamed(inflight: Any) -> Any:
+            began = time.monotonic()
+            outs = complete(inflight)
+            pacer = engine.loop.pacer
+            if pacer is not None and pacer.read_at is not None and pacer.read_at > began:
+                late_reads.append(pacer.read_at - began)
+            return outs
+
+        engine.loop._complete = streamed  # type: ignore[method-assign]
         while engine.has_unfinished():
             for o in engine.step():
                 out.setdefault(o.request_id, []).extend(o.token_ids)
             waits.append(engine.loop.admission_wait_s())
         pacer = engine.loop.pacer
         engine.close()
+        assert late_reads == []  # the read is when the tokens land, before they stream
         return out, (pacer, waits)
 
     plain, (none, _) = tokens(0.0)
