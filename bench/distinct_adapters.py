@@ -199,13 +199,10 @@ TILE_VARIANTS: dict[str, tuple[tuple[str, int], ...]] = {
     # One 256-column tile an expand program on every list: the lists past the short one as
     # before MANY_TILE_OVERRIDES.
     "cols1": (("expand_block_n", 256), ("expand_cols", 1)),
-    # Mixed steps' 64-row expands covering two or four of their 128-column tiles a program
-    # (LoraTiles.expand_cols): the K-split sums read once for 256 or 512 columns. ptxas gives
-    # these 242-244 registers at rank bound 64 (two programs a multiprocessor against three);
-    # eight 64-column tiles, 512 columns too, keep three (kernel_compile_cost).
-    "mixed_cols2": (("expand_cols", 2),),
-    "mixed_cols4": (("expand_cols", 4),),
-    "mixed_n64c8": (("expand_block_n", 64), ("expand_cols", 8)),
+    # Mixed steps' 64-row expands on one 128-column tile a program, as before PREFILL_TILES
+    # took four. In one layer four won; two and eight of 64 columns lost to four by 3-8%
+    # (lora-distinct-layer-mixed-cols-f770983-h100.json) and were removed.
+    "mixed_cols1": (("expand_cols", 1),),
 }
 
 

@@ -178,8 +178,8 @@ def variants() -> list[Variant]:
     two pipeline stages (as eager steps launch them) and at decode graphs' one
     (GRAPH_TILE_STAGES): in line on the short list, and forked (no PDL) past it; the 64-row
     tile kernels of prompt chunks and mixed steps (PREFILL_TILES) at their stages
-    (PREFILL_STAGES) and at two, as before them, and their expand over several column tiles
-    a program (two or four of 128 columns, eight of 64)."""
+    (PREFILL_STAGES) and at two, as before them, their expand over four column tiles a
+    program (PREFILL_TILES.expand_cols) and, as before, over one."""
     from slora_core.cuda_graphs import GRAPH_TILE_STAGES, TWO_STAGES
     from slora_kernels.lora import DECODE_TILES, PREFILL_TILES
 
@@ -241,15 +241,13 @@ def variants() -> list[Variant]:
                          "LAUNCH_DEPENDENTS": p.pdl}, p.num_warps, n),
                 Variant(f"prefill_expand_r{bound}{suffix}", lora_expand._lora_expand_kernel,
                         {**expand, "BLOCK_M": p.expand_block_m, "BLOCK_N": p.expand_block_n,
-                         "USE_PDL": p.pdl}, p.num_warps, n),
+                         "USE_PDL": p.pdl, "COLS": p.expand_cols}, p.num_warps, n),
             ]
-        # The 64-row expand covering several of its column tiles a program
-        # (bench.distinct_adapters' mixed_cols2 / mixed_cols4 / mixed_n64c8,
-        # MixedGraphs.tile_overrides).
-        out += [Variant(f"prefill_expand_r{bound}_n{n}_cols{c}", lora_expand._lora_expand_kernel,
-                        {**expand, "BLOCK_M": p.expand_block_m, "BLOCK_N": n,
-                         "USE_PDL": p.pdl, "COLS": c}, p.num_warps, p.num_stages)
-                for n, c in ((p.expand_block_n, 2), (p.expand_block_n, 4), (64, 8))]
+        # The 64-row expand on one column tile a program, as before PREFILL_TILES took
+        # several (bench.distinct_adapters' mixed_cols1, MixedGraphs.tile_overrides).
+        out.append(Variant(f"prefill_expand_r{bound}_cols1", lora_expand._lora_expand_kernel,
+                           {**expand, "BLOCK_M": p.expand_block_m, "BLOCK_N": p.expand_block_n,
+                            "USE_PDL": p.pdl, "COLS": 1}, p.num_warps, p.num_stages))
     return out
 
 

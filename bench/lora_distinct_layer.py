@@ -314,13 +314,11 @@ def mixed_choices(slots: list[int], decode_rows: int) -> dict[str, MixedChoice]:
         "mixed_tiles64_split16": [(graph, wide, fixed(16))],
         "mixed_tiles64_s1": [(graph, dataclasses.replace(PREFILL_TILES, num_stages=1), none)],
         "mixed_tiles64_s2": [(graph, dataclasses.replace(PREFILL_TILES, num_stages=2), none)],
-        # Expand programs covering two or four 128-column tiles (LoraTiles.expand_cols): the
-        # K splits' partial sums, re-read once a column tile, read once for 256 or 512.
-        "mixed_tiles64_c2": [(graph, dataclasses.replace(PREFILL_TILES, expand_cols=2), none)],
-        "mixed_tiles64_c4": [(graph, dataclasses.replace(PREFILL_TILES, expand_cols=4), none)],
-        # Eight 64-column tiles: 512 columns a program at the registers of one 128-column tile.
-        "mixed_tiles64_n64c8": [(graph, dataclasses.replace(PREFILL_TILES, expand_block_n=64,
-                                                            expand_cols=8), none)],
+        # One 128-column tile an expand program, as before PREFILL_TILES took four (the K
+        # splits' partial sums then re-read once a column tile). At f770983 four won in every
+        # case; two, and eight of 64 columns, lost to four by 3-8% and were removed
+        # (lora-distinct-layer-mixed-cols-f770983-h100.json).
+        "mixed_tiles64_c1": [(graph, dataclasses.replace(PREFILL_TILES, expand_cols=1), none)],
         "mixed_tiles16": [(dec16, DECODE_TILES, none)],
         "mixed_tiles16_s1": [(dec16, dataclasses.replace(DECODE_TILES, num_stages=1), none)],
         "mixed_tiles16_s3": [(dec16, dataclasses.replace(DECODE_TILES, num_stages=3), none)],
@@ -479,8 +477,7 @@ CHOICE_NAMES = ("tiles", "tiles_early", "tiles_n128", "tiles_n512", "tiles_w8", 
                 "tiles_graph_k64", "tiles_graph_s1_k128", "tiles_graph_s1_n128c4a")
 SIZES = ("real", "mid", "bound", "full")  # the tile-list lengths of tiles@L/S
 MIXED_CHOICE_NAMES = ("mixed_tiles64", "mixed_tiles64_split8", "mixed_tiles64_split16",
-                      "mixed_tiles64_s1", "mixed_tiles64_s2", "mixed_tiles64_c2",
-                      "mixed_tiles64_c4", "mixed_tiles64_n64c8", "mixed_tiles16",
+                      "mixed_tiles64_s1", "mixed_tiles64_s2", "mixed_tiles64_c1", "mixed_tiles16",
                       "mixed_tiles16_s1", "mixed_tiles16_s3", "mixed_rows_and_chunk_tiles")
 
 

@@ -512,19 +512,20 @@ SUITES["issue37-tiles-b256"] = (step(
     "--distinct-batch", "256", "--distinct-input", "256", "--distinct-output", "128",
     "--distinct-arms", "distinct64", "--tile-variant-arms", "distinct64", "--tile-variants",
     "cols1", "--out", OUT("distinct-adapters-tiles-b256")),)
-# Mixed steps' 64-row expands covering two or four 128-column tiles a program, or eight of 64
-# (LoraTiles.expand_cols, which won on the decode lists): one 7B layer's mixed-step LoRA as in
-# issue37-mixed-stages, then in the engine 16 distinct adapters a batch of 64 (~3,700-token
-# mixed steps: 64-row tiles) with each beside the default and base, interleaved (a profile at
-# bb81a4e, distinct-profile-bb81a4e-h100.json, gave those steps' expands 20.6 ms of 109.5).
+# Mixed steps' 64-row expands covering four 128-column tiles a program (PREFILL_TILES since
+# f770983, where in one layer they beat one a program, and two, and eight of 64 columns:
+# lora-distinct-layer-mixed-cols-f770983-h100.json) against one a program (`mixed_cols1`, as
+# before): one 7B layer's mixed-step LoRA as in issue37-mixed-stages, then in the engine 16
+# distinct adapters a batch of 64 (~3,700-token mixed steps: 64-row tiles) beside base,
+# interleaved (a profile at bb81a4e, distinct-profile-bb81a4e-h100.json, gave those steps'
+# expands 20.6 ms of 109.5).
 SUITES["issue37-mixed-cols"] = (
     step("mixed-cols", 90, "bench.lora_distinct_layer", "--cases",
          "16:8-16-32-64:chunk512,4:8-16-32-64:chunk2048,2:16:chunk2048", "--choices",
-         "mixed_tiles64,mixed_tiles64_c2,mixed_tiles64_c4,mixed_tiles64_n64c8",
-         "--out", OUT("lora-distinct-layer-mixed-cols")),
+         "mixed_tiles64,mixed_tiles64_c1", "--out", OUT("lora-distinct-layer-mixed-cols")),
     dataclasses.replace(SUITES["issue37"][0], name="distinct-mixed-cols", limit_s=320, argv=(
         *SUITES["issue37"][0].argv, "--distinct-arms", "distinct16", "--tile-variant-arms",
-        "distinct16", "--tile-variants", "mixed_cols2,mixed_cols4,mixed_n64c8",
+        "distinct16", "--tile-variants", "mixed_cols1",
         "--out", OUT("distinct-adapters-mixed-cols"))))
 # Late admission (EngineConfig.admission_lead_ms, slora_core/admission.py): the worker keeps
 # taking requests after a step returns until the step under way on the GPU is about to end,
@@ -541,8 +542,9 @@ SUITES["service-path-admission"] = (step(
     "--client-channels", "8", "--worker-admission-leads", "0,1",
     "--out", OUT("service-overhead-7b-gw4-admission")),)
 # One device call for the sixteenth session (an H100 came rarely): late admission, then the
-# mixed steps' column tiles in one layer (what is left of the call; the engine's arm,
-# issue37-mixed-cols's second step, only if a variant wins there).
+# mixed steps' column tiles in one layer (what is left of the call). At f770983 the layer
+# step ran alone (lora-distinct-layer-mixed-cols-f770983-h100.json; the variants then were
+# one, two and four 128-column tiles and eight of 64).
 SUITES["issue37-s16"] = (*SUITES["service-path-admission"], SUITES["issue37-mixed-cols"][0])
 # The same with one repeat a level, for a call with little device time left (~280 s on an
 # H100: the stack and the in-process engine, then ~45 s a lead and the worker's restart).

@@ -41,7 +41,8 @@ class LoraTiles:
     # in 2-4 waves of that chain. Over 1, a program walks the chain once, sums the K splits
     # once, and the compiler's two-stage pipeline loads each next tile's B and y while the one
     # before is multiplied (114 registers a thread at four 128-column tiles, rank bound 64).
-    # Decode graphs' many-adapter lists take four (slora_core.cuda_graphs.MANY_TILE_OVERRIDES).
+    # Decode graphs' many-adapter lists take four (slora_core.cuda_graphs.MANY_TILE_OVERRIDES),
+    # and so do 64-row tiles (PREFILL_TILES).
     expand_cols: int = 1
     # The expand re-reads every K split's partial sums once per output tile, which costs more
     # than it saves once segments are long enough to fill the GPU with row tiles.
@@ -123,10 +124,15 @@ DECODE_TILES = LoraTiles(shrink_block_m=DECODE_BLOCK_M, shrink_block_k=256,
 # ~3,700-token mixed steps ran 1-3 ms faster (111-114 against 112-116 ms), 16 distinct adapters
 # 0.810x of base against 0.808x, 64 0.696x against 0.695x
 # (distinct-adapters-mixed-stages-f63146d-h100.json).
+# Their expand programs cover four 128-column tiles each (expand_cols): the same layer on an
+# H100, graph replay, one column tile a program -> four (two and eight of 64 columns lost to
+# four): 252.4 -> 196.3 us, 402.6 -> 299.6, 323.5 -> 240.7, despite 242-244 registers a thread
+# against 168, two programs a multiprocessor against three (kernel-compile-cost-2130f3a-cpu.json;
+# lora-distinct-layer-mixed-cols-f770983-h100.json). Not yet measured in the engine.
 PREFILL_STAGES = 3
 PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
                           expand_block_m=PREFILL_BLOCK_M, expand_block_n=128, max_split_k=2,
-                          num_stages=PREFILL_STAGES)
+                          num_stages=PREFILL_STAGES, expand_cols=4)
 # float32 models run exact (ieee) dots, which Triton lowers to FMAs unrolled over the whole
 # tile: at the 16-bit tiles above, ptxas sees 1-1.7 MB of PTX and 18-26k declared registers a
 # thread, and one prefill launch compiled for 28 s and a decode shrink for 32 s on the CPU
@@ -137,9 +143,10 @@ PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
 # and the gap holds: 16-bit tiles 4.5-10.9 s with 11-23k registers declared, these 1.7-3.8 s
 # with 3.6-5.8k.
 DECODE_TILES_F32 = dataclasses.replace(DECODE_TILES, shrink_block_k=64, expand_block_n=64)
-# The float32 prefill tiles keep two stages, as their compile times were measured.
+# The float32 prefill tiles keep two stages and one column tile a program, as their compile
+# times were measured.
 PREFILL_TILES_F32 = dataclasses.replace(PREFILL_TILES, shrink_block_k=32, expand_block_n=32,
-                                        num_stages=2)
+                                        num_stages=2, expand_cols=1)
 # A K split shorter than this reads too little per program to hide memory latency.
 MIN_K_PER_SPLIT = 256
 MAX_SPLIT_K = 16

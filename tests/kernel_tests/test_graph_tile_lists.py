@@ -388,9 +388,9 @@ def test_mixed_tile_overrides_reach_only_the_64_row_lists(demo_dir: Path) -> Non
         return launched_tiles(mixed._context(bucket, mods, mixed._tile_cap(bucket)).lora,
                               bucket, dataclasses.replace(base, shrink_block_k=16))
 
-    assert mixed.tile_overrides == () and launched(wide).expand_cols == 1
-    mixed.tile_overrides = TILE_VARIANTS["mixed_cols4"]
-    assert launched(wide).expand_cols == 4
+    assert mixed.tile_overrides == () and launched(wide).expand_cols == 4  # PREFILL_TILES'
+    mixed.tile_overrides = TILE_VARIANTS["mixed_cols1"]
+    assert launched(wide).expand_cols == 1
     assert launched(wide).expand_block_n == PREFILL_TILES.expand_block_n
     assert launched(narrow).expand_cols == 1
     mixed.tile_overrides = ()
@@ -398,4 +398,4 @@ def test_mixed_tile_overrides_reach_only_the_64_row_lists(demo_dir: Path) -> Non
     check_switch_keeps_each_variant(
         mixed, MixedTileModes(engine), [(wide, mods, mixed._tile_cap(wide)),
                                         (wide, frozenset(), 0)],
-        [TILE_VARIANTS["mixed_cols2"], TILE_VARIANTS["mixed_cols4"]])
+        [TILE_VARIANTS["mixed_cols1"], (("expand_cols", 2),)])
