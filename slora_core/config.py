@@ -222,8 +222,9 @@ class EngineConfig:
         None, "launch each step before reading the previous one's tokens, which feed it on "
               "the device (overlaps host work with the GPU; outputs come one step() later; "
               "default: on for one CUDA device, off otherwise)")
-    # Not measured on a GPU yet (slora_core/admission.py; docs/performance.md, "Late
-    # admission").
+    # Off: at 1 ms it cost a quarter of the throughput at 256 streams on an H100 before the
+    # read-time fix, which is not re-measured (slora_core/admission.py; docs/performance.md,
+    # "Late admission").
     admission_lead_ms: float = knob(
         0.0, "with asynchronous steps, the serving loop takes new requests after a step "
              "returns until the step under way on the GPU is about to end, less the host's "
