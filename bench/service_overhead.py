@@ -647,9 +647,9 @@ def main() -> int:
     names = sorted(demo.adapter_dirs)
     engine_args, worker_args = engine_settings(args, max(levels))
     config = EngineConfig(**engine_args)
-    first = args.worker_admission_leads[:1]
+    leads: list[float | None] = list(args.worker_admission_leads) or [None]
     stack = Stack(StackConfig(demo_dir=demo.root, state_dir=root / "state",
-                              worker_args=(*worker_args, *lead_flag(first[0] if first else None))))
+                              worker_args=(*worker_args, *lead_flag(leads[0]))))
     results = []
     pool = multiprocessing.get_context("spawn").Pool(args.client_procs)
     try:
@@ -679,9 +679,8 @@ def main() -> int:
             run_grpc(pool, args.client_procs, address, bearer(token), warm, Lengths(4), 8,
                      channels=args.client_channels)
         run_in_process(engine, warm, Lengths(4), 8)
-        leads = args.worker_admission_leads or [None]
         for i, lead in enumerate(leads):
-            if i:  # the worker again at this lead (its kernels from its compile cache)
+            if lead is not None and i:  # the worker again at this lead (its compile cache)
                 restart_worker(stack, lead, token, names)
             for level in run_levels(args, stack, engine, token, pool, names, levels):
                 if lead is not None:

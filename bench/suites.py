@@ -535,19 +535,17 @@ SUITES["issue37-mixed-cols"] = (
 # against the in-process loop (which never waits), the worker off and then (restarted, its
 # kernels from its compile cache) with a 1 ms lead, in one run: one stack, one in-process
 # engine for both.
-SUITES["service-path-admission"] = (step(
-    "service-admission", 450, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
-    "--max-model-len", "256", "--concurrency", "64,256", "--requests-per-stream", "4",
-    "--new-tokens", "64", "--client-procs", "8", "--repeats", "2", "--gateway-procs", "4",
-    "--client-channels", "8", "--worker-admission-leads", "0,1",
-    "--out", OUT("service-overhead-7b-gw4-admission")),)
-# One device call for the sixteenth session (an H100 came rarely): late admission, then the
-# mixed steps' column tiles in one layer (what is left of the call). At f770983 the layer
-# step ran alone (lora-distinct-layer-mixed-cols-f770983-h100.json; the variants then were
-# one, two and four 128-column tiles and eight of 64).
-SUITES["issue37-s16"] = (*SUITES["service-path-admission"], SUITES["issue37-mixed-cols"][0])
-# The same with one repeat a level, for a call with little device time left (~280 s on an
-# H100: the stack and the in-process engine, then ~45 s a lead and the worker's restart).
-SUITES["service-path-admission-1r"] = (dataclasses.replace(
-    SUITES["service-path-admission"][0], name="service-admission-1r", limit_s=380,
-    argv=(*SUITES["service-path-admission"][0].argv, "--repeats", "1")),)  # the last wins
+def _admission(name: str, limit_s: int, repeats: int) -> Step:
+    return step(
+        name, limit_s, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
+        "--max-model-len", "256", "--concurrency", "64,256", "--requests-per-stream", "4",
+        "--new-tokens", "64", "--client-procs", "8", "--repeats", str(repeats),
+        "--gateway-procs", "4", "--client-channels", "8", "--worker-admission-leads", "0,1",
+        "--out", OUT("service-overhead-7b-gw4-admission"))
+
+
+SUITES["service-path-admission"] = (_admission("service-admission", 450, 2),)
+# The same with one repeat a level, for a call with little device time left (222 s on an H100
+# at f770983: the stack and the in-process engine, then ~45 s a lead and the worker's
+# restart; service-overhead-7b-gw4-admission-f770983-h100.json).
+SUITES["service-path-admission-1r"] = (_admission("service-admission-1r", 380, 1),)

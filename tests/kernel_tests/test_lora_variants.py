@@ -118,8 +118,8 @@ def test_rank_buckets_under_a_rank_128_bound(variant: str) -> None:
 def test_64_row_tiles_with_column_tiles_a_program(dtype: torch.dtype, block_n: int,
                                                   cols: int) -> None:
     """Prompt chunks' 64-row tiles (PREFILL_TILES) with expand programs covering several
-    column tiles (mixed graphs' `mixed_` variants): a 70-row segment over two tiles, a base
-    row, a 5-row one, with K split in two, in a list padded as graphs capture it."""
+    column tiles (PREFILL_TILES takes four): a 70-row segment over two tiles, a base row, a
+    5-row one, with K split in two, in a list padded as graphs capture it."""
     tiles = dataclasses.replace(PREFILL_TILES, expand_block_n=block_n, expand_cols=cols)
     slots = [0] * 70 + [-1] + [1] * 5
     _check(slots, 2, [8, 64], dtype, seed=cols, capacity=6, tiles=tiles, in_features=128,
