@@ -52,6 +52,8 @@ PYTEST_PATHS = ["tests/kernel_tests", "tests/slora_core/test_ops.py", "tests/slo
                 "test_on_the_gpu_with_graphs_the_cache_gives_the_tokens_without_it",
                 "tests/slora_core/test_admission.py::"
                 "test_on_the_gpu_the_pacer_times_the_steps_and_changes_no_token",
+                "tests/slora_core/test_admission.py::"
+                "test_on_the_gpu_a_paced_step_after_an_overrun_reports_the_idle_gap",
                 "tests/services/dataplane/test_worker_startup_graphs.py::"
                 "test_graphs_captured_while_serving_on_the_gpu"]
 SHAPES = ["llama2-7b", "llama3-8b"]

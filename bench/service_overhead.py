@@ -690,7 +690,16 @@ def main() -> int:
     finally:
         pool.terminate()
         stack.stop()
+        pacing_report(root / "state" / "logs" / "worker-0.log")
     return 0
+
+
+def pacing_report(worker_log: Path) -> None:
+    """Print the worker's late-admission lines (what its pacing cost the GPU) to this log."""
+    if worker_log.exists():
+        for line in worker_log.read_text(errors="replace").splitlines():
+            if "late admission (lead" in line:
+                print(line, flush=True)
 
 
 def run_levels(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,

@@ -14,7 +14,15 @@ as the GPU frees, and requests that came meanwhile join it.
 (CUDA events around each step's launches, read once its tokens are read; steps are told
 apart by their token count's power of two, so that a long prefill step does not lengthen
 the wait before a decode step), the host's time from entering `step()` to its launch, and
-when the last read returned (the step after it started on the GPU then)."""
+when the last read returned (the step after it started on the GPU then).
+
+The estimates can still miss what the host does between a read and the next launch
+(streaming the outputs, the front's messages), and a wait that overruns idles the GPU. So
+the pacer also takes the GPU's own word: the idle gap between a paced step's predecessor's
+end and its start (CUDA events on the same stream). An idle gap adds to `slack_s`, which
+shortens every later wait by as much; every launch takes `PROBE_S` off it, so the wait
+creeps back towards the step's end while the GPU stays busy (and comes back after a run of
+steps the slack left unpaced)."""
 
 from __future__ import annotations
 
@@ -22,6 +30,10 @@ from dataclasses import dataclass, field
 
 # Weight of the newest sample in the running estimates.
 EWMA = 0.25
+# What each launch takes off the slack (s).
+PROBE_S = 25e-6
+# An idle gap shorter than this between two steps' events is the events' own cost, not idle.
+GAP_NOISE_S = 20e-6
 
 
 def size_class(tokens: int) -> int:
@@ -39,10 +51,34 @@ class AdmissionPacer:
     host_launch_s: float = 0.0  # step() entry to its launch (running estimate)
     read_at: float | None = None  # when the last step's tokens were read (monotonic s)
     running: int | None = None    # the size class of the step launched last
+    slack_s: float = 0.0  # taken off every wait: the GPU idled that long before
+    waited: bool = False  # wait_s gave a wait since the last launch
+    paced_steps: int = 0  # steps launched after a wait, and their GPU idle gaps in all (s)
+    idle_s: float = 0.0
 
-    def launched(self, host_s: float, tokens: int) -> None:
+    def launched(self, host_s: float, tokens: int) -> bool:
+        """A step of `tokens` was launched `host_s` after step() was entered; True when it
+        was paced (a wait came before it)."""
         self.host_launch_s = _mix(self.host_launch_s, host_s)
         self.running = size_class(tokens)
+        self.slack_s = max(0.0, self.slack_s - PROBE_S)
+        paced, self.waited = self.waited, False
+        return paced
+
+    def idle(self, gap_s: float) -> None:
+        """The GPU idled `gap_s` before a paced step started."""
+        self.paced_steps += 1
+        if gap_s > GAP_NOISE_S:
+            self.idle_s += gap_s
+            self.slack_s += gap_s
+
+    def summary(self) -> str:
+        """One line for the log: what pacing cost the GPU so far."""
+        per = self.idle_s / self.paced_steps * 1e6 if self.paced_steps else 0.0
+        return (f"late admission (lead {self.lead_s * 1e3:g} ms): {self.paced_steps} paced "
+                f"steps, GPU idle before them {self.idle_s * 1e3:.1f} ms in all ({per:.0f} us "
+                f"a step), slack now {self.slack_s * 1e6:.0f} us, host launch "
+                f"{self.host_launch_s * 1e6:.0f} us")
 
     def step_done(self, gpu_s: float, tokens: int) -> None:
         c = size_class(tokens)
@@ -56,12 +92,15 @@ class AdmissionPacer:
     def wait_s(self, now: float) -> float:
         """How long the loop may still take requests before calling `step()`: until the step
         under way ends (it began when the step before was read; as long as steps of its size
-        took) less the host's launch time and the lead; never more than that step's time."""
+        took) less the host's launch time, the lead and the slack; never more than that step's
+        time."""
         step = self.gpu_step_s.get(self.running, 0.0) if self.running is not None else 0.0
         if self.read_at is None or step <= 0.0:
             return 0.0
         end = self.read_at + step
-        return max(0.0, min(step, end - self.host_launch_s - self.lead_s - now))
+        wait = max(0.0, min(step, end - self.host_launch_s - self.lead_s - self.slack_s - now))
+        self.waited = self.waited or wait > 0.0
+        return wait
 
 
 def _mix(old: float, new: float) -> float:

@@ -42,9 +42,20 @@ class Inflight:
 
     seqs: list[Sequence]
     pending: PendingSample
-    # CUDA events before the step's launches and after its sampling, and its token count
-    # (late admission's AdmissionPacer times the step's GPU work with them); None without.
-    timing: tuple[torch.cuda.Event, torch.cuda.Event, int] | None = None
+    # Late admission's timing (AdmissionPacer); None without.
+    timing: StepTiming | None = None
+
+
+@dataclass
+class StepTiming:
+    """CUDA events before a step's launches and after its sampling and its token count (the
+    pacer times the step's GPU work with them), and for a paced step its predecessor's end
+    event (the GPU's idle gap before it)."""
+
+    started: torch.cuda.Event
+    ended: torch.cuda.Event
+    tokens: int
+    after: torch.cuda.Event | None
 
 
 class StepLoop:
@@ -90,6 +101,7 @@ class StepLoop:
         logits: torch.Tensor | None = None
         sampling: list[Sequence] = []
         started: torch.cuda.Event | None = None
+        after: torch.cuda.Event | None = None  # a paced step's predecessor's end
         if sched.scheduled:
             self.tiers.wait_for_copies(sched)
             if step_checks.ENABLED:  # after the waits: it reads the slots' table rows
@@ -98,8 +110,9 @@ class StepLoop:
                 sched.scheduled, inflight.seqs, inflight.pending.tokens)
             started = self._record_event() if self.pacer is not None else None
             logits = self.runner.run(sched.scheduled, patch)
-            if self.pacer is not None:
-                self.pacer.launched(time.monotonic() - entered, sched.num_tokens)
+            if self.pacer is not None and self.pacer.launched(time.monotonic() - entered,
+                                                              sched.num_tokens):
+                after = inflight.timing.ended if inflight and inflight.timing else None
             sampling = [s.seq for s in sched.scheduled if s.samples]
         if inflight is not None:
             if self.pacer is not None:
@@ -114,7 +127,8 @@ class StepLoop:
             return outputs + self.sample(sched, logits, sampling)
         self.inflight = self._sample_async(sched, logits, sampling)
         if self.inflight is not None and started is not None:
-            self.inflight.timing = (started, self._record_event(), sched.num_tokens)
+            self.inflight.timing = StepTiming(started, self._record_event(), sched.num_tokens,
+                                              after)
         return outputs
 
     @staticmethod
@@ -128,10 +142,12 @@ class StepLoop:
         """Tell the pacer the step `inflight` held is read (its events done with it)."""
         assert self.pacer is not None
         self.pacer.read(time.monotonic(), running)
-        if inflight.timing is not None:
-            start, end, tokens = inflight.timing
-            end.synchronize()  # recorded just after the sampled ids' copy, already read
-            self.pacer.step_done(start.elapsed_time(end) / 1e3, tokens)
+        timing = inflight.timing
+        if timing is not None:
+            timing.ended.synchronize()  # recorded just after the sampled ids' copy, read
+            self.pacer.step_done(timing.started.elapsed_time(timing.ended) / 1e3, timing.tokens)
+            if timing.after is not None:
+                self.pacer.idle(timing.after.elapsed_time(timing.started) / 1e3)
 
     # ---- adapters ------------------------------------------------------------------------
     def _finish_reads(self) -> list[RequestOutput]:

@@ -42,6 +42,8 @@ WARM_EVERY_S = 0.5
 # An idle engine is told to keep its other ranks alive this often (tensor parallelism: their
 # pending receive must complete within the collective timeout).
 KEEPALIVE_EVERY_S = 60.0
+# How often a worker with late admission logs what its pacing cost the GPU (s).
+PACER_LOG_EVERY_S = 10.0
 # Commands that parse adapter files: run on a thread so they overlap engine steps.
 BACKGROUND = ("load_adapter", "touch_adapters")
 
@@ -110,6 +112,7 @@ class EngineCore:
         self._last_state: m.EngineState | None = None
         self._warm_at = -WARM_EVERY_S  # when warm_adapters was last sent
         self._active_at = time.monotonic()  # last step or keepalive
+        self._pacer_logged_at = time.monotonic()
         self.trace_hops = hop_trace.enabled()
 
     def run(self, inputs: zmq.Socket) -> None:
@@ -159,6 +162,10 @@ class EngineCore:
         step under way on the GPU leaves time before the next must be launched, take the
         requests that arrive, so that they join that next step; False once asked to shut
         down."""
+        pacer = self.engine.loop.pacer
+        if pacer is not None and time.monotonic() - self._pacer_logged_at > PACER_LOG_EVERY_S:
+            log.info("%s", pacer.summary())
+            self._pacer_logged_at = time.monotonic()
         wait = self.engine.loop.admission_wait_s()
         if wait <= 0.0:
             return True

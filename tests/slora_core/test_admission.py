@@ -15,7 +15,7 @@ import zmq
 
 from services.worker import core_protocol as m
 from services.worker.engine_core import EngineCore
-from slora_core.admission import EWMA, AdmissionPacer, size_class
+from slora_core.admission import EWMA, GAP_NOISE_S, PROBE_S, AdmissionPacer, size_class
 from slora_core.config import ConfigError, EngineConfig
 
 
@@ -65,6 +65,32 @@ def test_the_estimates_follow_the_steps_and_the_wait_stays_under_one_step() -> N
     assert pacer.wait_s(now=-1.0) == pytest.approx(pacer.gpu_step_s[size_class(64)])
 
 
+def test_an_idle_gpu_before_a_paced_step_shortens_later_waits_until_probed_back() -> None:
+    """The GPU's idle gap before a paced step (its wait overran the step under way) comes off
+    every later wait; each launch takes PROBE_S back; a gap within the events' noise is no
+    idle; a step launched with no wait before it is not paced."""
+    pacer = AdmissionPacer(lead_s=0.0)
+    pacer.step_done(0.010, tokens=64)
+    assert pacer.launched(0.0, tokens=64) is False  # no wait was given before it
+    pacer.read(at=0.0, running=True)
+    assert pacer.wait_s(now=0.0) == pytest.approx(0.010)
+    assert pacer.launched(0.0, tokens=64) is True  # that wait paced it
+    pacer.idle(0.002)  # and the GPU idled 2 ms before it started
+    assert (pacer.paced_steps, pacer.idle_s, pacer.slack_s) == (1, 0.002, 0.002)
+    pacer.read(at=0.0, running=True)
+    assert pacer.wait_s(now=0.0) == pytest.approx(0.008)
+    assert pacer.launched(0.0, tokens=64) is True
+    pacer.idle(GAP_NOISE_S / 2)  # no idle: the slack only loses the launch's probe
+    assert pacer.slack_s == pytest.approx(0.002 - PROBE_S) and pacer.paced_steps == 2
+    assert "2 paced steps, GPU idle before them 2.0 ms in all (1000 us a step)" in (
+        pacer.summary())
+    for _ in range(200):  # unpaced launches probe it back to none, never below
+        pacer.launched(0.0, tokens=64)
+    assert pacer.slack_s == 0.0
+    pacer.read(at=0.0, running=True)
+    assert pacer.wait_s(now=0.0) == pytest.approx(0.010)
+
+
 def test_a_negative_or_nan_lead_is_refused() -> None:
     for bad in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="admission_lead_ms"):
@@ -78,6 +104,7 @@ class WaitingEngine:
 
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
+        self.pacer = None  # its log line comes from a real pacer only
         self.aborted: list[tuple[str, float]] = []
 
     @property
@@ -201,3 +228,27 @@ def test_on_the_gpu_the_pacer_times_the_steps_and_changes_no_token(demo_dir: Pat
     assert pacer.gpu_step_s and min(pacer.gpu_step_s.values()) > 0.0
     assert pacer.host_launch_s > 0.0
     assert all(0.0 <= w <= max(pacer.gpu_step_s.values()) for w in waits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_paced_step_after_an_overrun_reports_the_idle_gap(demo_dir: Path) -> None:
+    """A serving loop that sleeps 3 ms past each step's return (every step taken as paced)
+    leaves the GPU idle about that long before each next step: the pacer reads it from the
+    CUDA events and carries it as slack."""
+    from slora_core.engine import LLMEngine
+    from slora_core.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        num_pages=64, block_size=16, max_rank=16, device="cuda", admission_lead_ms=0.5))
+    pacer = engine.loop.pacer
+    assert pacer is not None
+    for i in range(4):
+        engine.add_request(str(i), [1, 5 + i, 9, 13], SamplingParams(max_new_tokens=12))
+    while engine.has_unfinished():
+        pacer.waited = True  # as if a wait had come before this step
+        engine.step()
+        time.sleep(0.003)
+    engine.close()
+    assert pacer.paced_steps >= 8
+    assert pacer.idle_s / pacer.paced_steps > 0.002
+    assert pacer.slack_s > 0.002
