@@ -19,10 +19,10 @@ when the last read returned (the step after it started on the GPU then).
 The estimates can still miss what the host does between a read and the next launch
 (streaming the outputs, the front's messages), and a wait that overruns idles the GPU. So
 the pacer also takes the GPU's own word: the idle gap between a paced step's predecessor's
-end and its start (CUDA events on the same stream). An idle gap adds to `slack_s`, which
-shortens every later wait by as much; every launch takes `PROBE_S` off it, so the wait
-creeps back towards the step's end while the GPU stays busy (and comes back after a run of
-steps the slack left unpaced)."""
+end and its start (CUDA events on the same stream). An idle gap (up to `GAP_MAX_S` of it)
+adds to `slack_s`, which shortens every later wait by as much; every launch takes `PROBE_S`
+off it, so the wait creeps back towards the step's end while the GPU stays busy (and comes
+back after a run of steps the slack left unpaced)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ EWMA = 0.25
 PROBE_S = 25e-6
 # An idle gap shorter than this between two steps' events is the events' own cost, not idle.
 GAP_NOISE_S = 20e-6
+# The most one gap adds to the slack: a lone hiccup (a collection, a slow message) must not
+# turn pacing off for hundreds of steps (a run's tail left 9.6 ms of slack at 20a18b8 with no
+# cap); an overrun that repeats still adds up within a few steps.
+GAP_MAX_S = 0.5e-3
 
 
 def size_class(tokens: int) -> int:
@@ -70,7 +74,7 @@ class AdmissionPacer:
         self.paced_steps += 1
         if gap_s > GAP_NOISE_S:
             self.idle_s += gap_s
-            self.slack_s += gap_s
+            self.slack_s += min(gap_s, GAP_MAX_S)
 
     def summary(self) -> str:
         """One line for the log: what pacing cost the GPU so far."""
