@@ -680,6 +680,7 @@ def rows() -> list[str]:
                        ("distinct-adapters-tiles-51483c3-h100.json", distinct_rows),
                        ("distinct-adapters-tiles-a1de8ba-h100.json", distinct_rows),
                        ("distinct-adapters-tiles-b256-bb81a4e-h100.json", distinct_rows),
+                       ("distinct-adapters-mixed-cols-20a18b8-h100.json", distinct_rows),
                        ("worker-startup-7b-h200.json", startup_rows),
                        ("worker-startup-h200.json", startup_rows),
                        ("worker-startup-d2d45c7-h200.json", startup_rows)):

@@ -535,13 +535,14 @@ SUITES["issue37-mixed-cols"] = (
 # against the in-process loop (which never waits), the worker off and then (restarted, its
 # kernels from its compile cache) with a 1 ms lead, in one run: one stack, one in-process
 # engine for both.
-def _admission(name: str, limit_s: int, repeats: int) -> Step:
+def _admission(name: str, limit_s: int, repeats: int, levels: str = "64,256",
+               per_stream: int = 4, stem: str = "service-overhead-7b-gw4-admission") -> Step:
     return step(
         name, limit_s, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
-        "--max-model-len", "256", "--concurrency", "64,256", "--requests-per-stream", "4",
-        "--new-tokens", "64", "--client-procs", "8", "--repeats", str(repeats),
+        "--max-model-len", "256", "--concurrency", levels, "--requests-per-stream",
+        str(per_stream), "--new-tokens", "64", "--client-procs", "8", "--repeats", str(repeats),
         "--gateway-procs", "4", "--client-channels", "8", "--worker-admission-leads", "0,1",
-        "--out", OUT("service-overhead-7b-gw4-admission"))
+        "--out", OUT(stem))
 
 
 SUITES["service-path-admission"] = (_admission("service-admission", 450, 2),)
@@ -549,3 +550,9 @@ SUITES["service-path-admission"] = (_admission("service-admission", 450, 2),)
 # at f770983: the stack and the in-process engine, then ~45 s a lead and the worker's
 # restart; service-overhead-7b-gw4-admission-f770983-h100.json).
 SUITES["service-path-admission-1r"] = (_admission("service-admission-1r", 380, 1),)
+# 256 streams only, each run three times as long (12 requests a stream: ~20 s a path), one
+# repeat: the 2 s runs above swing by 10-40 ms of TTFT between repeats (230 s on an H100 at
+# 2a3ea28, service-overhead-7b-gw4-admission-long-c256-2a3ea28-h100.json).
+SUITES["service-path-admission-long"] = (_admission(
+    "service-admission-long", 320, 1, levels="256", per_stream=12,
+    stem="service-overhead-7b-gw4-admission-long-c256"),)

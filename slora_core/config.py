@@ -222,13 +222,14 @@ class EngineConfig:
         None, "launch each step before reading the previous one's tokens, which feed it on "
               "the device (overlaps host work with the GPU; outputs come one step() later; "
               "default: on for one CUDA device, off otherwise)")
-    # On at 1 ms since 2026-12-07: with the read stamped as the tokens land and the GPU's idle
-    # gaps as slack, gRPC at 256 streams through the gateway gave 1.037x the tokens/s of the
-    # worker with it off and 9.5 ms less request TTFT p50, level at 64 streams (H100, 2
-    # repeats; service-overhead-7b-gw4-admission-20a18b8-h100.json). Before the read-time fix
-    # it cost a quarter of the throughput (docs/performance.md, "Late admission").
+    # Off: measured three times at 1 ms on an H100 (gRPC, 256 streams, the gateway path
+    # against the worker with it off), it did not hold: 1.037x the tokens/s and 9.5 ms less
+    # request TTFT p50, then 0.990x and +12.1 ms, then in a run three times as long 0.989x
+    # and -0.5 ms. Direct to the worker it cut TTFT p50 every time (25, 91 and 17 ms); its GPU
+    # idled 264-433 us before each paced step in the long run (docs/performance.md, "Late
+    # admission").
     admission_lead_ms: float = knob(
-        1.0, "with asynchronous steps, the serving loop takes new requests after a step "
+        0.0, "with asynchronous steps, the serving loop takes new requests after a step "
              "returns until the step under way on the GPU is about to end, less the host's "
              "launch time and this many ms, so that they join the next step (0: off)")
     # The batch-64 decode step with 64 adapters gains 0.5-0.8 ms (1.27-1.33x its floor vs
