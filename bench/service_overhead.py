@@ -575,9 +575,10 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
             pool: Any, reqs: list[Request], c: int, rate: float | None = None,
-            ) -> dict[str, Any]:
+            lead: float | None = None) -> dict[str, Any]:
     """Interleaved repeats of every path at concurrency `c` (closed loop), or with `rate`
-    open loop: the same Poisson arrivals on every path, at most `c` in flight."""
+    open loop: the same Poisson arrivals on every path, at most `c` in flight. `lead`: the
+    worker's late-admission lead (--worker-admission-leads), which hop traces' tags name."""
     arrivals = poisson_arrivals(len(reqs), rate) if rate is not None else None
     # Open loop: the clients hold nothing back (the engines queue what exceeds their seqs);
     # each client process may have all its share in flight.
@@ -600,7 +601,8 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
             for sp in spreads} if rate is None else {}
     for path in late:
         runs[path] = []
-    label = f"c={c}" if rate is None else f"rate={rate:g}/s"
+    label = (f"c={c}" if rate is None else f"rate={rate:g}/s") + (
+        f" lead={lead:g}ms" if lead is not None else "")
     lengths = Lengths(args.new_tokens, args.new_tokens_spread)
     for r in range(args.repeats):
         runs["in_process"].append(run_in_process(engine, reqs, lengths, c, arrivals))
@@ -682,7 +684,7 @@ def main() -> int:
         for i, lead in enumerate(leads):
             if lead is not None and i:  # the worker again at this lead (its compile cache)
                 restart_worker(stack, lead, token, names)
-            for level in run_levels(args, stack, engine, token, pool, names, levels):
+            for level in run_levels(args, stack, engine, token, pool, names, levels, lead):
                 if lead is not None:
                     level["worker_admission_lead_ms"] = lead
                 results.append(level)
@@ -703,16 +705,17 @@ def pacing_report(worker_log: Path) -> None:
 
 
 def run_levels(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
-               pool: Any, names: list[str], levels: list[int]) -> Iterator[dict[str, Any]]:
+               pool: Any, names: list[str], levels: list[int], lead: float | None = None,
+               ) -> Iterator[dict[str, Any]]:
     """Each --rates level (open loop) or each concurrency (closed loop), measured."""
     if args.rates:
         for rate in args.rates:
             reqs = workload(names, max(1, round(rate * args.open_loop_s)), vocab=512)
-            yield measure(args, stack, engine, token, pool, reqs, max(levels), rate)
+            yield measure(args, stack, engine, token, pool, reqs, max(levels), rate, lead)
     else:
         for c in levels:
             reqs = workload(names, c * args.requests_per_stream, vocab=512)
-            yield measure(args, stack, engine, token, pool, reqs, c)
+            yield measure(args, stack, engine, token, pool, reqs, c, lead=lead)
 
 
 def lead_flag(lead: float | None) -> tuple[str, ...]:

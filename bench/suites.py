@@ -536,13 +536,14 @@ SUITES["issue37-mixed-cols"] = (
 # kernels from its compile cache) with a 1 ms lead, in one run: one stack, one in-process
 # engine for both.
 def _admission(name: str, limit_s: int, repeats: int, levels: str = "64,256",
-               per_stream: int = 4, stem: str = "service-overhead-7b-gw4-admission") -> Step:
+               per_stream: int = 4, stem: str = "service-overhead-7b-gw4-admission",
+               extra: tuple[str, ...] = ()) -> Step:
     return step(
         name, limit_s, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
         "--max-model-len", "256", "--concurrency", levels, "--requests-per-stream",
         str(per_stream), "--new-tokens", "64", "--client-procs", "8", "--repeats", str(repeats),
         "--gateway-procs", "4", "--client-channels", "8", "--worker-admission-leads", "0,1",
-        "--out", OUT(stem))
+        *extra, "--out", OUT(stem))
 
 
 SUITES["service-path-admission"] = (_admission("service-admission", 450, 2),)
@@ -556,3 +557,12 @@ SUITES["service-path-admission-1r"] = (_admission("service-admission-1r", 380, 1
 SUITES["service-path-admission-long"] = (_admission(
     "service-admission-long", 320, 1, levels="256", per_stream=12,
     stem="service-overhead-7b-gw4-admission-long-c256"),)
+# Why the lead helps direct to the worker and not through the gateway: the long run with
+# hop traces, each lead's requests under their own tags. `worker_added -> core_added` is a
+# request's wait in the core's queue, `core_added -> core_started` its wait for the step()
+# that launched its first step (the lead's window included); the JSON's hop_trace holds
+# each leg's p50 / p90 per path and lead.
+SUITES["service-path-admission-trace"] = (_admission(
+    "service-admission-trace", 340, 1, levels="256", per_stream=12,
+    stem="service-overhead-7b-gw4-admission-trace-c256",
+    extra=("--trace-hops", "{out}/hops")),)

@@ -10,7 +10,9 @@ when off; never leave it on in production (the files grow by ~6 lines a request 
 
 The events, in the order a request meets them (`HOPS`):
 client_send (the arrival the client was given) / client_sent (when it actually sent),
-gateway_entry, worker_entry, worker_added (`request_id:core rid`), core_added, core_first (the
+gateway_entry, worker_entry, worker_added (`request_id:core rid`), core_added, core_started
+(the loop entered the `step()` that launched the request's first step: `core_added ->
+core_started` is its wait to join one, late admission's window included), core_first (the
 step output holding the first token leaves the core), worker_first_in (the front has it),
 worker_first_out (the front yields it), gateway_first_in, gateway_first_out, client_first.
 """
@@ -23,7 +25,7 @@ from typing import IO
 
 ENV = "SLORA_TRACE_HOPS"
 HOPS = ("client_send", "client_sent", "gateway_entry", "worker_entry", "worker_added",
-        "core_added", "core_first", "worker_first_in", "worker_first_out", "gateway_first_in",
+        "core_added", "core_started", "core_first", "worker_first_in", "worker_first_out", "gateway_first_in",
         "gateway_first_out", "client_first")
 
 _file: IO[str] | None = None

@@ -114,6 +114,7 @@ class EngineCore:
         self._active_at = time.monotonic()  # last step or keepalive
         self._pacer_logged_at = time.monotonic()
         self.trace_hops = hop_trace.enabled()
+        self._step_entered = 0.0  # wall clock (hop traces' core_started)
 
     def run(self, inputs: zmq.Socket) -> None:
         while True:
@@ -210,6 +211,8 @@ class EngineCore:
         hop_trace.mark("core_added", msg.rid)
 
     def _step(self) -> None:
+        if self.trace_hops:
+            self._step_entered = time.time()
         try:
             outs = self.engine.step()
         except Exception as exc:
@@ -263,6 +266,9 @@ class EngineCore:
         prompt = prompt_scores(self.engine)
         started = [r for r in self._unstarted if self.engine.request_started(str(r))]
         self._unstarted.difference_update(started)
+        if self.trace_hops:
+            for rid in started:
+                hop_trace.mark("core_started", rid, self._step_entered)
         return m.StepOutput(rids, token_ids, logprobs, tops if any_top else None, finished,
                             started, self._state(), prompt, cached)
 

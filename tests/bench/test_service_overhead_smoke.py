@@ -50,13 +50,14 @@ def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
     for tag, got in hops.items():
         assert got["requests"] == 6, tag
         legs = got["legs_ms"]
-        for leg in ("worker_added -> core_added", "core_added -> core_first",
+        for leg in ("worker_added -> core_added", "core_added -> core_started",
+                    "core_started -> core_first",
                     "client_send -> client_first (TTFT)",
                     *(through_gateway if not tag.startswith("worker") else
                       ("client_sent -> worker_entry", "worker_first_out -> client_first"))):
             assert legs[leg]["n"] == 6 and legs[leg]["p50"] >= 0, (tag, leg)
         assert legs["client_send -> client_first (TTFT)"]["p50"] > legs[
-            "core_added -> core_first"]["p50"], tag
+            "core_started -> core_first"]["p50"], tag
 
 
 @pytest.mark.slow
@@ -128,11 +129,16 @@ def test_worker_admission_leads_restart_the_worker_and_measure_every_level_at_ea
     res = subprocess.run(
         [sys.executable, "-m", "bench.service_overhead", "--concurrency", "2,4", "--repeats",
          "1", "--requests-per-stream", "2", "--new-tokens", "4", "--client-procs", "1",
-         "--worker-admission-leads", "0,1", "--out", str(out)],
+         "--worker-admission-leads", "0,1", "--trace-hops", str(tmp_path / "hops"),
+         "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "worker restarted at admission lead 1 ms" in res.stdout
-    levels = json.loads(out.read_text())["levels"]
+    result = json.loads(out.read_text())
+    # Hop traces keep the leads apart: each lead's requests under its own tags.
+    assert {f"{path} c={c} lead={lead}ms" for path in ("worker", "gateway") for c in (2, 4)
+            for lead in (0, 1)} == set(result["hop_trace"])
+    levels = result["levels"]
     assert [(lv["worker_admission_lead_ms"], lv["concurrency"]) for lv in levels] == [
         (0, 2), (0, 4), (1, 2), (1, 4)]
     for level in levels:  # the restarted worker serves every path, through the gateway too
