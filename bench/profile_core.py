@@ -1,7 +1,9 @@
 """Where the engine core's host time goes in one decode step: schedule, memory (adapter copies),
-step inputs, launch, sample (on a GPU this includes waiting for the step's results), booking
+step inputs, launch, sample (synchronous steps on a GPU: this includes waiting for the step's
+results), read_wait (asynchronous steps: waiting for the previous step's ids), booking
 (scheduler postprocess, outputs) and the output message (encode + ZeroMQ send), timed inside the
-real `EngineCore` loop with a real socket, for a batch of decoding requests.
+real `EngineCore` loop (its phases in the engine's StepLoop) with a real socket, for a batch of
+decoding requests.
 
     python -m bench.profile_core --shape llama2-7b --device cuda --dtype float16 --batch 64 \
         [--async-steps] --out bench/results/profile-core-h200.json
@@ -32,6 +34,7 @@ from devtools.demo_assets import write_demo_assets
 from services.worker.engine_core import EngineCore
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
+from slora_core.sampler import PendingSample
 from slora_core.sampling_params import SamplingParams
 
 
@@ -98,14 +101,18 @@ def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
     out.connect(address)
     core = EngineCore(engine, out, os.getppid())
     timer = PhaseTimer(sync=args.device.startswith("cuda"))
-    timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(engine, "_apply_memory_changes", "memory")
+    loop = engine.loop  # the step's phases run in its StepLoop
+    timer.wrap(loop.scheduler, "schedule", "schedule")
+    timer.wrap(loop, "apply_memory_changes", "memory")
     timer.wrap(model_runner, "build_step_inputs", "inputs")
-    timer.wrap(engine.runner, "run", "forward_launch")
-    timer.wrap(engine.sampler, "sample", "sample")
-    timer.wrap(engine.sampler, "sample_async", "sample")
-    timer.wrap(engine.scheduler, "postprocess", "book")
-    timer.wrap(engine, "_append_token", "book")
+    timer.wrap(loop.runner, "run", "forward_launch")
+    timer.wrap(loop.sampler, "sample", "sample")
+    timer.wrap(loop.sampler, "sample_async", "sample")
+    # Asynchronous steps: waiting for the previous step's ids to land (a bench process of its
+    # own: the class is wrapped, as each step makes a new PendingSample).
+    timer.wrap(PendingSample, "wait", "read_wait")
+    timer.wrap(loop.scheduler, "postprocess", "book")
+    timer.wrap(loop, "_append_token", "book")
     timer.wrap(core, "_send", "output_send")
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_new_tokens=args.warm_steps + args.steps + 4,
