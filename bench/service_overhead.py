@@ -53,6 +53,7 @@ from services.common.hop_auth import GATEWAY_HEADER
 from services.common.processes import exit_on_sigterm
 from services.control_plane.api.client import AdminClient
 from services.worker.startup import compile_cache_root, open_compile_cache
+from slora_core.admission import SUMMARY_PREFIX
 from slora_core.config import EngineConfig
 from slora_core.engine import LLMEngine
 from slora_core.engine_args import add_engine_args, engine_cli_args, engine_config_kwargs
@@ -700,7 +701,7 @@ def pacing_report(worker_log: Path) -> None:
     """Print the worker's late-admission lines (what its pacing cost the GPU) to this log."""
     if worker_log.exists():
         for line in worker_log.read_text(errors="replace").splitlines():
-            if "late admission (lead" in line:
+            if SUMMARY_PREFIX in line:
                 print(line, flush=True)
 
 

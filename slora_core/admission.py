@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 
 # Weight of the newest sample in the running estimates.
 EWMA = 0.25
+# How the pacer's log line (`AdmissionPacer.summary`) begins: bench.service_overhead finds
+# the worker's lines by it.
+SUMMARY_PREFIX = "late admission (lead"
 # What each launch takes off the slack (s).
 PROBE_S = 25e-6
 # An idle gap shorter than this between two steps' events is the events' own cost, not idle.
@@ -79,7 +82,7 @@ class AdmissionPacer:
     def summary(self) -> str:
         """One line for the log: what pacing cost the GPU so far."""
         per = self.idle_s / self.paced_steps * 1e6 if self.paced_steps else 0.0
-        return (f"late admission (lead {self.lead_s * 1e3:g} ms): {self.paced_steps} paced "
+        return (f"{SUMMARY_PREFIX} {self.lead_s * 1e3:g} ms): {self.paced_steps} paced "
                 f"steps, GPU idle before them {self.idle_s * 1e3:.1f} ms in all ({per:.0f} us "
                 f"a step), slack now {self.slack_s * 1e6:.0f} us, host launch "
                 f"{self.host_launch_s * 1e6:.0f} us")

@@ -128,7 +128,9 @@ DECODE_TILES = LoraTiles(shrink_block_m=DECODE_BLOCK_M, shrink_block_k=256,
 # H100, graph replay, one column tile a program -> four (two and eight of 64 columns lost to
 # four): 252.4 -> 196.3 us, 402.6 -> 299.6, 323.5 -> 240.7, despite 242-244 registers a thread
 # against 168, two programs a multiprocessor against three (kernel-compile-cost-2130f3a-cpu.json;
-# lora-distinct-layer-mixed-cols-f770983-h100.json). Not yet measured in the engine.
+# lora-distinct-layer-mixed-cols-f770983-h100.json). In the engine, 16 distinct adapters
+# 0.825x of base against 0.823x, ahead in all 3 repeats by 0.3-0.6% (mixed steps 107.7 against
+# 111.0 ms; distinct-adapters-mixed-cols-20a18b8-h100.json).
 PREFILL_STAGES = 3
 PREFILL_TILES = LoraTiles(shrink_block_m=PREFILL_BLOCK_M, shrink_block_k=128,
                           expand_block_m=PREFILL_BLOCK_M, expand_block_n=128, max_split_k=2,

@@ -25,8 +25,8 @@ from typing import IO
 
 ENV = "SLORA_TRACE_HOPS"
 HOPS = ("client_send", "client_sent", "gateway_entry", "worker_entry", "worker_added",
-        "core_added", "core_started", "core_first", "worker_first_in", "worker_first_out", "gateway_first_in",
-        "gateway_first_out", "client_first")
+        "core_added", "core_started", "core_first", "worker_first_in", "worker_first_out",
+        "gateway_first_in", "gateway_first_out", "client_first")
 
 _file: IO[str] | None = None
 

@@ -146,3 +146,16 @@ def test_worker_admission_leads_restart_the_worker_and_measure_every_level_at_ea
             (run,) = level["runs"][path]
             assert run["errors"] == [], (path, run["errors"])
             assert run["output_tokens"] == level["requests"] * 4, path
+
+
+def test_the_pacing_report_prints_the_workers_pacer_lines_only(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.service_overhead import pacing_report
+    from slora_core.admission import AdmissionPacer
+
+    log = tmp_path / "worker-0.log"
+    line = f"2026-12-07 engine-core INFO x: {AdmissionPacer(lead_s=0.001).summary()}"
+    log.write_text(f"2026-12-07 engine-core INFO x: serving\n{line}\n")
+    pacing_report(log)
+    pacing_report(tmp_path / "absent.log")  # a worker that never logged: nothing
+    assert capsys.readouterr().out == line + "\n"
