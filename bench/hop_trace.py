@@ -18,16 +18,23 @@ import numpy as np
 
 from services.common.hop_trace import HOPS
 
+# How much earlier than the front's `worker_added` a core's `core_added` may be stamped (both
+# are wall-clock times from two processes).
+ADDED_SKEW_S = 1e-3
+
 
 def read(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     """client tag -> request key -> event -> wall-clock time (the first of repeated marks);
-    core events are moved onto the request's key through `worker_added`. Requests no client
-    tagged (warm-up) are left out."""
+    core events are moved onto the request's key through `worker_added`. The core numbers
+    its requests afresh each time a worker starts, so a request number met in several core
+    files joins the front's request whose `worker_added` came last before its `core_added`.
+    Requests no client tagged (warm-up) are left out."""
     by_key: dict[str, dict[str, float]] = defaultdict(dict)
-    core: dict[str, dict[str, float]] = defaultdict(dict)
-    core_of: dict[str, str] = {}
+    core: dict[str, list[dict[str, float]]] = defaultdict(list)  # rid -> one per core file
+    added: list[tuple[float, str, str]] = []  # (worker_added time, rid, request key)
     tags: dict[str, str] = {}
     for path in sorted(folder.glob("*.hops")):
+        in_file: dict[str, dict[str, float]] = defaultdict(dict)
         for line in path.read_text().splitlines():
             event, _, rest = line.partition(" ")
             key, _, stamp = rest.rpartition(" ")
@@ -43,13 +50,20 @@ def read(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
                 continue
             if event == "worker_added":
                 key, _, rid = key.rpartition(":")
-                core_of[rid] = key
-            target = core[key] if event.startswith("core_") else by_key[key]
+                added.append((at, rid, key))
+            target = in_file[key] if event.startswith("core_") else by_key[key]
             target.setdefault(event, at)
-    for rid, events in core.items():
-        if rid in core_of:
-            for event, at in events.items():
-                by_key[core_of[rid]].setdefault(event, at)
+        for rid, events in in_file.items():
+            core[rid].append(events)
+    taken: set[int] = set()
+    for at, rid, key in sorted(added, reverse=True):  # the latest first: it takes the latest
+        later = [c for c in core.get(rid, ()) if id(c) not in taken
+                 and c.get("core_added", min(c.values())) >= at - ADDED_SKEW_S]
+        if later:
+            events = min(later, key=lambda c: c.get("core_added", min(c.values())))
+            taken.add(id(events))
+            for event, t in events.items():
+                by_key[key].setdefault(event, t)
     grouped: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
     for key, events in by_key.items():
         if tags.get(key):

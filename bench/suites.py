@@ -537,12 +537,12 @@ SUITES["issue37-mixed-cols"] = (
 # engine for both.
 def _admission(name: str, limit_s: int, repeats: int, levels: str = "64,256",
                per_stream: int = 4, stem: str = "service-overhead-7b-gw4-admission",
-               extra: tuple[str, ...] = ()) -> Step:
+               extra: tuple[str, ...] = (), leads: str = "0,1") -> Step:
     return step(
         name, limit_s, "bench.service_overhead", *GPU_7B, "--num-pages", "2400",
         "--max-model-len", "256", "--concurrency", levels, "--requests-per-stream",
         str(per_stream), "--new-tokens", "64", "--client-procs", "8", "--repeats", str(repeats),
-        "--gateway-procs", "4", "--client-channels", "8", "--worker-admission-leads", "0,1",
+        "--gateway-procs", "4", "--client-channels", "8", "--worker-admission-leads", leads,
         *extra, "--out", OUT(stem))
 
 
@@ -566,3 +566,13 @@ SUITES["service-path-admission-trace"] = (_admission(
     "service-admission-trace", 340, 1, levels="256", per_stream=12,
     stem="service-overhead-7b-gw4-admission-trace-c256",
     extra=("--trace-hops", "{out}/hops")),)
+# Longer leads. In the trace at 79baaf4 (service-overhead-7b-gw4-admission-trace-c256-79baaf4-
+# h100.json) a gateway request took 1.4 ms (p50; mean 4.1) from client to worker and its
+# predecessor's last token ~1.3 ms back, while a 1 ms lead aims the next launch so near the
+# step's end that the GPU idled ~300 us before each paced step and the slack that idling
+# built (2.5-3 ms) left half the steps unpaced. A lead of 4 or 8 ms closes the window well
+# before the step ends (a 256-row step is ~19 ms; at 64 rows ~10.5 ms, where 8 ms leaves no
+# window: no pacing). Both levels, the hops traced.
+SUITES["service-path-admission-leads"] = (_admission(
+    "service-admission-leads", 480, 1, levels="64,256", per_stream=12, leads="0,4,8",
+    stem="service-overhead-7b-gw4-admission-leads", extra=("--trace-hops", "{out}/hops")),)

@@ -41,6 +41,24 @@ def test_events_from_every_process_join_into_one_timeline_per_request(tmp_path: 
     assert list(got)[0] == "client_send -> client_sent"  # legs in HOPS order
 
 
+def test_a_restarted_workers_request_numbers_join_their_own_core(tmp_path: Path) -> None:
+    """A worker restarted mid-run (another core process) numbers its requests from the start
+    again: each front request joins the core events that followed its own `worker_added`,
+    whichever file sorts first."""
+    (tmp_path / "1.hops").write_text(
+        "client_tag a=lead0 1.0\nclient_send a 10.000\nclient_first a 10.050\n"
+        "client_tag c=lead1 1.0\nclient_send c 50.000\nclient_first c 50.040\n")
+    (tmp_path / "2.hops").write_text("worker_added a:7 10.002\n")
+    (tmp_path / "3.hops").write_text("worker_added c:7 50.002\n")
+    # The restarted core's file sorts first.
+    (tmp_path / "4.hops").write_text("core_added 7 50.0025\ncore_first 7 50.030\n")
+    (tmp_path / "5.hops").write_text("core_added 7 10.012\ncore_first 7 10.045\n")
+    got = {tag: legs({tag: reqs})[tag]["legs_ms"] for tag, reqs in read(tmp_path).items()}
+    assert got["lead0"]["worker_added -> core_added"]["p50"] == pytest.approx(10.0)
+    assert got["lead1"]["worker_added -> core_added"]["p50"] == pytest.approx(0.5)
+    assert got["lead1"]["core_added -> core_first"]["p50"] == pytest.approx(27.5)
+
+
 def test_marks_are_off_unless_the_variable_names_a_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(hop_trace.ENV, raising=False)
