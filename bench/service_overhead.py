@@ -236,12 +236,15 @@ def _grpc_client(target: str, md: tuple[tuple[str, str], ...], reqs: list[Reques
                             if resp.HasField("chunk") and resp.chunk.token_ids:
                                 first = first if first is not None else time.time()
                                 count += len(resp.chunk.token_ids)
+                            elif tracing and resp.HasField("complete"):
+                                hop_trace.mark("client_complete", req.request_id)
                     except grpc.aio.AioRpcError as e:
                         errors.append(f"{e.code().name}: {e.details()}")
                         return
                     first = first if first is not None else time.time()
                     ttft.append((first - start_at, first - sent))
                     hop_trace.mark("client_first", req.request_id, first)
+                    hop_trace.mark("client_done", req.request_id)
 
             await asyncio.gather(*(call(message(p, a), stubs[i % channels],
                                         None if arrivals is None else arrivals[i])

@@ -576,3 +576,11 @@ SUITES["service-path-admission-trace"] = (_admission(
 SUITES["service-path-admission-leads"] = (_admission(
     "service-admission-leads", 480, 1, levels="64,256", per_stream=12, leads="0,4,8",
     stem="service-overhead-7b-gw4-admission-leads", extra=("--trace-hops", "{out}/hops")),)
+# Where a closed-loop client's next request comes from: at 28946b2 the gateway's clients
+# learned of a request's end ~15 ms after the core sent its last token (a first token takes
+# ~3 ms: service-overhead-7b-gw4-admission-leads-28946b2-h100.json's hops), so successors
+# reached the worker late in the step under way. The same levels without a lead, the end's
+# hops traced (core_finish ... client_done).
+SUITES["service-path-end-trace"] = (_admission(
+    "service-end-trace", 300, 1, levels="64,256", per_stream=12, leads="0",
+    stem="service-overhead-7b-gw4-end-trace", extra=("--trace-hops", "{out}/hops")),)

@@ -15,6 +15,11 @@ gateway_entry, worker_entry, worker_added (`request_id:core rid`), core_added, c
 core_started` is its wait to join one, late admission's window included), core_first (the
 step output holding the first token leaves the core), worker_first_in (the front has it),
 worker_first_out (the front yields it), gateway_first_in, gateway_first_out, client_first.
+Then its end, which a closed-loop client waits for before it sends its next request:
+core_finish (the step output that finishes it leaves the core), worker_complete (the front
+yields its `complete`), gateway_complete (the gateway passes it on), gateway_end (the gateway's
+call is over: the client's stream ends after it), client_complete (the client has the
+`complete`) and client_done (its stream ended).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from typing import IO
 ENV = "SLORA_TRACE_HOPS"
 HOPS = ("client_send", "client_sent", "gateway_entry", "worker_entry", "worker_added",
         "core_added", "core_started", "core_first", "worker_first_in", "worker_first_out",
-        "gateway_first_in", "gateway_first_out", "client_first")
+        "gateway_first_in", "gateway_first_out", "client_first",
+        "core_finish", "worker_complete", "gateway_complete", "gateway_end", "client_complete",
+        "client_done")
 
 _file: IO[str] | None = None
 

@@ -157,6 +157,7 @@ class RoutedCall:
         try:
             async for r in self._route():
                 yield r
+            hop_trace.mark("gateway_end", self.request_id)
         except e.ServiceError as err:
             router.metrics.errors.labels(err.code.name).inc()
             raise
@@ -190,6 +191,7 @@ class RoutedCall:
                     first = False
                     hop_trace.mark("gateway_first_out", self.request_id)
                 if r.HasField("complete"):
+                    hop_trace.mark("gateway_complete", self.request_id)
                     r.complete.request_id = self.request_id
                     version = r.complete.served_by.adapter_version
                     router.served.remember(self.request_id, Served(adapter_id, version, tenant))

@@ -263,6 +263,8 @@ class EngineCore:
             if out.finished:
                 self._unstarted.discard(rid)
                 finished.append(finish_of(rid, out))
+                if self.trace_hops:
+                    hop_trace.mark("core_finish", rid)
         prompt = prompt_scores(self.engine)
         started = [r for r in self._unstarted if self.engine.request_started(str(r))]
         self._unstarted.difference_update(started)

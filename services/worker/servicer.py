@@ -296,6 +296,7 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
                     yield pb.GenerateResponse(chunk=chunk)
                 if finish is not None:
                     self._record_finish(key, start, first, stream.completion_tokens, nonfinite)
+                    hop_trace.mark("worker_complete", request.request_id)
                     # A resumed stream's engine prompt also held the tokens replayed after
                     # the client's prompt: only the client's prompt counts as cached.
                     yield self._complete(finish.reason, len(ids), stream.completion_tokens,
