@@ -584,3 +584,11 @@ SUITES["service-path-admission-leads"] = (_admission(
 SUITES["service-path-end-trace"] = (_admission(
     "service-end-trace", 300, 1, levels="64,256", per_stream=12, leads="0",
     stem="service-overhead-7b-gw4-end-trace", extra=("--trace-hops", "{out}/hops")),)
+# Why a 4 ms lead opened no window at 256 streams: at 28946b2 every step() that launched new
+# requests began ~1.4 ms after the previous step's output left, the requests drained at the
+# loop's top (hops of service-overhead-7b-gw4-admission-leads-28946b2-h100.json). Hop traces
+# now also log each step() entry (`loop_step`) and each pacer decision (`loop_wait`: the wait
+# and what it was made of).
+SUITES["service-path-pacer-trace"] = (_admission(
+    "service-pacer-trace", 300, 1, levels="256", per_stream=12, leads="0,4",
+    stem="service-overhead-7b-gw4-pacer-trace-c256", extra=("--trace-hops", "{out}/hops")),)

@@ -87,6 +87,14 @@ class AdmissionPacer:
                 f"a step), slack now {self.slack_s * 1e6:.0f} us, host launch "
                 f"{self.host_launch_s * 1e6:.0f} us")
 
+    def trace_key(self, now: float) -> str:
+        """Hop traces' `loop_wait` key: what a wait was made of, in us (the step under way's
+        size class and estimate, the host's launch, the slack, the time since the read)."""
+        step = self.gpu_step_s.get(self.running, 0.0) if self.running is not None else 0.0
+        since = now - self.read_at if self.read_at is not None else -1.0
+        return (f"class={self.running},step={step * 1e6:.0f},host={self.host_launch_s * 1e6:.0f},"
+                f"slack={self.slack_s * 1e6:.0f},since_read={since * 1e6:.0f}")
+
     def step_done(self, gpu_s: float, tokens: int) -> None:
         c = size_class(tokens)
         self.gpu_step_s[c] = _mix(self.gpu_step_s.get(c, 0.0), gpu_s)

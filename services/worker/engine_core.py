@@ -168,6 +168,8 @@ class EngineCore:
             log.info("%s", pacer.summary())
             self._pacer_logged_at = time.monotonic()
         wait = self.engine.loop.admission_wait_s()
+        if self.trace_hops and pacer is not None:  # the loop's rhythm (not a request's hop)
+            hop_trace.mark("loop_wait", f"{wait * 1e6:.0f}:{pacer.trace_key(time.monotonic())}")
         if wait <= 0.0:
             return True
         deadline = time.monotonic() + wait
@@ -213,6 +215,7 @@ class EngineCore:
     def _step(self) -> None:
         if self.trace_hops:
             self._step_entered = time.time()
+            hop_trace.mark("loop_step", self.engine.stats.steps)
         try:
             outs = self.engine.step()
         except Exception as exc:
