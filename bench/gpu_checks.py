@@ -45,7 +45,7 @@ from bench.run_record import commit_id
 # Every test a CPU skips for want of a GPU is here, as its file or its node
 # (tests/bench/test_gpu_suite_smoke.py checks that none is missing).
 PYTEST_PATHS = ["tests/kernel_tests", "tests/slora_core/test_ops.py", "tests/slora_core/test_model.py",
-                "tests/slora_core/test_nonfinite_guard.py",
+                "tests/slora_core/test_nonfinite_guard.py", "tests/slora_core/test_host_copy.py",
                 "tests/slora_core/test_graph_capture.py", "tests/slora_core/test_lora_merge.py",
                 "tests/slora_core/test_precompile.py", "tests/slora_core/test_sampler_penalties.py",
                 "tests/slora_core/test_prefix_cache.py::"

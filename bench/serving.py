@@ -38,6 +38,7 @@ from bench.distinct_adapters import (
     scenario_distinct,
 )
 from bench.distinct_profile import scenario_distinct_profile
+from bench.host_sync import scenario_hostsync
 from bench.kernels_timing import copy_bandwidth_gbs
 from bench.replay import replay, sync, unwrap_lora, warm
 from bench.run_record import commit_id
@@ -391,7 +392,7 @@ SCENARIOS = {"overhead": scenario_overhead, "gcpause": scenario_gcpause,
              "scale": scenario_scale, "reuse": scenario_reuse, "peft32": scenario_peft32,
              "floor": scenario_floor, "churn": scenario_churn, "churndisk": scenario_churndisk,
              "coldttft": scenario_coldttft, "distinct": scenario_distinct,
-             "distinct_profile": scenario_distinct_profile}
+             "distinct_profile": scenario_distinct_profile, "hostsync": scenario_hostsync}
 
 
 # The model allows 4096; 1100 fits the longest workload request and keeps graph block tables
@@ -473,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="host tier of the disk variant of 'churn'")
     p.add_argument("--churn-disk-dir", default=None,
                    help="where 'churn' and 'coldttft' write adapter files (default: $TMPDIR)")
+    p.add_argument("--hostsync-streams", type=int, default=256,
+                   help="closed-loop streams in 'hostsync'")
+    p.add_argument("--hostsync-requests-per-stream", type=int, default=4)
+    p.add_argument("--hostsync-new-tokens", type=int, default=64)
+    p.add_argument("--hostsync-repeats", type=int, default=2)
     p.add_argument("--hf", action="store_true", help="run the HF PEFT baseline in peft32")
     p.add_argument("--hf-max-time", type=float, default=60.0)
     p.add_argument("--out", default=None)

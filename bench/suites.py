@@ -592,3 +592,9 @@ SUITES["service-path-end-trace"] = (_admission(
 SUITES["service-path-pacer-trace"] = (_admission(
     "service-pacer-trace", 300, 1, levels="256", per_stream=12, leads="0,4",
     stem="service-overhead-7b-gw4-pacer-trace-c256", extra=("--trace-hops", "{out}/hops")),)
+# Host-blocking copies after a step's launch (slora_core/host_copy.py): the in-process engine
+# in a closed loop at 256 streams, greedy and sampled requests, the old synchronizing copies
+# (patched in) against host_values, interleaved, two repeats (bench/host_sync.py).
+SUITES["host-sync"] = (step(
+    "host-sync", 200, "bench.serving", *GPU_7B, "--scenarios", "hostsync", "--arena-gb", "30",
+    "--out", OUT("serving-hostsync")),)

@@ -20,6 +20,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from slora_core.host_copy import host_values, row_index
 from slora_core.sampling_params import SamplingParams
 from slora_core.structured.bitmask import GrammarMask, apply_grammar_mask
 
@@ -84,7 +85,7 @@ def token_mask(rows: Sequence[Sequence[int]], vocab_size: int,
     # Out-of-range ids land in an extra column V that is dropped afterwards.
     ids = np.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
     mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
-    mask[torch.from_numpy(row_of).to(device), torch.from_numpy(ids).to(device)] = True
+    mask[host_values(row_of, torch.long, device), host_values(ids, torch.long, device)] = True
     return mask[:, :vocab_size]
 
 
@@ -97,8 +98,8 @@ def token_counts(rows: Sequence[Sequence[int]], vocab_size: int,
     ids = np.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
     counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
     ones = torch.ones(len(ids), dtype=torch.float32, device=device)
-    counts.index_put_((torch.from_numpy(row_of).to(device), torch.from_numpy(ids).to(device)),
-                      ones, accumulate=True)
+    counts.index_put_((host_values(row_of, torch.long, device),
+                       host_values(ids, torch.long, device)), ones, accumulate=True)
     return counts[:, :vocab_size]
 
 
@@ -114,8 +115,8 @@ def apply_logit_bias(scores: torch.Tensor, biases: Sequence[Sequence[tuple[int, 
     values = [v for pairs in biases for _, v in pairs]
     dev = scores.device
     bias = torch.zeros(scores.shape[0], vocab + 1, dtype=scores.dtype, device=dev)
-    bias.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
-                    torch.tensor(values, dtype=scores.dtype, device=dev), accumulate=True)
+    bias.index_put_((row_index(rows, dev), host_values(ids, torch.long, dev)),
+                    host_values(values, scores.dtype, dev), accumulate=True)
     return scores + bias[:, :vocab]
 
 
@@ -124,8 +125,8 @@ def apply_frequency_presence(scores: torch.Tensor, frequency: Sequence[float],
     """OpenAI's penalties with per-row values: logits minus frequency x count minus presence x
     (count > 0), where `counts` [B, V] counts each token in the row's generated output."""
     dev, dtype = scores.device, scores.dtype
-    f = torch.tensor(frequency, dtype=dtype, device=dev)[:, None]
-    p = torch.tensor(presence, dtype=dtype, device=dev)[:, None]
+    f = host_values(frequency, dtype, dev)[:, None]
+    p = host_values(presence, dtype, dev)[:, None]
     return scores - f * counts - p * (counts > 0).to(dtype)
 
 
@@ -138,7 +139,7 @@ def apply_min_p(scores: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
     ms = [min_p[b] for b in rows]
 
     def warp(x: torch.Tensor) -> torch.Tensor:
-        m = torch.tensor(ms, dtype=x.dtype, device=x.device)[:, None]
+        m = host_values(ms, x.dtype, x.device)[:, None]
         probs = x.softmax(dim=-1)
         return x.masked_fill(probs < m * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
@@ -149,7 +150,7 @@ def apply_repetition_penalty(scores: torch.Tensor, penalties: Sequence[float],
                              seen: torch.Tensor) -> torch.Tensor:
     """HF `RepetitionPenaltyLogitsProcessor` with a per-row penalty: the logits of seen tokens
     ([B, V] bool) are divided by the penalty when positive, multiplied when negative."""
-    p = torch.tensor(penalties, dtype=scores.dtype, device=scores.device)[:, None]
+    p = host_values(penalties, scores.dtype, scores.device)[:, None]
     penalised = torch.where(scores < 0, scores * p, scores / p)
     return torch.where(seen, penalised, scores)
 
@@ -159,8 +160,9 @@ def _on_rows(scores: torch.Tensor, rows: list[int],
     """`warp` applied to the listed rows only; the whole batch when every row is listed."""
     if len(rows) == scores.shape[0]:
         return warp(scores)
+    index = row_index(rows, scores.device)
     out = scores.clone()
-    out[rows] = warp(scores[rows])
+    out[index] = warp(scores[index])
     return out
 
 
@@ -176,7 +178,7 @@ def apply_top_k(scores: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
 
     def warp(x: torch.Tensor) -> torch.Tensor:
         # The ks come from the host, so the width of topk needs no device sync.
-        k = torch.tensor(ks, device=x.device)
+        k = host_values(ks, torch.long, x.device)
         kth = x.topk(max(ks), dim=-1).values.gather(1, (k - 1)[:, None])
         return x.masked_fill(x < kth, float("-inf"))
 
@@ -193,7 +195,7 @@ def apply_top_p(scores: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
     ps = [top_p[b] for b in rows]
 
     def warp(x: torch.Tensor) -> torch.Tensor:
-        p = torch.tensor(ps, dtype=x.dtype, device=x.device)
+        p = host_values(ps, x.dtype, x.device)
         sorted_x, sorted_idx = x.sort(dim=-1, descending=False)
         cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
         remove_sorted = cum <= (1 - p)[:, None]
@@ -270,7 +272,7 @@ class Sampler:
         if not all(p.is_greedy for p in params):
             sampled = self._sample_rows(_warp(scores, params), params, generators,
                                         num_generated)
-            greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+            greedy = host_values([p.is_greedy for p in params], torch.bool, logits.device)
             chosen = torch.where(greedy, chosen, sampled)
         return chosen, raw_logprobs, finite
 
@@ -306,8 +308,8 @@ class Sampler:
                     if g is None and not p.is_greedy]
         if unseeded:
             gen = self._default_generator(probs.device)
-            q[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device
-                                      ).exponential_(generator=gen)
+            q[row_index(unseeded, probs.device)] = torch.empty(
+                len(unseeded), probs.shape[-1], device=probs.device).exponential_(generator=gen)
         for b, (p, g) in enumerate(zip(params, generators, strict=True)):
             if g is not None and not p.is_greedy:
                 if p.seed is not None and positions is not None:
@@ -349,8 +351,8 @@ def _mask_min_tokens(scores: torch.Tensor, params: Sequence[SamplingParams],
 def _warp(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then min-p, top-k, top-p; a row that does not use a step skips it."""
     # Greedy rows divide by 1: their sampled token is discarded anyway.
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         dtype=scores.dtype, device=scores.device)
+    temps = host_values([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                        scores.dtype, scores.device)
     scores = scores / temps[:, None]
     # Greedy rows skip truncation too (k = 0, p = 1): no sort is spent on them.
     scores = apply_min_p(scores, [0.0 if p.is_greedy else p.min_p for p in params])

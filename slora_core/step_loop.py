@@ -17,6 +17,7 @@ import torch
 from slora_core import step_checks
 from slora_core.adapter_tiers import AdapterTiers, unloadable
 from slora_core.admission import AdmissionPacer
+from slora_core.host_copy import row_index
 from slora_core.intake import Request, Requests
 from slora_core.model_runner import ModelRunner
 from slora_core.outputs import (
@@ -234,8 +235,7 @@ class StepLoop:
         keep = [i for i, s in enumerate(sampling) if self.requests.is_live(s)]
         if len(keep) == len(sampling) or logits is None:
             return logits, sampling
-        rows = torch.tensor(keep, dtype=torch.long, device=logits.device)
-        return logits[rows], [sampling[i] for i in keep]
+        return logits[row_index(keep, logits.device)], [sampling[i] for i in keep]
 
     def _complete(self, inflight: Inflight) -> list[RequestOutput]:
         """Read a launched step's sampled ids: fill the placeholders, stream, finish."""
