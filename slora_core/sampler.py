@@ -85,7 +85,9 @@ def token_mask(rows: Sequence[Sequence[int]], vocab_size: int,
     # Out-of-range ids land in an extra column V that is dropped afterwards.
     ids = np.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
     mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
-    mask[host_values(row_of, torch.long, device), host_values(ids, torch.long, device)] = True
+    # A device scalar: `mask[rows, ids] = True` copies the value from the host and syncs.
+    mask.index_put_((host_values(row_of, torch.long, device), host_values(ids, torch.long, device)),
+                    torch.ones((), dtype=torch.bool, device=device))
     return mask[:, :vocab_size]
 
 
