@@ -17,9 +17,10 @@ step output holding the first token leaves the core), worker_first_in (the front
 worker_first_out (the front yields it), gateway_first_in, gateway_first_out, client_first.
 Then its end, which a closed-loop client waits for before it sends its next request:
 core_finish (the step output that finishes it leaves the core), worker_complete (the front
-yields its `complete`), gateway_complete (the gateway passes it on), gateway_end (the gateway's
-call is over: the client's stream ends after it), client_complete (the client has the
-`complete`) and client_done (its stream ended).
+yields its `complete`), gateway_complete_in (it reaches the gateway's call, with the last
+chunks), gateway_complete (the gateway passes it on, once the last chunk's write is done),
+gateway_end (the gateway's call is over: the client's stream ends after it), client_complete
+(the client has the `complete`) and client_done (its stream ended).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ ENV = "SLORA_TRACE_HOPS"
 HOPS = ("client_send", "client_sent", "gateway_entry", "worker_entry", "worker_added",
         "core_added", "core_started", "core_first", "worker_first_in", "worker_first_out",
         "gateway_first_in", "gateway_first_out", "client_first",
-        "core_finish", "worker_complete", "gateway_complete", "gateway_end", "client_complete",
+        "core_finish", "worker_complete", "gateway_complete_in", "gateway_complete", "gateway_end",
+        "client_complete",
         "client_done")
 
 _file: IO[str] | None = None

@@ -259,6 +259,8 @@ class RoutedCall:
         started = False
         try:
             async for batch in call.batches():
+                if batch and batch[-1].HasField("complete"):  # before the chunks' writes
+                    hop_trace.mark("gateway_complete_in", upstream.request_id)
                 if not started:
                     started = True
                     hop_trace.mark("gateway_first_in", upstream.request_id)

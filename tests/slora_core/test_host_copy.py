@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from slora_core.config import EngineConfig
+from slora_core.engine import LLMEngine
 from slora_core.host_copy import host_values, row_index
 from slora_core.sampler import Sampler
 from slora_core.sampling_params import SamplingParams
@@ -76,3 +78,38 @@ def test_dropping_finished_rows_makes_no_synchronizing_call() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert kept is not None and [s.name for s in sampling] == [0, 2, 3]
     assert torch.equal(kept, logits[[0, 2, 3]])
+
+
+@CUDA
+def test_asynchronous_steps_make_no_synchronizing_call(demo_dir) -> None:
+    """A whole serving stretch after warm-up: requests of every sampling kind, some finishing
+    while the next step is already launched, one joining midway. Every step() (eager steps
+    too: no graphs) schedules, launches and reads without a synchronizing call; reading a
+    step's tokens waits on a CUDA event, which sync-debug mode does not count."""
+    engine = LLMEngine.from_model_dir(demo_dir / "model", EngineConfig(
+        device="cuda", max_num_seqs=8, max_num_batched_tokens=128, cuda_graphs=False,
+        async_steps=True))
+    engine.warmup()
+    prompt = [5, 6, 7, 8, 9, 10]
+    params = [*_mixed_params(), SamplingParams(temperature=0.0, max_new_tokens=3)]
+    for p in params:  # the sampler's paths once outside the guard (kernels, allocations)
+        engine.add_request(f"warm-{id(p)}", prompt, p)
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    for i, p in enumerate(params):
+        engine.add_request(str(i), prompt, p)
+    outputs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for n in range(200):
+            if not engine.has_unfinished():
+                break
+            if n == 3:
+                engine.add_request("late", prompt, SamplingParams(temperature=0.7,
+                                                                  max_new_tokens=4))
+            outputs += engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    finished = {o.request_id for o in outputs if o.finished}
+    assert finished == {*map(str, range(len(params))), "late"}
