@@ -1,8 +1,9 @@
 """The worker front wakes a step's streams in order, tens of microseconds of event-loop work
 each: a request whose first token came in this step is woken ahead of the running streams, so
-its TTFT does not wait behind every other stream's token (issue 37). Over GenerateMux the
-first tokens also leave in a frame of their own: the mux's writer, woken by their consumers,
-runs before the running streams' consumers (CoreClient._deliver)."""
+its TTFT does not wait behind every other stream's token (issue 37), and so is a request the
+step finishes, whose end a closed-loop client waits for. Over GenerateMux those also leave in
+a frame of their own: the mux's writer, woken by their consumers, runs before the running
+streams' consumers (CoreClient._deliver)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def test_a_first_token_is_woken_before_the_running_streams() -> None:
         return woken
 
     woken = asyncio.run(run())
-    assert woken[0] == 3, woken  # the first token, ahead of the step's order
+    # The first token, then the finished request, ahead of the step's order.
+    assert woken[:2] == [3, 4], woken
     assert sorted(woken) == [1, 2, 3, 4]
 
 
@@ -67,14 +69,13 @@ def test_a_step_without_first_tokens_wakes_every_stream_at_once() -> None:
     asyncio.run(run())
 
 
-def test_over_the_mux_a_first_token_leaves_in_a_frame_of_its_own() -> None:
-    """The real MuxSession writer over streams the real CoreClient feeds: of 8 streams, one
-    gets its first token in the step; the first down frame carries it alone, the next one the
-    other 7 streams' tokens."""
-    rids = tuple(range(1, 9))
+def mux_frames(rids: tuple[int, ...], first: int, finished: tuple[int, ...] = (),
+               ) -> list[list[int]]:
+    """The real MuxSession writer over streams the real CoreClient feeds, one step delivered:
+    the stream ids each down frame carries items for, in order."""
 
     async def run() -> list[list[int]]:
-        client, streams = client_with(rids, first=5)
+        client, streams = client_with(rids, first=first)
 
         async def serve(req: pb.GenerateRequest, tenant: str, timeout: float | None,
                         ) -> AsyncGenerator[pb.GenerateResponse, None]:
@@ -86,6 +87,7 @@ def test_over_the_mux_a_first_token_leaves_in_a_frame_of_its_own() -> None:
                 if ids:
                     yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ids))
                 if s.finish is not None:
+                    yield pb.GenerateResponse(complete=pb.Complete(finish_reason="length"))
                     return
 
         opened = asyncio.Event()
@@ -104,7 +106,7 @@ def test_over_the_mux_a_first_token_leaves_in_a_frame_of_its_own() -> None:
 
         async def write() -> None:  # as gRPC drives a response-streaming handler
             async for frame in frames:
-                frames_seen.append(sorted(item.stream_id for item in frame.items))
+                frames_seen.append(sorted({item.stream_id for item in frame.items}))
                 if sum(map(len, frames_seen)) == len(rids):
                     done.set()
                     return
@@ -113,12 +115,28 @@ def test_over_the_mux_a_first_token_leaves_in_a_frame_of_its_own() -> None:
         await opened.wait()
         for _ in range(3):  # every request's task reaches its stream's wait
             await asyncio.sleep(0)
-        await client._deliver(step(list(rids)))
+        await client._deliver(step(list(rids), finished=finished))
         await asyncio.wait_for(writer, 5)
         await frames.aclose()
         return frames_seen
 
-    seen = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_over_the_mux_a_first_token_leaves_in_a_frame_of_its_own() -> None:
+    """Of 8 streams, one gets its first token in the step; the first down frame carries it
+    alone, the next one the other 7 streams' tokens."""
+    rids = tuple(range(1, 9))
+    seen = mux_frames(rids, first=5)
     assert seen[0] == [5], seen
     assert sorted(r for frame in seen for r in frame) == list(rids)
     assert seen[1:] == [[r for r in rids if r != 5]], seen
+
+
+def test_over_the_mux_a_finished_request_leaves_with_the_first_tokens() -> None:
+    """A request the step finishes sends its last chunk and its `complete` in the first frame,
+    beside the first token, before the running streams' chunks."""
+    rids = tuple(range(1, 9))
+    seen = mux_frames(rids, first=5, finished=(7,))
+    assert seen[0] == [5, 7], seen
+    assert seen[1:] == [[r for r in rids if r not in (5, 7)]], seen
