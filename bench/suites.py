@@ -598,3 +598,12 @@ SUITES["service-path-pacer-trace"] = (_admission(
 SUITES["host-sync"] = (step(
     "host-sync", 200, "bench.serving", *GPU_7B, "--scenarios", "hostsync", "--arena-gb", "30",
     "--out", OUT("serving-hostsync")),)
+# Late admission again once step() no longer waited for the step it had launched (26fafc7):
+# the 256-stream measures before it left the pacer no time (service-overhead-7b-gw4-pacer-
+# trace-c256-87cd49f-h100.json). Off, 1 ms and 4 ms at 64 and 256 streams, 12 requests a
+# stream, hops traced (the loop's waits among them); with the finished requests' ends woken
+# ahead of the running streams (2e7e94c), `worker_complete -> gateway_complete_in` says what
+# that saved.
+SUITES["service-path-admission-after-sync"] = (_admission(
+    "service-admission-after-sync", 480, 1, levels="64,256", per_stream=12, leads="0,1,4",
+    stem="service-overhead-7b-gw4-admission-after-sync", extra=("--trace-hops", "{out}/hops")),)
