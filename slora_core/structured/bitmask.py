@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slora_core.host_copy import row_index
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -55,10 +57,10 @@ def apply_grammar_mask(scores: torch.Tensor, mask: GrammarMask | None) -> torch.
     if mask is None or not mask.rows:
         return scores
     batch, vocab = scores.shape
-    bits = mask.bitmask.to(scores.device, non_blocking=True)
+    bits = mask.bitmask.to(scores.device, non_blocking=True)  # pinned (new_bitmask)
     allowed = allowed_tokens(bits, vocab)
     if len(mask.rows) == batch and mask.rows == tuple(range(batch)):
         return scores.masked_fill(~allowed, float("-inf"))
-    rows = torch.tensor(mask.rows, dtype=torch.long).to(scores.device, non_blocking=True)
+    rows = row_index(mask.rows, scores.device)  # pinned: pageable may wait for the stream
     masked = scores.index_select(0, rows).masked_fill(~allowed, float("-inf"))
     return scores.index_copy(0, rows, masked)
