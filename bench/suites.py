@@ -572,7 +572,9 @@ SUITES["service-path-admission-trace"] = (_admission(
 # step's end that the GPU idled ~300 us before each paced step and the slack that idling
 # built (2.5-3 ms) left half the steps unpaced. A lead of 4 or 8 ms closes the window well
 # before the step ends (a 256-row step is ~19 ms; at 64 rows ~10.5 ms, where 8 ms leaves no
-# window: no pacing). Both levels, the hops traced.
+# window: no pacing). Both levels, the hops traced. At 28946b2 neither lead helped: step()
+# still waited for the step it had launched (fixed at 26fafc7; service-path-admission-after-
+# sync runs late admission again).
 SUITES["service-path-admission-leads"] = (_admission(
     "service-admission-leads", 480, 1, levels="64,256", per_stream=12, leads="0,4,8",
     stem="service-overhead-7b-gw4-admission-leads", extra=("--trace-hops", "{out}/hops")),)
