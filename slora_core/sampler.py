@@ -22,6 +22,7 @@ import torch
 
 from slora_core.host_copy import host_values, row_index
 from slora_core.sampling_params import SamplingParams
+from slora_core.step_inputs import to_device
 from slora_core.structured.bitmask import GrammarMask, apply_grammar_mask
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -86,7 +87,7 @@ def token_mask(rows: Sequence[Sequence[int]], vocab_size: int,
     ids = np.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
     mask = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool, device=device)
     # A device scalar: `mask[rows, ids] = True` copies the value from the host and syncs.
-    mask.index_put_((host_values(row_of, torch.long, device), host_values(ids, torch.long, device)),
+    mask.index_put_(tuple(to_device([row_of, ids], device)),
                     torch.ones((), dtype=torch.bool, device=device))
     return mask[:, :vocab_size]
 
@@ -100,8 +101,7 @@ def token_counts(rows: Sequence[Sequence[int]], vocab_size: int,
     ids = np.where((ids < 0) | (ids >= vocab_size), vocab_size, ids)
     counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
     ones = torch.ones(len(ids), dtype=torch.float32, device=device)
-    counts.index_put_((host_values(row_of, torch.long, device),
-                       host_values(ids, torch.long, device)), ones, accumulate=True)
+    counts.index_put_(tuple(to_device([row_of, ids], device)), ones, accumulate=True)
     return counts[:, :vocab_size]
 
 

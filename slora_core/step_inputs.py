@@ -11,6 +11,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from slora_core.host_copy import host_values
 from slora_core.scheduler import ScheduledSeq
 from slora_core.sequence import Sequence
 from slora_kernels.lora_meta import lora_segments, lora_tiles, tile_rows
@@ -105,10 +106,7 @@ def pack_to_device(arrays: list[np.ndarray], device: torch.device) -> torch.Tens
     """The arrays concatenated (flattened) in one int64 device tensor, one pinned non-blocking
     copy on CUDA."""
     flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
-    host = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device=device, dtype=torch.int64, non_blocking=True)
+    return host_values(np.ascontiguousarray(flat, dtype=np.int64), torch.int64, device)
 
 
 Flat = TypeVar("Flat", torch.Tensor, np.ndarray)
