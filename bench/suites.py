@@ -609,3 +609,13 @@ SUITES["host-sync"] = (step(
 SUITES["service-path-admission-after-sync"] = (_admission(
     "service-admission-after-sync", 480, 1, levels="64,256", per_stream=12, leads="0,1,4",
     stem="service-overhead-7b-gw4-admission-after-sync", extra=("--trace-hops", "{out}/hops")),)
+# The same once the closed loop no longer runs in waves. At 57ee3f6 the pacer opened a window
+# before nearly every step and took almost every successor inside one, yet no lead cut the
+# added TTFT (service-overhead-7b-gw4-admission-after-sync-57ee3f6-h100.json): every request
+# there asks for 64 tokens, so a level's streams finish together and their successors queue
+# for the prefill budget whatever the hops. Lengths spread 32-96 (fixed by each prompt, the
+# same on every path), late admission off and at 1 ms, 64 and 256 streams, hops traced.
+SUITES["service-path-admission-spread"] = (_admission(
+    "service-admission-spread", 400, 1, levels="64,256", per_stream=12, leads="0,1",
+    stem="service-overhead-7b-gw4-admission-spread32",
+    extra=("--new-tokens-spread", "32", "--trace-hops", "{out}/hops")),)
