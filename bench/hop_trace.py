@@ -4,23 +4,37 @@
 service bench tags them `<path> <level>`), the median, p90 and mean milliseconds of every leg
 between consecutive events a request met, in `HOPS` order, and how many requests had both
 ends. `bench.service_overhead --trace-hops DIR` writes the same into its JSON.
+
+`loops` reads the engine core's own rhythm from the same files (`loop_step` at each `step()`
+entry, `loop_wait` at each late-admission decision): per stretch of a core's steps, how often
+the loop waited before a step and how long, how many requests it read inside such a wait,
+and how many steps a request's first step came after the one launched next once it was read
+(0: it joined that one). `--loops` prints them (`--out FILE` writes legs and loops as JSON,
+`--source RUN.json` copying the traced run's command, commit and hardware into it).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import sys
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.run_record import commit_id
 from services.common.hop_trace import HOPS
 
 # How much earlier than the front's `worker_added` a core's `core_added` may be stamped (both
 # are wall-clock times from two processes).
 ADDED_SKEW_S = 1e-3
+# The core stamps `core_started` with its `step()` entry a few microseconds before that entry's
+# `loop_step` mark.
+STAMP_SKEW_S = 1e-4
 
 
 def read(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
@@ -95,6 +109,119 @@ def legs(traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
     return out
 
 
+# A pause this long between two `step()` entries ends a stretch of a core's steps (the bench
+# runs its levels and paths one after another, the core idle between them).
+STRETCH_GAP_S = 1.0
+# Steps after the next launch counted apart in `loops`; later ones are counted together.
+LATER_STEPS = 5
+# The share of a stretch a client tag's requests must span to name it.
+TAG_OVERLAP = 0.1
+
+
+@dataclass
+class _Core:
+    """One core process's loop events (wall-clock s)."""
+
+    steps: list[float] = field(default_factory=list)
+    waits: list[tuple[float, float]] = field(default_factory=list)  # (at, wait s)
+    added: dict[str, float] = field(default_factory=dict)  # rid -> core_added
+    started: dict[str, float] = field(default_factory=dict)  # rid -> core_started
+
+
+def _cores(folder: Path) -> dict[str, _Core]:
+    """Core processes' files (those with `loop_step` events), by file name."""
+    cores: dict[str, _Core] = {}
+    for path in sorted(folder.glob("*.hops")):
+        core = _Core()
+        for line in path.read_text().splitlines():
+            event, _, rest = line.partition(" ")
+            key, _, stamp = rest.rpartition(" ")
+            try:
+                at = float(stamp)
+            except ValueError:
+                continue
+            if event == "loop_step":
+                core.steps.append(at)
+            elif event == "loop_wait":
+                core.waits.append((at, float(key.partition(":")[0]) / 1e6))
+            elif event == "core_added":
+                core.added.setdefault(key, at)
+            elif event == "core_started":
+                core.started.setdefault(key, at)
+        if core.steps:
+            core.steps.sort()
+            core.waits.sort()
+            cores[path.name] = core
+    return cores
+
+
+def _tag_spans(traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, tuple[float, float]]:
+    """Each client tag's first send to its last event (wall-clock s)."""
+    spans = {}
+    for tag, reqs in traced.items():
+        sends = [ev["client_send"] for ev in reqs.values() if "client_send" in ev]
+        ends = [max(ev.values()) for ev in reqs.values()]
+        if sends:
+            spans[tag] = (min(sends), max(ends))
+    return spans
+
+
+def loops(folder: Path, traced: dict[str, dict[str, dict[str, float]]] | None = None,
+          ) -> list[dict[str, Any]]:
+    """Per core file and stretch of its steps (split at pauses of `STRETCH_GAP_S`): the steps,
+    the waits before them (`loop_wait` > 0) and their mean, the requests read in the stretch
+    and inside a wait, and how many steps each request's first step came after the one
+    launched next once it was read (shares; `LATER_STEPS` and more counted together). `tags`:
+    the client tags whose requests' spans cover more than `TAG_OVERLAP` of the stretch
+    (`traced`: `read`'s; one core serves every path of a worker run)."""
+    spans = _tag_spans(traced) if traced else {}
+    out: list[dict[str, Any]] = []
+    for name, core in _cores(folder).items():
+        bounds = [0] + [i + 1 for i in range(len(core.steps) - 1)
+                        if core.steps[i + 1] - core.steps[i] > STRETCH_GAP_S] + [len(core.steps)]
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            first, last = core.steps[lo], core.steps[hi - 1]
+            waits = [(at, w) for at, w in core.waits if first <= at <= last]
+            positive = [w for _, w in waits if w > 0.0]
+            reqs = {rid: at for rid, at in core.added.items() if first <= at <= last}
+            in_wait = 0
+            later: dict[int, int] = defaultdict(int)
+            for rid, at in reqs.items():
+                i = bisect.bisect_right(core.waits, (at, float("inf"))) - 1
+                if i >= 0:
+                    wait_at, wait = core.waits[i]
+                    nxt = bisect.bisect_right(core.steps, wait_at)
+                    if wait > 0.0 and (nxt == len(core.steps) or at < core.steps[nxt]):
+                        in_wait += 1
+                if rid in core.started:
+                    n = (bisect.bisect_left(core.steps, core.started[rid] - STAMP_SKEW_S)
+                         - bisect.bisect_right(core.steps, at))
+                    later[min(max(n, 0), LATER_STEPS)] += 1
+            counted = sum(later.values())
+            tags = sorted(tag for tag, (a, b) in spans.items()
+                          if min(b, last) - max(a, first) > TAG_OVERLAP * (last - first))
+            out.append({
+                "core": name, "tags": tags,
+                "seconds": last - first, "steps": hi - lo, "waits": len(positive),
+                "wait_ms_mean": float(np.mean(positive)) * 1e3 if positive else 0.0,
+                "requests": len(reqs), "read_in_wait": in_wait,
+                "started_steps_after_next": {
+                    (f"{k}+" if k == LATER_STEPS else str(k)): later[k] / counted
+                    for k in range(LATER_STEPS + 1)} if counted else {}})
+    return out
+
+
+def loop_table(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in rows:
+        after = " ".join(f"{k}:{v:.0%}" for k, v in r["started_steps_after_next"].items())
+        lines.append(f"{r['core']} {' + '.join(r['tags']) or '-'} ({r['seconds']:.1f} s): {r['steps']} steps, "
+                     f"waits before {r['waits']} (mean {r['wait_ms_mean']:.2f} ms), "
+                     f"{r['requests']} requests, {r['read_in_wait']} read in a wait; first step "
+                     f"after the next launch: {after}")
+    return "\n".join(lines)
+
+
 def table(summary: dict[str, Any]) -> str:
     lines = []
     for tag, s in summary.items():
@@ -109,9 +236,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder", type=Path)
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--loops", action="store_true", help="also the core loop's stretches")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the legs and the loops' stretches to this JSON file")
+    ap.add_argument("--source", type=Path, default=None,
+                    help="the traced run's result JSON: its command, commit and hardware are "
+                         "recorded in --out's")
     args = ap.parse_args()
-    summary = legs(read(args.folder))
+    traced = read(args.folder)
+    summary = legs(traced)
+    stretches = loops(args.folder, traced) if args.loops or args.out else []
     print(json.dumps(summary, indent=1) if args.json else table(summary))
+    if args.loops:
+        print(loop_table(stretches))
+    if args.out:
+        record: dict[str, Any] = {
+            "command": " ".join(["python", "-m", "bench.hop_trace", *sys.argv[1:]]),
+            "commit": commit_id(), "hardware": "cpu (reading traces)"}
+        if args.source:
+            run = json.loads(args.source.read_text())
+            record["source"] = {"file": args.source.name, "command": run.get("command"),
+                                "commit": run.get("commit"), "hardware": run.get("hardware")}
+        args.out.write_text(json.dumps({**record, "legs": summary, "loops": stretches},
+                                       indent=1))
     return 0
 
 
