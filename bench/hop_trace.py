@@ -20,6 +20,7 @@ import bisect
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,18 @@ ADDED_SKEW_S = 1e-3
 STAMP_SKEW_S = 1e-4
 
 
+def _events(path: Path) -> Iterator[tuple[str, str, float]]:
+    """A trace file's (event, key, wall-clock time) lines; a line cut off by a killed process
+    is left out."""
+    for line in path.read_text().splitlines():
+        event, _, rest = line.partition(" ")
+        key, _, stamp = rest.rpartition(" ")
+        try:
+            yield event, key, float(stamp)
+        except ValueError:
+            continue
+
+
 def read(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     """client tag -> request key -> event -> wall-clock time (the first of repeated marks);
     core events are moved onto the request's key through `worker_added`. The core numbers
@@ -49,13 +62,7 @@ def read(folder: Path) -> dict[str, dict[str, dict[str, float]]]:
     tags: dict[str, str] = {}
     for path in sorted(folder.glob("*.hops")):
         in_file: dict[str, dict[str, float]] = defaultdict(dict)
-        for line in path.read_text().splitlines():
-            event, _, rest = line.partition(" ")
-            key, _, stamp = rest.rpartition(" ")
-            try:
-                at = float(stamp)
-            except ValueError:
-                continue  # a line cut off by a killed process
+        for event, key, at in _events(path):
             if not key:
                 continue
             if event == "client_tag":
@@ -133,13 +140,7 @@ def _cores(folder: Path) -> dict[str, _Core]:
     cores: dict[str, _Core] = {}
     for path in sorted(folder.glob("*.hops")):
         core = _Core()
-        for line in path.read_text().splitlines():
-            event, _, rest = line.partition(" ")
-            key, _, stamp = rest.rpartition(" ")
-            try:
-                at = float(stamp)
-            except ValueError:
-                continue
+        for event, key, at in _events(path):
             if event == "loop_step":
                 core.steps.append(at)
             elif event == "loop_wait":
