@@ -9,7 +9,9 @@ ends. `bench.service_overhead --trace-hops DIR` writes the same into its JSON.
 entry, `loop_wait` at each late-admission decision): per stretch of a core's steps, how often
 the loop waited before a step and how long, how many requests it read inside such a wait,
 and how many steps a request's first step came after the one launched next once it was read
-(0: it joined that one). `--loops` prints them (`--out FILE` writes legs and loops as JSON,
+(0: it joined that one); and `joins`, per client tag, whether a request joined the first
+`step()` after it reached the worker, was read before it but not scheduled, or was read only
+after it began. `--loops` prints them (`--out FILE` writes legs and loops as JSON,
 `--source RUN.json` copying the traced run's command, commit and hardware into it).
 """
 
@@ -212,6 +214,48 @@ def loops(folder: Path, traced: dict[str, dict[str, dict[str, float]]] | None = 
     return out
 
 
+def joins(folder: Path, traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """Per client tag: of the requests the core traced, the share whose first step was
+    launched by the first `step()` after they reached the worker (`worker_added`), the share
+    read into the core before that `step()` but not scheduled by it (the step's budget or
+    limits), and the share read only after it had begun; and each group's median ms from
+    `worker_added` to `core_first`."""
+    steps = sorted(t for core in _cores(folder).values() for t in core.steps)
+    out: dict[str, Any] = {}
+    for tag, reqs in sorted(traced.items()):
+        groups: dict[str, list[float]] = defaultdict(list)
+        for ev in reqs.values():
+            if not all(k in ev for k in ("worker_added", "core_added", "core_started",
+                                         "core_first")):
+                continue
+            i = bisect.bisect_right(steps, ev["worker_added"])
+            if i == len(steps):
+                continue
+            if ev["core_started"] >= steps[i] - STAMP_SKEW_S and (
+                    i + 1 == len(steps) or ev["core_started"] < steps[i + 1] - STAMP_SKEW_S):
+                group = "joined_next_step"
+            elif ev["core_added"] < steps[i]:
+                group = "read_before_it_not_taken"
+            else:
+                group = "read_after_it_began"
+            groups[group].append((ev["core_first"] - ev["worker_added"]) * 1e3)
+        total = sum(map(len, groups.values()))
+        if total:
+            out[tag] = {"requests": total, **{g: {
+                "share": len(v) / total, "worker_added_to_core_first_ms_p50": float(np.median(v))}
+                for g, v in sorted(groups.items())}}
+    return out
+
+
+def join_table(summary: dict[str, Any]) -> str:
+    lines = []
+    for tag, s in summary.items():
+        groups = ", ".join(f"{g} {v['share']:.0%} ({v['worker_added_to_core_first_ms_p50']:.1f} ms)"
+                           for g, v in s.items() if g != "requests")
+        lines.append(f"{tag} ({s['requests']} requests): {groups}")
+    return "\n".join(lines)
+
+
 def loop_table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
@@ -248,8 +292,10 @@ def main() -> int:
     summary = legs(traced)
     stretches = loops(args.folder, traced) if args.loops or args.out else []
     print(json.dumps(summary, indent=1) if args.json else table(summary))
+    joined = joins(args.folder, traced) if args.loops or args.out else {}
     if args.loops:
         print(loop_table(stretches))
+        print(join_table(joined))
     if args.out:
         record: dict[str, Any] = {
             "command": " ".join(["python", "-m", "bench.hop_trace", *sys.argv[1:]]),
@@ -258,7 +304,8 @@ def main() -> int:
             run = json.loads(args.source.read_text())
             record["source"] = {"file": args.source.name, "command": run.get("command"),
                                 "commit": run.get("commit"), "hardware": run.get("hardware")}
-        args.out.write_text(json.dumps({**record, "legs": summary, "loops": stretches},
+        args.out.write_text(json.dumps({**record, "legs": summary, "loops": stretches,
+                                        "joins": joined},
                                        indent=1))
     return 0
 

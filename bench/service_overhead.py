@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.hop_trace import legs, loop_table, loops, read, table
+from bench.hop_trace import join_table, joins, legs, loop_table, loops, read, table
 from bench.run_record import commit_id
 from bench.serving import SHAPES
 from devtools.demo_assets import write_demo_assets
@@ -763,6 +763,7 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
         traced = read(args.trace_hops)
         result["hop_trace"] = legs(traced)
         result["hop_trace_loops"] = loops(args.trace_hops, traced)
+        result["hop_trace_joins"] = joins(args.trace_hops, traced)
     for level in results:
         lead = (f" worker admission lead {level['worker_admission_lead_ms']:g} ms"
                 if "worker_admission_lead_ms" in level else "")
@@ -774,6 +775,7 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
     if "hop_trace" in result:
         print(table(result["hop_trace"]), flush=True)
         print(loop_table(result["hop_trace_loops"]), flush=True)
+        print(join_table(result["hop_trace_joins"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.hop_trace import legs, loops, read
+from bench.hop_trace import joins, legs, loops, read
 from services.common import hop_trace
 
 
@@ -84,6 +84,31 @@ def test_the_core_loops_stretches_count_waits_reads_in_them_and_steps_to_start(
     assert shares["5+"] == 0.0
     assert (second["steps"], second["requests"], second["tags"]) == (2, 0, ["gateway c=9"])
     assert second["started_steps_after_next"] == {}
+
+
+def test_joins_tell_a_request_the_next_step_took_from_one_it_left_or_read_late(
+        tmp_path: Path) -> None:
+    """a joins the first step() after it reached the worker; b was read before that step()
+    but first scheduled by the one after; c reached the worker before that step() but was
+    read only after it began."""
+    (tmp_path / "1.hops").write_text("".join(
+        f"client_tag {k}=gateway c=3 1.0\nclient_send {k} {t}\n"
+        for k, t in (("a", 9.990), ("b", 9.991), ("c", 9.992))))
+    (tmp_path / "2.hops").write_text(
+        "worker_added a:1 10.001\nworker_added b:2 10.002\nworker_added c:3 10.003\n")
+    (tmp_path / "3.hops").write_text(
+        "loop_step 1 10.000\ncore_added 1 10.0015\ncore_added 2 10.0025\n"
+        "loop_step 2 10.005\ncore_started 1 10.00499\ncore_added 3 10.006\n"
+        "loop_step 3 10.010\ncore_started 2 10.00999\ncore_started 3 10.00999\n"
+        "core_first 1 10.021\ncore_first 2 10.031\ncore_first 3 10.033\n")
+    got = joins(tmp_path, read(tmp_path))["gateway c=3"]
+    assert got["requests"] == 3
+    shares = {g: v["share"] for g, v in got.items() if g != "requests"}
+    assert shares == pytest.approx({"joined_next_step": 1 / 3, "read_before_it_not_taken": 1 / 3,
+                                    "read_after_it_began": 1 / 3})
+    assert got["joined_next_step"]["worker_added_to_core_first_ms_p50"] == pytest.approx(20.0)
+    assert got["read_before_it_not_taken"]["worker_added_to_core_first_ms_p50"] == pytest.approx(
+        29.0)
 
 
 def test_marks_are_off_unless_the_variable_names_a_folder(
