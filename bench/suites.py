@@ -615,10 +615,12 @@ SUITES["service-path-admission-after-sync"] = (_admission(
 # there asks for 64 tokens, so a level's streams finish together and their successors queue
 # for the prefill budget whatever the hops. Lengths spread 32-96 (fixed by each prompt, the
 # same on every path), late admission off and at 1 ms, 64 and 256 streams, 8 requests a
-# stream (~250 s on an H100: for a call with little device time left).
+# stream (~250 s on an H100), hops traced: the JSON's hop_trace_joins say how many requests
+# the first step() after their arrival took.
 SUITES["service-path-admission-spread"] = (_admission(
     "service-admission-spread", 330, 1, levels="64,256", per_stream=8, leads="0,1",
-    stem="service-overhead-7b-gw4-admission-spread32", extra=("--new-tokens-spread", "32")),)
+    stem="service-overhead-7b-gw4-admission-spread32",
+    extra=("--new-tokens-spread", "32", "--trace-hops", "{out}/hops-spread")),)
 # The prefill budget in the same waves. In the trace at 57ee3f6 a successor read inside the
 # pacer's window joined the step launched next less often with a lead than without (64
 # streams: 65% at 1 ms, 80% at 4 ms, 93% off; 256 streams: 31%, 44%, 41%), and at 256 streams
@@ -630,7 +632,7 @@ SUITES["service-path-admission-spread"] = (_admission(
 SUITES["service-path-admission-budget"] = (_admission(
     "service-admission-budget", 330, 1, levels="64,256", per_stream=8, leads="0,1",
     stem="service-overhead-7b-gw4-admission-budget2048",
-    extra=("--max-num-batched-tokens", "2048")),)
-# Both in one call (~520 s on an H100).
+    extra=("--max-num-batched-tokens", "2048", "--trace-hops", "{out}/hops-budget")),)
+# Both in one call (~520 s on an H100; with --pack, as the traces are many files).
 SUITES["service-path-ttft-next"] = (*SUITES["service-path-admission-spread"],
                                     *SUITES["service-path-admission-budget"])
