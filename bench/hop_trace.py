@@ -7,12 +7,11 @@ ends. `bench.service_overhead --trace-hops DIR` writes the same into its JSON.
 
 `loops` reads the engine core's own rhythm from the same files (`loop_step` at each `step()`
 entry, `loop_wait` at each late-admission decision): per stretch of a core's steps, how often
-the loop waited before a step and how long, how many requests it read inside such a wait,
-and how many steps a request's first step came after the one launched next once it was read
-(0: it joined that one); and `joins`, per client tag, whether a request joined the first
-`step()` after it reached the worker, was read before it but not scheduled, or was read only
-after it began. `--loops` prints them (`--out FILE` writes legs and loops as JSON,
-`--source RUN.json` copying the traced run's command, commit and hardware into it).
+the loop waited before a step and how long, and how many requests it read inside such a
+wait; `joins`, per client tag, whether a request joined the first `step()` after it reached
+the worker, was read before it but not scheduled, or was read only after it began. `--loops`
+prints both (`--out FILE` writes the legs, loops and joins as JSON, `--source RUN.json`
+copying the traced run's command, commit and hardware into it).
 """
 
 from __future__ import annotations
@@ -121,27 +120,25 @@ def legs(traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
 # A pause this long between two `step()` entries ends a stretch of a core's steps (the bench
 # runs its levels and paths one after another, the core idle between them).
 STRETCH_GAP_S = 1.0
-# Steps after the next launch counted apart in `loops`; later ones are counted together.
-LATER_STEPS = 5
 # The share of a stretch a client tag's requests must span to name it.
 TAG_OVERLAP = 0.1
 
 
 @dataclass
-class _Core:
+class Core:
     """One core process's loop events (wall-clock s)."""
 
     steps: list[float] = field(default_factory=list)
     waits: list[tuple[float, float]] = field(default_factory=list)  # (at, wait s)
     added: dict[str, float] = field(default_factory=dict)  # rid -> core_added
-    started: dict[str, float] = field(default_factory=dict)  # rid -> core_started
 
 
-def _cores(folder: Path) -> dict[str, _Core]:
-    """Core processes' files (those with `loop_step` events), by file name."""
-    cores: dict[str, _Core] = {}
+def cores(folder: Path) -> dict[str, Core]:
+    """Core processes' files (those with `loop_step` events), by file name: what `loops` and
+    `joins` read (once for both)."""
+    found: dict[str, Core] = {}
     for path in sorted(folder.glob("*.hops")):
-        core = _Core()
+        core = Core()
         for event, key, at in _events(path):
             if event == "loop_step":
                 core.steps.append(at)
@@ -149,13 +146,11 @@ def _cores(folder: Path) -> dict[str, _Core]:
                 core.waits.append((at, float(key.partition(":")[0]) / 1e6))
             elif event == "core_added":
                 core.added.setdefault(key, at)
-            elif event == "core_started":
-                core.started.setdefault(key, at)
         if core.steps:
             core.steps.sort()
             core.waits.sort()
-            cores[path.name] = core
-    return cores
+            found[path.name] = core
+    return found
 
 
 def _tag_spans(traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, tuple[float, float]]:
@@ -169,58 +164,48 @@ def _tag_spans(traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, tupl
     return spans
 
 
-def loops(folder: Path, traced: dict[str, dict[str, dict[str, float]]] | None = None,
+def loops(by_core: dict[str, Core], traced: dict[str, dict[str, dict[str, float]]] | None = None,
           ) -> list[dict[str, Any]]:
-    """Per core file and stretch of its steps (split at pauses of `STRETCH_GAP_S`): the steps,
-    the waits before them (`loop_wait` > 0) and their mean, the requests read in the stretch
-    and inside a wait, and how many steps each request's first step came after the one
-    launched next once it was read (shares; `LATER_STEPS` and more counted together). `tags`:
-    the client tags whose requests' spans cover more than `TAG_OVERLAP` of the stretch
-    (`traced`: `read`'s; one core serves every path of a worker run)."""
+    """Per core file (`cores`) and stretch of its steps (split at pauses of `STRETCH_GAP_S`):
+    the steps, the waits before them (`loop_wait` > 0) and their mean, and the requests read
+    in the stretch and inside a wait. `tags`: the client tags whose requests' spans cover more
+    than `TAG_OVERLAP` of the stretch (`traced`: `read`'s; one core serves every path of a
+    worker run)."""
     spans = _tag_spans(traced) if traced else {}
     out: list[dict[str, Any]] = []
-    for name, core in _cores(folder).items():
+    for name, core in by_core.items():
         bounds = [0] + [i + 1 for i in range(len(core.steps) - 1)
                         if core.steps[i + 1] - core.steps[i] > STRETCH_GAP_S] + [len(core.steps)]
         for lo, hi in zip(bounds, bounds[1:], strict=False):
             first, last = core.steps[lo], core.steps[hi - 1]
-            waits = [(at, w) for at, w in core.waits if first <= at <= last]
-            positive = [w for _, w in waits if w > 0.0]
-            reqs = {rid: at for rid, at in core.added.items() if first <= at <= last}
+            positive = [w for at, w in core.waits if first <= at <= last and w > 0.0]
+            added = [at for at in core.added.values() if first <= at <= last]
             in_wait = 0
-            later: dict[int, int] = defaultdict(int)
-            for rid, at in reqs.items():
+            for at in added:
                 i = bisect.bisect_right(core.waits, (at, float("inf"))) - 1
                 if i >= 0:
                     wait_at, wait = core.waits[i]
                     nxt = bisect.bisect_right(core.steps, wait_at)
                     if wait > 0.0 and (nxt == len(core.steps) or at < core.steps[nxt]):
                         in_wait += 1
-                if rid in core.started:
-                    n = (bisect.bisect_left(core.steps, core.started[rid] - STAMP_SKEW_S)
-                         - bisect.bisect_right(core.steps, at))
-                    later[min(max(n, 0), LATER_STEPS)] += 1
-            counted = sum(later.values())
             tags = sorted(tag for tag, (a, b) in spans.items()
                           if min(b, last) - max(a, first) > TAG_OVERLAP * (last - first))
             out.append({
                 "core": name, "tags": tags,
                 "seconds": last - first, "steps": hi - lo, "waits": len(positive),
                 "wait_ms_mean": float(np.mean(positive)) * 1e3 if positive else 0.0,
-                "requests": len(reqs), "read_in_wait": in_wait,
-                "started_steps_after_next": {
-                    (f"{k}+" if k == LATER_STEPS else str(k)): later[k] / counted
-                    for k in range(LATER_STEPS + 1)} if counted else {}})
+                "requests": len(added), "read_in_wait": in_wait})
     return out
 
 
-def joins(folder: Path, traced: dict[str, dict[str, dict[str, float]]]) -> dict[str, Any]:
-    """Per client tag: of the requests the core traced, the share whose first step was
+def joins(by_core: dict[str, Core], traced: dict[str, dict[str, dict[str, float]]],
+          ) -> dict[str, Any]:
+    """Per client tag: of the requests the cores (`cores`) traced, the share whose first step was
     launched by the first `step()` after they reached the worker (`worker_added`), the share
     read into the core before that `step()` but not scheduled by it (the step's budget or
     limits), and the share read only after it had begun; and each group's median ms from
     `worker_added` to `core_first`."""
-    steps = sorted(t for core in _cores(folder).values() for t in core.steps)
+    steps = sorted(t for core in by_core.values() for t in core.steps)
     out: dict[str, Any] = {}
     for tag, reqs in sorted(traced.items()):
         groups: dict[str, list[float]] = defaultdict(list)
@@ -250,21 +235,18 @@ def joins(folder: Path, traced: dict[str, dict[str, dict[str, float]]]) -> dict[
 def join_table(summary: dict[str, Any]) -> str:
     lines = []
     for tag, s in summary.items():
-        groups = ", ".join(f"{g} {v['share']:.0%} ({v['worker_added_to_core_first_ms_p50']:.1f} ms)"
-                           for g, v in s.items() if g != "requests")
+        groups = ", ".join(
+            f"{g} {v['share']:.0%} ({v['worker_added_to_core_first_ms_p50']:.1f} ms)"
+            for g, v in s.items() if g != "requests")
         lines.append(f"{tag} ({s['requests']} requests): {groups}")
     return "\n".join(lines)
 
 
 def loop_table(rows: list[dict[str, Any]]) -> str:
-    lines = []
-    for r in rows:
-        after = " ".join(f"{k}:{v:.0%}" for k, v in r["started_steps_after_next"].items())
-        lines.append(f"{r['core']} {' + '.join(r['tags']) or '-'} ({r['seconds']:.1f} s): {r['steps']} steps, "
-                     f"waits before {r['waits']} (mean {r['wait_ms_mean']:.2f} ms), "
-                     f"{r['requests']} requests, {r['read_in_wait']} read in a wait; first step "
-                     f"after the next launch: {after}")
-    return "\n".join(lines)
+    return "\n".join(
+        f"{r['core']} {' + '.join(r['tags']) or '-'} ({r['seconds']:.1f} s): {r['steps']} "
+        f"steps, waits before {r['waits']} (mean {r['wait_ms_mean']:.2f} ms), {r['requests']} "
+        f"requests, {r['read_in_wait']} read in a wait" for r in rows)
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -283,16 +265,16 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--loops", action="store_true", help="also the core loop's stretches")
     ap.add_argument("--out", type=Path, default=None,
-                    help="write the legs and the loops' stretches to this JSON file")
+                    help="write the legs, the loops' stretches and the joins to this JSON file")
     ap.add_argument("--source", type=Path, default=None,
                     help="the traced run's result JSON: its command, commit and hardware are "
                          "recorded in --out's")
     args = ap.parse_args()
     traced = read(args.folder)
     summary = legs(traced)
-    stretches = loops(args.folder, traced) if args.loops or args.out else []
+    by_core = cores(args.folder) if args.loops or args.out else {}
+    stretches, joined = loops(by_core, traced), joins(by_core, traced)
     print(json.dumps(summary, indent=1) if args.json else table(summary))
-    joined = joins(args.folder, traced) if args.loops or args.out else {}
     if args.loops:
         print(loop_table(stretches))
         print(join_table(joined))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -110,10 +110,7 @@ def scenario_hostsync(b: Bench) -> dict[str, Any]:
     for rep in range(a.hostsync_repeats):
         for mode, sampling in MODES.items():
             for copies in ("sync", "pinned"):
-                if copies == "sync":
-                    with old_copies():
-                        r = closed_loop(engine, prompts, streams, a.hostsync_new_tokens, sampling)
-                else:
+                with old_copies() if copies == "sync" else nullcontext():
                     r = closed_loop(engine, prompts, streams, a.hostsync_new_tokens, sampling)
                 runs[mode][copies].append(r)
                 print(f"hostsync {mode} {copies} {rep + 1}: {r['output_tok_per_s']:.0f} tok/s, "

@@ -36,7 +36,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.hop_trace import join_table, joins, legs, loop_table, loops, read, table
+from bench.hop_trace import (
+    cores,
+    join_table,
+    joins,
+    legs,
+    loop_table,
+    loops,
+    read,
+    table,
+)
 from bench.run_record import commit_id
 from bench.serving import SHAPES
 from devtools.demo_assets import write_demo_assets
@@ -762,8 +771,9 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
     if args.trace_hops is not None:
         traced = read(args.trace_hops)
         result["hop_trace"] = legs(traced)
-        result["hop_trace_loops"] = loops(args.trace_hops, traced)
-        result["hop_trace_joins"] = joins(args.trace_hops, traced)
+        by_core = cores(args.trace_hops)
+        result["hop_trace_loops"] = loops(by_core, traced)
+        result["hop_trace_joins"] = joins(by_core, traced)
     for level in results:
         lead = (f" worker admission lead {level['worker_admission_lead_ms']:g} ms"
                 if "worker_admission_lead_ms" in level else "")

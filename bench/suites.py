@@ -621,12 +621,13 @@ SUITES["service-path-admission-spread"] = (_admission(
     "service-admission-spread", 330, 1, levels="64,256", per_stream=8, leads="0,1",
     stem="service-overhead-7b-gw4-admission-spread32",
     extra=("--new-tokens-spread", "32", "--trace-hops", "{out}/hops-spread")),)
-# The prefill budget in the same waves. In the trace at 57ee3f6 a successor read inside the
-# pacer's window joined the step launched next less often with a lead than without (64
-# streams: 65% at 1 ms, 80% at 4 ms, 93% off; 256 streams: 31%, 44%, 41%), and at 256 streams
-# `core_added -> core_started` rose from 0.2 ms to 23.6 ms p50 at 1 ms: a window gathers a
-# wave's successors into one step, whose 512-token budget (EngineConfig.max_num_batched_
-# tokens, less the decode rows) spills the rest into the steps after. Every request at 64
+# The prefill budget in the same waves. In the trace at 57ee3f6 the first step() after a
+# gateway request reached the worker took it less often with a lead than without (64 streams:
+# 57% at 1 ms, 72% at 4 ms, 93% off; 256 streams: 41%, 56%, 62%); nearly all the others were
+# in the core's queue and left (hop-loops-admission-after-sync-57ee3f6-h100.json's joins): a
+# window gathers a wave's successors for one step, whose 512-token budget (EngineConfig.
+# max_num_batched_tokens, less the decode rows) or free pages leave the rest to the steps
+# after. Every request at 64
 # tokens as there, the budget at 2,048 tokens for the in-process engine and the worker
 # alike, late admission off and at 1 ms.
 SUITES["service-path-admission-budget"] = (_admission(

@@ -227,7 +227,9 @@ class EngineConfig:
     # request TTFT p50, then 0.990x and +12.1 ms, then in a run three times as long 0.989x
     # and -0.5 ms. Direct to the worker it cut TTFT p50 every time (25, 91 and 17 ms); its GPU
     # idled 264-433 us before each paced step in the long run (docs/performance.md, "Late
-    # admission").
+    # admission"). Those runs had step() wait for its launched step; after that fix (57ee3f6)
+    # the pacer held its windows and still cut no TTFT through the gateway (docs/performance.md,
+    # "After the host-copy fix").
     admission_lead_ms: float = knob(
         0.0, "with asynchronous steps, the serving loop takes new requests after a step "
              "returns until the step under way on the GPU is about to end, less the host's "

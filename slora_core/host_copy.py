@@ -8,7 +8,8 @@ the GPU idled through the host's launch, undoing asynchronous steps. In the hop 
 service-overhead-7b-gw4-pacer-trace-c256-87cd49f-h100.json, `step()` returned a p50 11.5 ms
 and a p90 22.8 ms after its read at 256 rows (in a stretch of steps that took new requests,
 22.8-23.1 ms: at the end of the step it had launched). With sampled requests the engine ran
-1.12-1.14x faster without it (serving-hostsync-26fafc7-h100.json).
+1.09-1.14x faster without it (serving-hostsync-26fafc7-h100.json,
+serving-hostsync-57ee3f6-h100.json).
 `host_values` copies through pinned memory, non-blocking: the copy is queued behind the work
 already on the stream and the host goes on.
 """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.hop_trace import joins, legs, loops, read
+from bench.hop_trace import cores, joins, legs, loops, read
 from services.common import hop_trace
 
 
@@ -59,31 +59,27 @@ def test_a_restarted_workers_request_numbers_join_their_own_core(tmp_path: Path)
     assert got["lead1"]["core_added -> core_first"]["p50"] == pytest.approx(27.5)
 
 
-def test_the_core_loops_stretches_count_waits_reads_in_them_and_steps_to_start(
+def test_the_core_loops_stretches_count_waits_and_the_requests_read_in_them(
         tmp_path: Path) -> None:
-    """Stretches split at a pause; a request read inside a wait (before the next step()) and
-    started by that step counts 0, one started a step later 1; a request read outside any
-    wait is not counted in one; stretches are named by the tags whose requests span them."""
+    """Stretches split at a pause; a request read inside a wait (before the next step())
+    counts as read in one, one read outside any wait does not; stretches are named by the
+    tags whose requests span them."""
     (tmp_path / "1.hops").write_text(
         "client_tag a=gateway c=2 1.0\nclient_send a 10.0\nclient_first a 10.05\n"
         "client_tag z=gateway c=9 1.0\nclient_send z 30.0\nclient_first z 30.01\n")
     (tmp_path / "2.hops").write_text(
         "loop_step 1 10.000\nloop_wait 4000:class=3 10.010\n"
-        "core_added 7 10.012\n"                 # inside the wait: joins the next step
+        "core_added 7 10.012\n"                 # inside the wait
         "loop_step 2 10.014\ncore_started 7 10.01399\n"
         "loop_wait 0:class=3 10.020\ncore_added 8 10.021\n"  # no wait open
         "loop_step 3 10.030\nloop_step 4 10.040\ncore_started 8 10.03999\n"
         "loop_step 5 30.000\nloop_step 6 30.010\n")  # after a pause: a second stretch
-    first, second = loops(tmp_path, read(tmp_path))
+    first, second = loops(cores(tmp_path), read(tmp_path))
     assert first["core"] == "2.hops" and first["tags"] == ["gateway c=2"]
     assert (first["steps"], first["waits"], first["requests"], first["read_in_wait"]) == (
         4, 1, 2, 1)
     assert first["wait_ms_mean"] == pytest.approx(4.0)
-    shares = first["started_steps_after_next"]
-    assert shares["0"] == pytest.approx(0.5) and shares["1"] == pytest.approx(0.5)
-    assert shares["5+"] == 0.0
     assert (second["steps"], second["requests"], second["tags"]) == (2, 0, ["gateway c=9"])
-    assert second["started_steps_after_next"] == {}
 
 
 def test_joins_tell_a_request_the_next_step_took_from_one_it_left_or_read_late(
@@ -101,7 +97,7 @@ def test_joins_tell_a_request_the_next_step_took_from_one_it_left_or_read_late(
         "loop_step 2 10.005\ncore_started 1 10.00499\ncore_added 3 10.006\n"
         "loop_step 3 10.010\ncore_started 2 10.00999\ncore_started 3 10.00999\n"
         "core_first 1 10.021\ncore_first 2 10.031\ncore_first 3 10.033\n")
-    got = joins(tmp_path, read(tmp_path))["gateway c=3"]
+    got = joins(cores(tmp_path), read(tmp_path))["gateway c=3"]
     assert got["requests"] == 3
     shares = {g: v["share"] for g, v in got.items() if g != "requests"}
     assert shares == pytest.approx({"joined_next_step": 1 / 3, "read_before_it_not_taken": 1 / 3,
