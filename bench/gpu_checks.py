@@ -4,7 +4,7 @@
   A  the GPU-only pytest tests (the ones a CPU skips: full-size kernels, CUDA model and ops, the
      compiled-variant count) and the rest of tests/kernel_tests compiled (TRITON_INTERPRET=0), split
      over --shards pytest processes, beside bench.gpu_numerics (massive activations, fp16/bf16
-     vs HF, the non-finite guard). Triton compiles each kernel variant in the calling process,
+     vs HF, the non-finite guard; one process per dtype). Triton compiles each kernel variant in the calling process,
      one at a time; one process ran 114 of the ~150 tests in 250 s.
   B  bench.gpu_suite, one process per shape (Llama-2-7B, Llama-3-8B widths) side by side.
 
@@ -215,9 +215,13 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
         jobs = {f"pytest-{k}": [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EVERY_TEST,
                                 "--durations=10", f"--junitxml={out}/gpu-pytest-{k}.xml", *ids]
                 for k, ids in enumerate(plan_shards(a.pytest_paths, a.shards))}
-        jobs["numerics"] = [py, "-m", "bench.gpu_numerics", *device_args,
-                            *shlex.split(a.numerics_args), "--budget-s", budget,
-                            "--out", str(out / "gpu-numerics-h200.json")]
+        # One process per dtype: in one process the graph modes' compiles of both dtypes
+        # outran the budget on 5 of 6 H100 runs (the bf16 graph modes and the guard skipped).
+        jobs |= {f"numerics-{dt}": [py, "-m", "bench.gpu_numerics", *device_args,
+                                    *shlex.split(a.numerics_args), "--dtypes", dt,
+                                    "--budget-s", budget,
+                                    "--out", str(out / f"gpu-numerics-{dt}-h200.json")]
+                 for dt in a.numerics_dtypes}
     else:
         jobs = {f"suite-{shape}": [py, "-m", "bench.gpu_suite", *device_args,
                                    *shlex.split(a.suite_args), "--shapes", shape,
@@ -232,7 +236,7 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
         "command": "python -m bench.gpu_checks " + " ".join(sys.argv[1:]), "hardware": gpu,
         "torch": torch_version, "limit_s": a.limit_s,
         "seconds": int(time.monotonic() - start), "processes": procs}
-    written = sorted(glob.glob(f"{out}/gpu-numerics-h200.json" if part == "A"
+    written = sorted(glob.glob(f"{out}/gpu-numerics-*-h200.json" if part == "A"
                                else f"{out}/gpu-suite-*-h200.json"))
     if part == "A":
         report["pytest"] = pytest_counts(out)
@@ -264,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="part B: one process each")
     p.add_argument("--device-args", default="", help="for both scripts, e.g. '--device cpu --tiny'")
     p.add_argument("--numerics-args", default="", help="for bench.gpu_numerics")
+    p.add_argument("--numerics-dtypes", nargs="+", default=["float16", "bfloat16"],
+                   help="part A: one bench.gpu_numerics process each")
     p.add_argument("--suite-args", default="", help="for bench.gpu_suite")
     a = p.parse_args(argv)
     out = Path(a.out)
