@@ -215,13 +215,16 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
         jobs = {f"pytest-{k}": [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EVERY_TEST,
                                 "--durations=10", f"--junitxml={out}/gpu-pytest-{k}.xml", *ids]
                 for k, ids in enumerate(plan_shards(a.pytest_paths, a.shards))}
-        # One process per dtype: in one process the graph modes' compiles of both dtypes
-        # outran the budget on 5 of 6 H100 runs (the bf16 graph modes and the guard skipped).
-        jobs |= {f"numerics-{dt}": [py, "-m", "bench.gpu_numerics", *device_args,
-                                    *shlex.split(a.numerics_args), "--dtypes", dt,
-                                    "--budget-s", budget,
-                                    "--out", str(out / f"gpu-numerics-{dt}-h200.json")]
-                 for dt in a.numerics_dtypes}
+        # One process per dtype (and mode, with --numerics-modes): in one process the graph
+        # modes' compiles outran the budget on 5 of 6 H100 runs, and one process a dtype
+        # still skipped the guard and all_graphs_async (all_graphs alone compiled 139 s).
+        jobs |= {f"numerics-{name}": [py, "-m", "bench.gpu_numerics", *device_args,
+                                      *shlex.split(a.numerics_args), "--dtypes", dt, *modes,
+                                      "--budget-s", budget,
+                                      "--out", str(out / f"gpu-numerics-{name}-h200.json")]
+                 for dt in a.numerics_dtypes
+                 for name, modes in ([(f"{dt}-{m}", ["--modes", m]) for m in a.numerics_modes]
+                                     or [(dt, [])])}
     else:
         jobs = {f"suite-{shape}": [py, "-m", "bench.gpu_suite", *device_args,
                                    *shlex.split(a.suite_args), "--shapes", shape,
@@ -270,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numerics-args", default="", help="for bench.gpu_numerics")
     p.add_argument("--numerics-dtypes", nargs="+", default=["float16", "bfloat16"],
                    help="part A: one bench.gpu_numerics process each")
+    p.add_argument("--numerics-modes", nargs="*", default=[],
+                   help="part A: one process per dtype and mode (default: all modes in one)")
     p.add_argument("--suite-args", default="", help="for bench.gpu_suite")
     a = p.parse_args(argv)
     out = Path(a.out)

@@ -74,8 +74,8 @@ SERVICE_7B = (*GPU_7B, "--num-pages", "2400", "--max-model-len", "256", "--concu
 PROFILE_CORE = (*GPU_7B, "--batch", "64", "--context", "512", "--adapters")
 SERVING_90GB = (*GPU_7B, "--arena-gb", "90")
 CHURN_2000 = (*GPU_7B, "--arena-gb", "32", "--many-adapters", "2000", "--churn-requests", "600")
-GPU_TESTS = ("bench.gpu_checks", "A", "--out", "{out}", "--shards", "6", "--numerics-args",
-             "--modes eager all_graphs all_graphs_async")
+GPU_TESTS = ("bench.gpu_checks", "A", "--out", "{out}", "--shards", "6", "--numerics-modes",
+             "eager", "all_graphs", "all_graphs_async")
 # NVLink multicast stays off (the device notes: it can take the shared GPUs down).
 NO_NVLS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
