@@ -63,12 +63,13 @@ def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "bench.gpu_checks", "A", "B", "--out", str(tmp_path),
             "--device-args", "--device cpu --tiny", "--shards", "1",
             "--pytest-paths", "tests/slora_core/test_nonfinite_guard.py",
-            "--numerics-dtypes", "float16", "--shapes", "tiny-gqa"]
+            "--numerics-dtypes", "float16", "--numerics-modes", "eager", "--shapes", "tiny-gqa"]
     res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "gpu-part-A-h200.json", "gpu-part-A.tgz", "gpu-part-B-h200.json", "gpu-part-B.tgz"]
-    for part, names in (("A", {"gpu-numerics-float16-h200.json", "gpu-numerics-float16.log",
+    for part, names in (("A", {"gpu-numerics-float16-eager-h200.json",
+                               "gpu-numerics-float16-eager.log",
                                "gpu-pytest-0.xml", "gpu-pytest-0.log"}),
                         ("B", {"gpu-suite-tiny-gqa-h200.json", "gpu-suite-tiny-gqa.log"})):
         with tarfile.open(tmp_path / f"gpu-part-{part}.tgz") as tar:
@@ -77,8 +78,8 @@ def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
     part_a = json.loads((tmp_path / "gpu-part-A-h200.json").read_text())
     assert part_a["ok"] and part_a["commit"] == "smoke-commit"
     assert part_a["pytest"]["passed"] > 0 and not part_a["pytest"]["failed"]
-    assert set(part_a["processes"]) == {"numerics-float16", "pytest-0"}
-    numerics = json.loads((tmp_path / "gpu-numerics-float16-h200.json").read_text())
+    assert set(part_a["processes"]) == {"numerics-float16-eager", "pytest-0"}
+    numerics = json.loads((tmp_path / "gpu-numerics-float16-eager-h200.json").read_text())
     assert numerics["ok"] and numerics["tokens_from_nonfinite_rows_total"] == 0
     assert numerics["commit"] == "smoke-commit"
     part_b = json.loads((tmp_path / "gpu-part-B-h200.json").read_text())

@@ -1,0 +1,44 @@
+"""bench.gpu_numerics' verdict when gpu_checks splits it into one process per dtype and mode:
+the guard is required where it runs (beside all_graphs on a GPU) and nowhere else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.gpu_numerics import verdict
+
+FAITHFUL = {"tokens_from_nonfinite_rows": 0, "nonfinite_rows_met": 0,
+            "hf_same_dtype_nonfinite_rows": 0, "agreement": {"faithful": True}}
+GUARD = {"others_finished_with_all_tokens": True, "others_vs_hf": {"agreement": {
+    "faithful": True}}, "tokens_from_nonfinite_rows": 0,
+    "poisoned_request": {"tokens": 0, "finish_reason": "error"},
+    "forced_nan_request": {"tokens": 2, "finish_reason": "error"}}
+
+
+def report(modes: list[str], pieces: dict[str, Any]) -> dict[str, Any]:
+    return {"modes": modes, "guard_mode": "all_graphs",
+            "strengths": [{"dtypes": {"float16": pieces}}]}
+
+
+def test_a_mode_without_the_guard_passes_without_it() -> None:
+    r = report(["eager"], {"eager": FAITHFUL, "ops": {}})
+    assert verdict(r) and r["guard_ok"] and r["skipped"] == 0
+
+
+def test_all_graphs_without_its_guard_fails() -> None:
+    r = report(["all_graphs"], {"all_graphs": FAITHFUL, "ops": {}})
+    assert not verdict(r) and not r["guard_ok"]
+
+
+def test_a_skipped_guard_fails() -> None:
+    r = report(["all_graphs"], {"all_graphs": FAITHFUL, "ops": {},
+                                "guard": {"skipped": "time budget 245 s"}})
+    assert not verdict(r) and r["skipped"] == 1
+
+
+def test_a_guard_that_let_a_poisoned_request_through_fails() -> None:
+    bad = GUARD | {"poisoned_request": {"tokens": 3, "finish_reason": "length"}}
+    ok = report(["all_graphs"], {"all_graphs": FAITHFUL, "ops": {}, "guard": GUARD})
+    assert verdict(ok) and ok["guard_ok"]
+    r = report(["all_graphs"], {"all_graphs": FAITHFUL, "ops": {}, "guard": bad})
+    assert not verdict(r) and not r["guard_ok"]
