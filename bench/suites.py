@@ -627,9 +627,8 @@ SUITES["service-path-admission-spread"] = (_admission(
 # in the core's queue and left (hop-loops-admission-after-sync-57ee3f6-h100.json's joins): a
 # window gathers a wave's successors for one step, whose 512-token budget (EngineConfig.
 # max_num_batched_tokens, less the decode rows) or free pages leave the rest to the steps
-# after. Every request at 64
-# tokens as there, the budget at 2,048 tokens for the in-process engine and the worker
-# alike, late admission off and at 1 ms.
+# after. Every request at 64 tokens as there, the budget at 2,048 tokens for the in-process
+# engine and the worker alike, late admission off and at 1 ms.
 SUITES["service-path-admission-budget"] = (_admission(
     "service-admission-budget", 330, 1, levels="64,256", per_stream=8, leads="0,1",
     stem="service-overhead-7b-gw4-admission-budget2048",
@@ -637,3 +636,14 @@ SUITES["service-path-admission-budget"] = (_admission(
 # Both in one call (~520 s on an H100; with --pack, as the traces are many files).
 SUITES["service-path-ttft-next"] = (*SUITES["service-path-admission-spread"],
                                     *SUITES["service-path-admission-budget"])
+# The spread run decided for the pacer once (3df18d9, H100, one repeat: request TTFT p50 added
+# through the gateway 6.8 -> 3.9 ms at 64 streams and 20.5 -> 1.6 ms at 256;
+# service-overhead-7b-gw4-admission-spread32-3df18d9-h100.json), where the 2,048-token budget
+# in waves lost (+27.2 -> +37.3 ms at 256; ...-admission-budget2048-3df18d9-h100.json). The
+# same spread, three repeats a level and no hop trace, before the lead becomes the default
+# (231 s for one repeat: 73 s to a routable stack, 31 s to restart the worker, ~32 s a
+# level; three repeats ~490 s).
+SUITES["service-path-admission-spread-3r"] = (_admission(
+    "service-admission-spread-3r", 540, 3, levels="64,256", per_stream=8, leads="0,1",
+    stem="service-overhead-7b-gw4-admission-spread32-3r",
+    extra=("--new-tokens-spread", "32")),)

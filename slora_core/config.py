@@ -229,7 +229,11 @@ class EngineConfig:
     # idled 264-433 us before each paced step in the long run (docs/performance.md, "Late
     # admission"). Those runs had step() wait for its launched step; after that fix (57ee3f6)
     # the pacer held its windows and still cut no TTFT through the gateway (docs/performance.md,
-    # "After the host-copy fix").
+    # "After the host-copy fix"): every request there asked for 64 tokens, so successors came
+    # in waves. With output lengths spread 32-96 (3df18d9, one repeat) 1 ms cut the request
+    # TTFT p50 the gateway adds from 6.8 to 3.9 ms at 64 streams and from 20.5 to 1.6 ms at
+    # 256, at 0.969x and 1.009x of in-process throughput (0.976x and 1.020x off); a
+    # three-repeat run decides the default (bench suite service-path-admission-spread-3r).
     admission_lead_ms: float = knob(
         0.0, "with asynchronous steps, the serving loop takes new requests after a step "
              "returns until the step under way on the GPU is about to end, less the host's "
