@@ -4,8 +4,9 @@
   A  the GPU-only pytest tests (the ones a CPU skips: full-size kernels, CUDA model and ops, the
      compiled-variant count) and the rest of tests/kernel_tests compiled (TRITON_INTERPRET=0), split
      over --shards pytest processes, beside bench.gpu_numerics (massive activations, fp16/bf16
-     vs HF, the non-finite guard; one process per dtype). Triton compiles each kernel variant in the calling process,
-     one at a time; one process ran 114 of the ~150 tests in 250 s.
+     vs HF, the non-finite guard; one process per dtype, or per dtype and mode). Triton
+     compiles each kernel variant in the calling process, one at a time; one process ran 114 of
+     the ~150 tests in 250 s.
   B  bench.gpu_suite, one process per shape (Llama-2-7B, Llama-3-8B widths) side by side.
 
 Every process writes its JSON as it goes (a process stopped at --limit-s keeps what it finished;
@@ -218,13 +219,13 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
         # One process per dtype (and mode, with --numerics-modes): in one process the graph
         # modes' compiles outran the budget on 5 of 6 H100 runs, and one process a dtype
         # still skipped the guard and all_graphs_async (all_graphs alone compiled 139 s).
-        jobs |= {f"numerics-{name}": [py, "-m", "bench.gpu_numerics", *device_args,
-                                      *shlex.split(a.numerics_args), "--dtypes", dt, *modes,
-                                      "--budget-s", budget,
-                                      "--out", str(out / f"gpu-numerics-{name}-h200.json")]
-                 for dt in a.numerics_dtypes
-                 for name, modes in ([(f"{dt}-{m}", ["--modes", m]) for m in a.numerics_modes]
-                                     or [(dt, [])])}
+        for dt in a.numerics_dtypes:
+            for mode in a.numerics_modes or [None]:
+                name = dt if mode is None else f"{dt}-{mode}"
+                jobs[f"numerics-{name}"] = [
+                    py, "-m", "bench.gpu_numerics", *device_args, *shlex.split(a.numerics_args),
+                    "--dtypes", dt, *([] if mode is None else ["--modes", mode]),
+                    "--budget-s", budget, "--out", str(out / f"gpu-numerics-{name}-h200.json")]
     else:
         jobs = {f"suite-{shape}": [py, "-m", "bench.gpu_suite", *device_args,
                                    *shlex.split(a.suite_args), "--shapes", shape,
@@ -277,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="part A: one process per dtype and mode (default: all modes in one)")
     p.add_argument("--suite-args", default="", help="for bench.gpu_suite")
     a = p.parse_args(argv)
+    if a.numerics_modes:  # a bad name would fail only its own process, minutes later
+        from bench.gpu_numerics import MODES
+
+        unknown = sorted(set(a.numerics_modes) - set(MODES))
+        if unknown:
+            p.error(f"--numerics-modes: unknown {unknown}; choose from {sorted(MODES)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = [run_part(part, a, out) for part in a.parts]

@@ -497,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--distinct-input must be 64 or more, got {args.distinct_input}")
     if args.profile_steps < 1:
         p.error(f"--profile-steps must be 1 or more, got {args.profile_steps}")
+    for flag in ("hostsync_streams", "hostsync_requests_per_stream", "hostsync_new_tokens",
+                 "hostsync_repeats"):  # 0 streams would never add a request: no end
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be 1 or more, got {getattr(args, flag)}")
     if 1.0 not in args.churn_alphas:
         p.error(f"--churn-alphas must include 1.0 (the headline), got {args.churn_alphas}")
     bench = Bench(args)

@@ -3,8 +3,12 @@ the guard is required where it runs (beside all_graphs on a GPU) and nowhere els
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from bench import gpu_checks
 from bench.gpu_numerics import verdict
 
 FAITHFUL = {"tokens_from_nonfinite_rows": 0, "nonfinite_rows_met": 0,
@@ -42,3 +46,12 @@ def test_a_guard_that_let_a_poisoned_request_through_fails() -> None:
     assert verdict(ok) and ok["guard_ok"]
     r = report(["all_graphs"], {"all_graphs": FAITHFUL, "ops": {}, "guard": bad})
     assert not verdict(r) and not r["guard_ok"]
+
+
+def test_gpu_checks_refuses_an_unknown_numerics_mode(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        gpu_checks.main(["A", "--out", str(tmp_path), "--numerics-modes", "eager", "graphs"])
+    assert exc.value.code == 2
+    assert "--numerics-modes: unknown ['graphs']" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before any process started

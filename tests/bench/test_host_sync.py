@@ -10,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import slora_core.sampler as sampler_module
 import slora_core.step_loop as step_loop_module
+from bench import serving
 from bench.host_sync import MODES, old_copies
 from slora_core import host_copy
 
@@ -44,3 +47,13 @@ def test_every_mode_runs_with_both_copies(tmp_path: Path) -> None:
             assert run["output_tokens"] == 8 * 4, (mode, copies)
         assert math.isfinite(got[mode]["throughput_ratio_pinned_over_sync"]) and got[mode][
             "throughput_ratio_pinned_over_sync"] > 0
+
+
+@pytest.mark.parametrize("flag", ["--hostsync-streams", "--hostsync-requests-per-stream",
+                                  "--hostsync-new-tokens", "--hostsync-repeats"])
+def test_a_count_below_one_is_refused_naming_the_flag(
+        flag: str, capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serving.main(["--shape", "tiny", "--device", "cpu", "--scenarios", "hostsync", flag, "0"])
+    assert exc.value.code == 2
+    assert f"{flag} must be 1 or more, got 0" in capfd.readouterr().err
