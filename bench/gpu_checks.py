@@ -216,15 +216,24 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
         jobs = {f"pytest-{k}": [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *EVERY_TEST,
                                 "--durations=10", f"--junitxml={out}/gpu-pytest-{k}.xml", *ids]
                 for k, ids in enumerate(plan_shards(a.pytest_paths, a.shards))}
-        # One process per dtype (and mode, with --numerics-modes): in one process the graph
-        # modes' compiles outran the budget on 5 of 6 H100 runs, and one process a dtype
-        # still skipped the guard and all_graphs_async (all_graphs alone compiled 139 s).
+        # One process per dtype, or per dtype and mode with --numerics-modes (the first mode's
+        # beside the op-level comparison) and one for the guard: in one process the graph
+        # modes' compiles outran the budget on 5 of 6 H100 runs; one process a dtype still
+        # skipped the guard and all_graphs_async (all_graphs alone compiled 139 s); one a mode
+        # ran each graph mode in ~215 s, which left the guard beside all_graphs no time
+        # (gpu-part-A-c123b76-h100.json).
+        numerics: dict[str, list[str]] = {}
+        for k, mode in enumerate(a.numerics_modes):
+            numerics[mode] = ["--modes", mode, "--pieces", "modes", *(["ops"] if k == 0 else [])]
+        if a.numerics_modes:
+            # in all_graphs on a GPU (bench.gpu_numerics.guard_mode; eager on a CPU)
+            numerics["guard"] = ["--modes", "all_graphs", "--pieces", "guard"]
         for dt in a.numerics_dtypes:
-            for mode in a.numerics_modes or [None]:
-                name = dt if mode is None else f"{dt}-{mode}"
+            for part_name, part_args in (numerics or {"": []}).items():
+                name = f"{dt}-{part_name}" if part_name else dt
                 jobs[f"numerics-{name}"] = [
                     py, "-m", "bench.gpu_numerics", *device_args, *shlex.split(a.numerics_args),
-                    "--dtypes", dt, *([] if mode is None else ["--modes", mode]),
+                    "--dtypes", dt, *part_args,
                     "--budget-s", budget, "--out", str(out / f"gpu-numerics-{name}-h200.json")]
     else:
         jobs = {f"suite-{shape}": [py, "-m", "bench.gpu_suite", *device_args,

@@ -22,8 +22,9 @@ layer's output by about its own size. Then, per dtype:
 and every mode was as faithful as HF (no non-finite row where HF had none, greedy agreement
 with HF fp32 at least HF same-dtype's, or short of it only by near-ties: each disagreement is
 recorded with HF fp32's top-2 margin and the dtype's logit noise there; see
-numerics_common.agreement_verdict). `--budget-s` skips (and records) a piece that would
-not end in time; the JSON is rewritten after every piece.
+numerics_common.agreement_verdict). `--pieces` picks what runs (bench.gpu_checks gives the
+guard a process of its own); `--budget-s` skips (and records) a piece that would not end in
+time; the JSON is rewritten after every piece.
 
     python -m bench.gpu_numerics --out bench/results/gpu-numerics-h200.json
 """
@@ -75,6 +76,15 @@ MODES: dict[str, dict[str, Any]] = {"eager": {"cuda_graphs": False, "async_steps
          "all_graphs_async": {"async_steps": True},
          "all_graphs_one_seq": {"max_num_seqs": 1, "async_steps": False}}
 DEFAULT_MODES = tuple(MODES)
+# What a run checks (--pieces): each mode's requests against HF, the op-level comparison
+# (beside the first mode) and the guard (in guard_mode). bench.gpu_checks splits them over
+# processes: the guard's second and third engine did not fit beside all_graphs' compiles.
+PIECES = ("modes", "ops", "guard")
+
+
+def guard_mode(device: str) -> str:
+    """The mode the guard runs in: every CUDA graph on a GPU (eager on a CPU)."""
+    return "all_graphs" if device == "cuda" else "eager"
 
 
 @torch.no_grad()
@@ -256,12 +266,13 @@ def check_strength(target: float, args: argparse.Namespace, root: Path,
                 for d in ("float32", dtype)}
         res: dict[str, Any] = out["dtypes"].setdefault(dtype, {})
         for name, mode in modes.items():
-            piece(res, name, check_mode, model_dir, adapters, dtype, device, mode, requests,
-                  refs, args.new_tokens)
-            if name == next(iter(modes)):
+            if "modes" in args.pieces:
+                piece(res, name, check_mode, model_dir, adapters, dtype, device, mode,
+                      requests, refs, args.new_tokens)
+            if "ops" in args.pieces and name == next(iter(modes)):
                 piece(res, "ops", compare_ops, model_dir, adapters, dtype, device, refs,
                       prompts[-1])
-            if name == "all_graphs" or device != "cuda":
+            if "guard" in args.pieces and name == guard_mode(device):
                 piece(res, "guard", check_guard, model_dir, adapters, dtype, device, mode,
                       requests, refs, args.new_tokens)
         del refs
@@ -284,15 +295,16 @@ def verdict(report: dict[str, Any]) -> bool:
     guards = [m for k, m in pieces if k == "guard" and "skipped" not in m]
     bad = sum(m["tokens_from_nonfinite_rows"] for m in modes + guards)
     report["skipped"] = sum("skipped" in m for _, m in pieces)
-    # The guard runs beside all_graphs (eager on a CPU); a run of other modes has none to run.
-    expects_guard = report["guard_mode"] in report["modes"]
+    planned = report.get("pieces", PIECES)
+    # The guard runs in all_graphs (eager on a CPU); a run of other modes has none to run.
+    expects_guard = "guard" in planned and report["guard_mode"] in report["modes"]
     report["guard_ok"] = (bool(guards) or not expects_guard) and all(
         g["others_finished_with_all_tokens"] and faithful(g["others_vs_hf"])
         and g["poisoned_request"]["tokens"] == 0
         and g["poisoned_request"]["finish_reason"] == "error"
         and g["forced_nan_request"]["tokens"] == 2
         and g["forced_nan_request"]["finish_reason"] == "error" for g in guards)
-    report["faithful_ok"] = bool(modes) and all(
+    report["faithful_ok"] = (bool(modes) or "modes" not in planned) and all(
         (m["nonfinite_rows_met"] == 0 or m["hf_same_dtype_nonfinite_rows"] > 0) and faithful(m)
         for m in modes)
     report["tokens_from_nonfinite_rows_total"] = bad
@@ -313,9 +325,16 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="start no piece that would end past this many seconds from start")
+    ap.add_argument("--pieces", nargs="+", choices=PIECES, default=list(PIECES),
+                    help="what to check: the modes' requests against HF, the op-level "
+                         "comparison (beside the first mode), the guard (in all_graphs on a "
+                         "GPU, eager on a CPU)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if ("guard" in args.pieces and args.device == "cuda"
+            and guard_mode(args.device) not in args.modes):
+        ap.error(f"--pieces guard runs in {guard_mode(args.device)}: add it to --modes")
     args.start = time.perf_counter()
     root = Path(tempfile.mkdtemp())
     report: dict[str, Any] = {"command": " ".join(["python -m bench.gpu_numerics",
@@ -324,7 +343,7 @@ def main() -> int:
                               "shape": vars(TINY_SHAPE if args.tiny else SHAPE),
                               "adapters": [vars(a) for a in ADAPTERS], "strengths": [],
                               "modes": list(args.modes) if args.device == "cuda" else ["eager"],
-                              "guard_mode": "all_graphs" if args.device == "cuda" else "eager"}
+                              "pieces": list(args.pieces), "guard_mode": guard_mode(args.device)}
 
     def save() -> None:
         report["seconds"] = round(time.perf_counter() - args.start, 1)

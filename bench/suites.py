@@ -238,7 +238,7 @@ SUITES: dict[str, tuple[Step, ...]] = {
     # ---- correctness on the GPU ------------------------------------------------------------
     "numerics": (step("numerics", 330, "bench.gpu_numerics", "--budget-s", "300", "--out",
                       OUT("gpu-numerics")),),
-    "gpu-tests": (step("gpu-tests", 330, *GPU_TESTS, "--limit-s", "290", OMP_NUM_THREADS="4"),),
+    "gpu-tests": (step("gpu-tests", 420, *GPU_TESTS, "--limit-s", "380", OMP_NUM_THREADS="4"),),
     "model-agreement": (step("model-agreement", 330, "bench.gpu_checks", "B", "--out", "{out}",
                              "--limit-s", "290", OMP_NUM_THREADS="4"),),
     # ---- tensor parallelism (2 GPUs) -------------------------------------------------------

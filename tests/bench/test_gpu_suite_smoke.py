@@ -57,7 +57,7 @@ def test_the_gpu_part_runs_every_test_a_cpu_skips_for_want_of_a_gpu() -> None:
     assert not missing, f"GPU-only tests bench.gpu_checks A would not run: {missing}"
 
 
-@pytest.mark.slow  # ~30 s: three processes at toy sizes
+@pytest.mark.slow  # ~30 s: four processes at toy sizes
 def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
     env = os.environ | {"SLORA_COMMIT": "smoke-commit", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "bench.gpu_checks", "A", "B", "--out", str(tmp_path),
@@ -70,6 +70,8 @@ def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
         "gpu-part-A-h200.json", "gpu-part-A.tgz", "gpu-part-B-h200.json", "gpu-part-B.tgz"]
     for part, names in (("A", {"gpu-numerics-float16-eager-h200.json",
                                "gpu-numerics-float16-eager.log",
+                               "gpu-numerics-float16-guard-h200.json",
+                               "gpu-numerics-float16-guard.log",
                                "gpu-pytest-0.xml", "gpu-pytest-0.log"}),
                         ("B", {"gpu-suite-tiny-gqa-h200.json", "gpu-suite-tiny-gqa.log"})):
         with tarfile.open(tmp_path / f"gpu-part-{part}.tgz") as tar:
@@ -78,10 +80,16 @@ def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
     part_a = json.loads((tmp_path / "gpu-part-A-h200.json").read_text())
     assert part_a["ok"] and part_a["commit"] == "smoke-commit"
     assert part_a["pytest"]["passed"] > 0 and not part_a["pytest"]["failed"]
-    assert set(part_a["processes"]) == {"numerics-float16-eager", "pytest-0"}
+    assert set(part_a["processes"]) == {"numerics-float16-eager", "numerics-float16-guard",
+                                        "pytest-0"}
     numerics = json.loads((tmp_path / "gpu-numerics-float16-eager-h200.json").read_text())
     assert numerics["ok"] and numerics["tokens_from_nonfinite_rows_total"] == 0
-    assert numerics["commit"] == "smoke-commit"
+    assert numerics["commit"] == "smoke-commit" and numerics["pieces"] == ["modes", "ops"]
+    assert set(numerics["strengths"][0]["dtypes"]["float16"]) == {"eager", "ops"}
+    # The guard in a process of its own: it alone ran there, and held.
+    guard = json.loads((tmp_path / "gpu-numerics-float16-guard-h200.json").read_text())
+    assert guard["ok"] and guard["guard_ok"] and guard["pieces"] == ["guard"]
+    assert set(guard["strengths"][0]["dtypes"]["float16"]) == {"guard"}
     part_b = json.loads((tmp_path / "gpu-part-B-h200.json").read_text())
     assert part_b["ok"] and set(part_b["processes"]) == {"suite-tiny-gqa"}
     suite = json.loads((tmp_path / "gpu-suite-tiny-gqa-h200.json").read_text())
