@@ -232,8 +232,9 @@ class EngineConfig:
     # "After the host-copy fix"): every request there asked for 64 tokens, so successors came
     # in waves. With output lengths spread 32-96 (3df18d9, one repeat) 1 ms cut the request
     # TTFT p50 the gateway adds from 6.8 to 3.9 ms at 64 streams and from 20.5 to 1.6 ms at
-    # 256, at 0.969x and 1.009x of in-process throughput (0.976x and 1.020x off); a
-    # three-repeat run decides the default (bench suite service-path-admission-spread-3r).
+    # 256, at 0.969x and 1.009x of in-process throughput (0.976x and 1.020x off). Three
+    # repeats (c123b76, bench suite service-path-admission-spread-3r) kept 1.2 ms of it at 64
+    # streams (7.2 -> 6.0 ms) and none at 256 (19.4 -> 19.3 ms): it stays off by default.
     admission_lead_ms: float = knob(
         0.0, "with asynchronous steps, the serving loop takes new requests after a step "
              "returns until the step under way on the GPU is about to end, less the host's "
