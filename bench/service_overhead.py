@@ -531,6 +531,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(services/common/hop_trace.py) and add each leg's times per path "
                          "and level to the JSON (`hop_trace`); tracing costs the processes "
                          "a few microseconds an event")
+    ap.add_argument("--trace-hops-events", default=[], metavar="PREFIX,...",
+                    type=lambda v: [x for x in v.split(",") if x],
+                    help="with --trace-hops: trace only the events whose names begin with one "
+                         "of these (e.g. core_,loop_: the engine core alone; the others do no "
+                         "tracing work); the JSON then records the filter, not the legs (a "
+                         "request's legs need the client's events)")
     ap.add_argument("--also-upstream", choices=("mux", "call", "auto"), default=None,
                     help="also run a second gateway (as many processes) with `--upstream X` "
                          f"beside the default one ({UPSTREAM_DEFAULT}, or env {UPSTREAM_ENV}): "
@@ -567,6 +573,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.new_tokens_spread < args.new_tokens:
         ap.error(f"--new-tokens-spread must be in [0, --new-tokens), got "
                  f"{args.new_tokens_spread}")
+    if args.trace_hops_events and args.trace_hops is None:
+        ap.error("--trace-hops-events needs --trace-hops (the folder the events go to)")
     if args.trace_hops is not None and any(args.trace_hops.glob("*.hops")):
         # Another run's events would join this run's legs under the same tags.
         ap.error(f"--trace-hops {args.trace_hops} already holds traces (*.hops): "
@@ -654,6 +662,8 @@ def main() -> int:
     if args.trace_hops is not None:  # before any process starts: they inherit it
         args.trace_hops.mkdir(parents=True, exist_ok=True)
         os.environ[hop_trace.ENV] = str(args.trace_hops.resolve())
+        if args.trace_hops_events:
+            os.environ[hop_trace.EVENTS_ENV] = ",".join(args.trace_hops_events)
     levels = [int(c) for c in args.concurrency.split(",")]
     root = Path(tempfile.mkdtemp(prefix="slora-overhead-"))
     t0 = time.perf_counter()
@@ -768,7 +778,9 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> Non
                     "http request_ttft_p50_added_ms": {"256": "<= 20"}},
         "levels": results,
     }
-    if args.trace_hops is not None:
+    if args.trace_hops_events:
+        result["trace_hops_events"] = args.trace_hops_events
+    elif args.trace_hops is not None:
         traced = read(args.trace_hops)
         result["hop_trace"] = legs(traced)
         by_core = cores(args.trace_hops)

@@ -651,14 +651,19 @@ SUITES["service-path-admission-spread-3r"] = (_admission(
 # run's gain at 256 streams (gateway request TTFT p50 58.3-59.1 ms at 1 ms against 58.9-59.5
 # off; service-overhead-7b-gw4-admission-spread32-3r-c123b76-h100.json), while both traced
 # runs showed it (60.4 -> 41.6 ms at 3df18d9, 60.7 -> 41.9 ms at 8461c0f; ...-spread32-
-# {3df18d9,8461c0f}-h100.json), and traced direct to the worker added 12-37 ms against
-# 172-401 untraced. The same host and stack settings, 256 streams, off and at 1 ms, first
-# untraced and then traced (~220 s each): whether what the trace's events change in the
-# processes (a few us each, ~15 a step in the core) is what lets the pacer's window work.
+# {3df18d9,8461c0f}-h100.json). The hosts differed too: the untraced run's stack took 111 s
+# to be routable, the traced runs' 73 s. On one host, 256 streams: untraced off and at 1 ms
+# (~175-230 s), then at 1 ms traced (every event), then at 1 ms with only the engine core's
+# events written (the clients still send request ids, as traced; the other processes do no
+# tracing work), ~120-160 s each.
 SUITES["service-path-admission-trace-ab"] = (
-    _admission("service-admission-untraced", 270, 1, levels="256", per_stream=8,
+    _admission("service-admission-untraced", 240, 1, levels="256", per_stream=8,
                stem="service-overhead-7b-gw4-admission-spread32-untraced-c256",
                extra=("--new-tokens-spread", "32")),
-    _admission("service-admission-traced", 270, 1, levels="256", per_stream=8,
+    _admission("service-admission-traced", 165, 1, levels="256", per_stream=8, leads="1",
                stem="service-overhead-7b-gw4-admission-spread32-traced-c256",
-               extra=("--new-tokens-spread", "32", "--trace-hops", "{out}/hops-ab")))
+               extra=("--new-tokens-spread", "32", "--trace-hops", "{out}/hops-ab")),
+    _admission("service-admission-traced-core", 165, 1, levels="256", per_stream=8, leads="1",
+               stem="service-overhead-7b-gw4-admission-spread32-traced-core-c256",
+               extra=("--new-tokens-spread", "32", "--trace-hops", "{out}/hops-core",
+                      "--trace-hops-events", "core_,loop_")))

@@ -236,7 +236,8 @@ class EngineConfig:
     # repeats (c123b76, bench suite service-path-admission-spread-3r) kept 1.2 ms of it at 64
     # streams (7.2 -> 6.0 ms) and none at 256 (19.4 -> 19.3 ms): it stays off by default.
     # Traced again (8461c0f) it gained at 256 (20.0 -> 1.0 ms): suite
-    # service-path-admission-trace-ab asks whether the hop trace is what makes it win.
+    # service-path-admission-trace-ab asks whether the hop trace (or the traced runs' faster
+    # host) is what makes it win.
     admission_lead_ms: float = knob(
         0.0, "with asynchronous steps, the serving loop takes new requests after a step "
              "returns until the step under way on the GPU is about to end, less the host's "

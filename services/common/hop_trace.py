@@ -7,6 +7,9 @@ its id upstream), and the core's request number inside the worker (the front's `
 event carries both). `bench.hop_trace` reads a folder of these into one timeline per request
 and the median of each leg. A mark costs a few microseconds when on and one environment lookup
 when off; never leave it on in production (the files grow by ~6 lines a request a process).
+`SLORA_TRACE_HOPS_EVENTS=core_,loop_` (comma-separated prefixes) writes only the events whose
+names begin with one of them: the other processes then do no tracing work at all, so a run can
+tell which process's tracing changes what it measures.
 
 The events, in the order a request meets them (`HOPS`):
 client_send (the arrival the client was given) / client_sent (when it actually sent),
@@ -30,6 +33,7 @@ import time
 from typing import IO
 
 ENV = "SLORA_TRACE_HOPS"
+EVENTS_ENV = "SLORA_TRACE_HOPS_EVENTS"
 HOPS = ("client_send", "client_sent", "gateway_entry", "worker_entry", "worker_added",
         "core_added", "core_started", "core_first", "worker_first_in", "worker_first_out",
         "gateway_first_in", "gateway_first_out", "client_first",
@@ -48,6 +52,9 @@ def mark(event: str, key: object, at: float | None = None) -> None:
     """Record `event` for `key` now (or at wall-clock `at`), when tracing is on."""
     folder = os.environ.get(ENV)
     if not folder:
+        return
+    only = os.environ.get(EVENTS_ENV)
+    if only and not event.startswith(tuple(filter(None, only.split(",")))):
         return
     global _file
     if _file is None:

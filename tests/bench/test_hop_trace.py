@@ -122,3 +122,20 @@ def test_marks_are_off_unless_the_variable_names_a_folder(
     (trace,) = (tmp_path / "hops").iterdir()
     first, second = trace.read_text().splitlines()
     assert first == "worker_entry x 5.000000" and second.startswith("worker_first_out x ")
+
+
+def test_an_events_filter_writes_only_the_events_it_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(hop_trace.ENV, str(tmp_path))
+    monkeypatch.setenv(hop_trace.EVENTS_ENV, "core_,loop_")
+    monkeypatch.setattr(hop_trace, "_file", None)
+    hop_trace.mark("worker_entry", "x", at=1.0)  # filtered out: no file opened for it
+    assert hop_trace._file is None and not list(tmp_path.iterdir())
+    for event in ("core_added", "loop_step", "client_send", "core_first"):
+        hop_trace.mark(event, "7", at=2.0)
+    assert hop_trace._file is not None
+    hop_trace._file.close()
+    monkeypatch.setattr(hop_trace, "_file", None)
+    (trace,) = tmp_path.iterdir()
+    assert [line.split()[0] for line in trace.read_text().splitlines()] == [
+        "core_added", "loop_step", "core_first"]

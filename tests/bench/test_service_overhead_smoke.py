@@ -99,6 +99,7 @@ def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     ("--in-process-arrive-spread-ms", "1,2", "one spread in ms expected"),
     ("--in-process-arrive-spread-ms", "-1", "every spread must be >= 0 ms"),
     ("--in-process-arrive-spread-ms", "3", "needs --in-process-arrive-after-ms"),
+    ("--trace-hops-events", "core_,loop_", "--trace-hops-events needs --trace-hops"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(
         flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,3 +160,20 @@ def test_the_pacing_report_prints_the_workers_pacer_lines_only(
     pacing_report(log)
     pacing_report(tmp_path / "absent.log")  # a worker that never logged: nothing
     assert capsys.readouterr().out == line + "\n"
+
+
+@pytest.mark.slow
+def test_an_events_filter_leaves_only_the_cores_events_and_no_legs(tmp_path: Path) -> None:
+    out, hops = tmp_path / "overhead.json", tmp_path / "hops"
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.service_overhead", "--concurrency", "2", "--repeats",
+         "1", "--requests-per-stream", "2", "--new-tokens", "4", "--client-procs", "1",
+         "--trace-hops", str(hops), "--trace-hops-events", "core_,loop_", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["trace_hops_events"] == ["core_", "loop_"] and "hop_trace" not in result
+    events = {line.split()[0] for f in hops.glob("*.hops") for line in f.read_text().splitlines()}
+    # The core traced its requests; no other process wrote an event.
+    assert {"core_added", "core_started", "core_first", "core_finish"} <= events
+    assert all(e.startswith(("core_", "loop_")) for e in events), events
