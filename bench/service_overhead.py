@@ -531,11 +531,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(services/common/hop_trace.py) and add each leg's times per path "
                          "and level to the JSON (`hop_trace`); tracing costs the processes "
                          "a few microseconds an event")
-    ap.add_argument("--trace-hops-events", default=[], metavar="PREFIX,...",
+    ap.add_argument("--trace-hops-events", default=None, metavar="PREFIX,...",
                     type=lambda v: [x for x in v.split(",") if x],
                     help="with --trace-hops: trace only the events whose names begin with one "
-                         "of these (e.g. core_,loop_: the engine core alone; the others do no "
-                         "tracing work); the JSON then records the filter, not the legs (a "
+                         "of these (e.g. core_,loop_: the engine core alone; the others write "
+                         "nothing); the JSON then records the filter, not the legs (a "
                          "request's legs need the client's events)")
     ap.add_argument("--also-upstream", choices=("mux", "call", "auto"), default=None,
                     help="also run a second gateway (as many processes) with `--upstream X` "
@@ -573,6 +573,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.new_tokens_spread < args.new_tokens:
         ap.error(f"--new-tokens-spread must be in [0, --new-tokens), got "
                  f"{args.new_tokens_spread}")
+    if args.trace_hops_events == []:  # given, but only commas: it would trace everything
+        ap.error("--trace-hops-events needs at least one event prefix, e.g. core_,loop_")
     if args.trace_hops_events and args.trace_hops is None:
         ap.error("--trace-hops-events needs --trace-hops (the folder the events go to)")
     if args.trace_hops is not None and any(args.trace_hops.glob("*.hops")):

@@ -654,8 +654,8 @@ SUITES["service-path-admission-spread-3r"] = (_admission(
 # {3df18d9,8461c0f}-h100.json). The hosts differed too: the untraced run's stack took 111 s
 # to be routable, the traced runs' 73 s. On one host, 256 streams: untraced off and at 1 ms
 # (~175-230 s), then at 1 ms traced (every event), then at 1 ms with only the engine core's
-# events written (the clients still send request ids, as traced; the other processes do no
-# tracing work), ~120-160 s each.
+# events written (the clients still send request ids, as traced; the other processes write
+# nothing), ~120-160 s each.
 SUITES["service-path-admission-trace-ab"] = (
     _admission("service-admission-untraced", 240, 1, levels="256", per_stream=8,
                stem="service-overhead-7b-gw4-admission-spread32-untraced-c256",

@@ -8,8 +8,8 @@ event carries both). `bench.hop_trace` reads a folder of these into one timeline
 and the median of each leg. A mark costs a few microseconds when on and one environment lookup
 when off; never leave it on in production (the files grow by ~6 lines a request a process).
 `SLORA_TRACE_HOPS_EVENTS=core_,loop_` (comma-separated prefixes) writes only the events whose
-names begin with one of them: the other processes then do no tracing work at all, so a run can
-tell which process's tracing changes what it measures.
+names begin with one of them: the other processes then write nothing (each mark is two
+environment lookups), so a run can tell which process's tracing changes what it measures.
 
 The events, in the order a request meets them (`HOPS`):
 client_send (the arrival the client was given) / client_sent (when it actually sent),
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import cache
 from typing import IO
 
 ENV = "SLORA_TRACE_HOPS"
@@ -54,10 +55,16 @@ def mark(event: str, key: object, at: float | None = None) -> None:
     if not folder:
         return
     only = os.environ.get(EVENTS_ENV)
-    if only and not event.startswith(tuple(filter(None, only.split(",")))):
+    if only and not event.startswith(_prefixes(only)):
         return
     global _file
     if _file is None:
         os.makedirs(folder, exist_ok=True)
         _file = open(os.path.join(folder, f"{os.getpid()}.hops"), "a", buffering=1)  # noqa: SIM115
     _file.write(f"{event} {key} {time.time() if at is None else at:.6f}\n")
+
+
+@cache
+def _prefixes(only: str) -> tuple[str, ...]:
+    """`SLORA_TRACE_HOPS_EVENTS`'s prefixes (parsed once per value, not once per mark)."""
+    return tuple(filter(None, only.split(",")))

@@ -100,6 +100,7 @@ def test_poisson_arrivals_are_fixed_by_the_seed_and_start_at_zero() -> None:
     ("--in-process-arrive-spread-ms", "-1", "every spread must be >= 0 ms"),
     ("--in-process-arrive-spread-ms", "3", "needs --in-process-arrive-after-ms"),
     ("--trace-hops-events", "core_,loop_", "--trace-hops-events needs --trace-hops"),
+    ("--trace-hops-events", ",", "--trace-hops-events needs at least one event prefix"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(
         flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
