@@ -18,6 +18,7 @@ files).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -36,6 +37,40 @@ from bench.suites import SUITES, Step
 
 GRACE_S = 30  # after the limit's signal, SIGKILL (NCCL can keep a process from dying; a
 #               script's `finally` stops the stack it started, each child draining)
+STEP_ENV = "SLORA_BENCH_STEP"  # marks every process a step starts (its children inherit it)
+
+
+def leftovers(marker: str) -> list[int]:
+    """The live processes whose environment holds STEP_ENV=`marker`: what a step left behind
+    when it ended. A stack's children run in sessions of their own, so the killpg at a step's
+    limit misses them, and a script killed in its `finally` (the stack draining child by
+    child) leaves them serving, holding their GPU memory: the next step's engine then runs out
+    of memory (a worker core kept 32 GiB of an H100 at 9c7f623)."""
+    needle = f"{STEP_ENV}={marker}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(proc.name))
+    return found
+
+
+def kill_leftovers(marker: str, wait_s: float = 10.0) -> list[int]:
+    """SIGKILL what `leftovers` finds and wait (up to `wait_s`) until they are gone, their GPU
+    memory with them; returns their pids."""
+    pids = leftovers(marker)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # gone meanwhile
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline and leftovers(marker):
+        time.sleep(0.1)  # a zombie's environ reads empty: gone, its memory freed
+    return pids
 
 
 class Runner:
@@ -69,9 +104,11 @@ class Runner:
         limit = min(self.limits.get(s.name, s.limit_s), left)
         argv = self.argv(s)
         t0 = time.monotonic()
+        marker = f"{s.name}.{os.getpid()}"
         with open(self.out / f"{s.name}.log", "wb") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    env=self.env | dict(s.env), start_new_session=True)
+                                    env=self.env | dict(s.env) | {STEP_ENV: marker},
+                                    start_new_session=True)
             try:
                 rc = proc.wait(limit)
             except subprocess.TimeoutExpired:
@@ -82,6 +119,9 @@ class Runner:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                 rc = 124
+        stray = kill_leftovers(marker)
+        if stray:
+            self.log(f"{s.name} left {len(stray)} processes running; killed {stray}")
         took = time.monotonic() - t0
         with self._lock:
             self.records.append({"step": s.name, "rc": rc, "limit_s": limit,

@@ -15,7 +15,14 @@ from services.commands.serve import ADAPTER_VERSION, TENANT, LoraModule
 from services.common.cluster_token import CLUSTER_TOKEN_ENV, new_cluster_token
 from services.common.hop_auth import GATEWAY_TOKEN_ENV, new_gateway_token
 from services.common.identity import WORKER_CREDENTIAL_ENV
-from services.common.processes import Child, free_port, slora_argv, start_child, wait_serving
+from services.common.processes import (
+    Child,
+    free_port,
+    slora_argv,
+    start_child,
+    stop_all,
+    wait_serving,
+)
 from services.control_plane.api.client import AdminClient
 from services.control_plane.store.worker_credentials import mint_with_database
 from services.gateway.http_api import API_KEY_ENV, OPEN_KEY_ENV
@@ -103,5 +110,4 @@ class ServeStack:
         return child
 
     def stop(self) -> None:
-        for child in reversed(self.children):  # gateway, worker, then the control plane
-            child.stop()
+        stop_all(self.children)  # gateway, worker and control plane draining side by side

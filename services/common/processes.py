@@ -49,12 +49,20 @@ class Child:
 
     def stop(self, timeout_s: float = 15.0) -> int:
         """SIGTERM (graceful drain), then SIGKILL after `timeout_s`; returns the exit code."""
+        self.terminate()
+        return self.reap(time.monotonic() + timeout_s)
+
+    def terminate(self) -> None:
+        """SIGTERM: drain and exit (`reap` waits for it)."""
         if self.alive:
             self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
+
+    def reap(self, deadline: float) -> int:
+        """Wait for the exit until monotonic `deadline`, then SIGKILL; the exit code."""
+        try:
+            return self.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
         return self.popen.wait()
 
     def kill(self) -> None:
@@ -62,6 +70,18 @@ class Child:
         if self.alive:
             self.popen.kill()
         self.popen.wait()
+
+
+def stop_all(children: Sequence[Child], timeout_s: float = 15.0) -> None:
+    """SIGTERM every child at once, then SIGKILL what still runs `timeout_s` later: the
+    children drain side by side, so a stack stops within one drain's time, not the sum of
+    theirs (three children one after another outlasted the 30 s a bench step gets after its
+    limit, and the worker the killed script never reached kept its GPU memory)."""
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        child.reap(deadline)
 
 
 def start_child(name: str, argv: Sequence[str], log_dir: Path,

@@ -105,6 +105,43 @@ def test_a_step_stopped_at_its_limit_stops_what_it_started(tmp_path: Path,
         os.kill(pid, 0)
 
 
+def test_what_a_step_leaves_running_is_killed_after_it(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The layer under exit_on_sigterm: a script whose `finally` could not stop its stack in the
+    # grace period (its children drained one by one) left a worker core holding 32 GiB, and the
+    # next two steps ran out of GPU memory (9c7f623). Each step's processes carry a marker in
+    # their environment; whatever still carries it once the step is over is killed. Here one
+    # step ends at its limit and one on its own, both leaving a child in its own session.
+    pids = [tmp_path / "stuck.pid", tmp_path / "done.pid"]
+    (tmp_path / "leaver.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+        "                         start_new_session=True)\n"
+        "open(sys.argv[1], 'w').write(str(child.pid))\n"
+        "time.sleep(float(sys.argv[2]))\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{ROOT}")
+    monkeypatch.setitem(SUITES, "probe", (step("stuck", 30, "leaver", str(pids[0]), "60"),
+                                          step("done", 30, "leaver", str(pids[1]), "0")))
+    out = tmp_path / "out"
+    assert runner.main(["probe", "--out", str(out), "--limit", "stuck=3"]) == 1
+    steps = json.loads((out / "run.json").read_text())["steps"]
+    assert [(s["step"], s["rc"]) for s in steps] == [("stuck", 124), ("done", 0)]
+    log = (out / "steps.log").read_text()
+    for path, name in zip(pids, ("stuck", "done"), strict=True):
+        pid = int(path.read_text())
+        assert f"{name} left 1 processes running; killed [{pid}]" in log
+        assert not alive(pid)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie no longer runs: its parent is gone and init may not reap it here)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def test_result_files_are_named_for_the_commit_and_the_card(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     assert runner.card(["NVIDIA H200, 570.124.06"]) == "h200"
