@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -26,11 +27,26 @@ def commit_id() -> str:
         return "unknown"
 
 
+def host_cpu() -> dict[str, object]:
+    """The host's CPU: its model and how many cores this process may use. Host-bound figures
+    (a service's hops, a step's launch) move with it: on two H100 hosts the same stack took
+    73 and 107-111 s to become routable, and late admission won on one and not the other."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"model": model, "cores": len(os.sched_getaffinity(0))}
+
+
 def run_record(argv: list[str]) -> dict[str, object]:
     """command, commit and hardware of this process, for the top of a result JSON."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"command": " ".join(["python", "-m", *argv]), "commit": commit_id(),
-            "hardware": gpu, "torch": torch.__version__, "python": sys.version.split()[0]}
+            "hardware": gpu, "host_cpu": host_cpu(), "torch": torch.__version__,
+            "python": sys.version.split()[0]}
 
 
 def save_rows(out: str | None, result: dict[str, Any], rows: list[Any], total: int) -> None:

@@ -46,7 +46,7 @@ from bench.hop_trace import (
     read,
     table,
 )
-from bench.run_record import commit_id
+from bench.run_record import commit_id, host_cpu
 from bench.serving import SHAPES
 from devtools.demo_assets import write_demo_assets
 from devtools.demo_stack import (
@@ -670,7 +670,9 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="slora-overhead-"))
     t0 = time.perf_counter()
     demo = write_assets(args, root)
-    print(f"assets written in {time.perf_counter() - t0:.1f} s", flush=True)
+    # How fast this host is, in the result (a slow host's stack took 107-111 s, not 73).
+    startup = {"assets_s": round(time.perf_counter() - t0, 1)}
+    print(f"assets written in {startup['assets_s']} s", flush=True)
     names = sorted(demo.adapter_dirs)
     engine_args, worker_args = engine_settings(args, max(levels))
     config = EngineConfig(**engine_args)
@@ -692,7 +694,8 @@ def main() -> int:
             stack.start_gateway(other, processes=args.gateway_procs,
                                 extra=("--upstream", args.also_upstream))
             wait_until_routable(stack.gateway_addresses[other], token, names, timeout_s=120)
-        print(f"stack routable {time.perf_counter() - t0:.1f} s after the start", flush=True)
+        startup["stack_routable_s"] = round(time.perf_counter() - t0, 1)
+        print(f"stack routable {startup['stack_routable_s']} s after the start", flush=True)
         # The in-process engine compiles what the worker just compiled (the same settings):
         # it reads the worker's compile cache instead of compiling again (a minute or more
         # for a 7B engine on the H200: a run at 98e7755 hit its time limit still compiling).
@@ -712,8 +715,12 @@ def main() -> int:
             for level in run_levels(args, stack, engine, token, pool, names, levels, lead):
                 if lead is not None:
                     level["worker_admission_lead_ms"] = lead
+                pacing = pacing_lines(root / "state" / "logs" / "worker-0.log")
+                if lead and pacing:  # its latest summary: GPU idle, slack, host launch
+                    level["pacer_latest"] = pacing[-1]
                 results.append(level)
-                write_result(args, results)  # what is measured so far survives a failure
+                # What is measured so far survives a failure or a time limit.
+                write_result(args, results, startup)
     finally:
         pool.terminate()
         stack.stop()
@@ -721,12 +728,18 @@ def main() -> int:
     return 0
 
 
+def pacing_lines(worker_log: Path) -> list[str]:
+    """The worker's late-admission summaries (what its pacing cost the GPU), oldest first."""
+    if not worker_log.exists():
+        return []
+    return [line for line in worker_log.read_text(errors="replace").splitlines()
+            if SUMMARY_PREFIX in line]
+
+
 def pacing_report(worker_log: Path) -> None:
-    """Print the worker's late-admission lines (what its pacing cost the GPU) to this log."""
-    if worker_log.exists():
-        for line in worker_log.read_text(errors="replace").splitlines():
-            if SUMMARY_PREFIX in line:
-                print(line, flush=True)
+    """Print the worker's late-admission summaries to this log."""
+    for line in pacing_lines(worker_log):
+        print(line, flush=True)
 
 
 def run_levels(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
@@ -760,12 +773,15 @@ def restart_worker(stack: Stack, lead: float, token: str, names: list[str]) -> N
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def write_result(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+def write_result(args: argparse.Namespace, results: list[dict[str, Any]],
+                 startup: dict[str, float]) -> None:
+    """The result so far; `startup`: the host's start-up times."""
     result = {
         "command": "python -m bench.service_overhead " + " ".join(sys.argv[1:]),
         "commit": commit_id(),
         "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda")
         else f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+        "host_cpu": host_cpu(), "startup_s": startup,
         "shape": args.shape, "new_tokens": args.new_tokens,
         "new_tokens_spread": args.new_tokens_spread, "async_steps": args.async_steps,
         "repeats": args.repeats, "client_procs": args.client_procs,

@@ -156,3 +156,16 @@ def test_result_files_are_named_for_the_commit_and_the_card(tmp_path: Path,
     out = tmp_path / "out"
     assert runner.main(["probe", "--out", str(out)]) == 0
     assert (out / "echo.log").read_text() == f"--out {out}/thing-0123456-h100.json\n"
+
+
+def test_a_run_record_names_the_hosts_cpu() -> None:
+    from bench.run_record import host_cpu, run_record
+
+    cpu = host_cpu()
+    assert cpu["cores"] == len(os.sched_getaffinity(0))
+    assert isinstance(cpu["model"], str) and cpu["model"]
+    with open("/proc/cpuinfo") as f:  # the model this Linux host reports, as it reports it
+        info = f.read()
+    if "model name" in info:  # x86 hosts (ARM's cpuinfo names no model)
+        assert f"model name\t: {cpu['model']}" in info
+    assert run_record(["bench.x"])["host_cpu"] == cpu

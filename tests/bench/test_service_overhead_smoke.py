@@ -143,6 +143,11 @@ def test_worker_admission_leads_restart_the_worker_and_measure_every_level_at_ea
     levels = result["levels"]
     assert [(lv["worker_admission_lead_ms"], lv["concurrency"]) for lv in levels] == [
         (0, 2), (0, 4), (1, 2), (1, 4)]
+    # Which host it ran on, and how fast that host started the stack.
+    assert result["host_cpu"]["cores"] >= 1 and result["host_cpu"]["model"]
+    assert 0 < result["startup_s"]["assets_s"] < result["startup_s"]["stack_routable_s"]
+    # No pacer without a lead, so no pacer summary either.
+    assert not any("pacer_latest" in lv for lv in levels if lv["worker_admission_lead_ms"] == 0)
     for level in levels:  # the restarted worker serves every path, through the gateway too
         for path in ("worker", "gateway"):
             (run,) = level["runs"][path]
