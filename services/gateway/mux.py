@@ -30,6 +30,7 @@ from collections.abc import AsyncGenerator, Callable
 
 import grpc
 
+from services.common import hop_trace
 from services.common.hop_auth import TENANT_HEADER
 from services.gateway.upstream import Buffered, DrainedCall, WorkerChannels
 from slora.v1 import inference_pb2 as pb
@@ -158,12 +159,17 @@ class WorkerMux:
         self._break(None, "the gateway is closing")
 
     async def _write(self) -> None:
+        trace_hops = hop_trace.enabled()
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._requests or self._cancels:
-                    await self._call.write(self._take())
+                    frame = self._take()
+                    await self._call.write(frame)
+                    if trace_hops:  # the request's hop split where it waits (hop_trace)
+                        for up in frame.requests:
+                            hop_trace.mark("gateway_sent", up.request.request_id)
         except grpc.aio.AioRpcError as exc:
             self._break(exc, "")
         except Exception as exc:  # noqa: BLE001 - the call ended: the reader has its status

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 import grpc
 
 from services.common import errors as e
+from services.common import hop_trace
 from slora.v1 import inference_pb2 as pb
 
 # One request, whichever RPC carries it: (request, tenant, seconds left of its deadline or
@@ -67,8 +68,12 @@ class MuxSession:
                 task.cancel()
 
     async def _read(self, up: AsyncIterator[pb.MuxUp]) -> None:
+        trace_hops = hop_trace.enabled()
         try:
             async for frame in up:
+                if trace_hops:  # the gateway -> worker hop split where it waits (hop_trace)
+                    for req in frame.requests:
+                        hop_trace.mark("worker_mux_in", req.request.request_id)
                 for sid in frame.cancels:
                     task = self._tasks.pop(sid, None)
                     if task is not None:

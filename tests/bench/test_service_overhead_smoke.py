@@ -47,13 +47,17 @@ def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
     hops = result["hop_trace"]
     assert set(hops) == {f"{p} rate=6/s" for p in PATHS}
     through_gateway = ("gateway_entry -> worker_entry", "worker_first_out -> gateway_first_in")
+    # Over the mux the gateway -> worker hop splits where it waits: the frame written, read.
+    through_mux = ("gateway_entry -> gateway_sent", "gateway_sent -> worker_mux_in",
+                   "worker_mux_in -> worker_entry", "worker_first_out -> gateway_first_in")
     for tag, got in hops.items():
         assert got["requests"] == 6, tag
         legs = got["legs_ms"]
         for leg in ("worker_added -> core_added", "core_added -> core_started",
                     "core_started -> core_first",
                     "client_send -> client_first (TTFT)",
-                    *(through_gateway if not tag.startswith("worker") else
+                    *(through_mux if tag.startswith("gateway_mux") else
+                      through_gateway if not tag.startswith("worker") else
                       ("client_sent -> worker_entry", "worker_first_out -> client_first"))):
             assert legs[leg]["n"] == 6 and legs[leg]["p50"] >= 0, (tag, leg)
         assert legs["client_send -> client_first (TTFT)"]["p50"] > legs[
