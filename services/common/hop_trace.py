@@ -13,8 +13,10 @@ environment lookups), so a run can tell which process's tracing changes what it 
 
 The events, in the order a request meets them (`HOPS`):
 client_send (the arrival the client was given) / client_sent (when it actually sent),
-gateway_entry, gateway_sent (over a mux only: the up-frame holding the request is written),
-worker_mux_in (the worker's mux reader has that frame), worker_entry, worker_added (`request_id:core rid`), core_added, core_started
+gateway_entry, gateway_write (over a mux only: the up-frame holding the request goes to
+gRPC; marked before the write, as its completion reaches the gateway's loop late, even after
+the worker has read the frame), worker_mux_in (the worker's mux reader has that frame),
+worker_entry, worker_added (`request_id:core rid`), core_added, core_started
 (the loop entered the `step()` that launched the request's first step: `core_added ->
 core_started` is its wait to join one, late admission's window included), core_first (the
 step output holding the first token leaves the core), worker_first_in (the front has it),
@@ -36,7 +38,7 @@ from typing import IO
 
 ENV = "SLORA_TRACE_HOPS"
 EVENTS_ENV = "SLORA_TRACE_HOPS_EVENTS"
-HOPS = ("client_send", "client_sent", "gateway_entry", "gateway_sent", "worker_mux_in",
+HOPS = ("client_send", "client_sent", "gateway_entry", "gateway_write", "worker_mux_in",
         "worker_entry", "worker_added",
         "core_added", "core_started", "core_first", "worker_first_in", "worker_first_out",
         "gateway_first_in", "gateway_first_out", "client_first",

@@ -166,10 +166,10 @@ class WorkerMux:
                 self._wake.clear()
                 while self._requests or self._cancels:
                     frame = self._take()
-                    await self._call.write(frame)
                     if trace_hops:  # the request's hop split where it waits (hop_trace)
                         for up in frame.requests:
-                            hop_trace.mark("gateway_sent", up.request.request_id)
+                            hop_trace.mark("gateway_write", up.request.request_id)
+                    await self._call.write(frame)
         except grpc.aio.AioRpcError as exc:
             self._break(exc, "")
         except Exception as exc:  # noqa: BLE001 - the call ended: the reader has its status

@@ -48,7 +48,7 @@ def test_an_open_loop_level_covers_every_path(tmp_path: Path) -> None:
     assert set(hops) == {f"{p} rate=6/s" for p in PATHS}
     through_gateway = ("gateway_entry -> worker_entry", "worker_first_out -> gateway_first_in")
     # Over the mux the gateway -> worker hop splits where it waits: the frame written, read.
-    through_mux = ("gateway_entry -> gateway_sent", "gateway_sent -> worker_mux_in",
+    through_mux = ("gateway_entry -> gateway_write", "gateway_write -> worker_mux_in",
                    "worker_mux_in -> worker_entry", "worker_first_out -> gateway_first_in")
     for tag, got in hops.items():
         assert got["requests"] == 6, tag
