@@ -46,6 +46,7 @@ from bench.hop_trace import (
     read,
     table,
 )
+from bench.process_cpu import StackCpu
 from bench.run_record import commit_id, host_cpu
 from bench.serving import SHAPES
 from devtools.demo_assets import write_demo_assets
@@ -596,6 +597,17 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return [float(t) for t in np.cumsum(gaps) - gaps[0]]
 
 
+def busy_during(stack: Stack, gateway: str, run: Callable[[], dict[str, Any]],
+                ) -> dict[str, Any]:
+    """`run()`'s result with `cpu_busy`: how busy the worker's front, its core and
+    `gateway`'s processes were meanwhile (bench/process_cpu.py)."""
+    cpu = StackCpu.of(stack.workers["worker-0"].popen.pid, stack.gateways[gateway].popen.pid)
+    cpu.start()
+    got = run()
+    got["cpu_busy"] = cpu.busy(got["wall_s"])
+    return got
+
+
 def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
             pool: Any, reqs: list[Request], c: int, rate: float | None = None,
             lead: float | None = None) -> dict[str, Any]:
@@ -633,22 +645,24 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
             runs[path].append(run_in_process(engine, reqs, lengths, c,
                                              arrive_after_s=delay_ms / 1e3,
                                              arrive_spread_s=spread_ms / 1e3, seed=r))
-        runs["worker"].append(run_grpc(pool, args.client_procs, worker,
-                                       ((GATEWAY_HEADER, stack.gateway_token),), reqs,
-                                       lengths, cap, direct=True,
-                                       channels=args.client_channels, arrivals=arrivals,
-                                       tag=f"worker {label}"))
+        runs["worker"].append(busy_during(stack, "gateway", lambda: run_grpc(
+            pool, args.client_procs, worker, ((GATEWAY_HEADER, stack.gateway_token),), reqs,
+            lengths, cap, direct=True, channels=args.client_channels, arrivals=arrivals,
+            tag=f"worker {label}")))
         for path, address in gateways.items():
-            runs[path].append(run_grpc(pool, args.client_procs, address, bearer(token), reqs,
-                                       lengths, cap, channels=args.client_channels,
-                                       arrivals=arrivals, tag=f"{path} {label}"))
+            runs[path].append(busy_during(stack, path, partial(
+                run_grpc, pool, args.client_procs, address, bearer(token), reqs, lengths, cap,
+                channels=args.client_channels, arrivals=arrivals, tag=f"{path} {label}")))
         for path, lib in http_paths.items():
-            runs[path].append(run_http(pool, args.client_procs, stack.http_urls["gateway"],
-                                       token, reqs, lengths, cap, lib, arrivals,
-                                       f"{path} {label}"))
+            runs[path].append(busy_during(stack, "gateway", partial(
+                run_http, pool, args.client_procs, stack.http_urls["gateway"], token, reqs,
+                lengths, cap, lib, arrivals, f"{path} {label}")))
         line = {k: round(v[-1]["output_tok_per_s"], 1) for k, v in runs.items()}
         errors = {k: len(v[-1]["errors"]) for k, v in runs.items() if v[-1]["errors"]}
-        print(f"{label} repeat {r + 1}: tok/s {line} errors {errors}", flush=True)
+        fronts = {k: v[-1]["cpu_busy"].get("worker_front") for k, v in runs.items()
+                  if "cpu_busy" in v[-1]}
+        print(f"{label} repeat {r + 1}: tok/s {line} errors {errors} worker front busy "
+              f"{fronts}", flush=True)
     ratios = {k: spread([compare(b, o) for b, o in zip(runs["in_process"], v, strict=True)])
               for k, v in runs.items() if k != "in_process"}
     level: dict[str, Any] = {"concurrency": c, "requests": len(reqs), "ratios": ratios,

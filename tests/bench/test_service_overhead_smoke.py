@@ -157,6 +157,11 @@ def test_worker_admission_leads_restart_the_worker_and_measure_every_level_at_ea
             (run,) = level["runs"][path]
             assert run["errors"] == [], (path, run["errors"])
             assert run["output_tokens"] == level["requests"] * 4, path
+            # How busy each process was: the restarted worker's own front and core, measured.
+            busy = run["cpu_busy"]
+            assert set(busy) == {"worker_front", "engine_core", "gateway_busiest",
+                                 "gateway_mean"}, busy
+            assert 0 < busy["worker_front"] < 2 and 0 < busy["engine_core"] < 2, busy
 
 
 def test_the_pacing_report_prints_the_workers_pacer_lines_only(
