@@ -13,7 +13,8 @@ seconds per step (user + system: the front's loop share at that step time is thi
 step) and, per request, the wait from its up-frame's arrival to `CoreClient.add` (the
 front's part of that hop).
 
-    python -m bench.front_mux_cost --streams 64,256 --out bench/results/front-mux-cost-cpu.json
+    python -m bench.front_mux_cost --streams 64,256 --wake-slices 0,32 \
+        --out bench/results/front-mux-cost-<commit>-cpu.json
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ class FakeCore(CoreClient):
             for rid in msg.rids:
                 self.left.pop(rid, None)
 
+    wake_slice = 0  # > 0: wake the running streams this many at a time, a loop turn between
+
+    async def _deliver(self, out: m.StepOutput) -> None:
+        if not self.wake_slice:
+            return await super()._deliver(out)
+        _, rest = self._dispatch(out)
+        for i in range(0, len(rest), self.wake_slice):
+            await asyncio.sleep(0)  # what else is ready (new requests) runs first
+            for s in rest[i:i + self.wake_slice]:
+                s.event.set()
+        return None
+
     def step_output(self) -> m.StepOutput:
         rids = list(self.left)
         tokens = self.rng.integers(3, self.vocab, len(rids)).tolist()
@@ -80,8 +93,9 @@ class FakeCore(CoreClient):
 
 async def run(tokenizer: Tokenizer, model_dir: Path, streams: int, step_s: float,
               new_tokens: int, seconds: float, profile: cProfile.Profile | None,
-              ) -> dict[str, Any]:
+              wake_slice: int = 0) -> dict[str, Any]:
     core = FakeCore(model_dir, min(tokenizer.vocab_size, 500))
+    core.wake_slice = wake_slice
     servicer = WorkerServicer("front-mux-cost", core, tokenizer, cast(Any, None),
                               WorkerMetrics())
     frames: asyncio.Queue[pb.MuxUp] = asyncio.Queue()
@@ -135,7 +149,8 @@ async def run(tokenizer: Tokenizer, model_dir: Path, streams: int, step_s: float
     await step_task
     await cast(AsyncGenerator[pb.MuxDown, None], session).aclose()  # cancels the streams
     waits = [(core.added_at[p] - sent_at[p]) * 1e3 for p in core.added_at if p in sent_at]
-    return {"streams": streams, "step_ms": step_s * 1e3, "steps": steps, "tokens": tokens,
+    return {"streams": streams, "wake_slice": wake_slice, "step_ms": step_s * 1e3,
+            "steps": steps, "tokens": tokens,
             "wall_s": wall, "cpu_s": cpu, "cpu_ms_per_step": cpu / steps * 1e3,
             "loop_share": cpu / wall, "requests": len(waits),
             "to_add_ms": {"p50": float(np.percentile(waits, 50)),
@@ -150,6 +165,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=10.0, help="measured time a level")
     ap.add_argument("--profile", action="store_true", help="print the front's top functions")
+    ap.add_argument("--wake-slices", default="0",
+                    help="comma-separated variants: 0 wakes a step's running streams at once "
+                         "(the front today), N wakes N at a time with a loop turn between")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="slora-front-mux-"))
@@ -157,12 +175,16 @@ def main() -> int:
     tokenizer = Tokenizer.from_dir(demo.model_dir)
     result: dict[str, Any] = {**run_record(["bench.front_mux_cost", *sys.argv[1:]]),
                               "host_cpu": host_cpu(), "levels": []}
-    for streams in (int(s) for s in args.streams.split(",")):
+    variants = [(int(c), int(w)) for c in args.streams.split(",")
+                for w in args.wake_slices.split(",")]
+    for streams, wake_slice in variants:
         prof = cProfile.Profile() if args.profile else None
         level = asyncio.run(run(tokenizer, demo.model_dir, streams, args.step_ms / 1e3,
-                                args.new_tokens, args.seconds, prof))
+                                args.new_tokens, args.seconds, prof, wake_slice))
         result["levels"].append(level)
-        print(f"{streams} streams, {args.step_ms:g} ms steps: {level['cpu_ms_per_step']:.2f} "
+        woken = f"{wake_slice} a turn" if wake_slice else "at once"
+        print(f"{streams} streams woken {woken}, {args.step_ms:g} ms steps: "
+              f"{level['cpu_ms_per_step']:.2f} "
               f"ms CPU a step ({level['loop_share']:.0%} of the loop), up-frame -> add "
               f"p50 {level['to_add_ms']['p50']:.2f} / p90 {level['to_add_ms']['p90']:.2f} ms "
               f"over {level['requests']} requests", flush=True)
