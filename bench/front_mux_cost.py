@@ -170,20 +170,30 @@ def main() -> int:
                          "(the front today), N wakes N at a time with a loop turn between")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    try:
+        streams = [int(c) for c in args.streams.split(",")]
+        slices = [int(w) for w in args.wake_slices.split(",")]
+    except ValueError as exc:
+        ap.error(f"--streams and --wake-slices take comma-separated integers: {exc}")
+    # No stream would never end a level; no step or no time would measure nothing.
+    if min(streams) < 1 or min(slices) < 0:
+        ap.error(f"--streams must be 1 or more and --wake-slices 0 or more, got "
+                 f"{args.streams!r} and {args.wake_slices!r}")
+    for flag in ("step_ms", "new_tokens", "seconds"):
+        if getattr(args, flag) <= 0:
+            ap.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     root = Path(tempfile.mkdtemp(prefix="slora-front-mux-"))
     demo = write_demo_assets(root, seed=0, adapters=())
     tokenizer = Tokenizer.from_dir(demo.model_dir)
     result: dict[str, Any] = {**run_record(["bench.front_mux_cost", *sys.argv[1:]]),
                               "host_cpu": host_cpu(), "levels": []}
-    variants = [(int(c), int(w)) for c in args.streams.split(",")
-                for w in args.wake_slices.split(",")]
-    for streams, wake_slice in variants:
+    for n, wake_slice in ((n, w) for n in streams for w in slices):
         prof = cProfile.Profile() if args.profile else None
-        level = asyncio.run(run(tokenizer, demo.model_dir, streams, args.step_ms / 1e3,
+        level = asyncio.run(run(tokenizer, demo.model_dir, n, args.step_ms / 1e3,
                                 args.new_tokens, args.seconds, prof, wake_slice))
         result["levels"].append(level)
         woken = f"{wake_slice} a turn" if wake_slice else "at once"
-        print(f"{streams} streams woken {woken}, {args.step_ms:g} ms steps: "
+        print(f"{n} streams woken {woken}, {args.step_ms:g} ms steps: "
               f"{level['cpu_ms_per_step']:.2f} "
               f"ms CPU a step ({level['loop_share']:.0%} of the loop), up-frame -> add "
               f"p50 {level['to_add_ms']['p50']:.2f} / p90 {level['to_add_ms']['p90']:.2f} ms "

@@ -25,7 +25,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import tempfile
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -36,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from bench.grpc_stream_cost import cpu_s
 from services.commands.gateway import MUX_FROM_DEFAULT, UPSTREAM_ENV
 from services.common.cluster_token import CLUSTER_TOKEN_ENV
 from services.common.hop_auth import GATEWAY_HEADER, GATEWAY_TOKEN_ENV, GatewayOnlyInterceptor
@@ -165,16 +165,10 @@ def serve_control_plane(listen: str, worker_address: str) -> None:
 
 
 # ---- measuring ----------------------------------------------------------------------------
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of process `pid` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measured(run: Any, pids: dict[str, int | list[int]]) -> dict[str, Any]:
     """`run()`'s summary plus each process's (or group's) CPU seconds per 1,000 tokens."""
     def spent(p: int | list[int]) -> float:
-        return sum(cpu_seconds(x) for x in ([p] if isinstance(p, int) else p))
+        return sum(cpu_s(x) for x in ([p] if isinstance(p, int) else p))
 
     before = {k: spent(p) for k, p in pids.items()}
     out: dict[str, Any] = run()
@@ -262,9 +256,9 @@ def start_gateway(name: str, tree: Path, cp: str, state: Path, upstream: str) ->
 
 
 def hardware() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.machine())
+    from bench.run_record import host_cpu  # torch: not in the spawned servers' imports
+
+    model = host_cpu()["model"]
     return f"{model}, {os.cpu_count()} cores (shared; load average at start {os.getloadavg()[0]:.1f})"
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,3 +28,17 @@ def test_a_level_times_the_fronts_steps_and_its_new_requests(tmp_path: Path) -> 
     assert level["requests"] > 8 * 4 and level["tokens"] >= 4 * (level["requests"] - 8)
     assert 0 < level["to_add_ms"]["p50"] <= level["to_add_ms"]["p90"] < 1000
     assert level["cpu_ms_per_step"] > 0 and 0 < level["loop_share"] < 2
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--streams", "0", "--streams must be 1 or more"),
+    ("--streams", "64,x", "comma-separated integers"),
+    ("--wake-slices", "-1", "--wake-slices 0 or more"),
+    ("--step-ms", "0", "--step-ms must be positive"),
+    ("--seconds", "-1", "--seconds must be positive"),
+    ("--new-tokens", "0", "--new-tokens must be positive"),
+])
+def test_bad_flags_are_refused_before_anything_runs(flag: str, value: str, says: str) -> None:
+    res = subprocess.run([sys.executable, "-m", "bench.front_mux_cost", flag, value],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and says in res.stderr, res.stderr[-1000:]
