@@ -75,7 +75,7 @@ class FakeCore(CoreClient):
         for i in range(0, len(rest), self.wake_slice):
             await asyncio.sleep(0)  # what else is ready (new requests) runs first
             for s in rest[i:i + self.wake_slice]:
-                s.event.set()
+                s.wake()
         return None
 
     def step_output(self) -> m.StepOutput:
@@ -93,7 +93,8 @@ class FakeCore(CoreClient):
 
 async def run(tokenizer: Tokenizer, model_dir: Path, streams: int, step_s: float,
               new_tokens: int, seconds: float, profile: cProfile.Profile | None,
-              wake_slice: int = 0) -> dict[str, Any]:
+              wake_slice: int = 0, delivery: str = "pass", pump_ms: float = 0.0,
+              ) -> dict[str, Any]:
     core = FakeCore(model_dir, min(tokenizer.vocab_size, 500))
     core.wake_slice = wake_slice
     servicer = WorkerServicer("front-mux-cost", core, tokenizer, cast(Any, None),
@@ -131,17 +132,22 @@ async def run(tokenizer: Tokenizer, model_dir: Path, streams: int, step_s: float
 
     tokens = 0
     frames.put_nowait(pb.MuxUp(requests=[request() for _ in range(streams)]))
-    session = MuxSession(servicer.serve).frames(up())
+    mux = (MuxSession(servicer.serve) if delivery == "task"
+           else MuxSession(servicer.serve, servicer.open))
+    mux.pump_budget_s = pump_ms / 1e3
+    session = mux.frames(up())
     step_task = asyncio.create_task(stepper())
     t0, cpu0 = time.perf_counter(), time.process_time()
     if profile is not None:
         profile.enable()
     async for down in session:  # the gateway's reader: a successor for every end
+        down.SerializeToString()  # the worker's part of gRPC's write
         tokens += sum(len(i.response.chunk.token_ids) for i in down.items)
         if down.ends:
             frames.put_nowait(pb.MuxUp(requests=[request() for _ in down.ends]))
         if time.perf_counter() - t0 > seconds:
             break
+        await asyncio.sleep(0)  # gRPC's write of a frame awaits: the loop turns between them
     if profile is not None:
         profile.disable()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -149,7 +155,8 @@ async def run(tokenizer: Tokenizer, model_dir: Path, streams: int, step_s: float
     await step_task
     await cast(AsyncGenerator[pb.MuxDown, None], session).aclose()  # cancels the streams
     waits = [(core.added_at[p] - sent_at[p]) * 1e3 for p in core.added_at if p in sent_at]
-    return {"streams": streams, "wake_slice": wake_slice, "step_ms": step_s * 1e3,
+    return {"streams": streams, "delivery": delivery, "wake_slice": wake_slice,
+            "pump_ms": pump_ms, "step_ms": step_s * 1e3,
             "steps": steps, "tokens": tokens,
             "wall_s": wall, "cpu_s": cpu, "cpu_ms_per_step": cpu / steps * 1e3,
             "loop_share": cpu / wall, "requests": len(waits),
@@ -168,17 +175,27 @@ def main() -> int:
     ap.add_argument("--wake-slices", default="0",
                     help="comma-separated variants: 0 wakes a step's running streams at once "
                          "(the front today), N wakes N at a time with a loop turn between")
+    ap.add_argument("--deliveries", default="pass",
+                    help="comma-separated variants: pass (the writer pumps the streams with "
+                         "news: the front today), task (a task a stream, to its end)")
+    ap.add_argument("--pump-ms", default="0",
+                    help="comma-separated variants of pass: the writer's time a frame "
+                         "(MuxSession.pump_budget_s; 0: every stream with news in one frame)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     try:
         streams = [int(c) for c in args.streams.split(",")]
         slices = [int(w) for w in args.wake_slices.split(",")]
+        pumps = [float(p) for p in args.pump_ms.split(",")]
     except ValueError as exc:
-        ap.error(f"--streams and --wake-slices take comma-separated integers: {exc}")
+        ap.error(f"--streams, --wake-slices and --pump-ms take comma-separated numbers: {exc}")
     # No stream would never end a level; no step or no time would measure nothing.
-    if min(streams) < 1 or min(slices) < 0:
-        ap.error(f"--streams must be 1 or more and --wake-slices 0 or more, got "
-                 f"{args.streams!r} and {args.wake_slices!r}")
+    deliveries = args.deliveries.split(",")
+    if not set(deliveries) <= {"pass", "task"}:
+        ap.error(f"--deliveries takes pass and/or task, got {args.deliveries!r}")
+    if min(streams) < 1 or min(slices) < 0 or min(pumps) < 0:
+        ap.error(f"--streams must be 1 or more, --wake-slices and --pump-ms 0 or more, got "
+                 f"{args.streams!r}, {args.wake_slices!r} and {args.pump_ms!r}")
     for flag in ("step_ms", "new_tokens", "seconds"):
         if getattr(args, flag) <= 0:
             ap.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
@@ -187,13 +204,20 @@ def main() -> int:
     tokenizer = Tokenizer.from_dir(demo.model_dir)
     result: dict[str, Any] = {**run_record(["bench.front_mux_cost", *sys.argv[1:]]),
                               "host_cpu": host_cpu(), "levels": []}
-    for n, wake_slice in ((n, w) for n in streams for w in slices):
+    # Slices are the task variant's, pump budgets the pass variant's.
+    variants = [(n, w, d, p) for n in streams for d in deliveries
+                for w in (slices if d == "task" else [0])
+                for p in (pumps if d == "pass" else [0.0])]
+    for n, wake_slice, delivery, pump_ms in variants:
         prof = cProfile.Profile() if args.profile else None
         level = asyncio.run(run(tokenizer, demo.model_dir, n, args.step_ms / 1e3,
-                                args.new_tokens, args.seconds, prof, wake_slice))
+                                args.new_tokens, args.seconds, prof, wake_slice, delivery,
+                                pump_ms))
         result["levels"].append(level)
-        woken = f"{wake_slice} a turn" if wake_slice else "at once"
-        print(f"{n} streams woken {woken}, {args.step_ms:g} ms steps: "
+        how = (f"pumped {pump_ms:g} ms a frame" if delivery == "pass" else
+               f"a task each, woken {wake_slice} a turn" if wake_slice else
+               "a task each, woken at once")
+        print(f"{n} streams {how}, {args.step_ms:g} ms steps: "
               f"{level['cpu_ms_per_step']:.2f} "
               f"ms CPU a step ({level['loop_share']:.0%} of the loop), up-frame -> add "
               f"p50 {level['to_add_ms']['p50']:.2f} / p90 {level['to_add_ms']['p90']:.2f} ms "

@@ -563,6 +563,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "--admission-lead-ms; 0: off), restarting it between them (same name "
                          "and compile cache), every level at each; the in-process engine, "
                          "assets and clients stay: one run, side by side")
+    ap.add_argument("--worker-mux-pump-ms", default=[], metavar="P,...",
+                    type=numbers_arg("pump", "ms", zero_ok=True),
+                    help="run the worker at each mux writer's time a frame in turn (its "
+                         "--mux-pump-ms; 0: a step's every stream in one frame), restarting "
+                         "it between them, as --worker-admission-leads (with both: every "
+                         "pair)")
     ap.add_argument("--out", default=None)
     # The same engine on both sides; max_num_seqs follows the highest concurrency.
     add_engine_args(ap, defaults={"num_pages": 128},
@@ -608,12 +614,43 @@ def busy_during(stack: Stack, gateway: str, run: Callable[[], dict[str, Any]],
     return got
 
 
+@dataclass(frozen=True)
+class WorkerVariant:
+    """The worker's settings a run restarts it at (None: as its arguments say)."""
+
+    lead_ms: float | None = None  # --admission-lead-ms
+    mux_pump_ms: float | None = None  # --mux-pump-ms
+
+    def flags(self) -> tuple[str, ...]:
+        """The worker's flags (argparse takes the last of a repeated flag)."""
+        return (*(() if self.lead_ms is None else ("--admission-lead-ms", f"{self.lead_ms:g}")),
+                *(() if self.mux_pump_ms is None else ("--mux-pump-ms", f"{self.mux_pump_ms:g}")))
+
+    def label(self) -> str:
+        """What hop traces' tags and the log name it by ("" for the defaults)."""
+        return ((f" lead={self.lead_ms:g}ms" if self.lead_ms is not None else "")
+                + (f" pump={self.mux_pump_ms:g}ms" if self.mux_pump_ms is not None else ""))
+
+    def record(self) -> dict[str, float]:
+        """The level's fields naming it."""
+        return {**({} if self.lead_ms is None else {"worker_admission_lead_ms": self.lead_ms}),
+                **({} if self.mux_pump_ms is None else
+                   {"worker_mux_pump_ms": self.mux_pump_ms})}
+
+
+def worker_variants(args: argparse.Namespace) -> list[WorkerVariant]:
+    """Every (lead, pump) pair the arguments ask for, in turn; one default variant if none."""
+    return [WorkerVariant(lead, pump) for lead in (args.worker_admission_leads or [None])
+            for pump in (args.worker_mux_pump_ms or [None])]
+
+
 def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
             pool: Any, reqs: list[Request], c: int, rate: float | None = None,
-            lead: float | None = None) -> dict[str, Any]:
+            variant: WorkerVariant = WorkerVariant()) -> dict[str, Any]:
     """Interleaved repeats of every path at concurrency `c` (closed loop), or with `rate`
-    open loop: the same Poisson arrivals on every path, at most `c` in flight. `lead`: the
-    worker's late-admission lead (--worker-admission-leads), which hop traces' tags name."""
+    open loop: the same Poisson arrivals on every path, at most `c` in flight. `variant`: the
+    worker's settings (--worker-admission-leads, --worker-mux-pump-ms), which hop traces'
+    tags name."""
     arrivals = poisson_arrivals(len(reqs), rate) if rate is not None else None
     # Open loop: the clients hold nothing back (the engines queue what exceeds their seqs);
     # each client process may have all its share in flight.
@@ -636,8 +673,7 @@ def measure(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: st
             for sp in spreads} if rate is None else {}
     for path in late:
         runs[path] = []
-    label = (f"c={c}" if rate is None else f"rate={rate:g}/s") + (
-        f" lead={lead:g}ms" if lead is not None else "")
+    label = (f"c={c}" if rate is None else f"rate={rate:g}/s") + variant.label()
     lengths = Lengths(args.new_tokens, args.new_tokens_spread)
     for r in range(args.repeats):
         runs["in_process"].append(run_in_process(engine, reqs, lengths, c, arrivals))
@@ -690,9 +726,9 @@ def main() -> int:
     names = sorted(demo.adapter_dirs)
     engine_args, worker_args = engine_settings(args, max(levels))
     config = EngineConfig(**engine_args)
-    leads: list[float | None] = list(args.worker_admission_leads) or [None]
+    variants = worker_variants(args)
     stack = Stack(StackConfig(demo_dir=demo.root, state_dir=root / "state",
-                              worker_args=(*worker_args, *lead_flag(leads[0]))))
+                              worker_args=(*worker_args, *variants[0].flags())))
     results = []
     pool = multiprocessing.get_context("spawn").Pool(args.client_procs)
     try:
@@ -723,14 +759,13 @@ def main() -> int:
             run_grpc(pool, args.client_procs, address, bearer(token), warm, Lengths(4), 8,
                      channels=args.client_channels)
         run_in_process(engine, warm, Lengths(4), 8)
-        for i, lead in enumerate(leads):
-            if lead is not None and i:  # the worker again at this lead (its compile cache)
-                restart_worker(stack, lead, token, names)
-            for level in run_levels(args, stack, engine, token, pool, names, levels, lead):
-                if lead is not None:
-                    level["worker_admission_lead_ms"] = lead
+        for i, variant in enumerate(variants):
+            if i:  # the worker again at these settings (its compile cache)
+                restart_worker(stack, variant, token, names)
+            for level in run_levels(args, stack, engine, token, pool, names, levels, variant):
+                level.update(variant.record())
                 pacing = pacing_lines(root / "state" / "logs" / "worker-0.log")
-                if lead and pacing:  # its latest summary: GPU idle, slack, host launch
+                if variant.lead_ms and pacing:  # its latest summary: GPU idle, slack, host launch
                     level["pacer_latest"] = pacing[-1]
                 results.append(level)
                 # What is measured so far survives a failure or a time limit.
@@ -757,33 +792,28 @@ def pacing_report(worker_log: Path) -> None:
 
 
 def run_levels(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
-               pool: Any, names: list[str], levels: list[int], lead: float | None = None,
+               pool: Any, names: list[str], levels: list[int],
+               worker: WorkerVariant = WorkerVariant(),
                ) -> Iterator[dict[str, Any]]:
     """Each --rates level (open loop) or each concurrency (closed loop), measured."""
     if args.rates:
         for rate in args.rates:
             reqs = workload(names, max(1, round(rate * args.open_loop_s)), vocab=512)
-            yield measure(args, stack, engine, token, pool, reqs, max(levels), rate, lead)
+            yield measure(args, stack, engine, token, pool, reqs, max(levels), rate, worker)
     else:
         for c in levels:
             reqs = workload(names, c * args.requests_per_stream, vocab=512)
-            yield measure(args, stack, engine, token, pool, reqs, c, lead=lead)
+            yield measure(args, stack, engine, token, pool, reqs, c, variant=worker)
 
 
-def lead_flag(lead: float | None) -> tuple[str, ...]:
-    """The worker's flag for late admission at `lead` ms (None: as the engine arguments say;
-    argparse takes the last of a repeated flag)."""
-    return () if lead is None else ("--admission-lead-ms", f"{lead:g}")
-
-
-def restart_worker(stack: Stack, lead: float, token: str, names: list[str]) -> None:
-    """Stop worker-0 and start it again at late-admission `lead`, routable before return."""
+def restart_worker(stack: Stack, variant: WorkerVariant, token: str, names: list[str]) -> None:
+    """Stop worker-0 and start it again at `variant`'s settings, routable before return."""
     t0 = time.perf_counter()
     stack.workers.pop("worker-0").stop()
-    stack.start_worker("worker-0", extra=lead_flag(lead), wait_s=300)
+    stack.start_worker("worker-0", extra=variant.flags(), wait_s=300)
     for address in stack.gateway_addresses.values():
         wait_until_routable(address, token, names, timeout_s=120)
-    print(f"worker restarted at admission lead {lead:g} ms in "
+    print(f"worker restarted at{variant.label() or ' its defaults'} in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 
@@ -820,7 +850,9 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]],
         result["hop_trace_joins"] = joins(by_core, traced)
     for level in results:
         lead = (f" worker admission lead {level['worker_admission_lead_ms']:g} ms"
-                if "worker_admission_lead_ms" in level else "")
+                if "worker_admission_lead_ms" in level else "") + (
+            f" mux pump {level['worker_mux_pump_ms']:g} ms" if "worker_mux_pump_ms" in level
+            else "")
         print((f"rate={level['rate']:g}/s" if "rate" in level
                else f"c={level['concurrency']}") + f"{lead}:")
         for path, figs in level["ratios"].items():

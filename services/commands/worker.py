@@ -12,6 +12,7 @@ from pathlib import Path
 
 from services.common.cluster_token import add_cluster_token_argument
 from services.common.identity import CredentialFileError, worker_credential
+from services.worker.mux import PUMP_BUDGET_S
 from slora_core.engine_args import add_engine_args
 
 
@@ -42,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="capture every CUDA graph before reporting ready (the default)")
     p.add_argument("--warm-cache-only", action="store_true",
                    help="fill the compiled-kernel cache (load, compile, capture), then exit")
+    p.add_argument("--mux-pump-ms", type=float, default=PUMP_BUDGET_S * 1e3,
+                   help="a gateway mux's writer pumps streams for about this long before it "
+                        "writes a frame, so a new request waits at most that for the front's "
+                        "loop (0: a step's every stream in one frame; default: %(default)s)")
     p.add_argument("--drain-grace", type=float, default=30.0, help="seconds to finish on SIGTERM")
     p.set_defaults(func=run)
 
@@ -57,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     except CredentialFileError as e:
         raise SystemExit(f"worker: {e}") from None
     engine = engine_config_from_args(args)
+    if not 0 <= args.mux_pump_ms <= 1000:
+        raise SystemExit(f"worker: --mux-pump-ms must be in [0, 1000], got {args.mux_pump_ms}")
     if not args.warm_cache_only and not args.control_plane:
         raise SystemExit("worker: --control-plane is required")
     port = args.listen.rsplit(":", 1)[-1]
@@ -73,5 +80,6 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, capacity=args.capacity, drain_grace_s=args.drain_grace,
         cluster_token=args.cluster_token, compile_cache_dir=compile_cache,
         graphs_in_background=args.graphs_in_background,
+        mux_pump_s=args.mux_pump_ms / 1e3,
     )
     return asyncio.run(serve_worker(opts))

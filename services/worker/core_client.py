@@ -42,7 +42,7 @@ class TokenStream:
     """One request's tokens as they arrive from the core; `finish` is set once, last."""
 
     __slots__ = ("token_ids", "logprobs", "top", "finish", "submitted", "event", "prompt",
-                 "cached_tokens", "streamed")
+                 "cached_tokens", "streamed", "listener")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -55,6 +55,14 @@ class TokenStream:
         self.event = asyncio.Event()
         self.cached_tokens = 0  # prompt tokens the core's prefix cache served (StepOutput.cached)
         self.streamed = False  # a token has arrived (the first one is woken ahead of the rest)
+        # Called at each wake beside the event: a consumer without a task of its own (a
+        # GenerateMux stream, services/worker/mux.py) is told here that it has news.
+        self.listener: Callable[[], None] | None = None
+
+    def wake(self) -> None:
+        self.event.set()
+        if self.listener is not None:
+            self.listener()
 
     def take(self) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
         """Everything that arrived since the last take."""
@@ -229,7 +237,7 @@ class CoreClient:
         if first and rest:
             await asyncio.sleep(0)
         for s in rest:
-            s.event.set()
+            s.wake()
 
     def _dispatch(self, out: m.StepOutput) -> tuple[int, list[TokenStream]]:
         """Append a step's output to its streams and wake those whose first token it holds,
@@ -270,7 +278,7 @@ class CoreClient:
         # event loop tens of microseconds: first tokens go ahead of the rest of the step's
         # (a new request's TTFT would otherwise wait behind every running stream's token).
         for s in first:
-            s.event.set()
+            s.wake()
         ahead = len(first)
         for fin in out.finished:
             s = streams.pop(fin.rid, None)
@@ -278,7 +286,7 @@ class CoreClient:
                 s.finish = fin
                 woken.pop(fin.rid, None)
                 if not s.event.is_set():  # not woken already (as a first token)
-                    s.event.set()
+                    s.wake()
                     ahead += 1
         rest = list(woken.values())
         if out.state.warm_adapters is None:
@@ -309,7 +317,7 @@ class CoreClient:
         log.error("%s; failing %d requests", why, len(self.streams))
         for rid, s in self.streams.items():
             s.finish = m.Finish(rid, "error", why, "UNAVAILABLE")
-            s.event.set()
+            s.wake()
         self.streams.clear()
         for fut in self._calls.values():
             if not fut.done():

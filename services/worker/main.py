@@ -26,6 +26,7 @@ from services.worker.core_client import CoreClient
 from services.worker.debug_hooks import slow_versions_from_env, step_delay_from_env
 from services.worker.disk_cache import DiskCache
 from services.worker.metrics import WorkerMetrics
+from services.worker.mux import PUMP_BUDGET_S
 from services.worker.placement_client import PlacementClient, WorkerIdentity
 from services.worker.servicer import WorkerServicer
 from services.worker.startup import StartupReport, compile_cache_root
@@ -56,6 +57,9 @@ class WorkerOptions:
     # CUDA graphs captured while the worker already serves (eagerly where one is missing);
     # False: all of them before it reports ready.
     graphs_in_background: bool = False
+    # A GenerateMux writer's time a frame (services/worker/mux.py PUMP_BUDGET_S; 0: a step's
+    # every stream in one frame).
+    mux_pump_s: float = PUMP_BUDGET_S
 
 
 def advertised_address(listen: str, port: int) -> str:
@@ -115,7 +119,8 @@ async def serve_worker(opts: WorkerOptions) -> int:
     metrics.add_vllm_gauges(VllmCollector(server_shape(opts.engine, model_config),
                                           lambda: core.state, lambda: pinned_names(adapters)))
     servicer = WorkerServicer(opts.worker_id, core, tokenizer, adapters, metrics,
-                              slow_versions=slow_versions_from_env(), vocab_size=vocab_size)
+                              slow_versions=slow_versions_from_env(), vocab_size=vocab_size,
+                              mux_pump_s=opts.mux_pump_s)
     handle = await start_server(
         opts.listen, lambda s: inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, s),
         [SERVICE], interceptors=GatewayOnlyInterceptor.from_env())  # gateways only (hop_auth)

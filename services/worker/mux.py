@@ -1,17 +1,22 @@
 """The worker's side of `GenerateMux`: many Generate calls over one stream from a gateway.
 
-Each request runs the same per-request generator a per-call `Generate` runs (`Serve`), in a
-task of its own; the writer sends everything the tasks produced since its previous write as
-one `MuxDown` frame. While one frame is being written the next one fills, so under load a
-frame carries an engine step's tokens for every stream, and the event loop pays one write
-per step instead of one per stream.
+Each request is taken by the servicer's `open` (checks, tokenizing, the hand-over to the core)
+in a task of its own; from then on it has no task: its token stream calls the session when a
+step brings it news, and the writer pumps every stream with news in one pass into one
+`MuxDown` frame (`Pumped.pump`). While one frame is being written the next one's streams
+gather, so under load a frame carries an engine step's tokens for every stream, and the event
+loop pays one write a step and no task wake a stream. (A session given only `serve`, a
+per-request generator, runs each request in a task to its end: the test doubles' way.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import grpc
 
@@ -23,6 +28,21 @@ from slora.v1 import inference_pb2 as pb
 # None) -> its responses; raises ServiceError (anything else is a bug: INTERNAL).
 Serve = Callable[[pb.GenerateRequest, str, float | None],
                  AsyncGenerator[pb.GenerateResponse, None]]
+
+
+
+class Pumped(Protocol):
+    """A request `Open` took (services/worker/servicer.py `Served`)."""
+
+    done: bool
+
+    def pump(self) -> list[pb.GenerateResponse]: ...  # raises the stream's ServiceError
+    def listen(self, wake: Callable[[], None]) -> None: ...
+    def close(self) -> None: ...
+
+
+# (request, tenant, seconds left of its deadline or None) -> the request taken.
+Open = Callable[[pb.GenerateRequest, str, float | None], Awaitable[Pumped]]
 
 # A down frame is cut at about this many bytes (the gateway accepts 64 MiB a message); the
 # rest goes in the next frame.
@@ -37,18 +57,34 @@ def end_of(stream_id: int, err: e.ServiceError | None) -> pb.MuxEnd:
                      trailing=dict(err.metadata()))
 
 
+# The writer pumps streams for about this long before it writes what it has: a request that
+# arrives meanwhile waits one such slice, not a whole step's delivery (bench/front_mux_cost.py).
+PUMP_BUDGET_S = 0.0005
+
+
+def deadline_exceeded() -> e.ServiceError:
+    err = e.ServiceError("Deadline Exceeded")
+    err.code = grpc.StatusCode.DEADLINE_EXCEEDED
+    return err
+
+
 class MuxSession:
     """One GenerateMux call. `frames(up)` reads the gateway's frames from `up` and yields the
     down frames; when it ends (the gateway closed the stream, or it broke), every request
     still running is cancelled, which frees it in the engine core."""
 
-    def __init__(self, serve: Serve) -> None:
+    def __init__(self, serve: Serve, open_: Open | None = None) -> None:
         self._serve = serve
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._open = open_
+        self._tasks: dict[int, asyncio.Task[None]] = {}  # requests being taken (or served)
+        self._pumped: dict[int, Pumped] = {}  # requests taken, by stream id
+        self._timers: dict[int, asyncio.TimerHandle] = {}  # their deadlines
+        self._due: dict[int, Pumped] = {}  # streams with news, in the order they had it
         self._items: list[pb.MuxItem] = []
         self._ends: list[pb.MuxEnd] = []
         self._ready = asyncio.Event()
         self._up_closed = False
+        self.pump_budget_s = PUMP_BUDGET_S
 
     async def frames(self, up: AsyncIterator[pb.MuxUp]) -> AsyncIterator[pb.MuxDown]:
         reader = asyncio.create_task(self._read(up))
@@ -56,16 +92,21 @@ class MuxSession:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
-                while self._items or self._ends:
+                while True:
+                    self._pump_due(self.pump_budget_s)
+                    if not (self._items or self._ends):
+                        break
                     yield self._take()
                 if reader.done():
                     reader.result()  # a broken up-stream raises here
-                    if not self._tasks:
+                    if not self._tasks and not self._pumped:
                         return
         finally:
             reader.cancel()
             for task in list(self._tasks.values()):
                 task.cancel()
+            for sid in list(self._pumped):
+                self._drop(sid)
 
     async def _read(self, up: AsyncIterator[pb.MuxUp]) -> None:
         trace_hops = hop_trace.enabled()
@@ -78,12 +119,87 @@ class MuxSession:
                     task = self._tasks.pop(sid, None)
                     if task is not None:
                         task.cancel()
+                    self._drop(sid)
                 for req in frame.requests:
-                    if req.stream_id in self._tasks:
+                    if req.stream_id in self._tasks or req.stream_id in self._pumped:
                         continue  # a gateway bug; the first stream keeps its id
-                    self._tasks[req.stream_id] = asyncio.create_task(self._run(req))
+                    run = self._run if self._open is None else self._take_over
+                    self._tasks[req.stream_id] = asyncio.create_task(run(req))
         finally:
             self._up_closed = True
+            self._ready.set()
+
+    async def _take_over(self, req: pb.MuxRequest) -> None:
+        """Open the request (its deadline counting), then hand it to the pump and end."""
+        assert self._open is not None
+        sid = req.stream_id
+        timeout = req.timeout_s if req.HasField("timeout_s") else None
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                served = await self._open(req.request, req.tenant, timeout)
+        except TimeoutError:
+            return self._end(sid, deadline_exceeded())
+        except Exception as exc:  # noqa: BLE001 - the stream's own end, as per-call would say
+            return self._end(sid, e.as_service_error(exc))
+        if self._tasks.pop(sid, None) is None:  # cancelled as `open` returned
+            served.close()
+            return None
+        self._pumped[sid] = served
+        if deadline is not None:
+            self._timers[sid] = asyncio.get_running_loop().call_at(deadline, self._expire, sid)
+        served.listen(lambda: self._wake(sid, served))
+        return None
+
+    def _wake(self, sid: int, served: Pumped) -> None:
+        self._due[sid] = served
+        self._ready.set()
+
+    def _pump_due(self, budget_s: float) -> None:
+        """Streams with news into the pending items, and the end of each that has ended: as
+        many as `budget_s` of the loop's time allows (at least one; 0: all), the rest after
+        this frame's write."""
+        due = self._due
+        until = time.perf_counter() + budget_s if budget_s else math.inf
+        while due:
+            sid = next(iter(due))
+            served = due.pop(sid)
+            if self._pumped.get(sid) is not served:
+                continue  # cancelled or expired since
+            try:
+                responses = served.pump()
+            except Exception as exc:  # noqa: BLE001 - the stream's own end
+                self._drop(sid)
+                self._ends.append(end_of(sid, e.as_service_error(exc)))
+                continue
+            self._items.extend(pb.MuxItem(stream_id=sid, response=r) for r in responses)
+            if served.done:
+                self._drop(sid)
+                self._ends.append(end_of(sid, None))
+            if due and time.perf_counter() > until:
+                self._ready.set()
+                return
+
+    def _expire(self, sid: int) -> None:
+        self._timers.pop(sid, None)
+        if sid in self._pumped:
+            self._drop(sid)
+            self._ends.append(end_of(sid, deadline_exceeded()))
+            self._ready.set()
+
+    def _drop(self, sid: int) -> None:
+        """Forget a taken stream and free it (its end, if it has one, is the caller's)."""
+        served = self._pumped.pop(sid, None)
+        timer = self._timers.pop(sid, None)
+        if timer is not None:
+            timer.cancel()
+        if served is not None:
+            served.close()
+
+    def _end(self, sid: int, err: e.ServiceError | None) -> None:
+        """A stream's end, unless the gateway cancelled it meanwhile (it wants none)."""
+        if self._tasks.pop(sid, None) is not None:
+            self._ends.append(end_of(sid, err))
             self._ready.set()
 
     async def _run(self, req: pb.MuxRequest) -> None:

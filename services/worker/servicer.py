@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -35,7 +35,7 @@ from services.worker.adapters import AdapterManager
 from services.worker.core_client import CoreClient, TokenStream, error_of
 from services.worker.errors import to_service_error
 from services.worker.metrics import WorkerMetrics
-from services.worker.mux import MuxSession
+from services.worker.mux import PUMP_BUDGET_S, MuxSession
 from services.worker.resume import resumed_end, resumed_params
 from services.worker.token_text import TokenText
 from slora.v1 import inference_pb2 as pb
@@ -108,11 +108,13 @@ class Detokenized:
         stop = self.text.stop_string if self.stopped and self.include_stop else ""
         return stop + self.text.flush()
 
-    async def next(self) -> tuple[Delta, m.Finish | None]:
-        """The tokens that arrived since the last call (waiting for at least one, or the end)."""
+    def ready(self) -> bool:
+        """Tokens or the end arrived since the last `take`."""
+        return bool(self.tokens.token_ids) or self.tokens.finish is not None
+
+    def take(self) -> tuple[Delta, m.Finish | None]:
+        """The tokens that arrived since the last call (none: an empty delta)."""
         s = self.tokens
-        if not s.token_ids and s.finish is None:
-            await s.event.wait()
         ids, lps, top = s.take()
         pieces = []
         for n, tok in enumerate(ids, 1):
@@ -138,8 +140,9 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
     def __init__(self, worker_id: str, core: CoreClient, tokenizer: Tokenizer,
                  adapters: AdapterManager, metrics: WorkerMetrics,
                  slow_versions: Mapping[VersionKey, float] | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, mux_pump_s: float = PUMP_BUDGET_S) -> None:
         self.worker_id = worker_id
+        self.mux_pump_s = mux_pump_s  # MuxSession.pump_budget_s
         # The model's vocabulary: prompt ids at or past it are refused before they reach the
         # detokenizer or the engine (None: the tokenizer's own size).
         self.vocab_size = vocab_size if vocab_size is not None else tokenizer.vocab_size
@@ -174,34 +177,55 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
 
     async def GenerateMux(self, request_iterator: AsyncIterator[pb.MuxUp],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MuxDown]:
-        """A gateway's requests over one stream, each served by `serve` as Generate's is."""
-        async for frame in MuxSession(self.serve).frames(request_iterator):
+        """A gateway's requests over one stream, each taken by `open` as Generate's is; the
+        mux's writer builds their responses as tokens arrive, without a task a stream."""
+        session = MuxSession(self.serve, self.open)
+        session.pump_budget_s = self.mux_pump_s
+        async for frame in session.frames(request_iterator):
             yield frame
 
     async def serve(self, request: pb.GenerateRequest, tenant: str,
                     time_remaining: float | None) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """One request, whichever RPC carries it: its responses, or the ServiceError it ends
-        with (counted in the metrics here). Closing it early (a cancel) frees it in the core."""
-        key: VersionKey = (request.adapter.adapter_id, request.adapter.version)
+        """One request in a task of its own (a per-call Generate): its responses, or the
+        ServiceError it ends with (counted in the metrics). Closing it early (a cancel) frees
+        it in the core."""
+        served = await self.open(request, tenant, time_remaining)
+        try:
+            while True:
+                for response in served.pump():
+                    yield response
+                if served.done:
+                    return
+                await served.wait()
+                if served.delay:  # the test hook: before the chunk is built
+                    await asyncio.sleep(served.delay)
+        finally:
+            served.close()
+
+    async def open(self, request: pb.GenerateRequest, tenant: str,
+                   time_remaining: float | None) -> Served:
+        """Take a request (checks, tokenizing, its adapter, the hand-over to the core) and
+        return what builds its responses; raises the ServiceError it fails with (counted).
+        `tenant`: the caller's, from the gateway (the scheduler shares steps fairly by it);
+        `time_remaining`: the call's deadline, after which an unscheduled request is dropped."""
+        served = Served(self, request)
         hop_trace.mark("worker_entry", request.request_id)
         self.inflight += 1
         self._idle.clear()
         try:
-            async for response in self._generate(request, key, tenant, time_remaining):
-                yield response
-        except (e.ServiceError, Exception) as exc:
-            err = to_service_error(exc)
-            if isinstance(exc, NonfiniteFailure):
-                # Counted once, as a non-finite output (canary evidence counts it a failure).
-                self.metrics.record_nonfinite_failure(key)
-            elif err.code not in (grpc.StatusCode.UNAVAILABLE,
-                                  grpc.StatusCode.RESOURCE_EXHAUSTED):
-                self.metrics.record_error(key, err.code.name)
-            raise err from None
-        finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
+            await served.start(tenant, time_remaining)
+        except BaseException as exc:
+            served.close()
+            if isinstance(exc, Exception):
+                raise served.failed(exc) from None
+            raise
+        return served
+
+    def _release(self) -> None:
+        """A request taken by `open` has ended (Served.close)."""
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         prompt = prompt_of(request)
@@ -219,95 +243,6 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         if len(prompt) > INLINE_TOKENIZE_BYTES:
             return await asyncio.to_thread(self.tokenizer.encode, prompt)
         return self.tokenizer.encode(prompt)
-
-    async def _generate(self, request: pb.GenerateRequest, key: VersionKey, tenant: str,
-                        time_remaining: float | None) -> AsyncIterator[pb.GenerateResponse]:
-        """`tenant`: the caller's, from the gateway (the scheduler shares steps fairly by it);
-        `time_remaining`: the call's deadline, after which an unscheduled request is dropped."""
-        if self.draining:
-            raise e.Unavailable(f"worker {self.worker_id} is draining")
-        adapter_id, version = key
-        if adapter_id and not request.adapter.HasField("version"):
-            raise e.InvalidArgument("workers serve explicit versions; call the gateway to route")
-        try:
-            check_generate(request)  # caps on stops, prompt bytes, names: before tokenizing
-            params = SamplingParams(**sampling_kwargs(request.sampling))
-            structured = from_pb(request.structured_output)  # checked here; compiled in the core
-            ids = await self._prompt_ids(request)
-            check_token_ids(ids, self.vocab_size)
-            params = fit_to_prompt(params, request.sampling, len(ids), self._max_model_len(),
-                                   self.vocab_size)
-            # Built before the engine gets the request: the detokenizer decodes the prompt's
-            # tail, and what fails there must fail before anything is taken.
-            stream = Detokenized(self.tokenizer, ids, params, TokenStream())
-            resume = list(request.resume_token_ids)  # a stream resumed here (resume.py)
-            check_token_ids(resume, self.vocab_size)
-            left = resumed_params(request, params, resume) if resume else params
-            stream.replay(resume)
-            # The first worker had finished, only its end never arrived.
-            end = resumed_end(resume, params, self._eos_token_ids(), stream.stopped)
-        except Exception as exc:
-            # Nothing is taken yet; a request that cannot be built here cannot be built on
-            # any worker, so the gateway must not try the next one.
-            err = to_service_error(exc)
-            if err.code not in WORKER_STATE_CODES:
-                err.deterministic = True
-            raise err from None
-        self.metrics.record_request(key)
-        start = time.monotonic()
-        name = await self.adapters.ensure(adapter_id, version) if adapter_id else None
-        rid: int | None = None
-        first: float | None = None
-        nonfinite = False
-        delay = self.slow_versions.get(key, 0.0)
-        try:
-            # Inside the try: whatever fails from here on, the finally aborts what the core
-            # holds for the request.
-            if end is not None or left is None:  # resumed past its end: send just the end
-                held = stream.end_text()  # text the detokenizer still held back
-                if held:
-                    yield pb.GenerateResponse(chunk=pb.Chunk(text=held))
-                yield self._complete(end or "length", len(ids), stream.completion_tokens, key,
-                                     request.request_id)
-                return
-            # Timed before the hand-over: the core may mark core_added before add returns.
-            handed = time.time()
-            rid, tokens = self.core.add(ids + resume, left, name, tenant=tenant,
-                                        deadline_s=time_remaining, structured=structured)
-            stream.tokens = tokens
-            hop_trace.mark("worker_added", f"{request.request_id}:{rid}", handed)
-            while True:
-                delta, finish = await stream.next()
-                if finish is not None and finish.code:
-                    if finish.kind == NONFINITE:
-                        raise NonfiniteFailure(finish.error)
-                    raise error_of(finish.code, finish.error, finish.adapter_error)
-                if delta.token_ids or delta.text:
-                    if delay:
-                        await asyncio.sleep(delay)
-                    nonfinite = nonfinite or not all(map(math.isfinite, delta.logprobs))
-                    chunk = chunk_of(delta, self.token_text)
-                    if first is None and not resume:  # a resumed client has it
-                        chunk = first_chunk(chunk, request, ids, self.tokenizer.decode,
-                                            stream.tokens.prompt, self.token_text.of)
-                    if first is None:
-                        hop_trace.mark("worker_first_out", request.request_id)
-                    first = first or time.monotonic()
-                    yield pb.GenerateResponse(chunk=chunk)
-                if finish is not None:
-                    self._record_finish(key, start, first, stream.completion_tokens, nonfinite)
-                    hop_trace.mark("worker_complete", request.request_id)
-                    # A resumed stream's engine prompt also held the tokens replayed after
-                    # the client's prompt: only the client's prompt counts as cached.
-                    yield self._complete(finish.reason, len(ids), stream.completion_tokens,
-                                         key, request.request_id,
-                                         min(tokens.cached_tokens, len(ids)))
-                    return
-        finally:
-            # Cancelled call, expired deadline, a failed write or a stop string: free the
-            # pages now (a no-op for a request the core already finished).
-            if rid is not None and self.core.abort(rid) and not stream.stopped:
-                self.metrics.aborts.inc()
 
     def _eos_token_ids(self) -> list[int]:
         ready = getattr(self.core, "ready", None)  # test doubles may lack it
@@ -335,3 +270,172 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
             served_by=pb.ServedBy(adapter_id=key[0], adapter_version=key[1],
                                   worker_id=self.worker_id),
         ))
+
+
+class Served:
+    """One request the worker has taken, from the hand-over to its end. `pump` turns what
+    arrived from the core since the last pump into responses, without waiting: a per-call
+    Generate awaits `wait` between pumps in its own task (`WorkerServicer.serve`), a
+    GenerateMux's writer pumps every stream with news in one pass (services/worker/mux.py),
+    which spares each stream a task wake and a generator chain a step. `close` frees what it
+    holds, once, whatever ended it."""
+
+    def __init__(self, front: WorkerServicer, request: pb.GenerateRequest) -> None:
+        self.front = front
+        self.request = request
+        self.key: VersionKey = (request.adapter.adapter_id, request.adapter.version)
+        # Test hook (debug_hooks.SLOW_VERSIONS_ENV): seconds to wait before each chunk.
+        self.delay = front.slow_versions.get(self.key, 0.0)
+        self.done = False  # the last response was pumped (or the request failed)
+        self.rid: int | None = None  # the core's id once handed over
+        self._stream: Detokenized | None = None
+        self._ids: list[int] = []  # the client's prompt
+        self._resumed = False
+        self._pending: list[pb.GenerateResponse] = []  # a stream resumed past its end
+        self._start = 0.0
+        self._first: float | None = None
+        self._nonfinite = False
+        self._closed = False
+
+    async def start(self, tenant: str, time_remaining: float | None) -> None:
+        front, request = self.front, self.request
+        if front.draining:
+            raise e.Unavailable(f"worker {front.worker_id} is draining")
+        adapter_id, version = self.key
+        if adapter_id and not request.adapter.HasField("version"):
+            raise e.InvalidArgument("workers serve explicit versions; call the gateway to route")
+        try:
+            check_generate(request)  # caps on stops, prompt bytes, names: before tokenizing
+            params = SamplingParams(**sampling_kwargs(request.sampling))
+            structured = from_pb(request.structured_output)  # checked here; compiled in the core
+            ids = await front._prompt_ids(request)
+            check_token_ids(ids, front.vocab_size)
+            params = fit_to_prompt(params, request.sampling, len(ids), front._max_model_len(),
+                                   front.vocab_size)
+            # Built before the engine gets the request: the detokenizer decodes the prompt's
+            # tail, and what fails there must fail before anything is taken.
+            stream = Detokenized(front.tokenizer, ids, params, TokenStream())
+            resume = list(request.resume_token_ids)  # a stream resumed here (resume.py)
+            check_token_ids(resume, front.vocab_size)
+            left = resumed_params(request, params, resume) if resume else params
+            stream.replay(resume)
+            # The first worker had finished, only its end never arrived.
+            end = resumed_end(resume, params, front._eos_token_ids(), stream.stopped)
+        except Exception as exc:
+            # Nothing is taken yet; a request that cannot be built here cannot be built on
+            # any worker, so the gateway must not try the next one.
+            err = to_service_error(exc)
+            if err.code not in WORKER_STATE_CODES:
+                err.deterministic = True
+            raise err from None
+        front.metrics.record_request(self.key)
+        self._start = time.monotonic()
+        name = await front.adapters.ensure(adapter_id, version) if adapter_id else None
+        self._stream, self._ids, self._resumed = stream, ids, bool(resume)
+        if end is not None or left is None:  # resumed past its end: send just the end
+            held = stream.end_text()  # text the detokenizer still held back
+            if held:
+                self._pending.append(pb.GenerateResponse(chunk=pb.Chunk(text=held)))
+            self._pending.append(front._complete(end or "length", len(ids),
+                                                 stream.completion_tokens, self.key,
+                                                 request.request_id))
+            return
+        # Timed before the hand-over: the core may mark core_added before add returns.
+        handed = time.time()
+        self.rid, stream.tokens = front.core.add(ids + resume, left, name, tenant=tenant,
+                                                 deadline_s=time_remaining,
+                                                 structured=structured)
+        hop_trace.mark("worker_added", f"{request.request_id}:{self.rid}", handed)
+
+    def has_news(self) -> bool:
+        return bool(self._pending) or (self._stream is not None and not self.done
+                                       and self._stream.ready())
+
+    async def wait(self) -> None:
+        """Until `pump` has something (returns at once when it has)."""
+        if not self.has_news() and self._stream is not None:
+            await self._stream.tokens.event.wait()
+
+    def listen(self, wake: Callable[[], None]) -> None:
+        """Call `wake` whenever `pump` has news (now, if it has some already); the test hook's
+        delay postpones each wake."""
+        if self.delay:
+            loop, delay, now = asyncio.get_running_loop(), self.delay, wake
+
+            def wake() -> None:
+                loop.call_later(delay, now)
+        if self._stream is not None:
+            self._stream.tokens.listener = wake
+        if self.has_news():
+            wake()
+
+    def pump(self) -> list[pb.GenerateResponse]:
+        """The responses for what arrived since the last pump (often one chunk); the last is
+        the `complete`, after which `done` is set. Raises the ServiceError the request ends
+        with (counted in the metrics)."""
+        try:
+            return self._pump()
+        except Exception as exc:
+            self.done = True
+            raise self.failed(exc) from None
+
+    def _pump(self) -> list[pb.GenerateResponse]:
+        if self._pending:
+            out, self._pending = self._pending, []
+            self.done = True
+            return out
+        stream, front, request = self._stream, self.front, self.request
+        if stream is None or self.done or not stream.ready():
+            return []
+        delta, finish = stream.take()
+        if finish is not None and finish.code:
+            if finish.kind == NONFINITE:
+                raise NonfiniteFailure(finish.error)
+            raise error_of(finish.code, finish.error, finish.adapter_error)
+        out = []
+        if delta.token_ids or delta.text:
+            self._nonfinite = self._nonfinite or not all(map(math.isfinite, delta.logprobs))
+            chunk = chunk_of(delta, front.token_text)
+            if self._first is None and not self._resumed:  # a resumed client has it
+                chunk = first_chunk(chunk, request, self._ids, front.tokenizer.decode,
+                                    stream.tokens.prompt, front.token_text.of)
+            if self._first is None:
+                hop_trace.mark("worker_first_out", request.request_id)
+                self._first = time.monotonic()
+            out.append(pb.GenerateResponse(chunk=chunk))
+        if finish is not None:
+            self.done = True
+            front._record_finish(self.key, self._start, self._first, stream.completion_tokens,
+                                 self._nonfinite)
+            hop_trace.mark("worker_complete", request.request_id)
+            # A resumed stream's engine prompt also held the tokens replayed after the
+            # client's prompt: only the client's prompt counts as cached.
+            out.append(front._complete(finish.reason, len(self._ids), stream.completion_tokens,
+                                       self.key, request.request_id,
+                                       min(stream.tokens.cached_tokens, len(self._ids))))
+        return out
+
+    def failed(self, exc: Exception) -> e.ServiceError:
+        """The ServiceError `exc` ends the request with, counted in the metrics."""
+        err = to_service_error(exc)
+        if isinstance(exc, NonfiniteFailure):
+            # Counted once, as a non-finite output (canary evidence counts it a failure).
+            self.front.metrics.record_nonfinite_failure(self.key)
+        elif err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            self.front.metrics.record_error(self.key, err.code.name)
+        return err
+
+    def close(self) -> None:
+        """Free what the request holds, once: a cancelled call, an expired deadline, a failed
+        write or a stop string frees its pages in the core now (a no-op for a request the core
+        already finished)."""
+        if self._closed:
+            return
+        self._closed = True
+        stream = self._stream
+        if stream is not None:
+            stream.tokens.listener = None
+        if self.rid is not None and self.front.core.abort(self.rid) and not (
+                stream is not None and stream.stopped):
+            self.front.metrics.aborts.inc()
+        self.front._release()

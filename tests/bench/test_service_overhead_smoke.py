@@ -129,24 +129,26 @@ def test_a_trace_folder_holding_another_runs_traces_is_refused(
 
 
 @pytest.mark.slow
-def test_worker_admission_leads_restart_the_worker_and_measure_every_level_at_each(
+def test_worker_variants_restart_the_worker_and_measure_every_level_at_each(
         tmp_path: Path) -> None:
+    """Leads and mux pump times (every pair), each with the worker restarted at it."""
     out = tmp_path / "overhead.json"
     res = subprocess.run(
         [sys.executable, "-m", "bench.service_overhead", "--concurrency", "2,4", "--repeats",
          "1", "--requests-per-stream", "2", "--new-tokens", "4", "--client-procs", "1",
-         "--worker-admission-leads", "0,1", "--trace-hops", str(tmp_path / "hops"),
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+         "--worker-admission-leads", "0,1", "--worker-mux-pump-ms", "0,0.5",
+         "--trace-hops", str(tmp_path / "hops"), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "worker restarted at admission lead 1 ms" in res.stdout
+    assert "worker restarted at lead=1ms pump=0.5ms" in res.stdout
     result = json.loads(out.read_text())
-    # Hop traces keep the leads apart: each lead's requests under its own tags.
-    assert {f"{path} c={c} lead={lead}ms" for path in ("worker", "gateway") for c in (2, 4)
-            for lead in (0, 1)} == set(result["hop_trace"])
+    # Hop traces keep the variants apart: each one's requests under its own tags.
+    assert {f"{path} c={c} lead={lead}ms pump={pump}ms" for path in ("worker", "gateway")
+            for c in (2, 4) for lead in (0, 1) for pump in (0, 0.5)} == set(result["hop_trace"])
     levels = result["levels"]
-    assert [(lv["worker_admission_lead_ms"], lv["concurrency"]) for lv in levels] == [
-        (0, 2), (0, 4), (1, 2), (1, 4)]
+    assert [(lv["worker_admission_lead_ms"], lv["worker_mux_pump_ms"], lv["concurrency"])
+            for lv in levels] == [(lead, pump, c) for lead in (0, 1) for pump in (0, 0.5)
+                                  for c in (2, 4)]
     # Which host it ran on, and how fast that host started the stack.
     assert result["host_cpu"]["cores"] >= 1 and result["host_cpu"]["model"]
     assert 0 < result["startup_s"]["assets_s"] < result["startup_s"]["stack_routable_s"]

@@ -31,12 +31,14 @@ def test_waiting_tokens_come_as_one_delta_then_the_end(demo_dir: Path) -> None:
         d = Detokenized(tok, [5], SamplingParams(max_new_tokens=64), s)
         feed(s, ids[:3])
         feed(s, ids[3:])
-        delta, finish = await d.next()
+        assert d.ready()
+        delta, finish = d.take()
         assert delta.token_ids == ids and finish is None
         assert len(delta.logprobs) == len(ids) == len(delta.top)
         s.finish = m.Finish(1, "length")
         s.event.set()
-        end, finish = await d.next()
+        assert d.ready()
+        end, finish = d.take()
         assert finish is not None and finish.reason == "length" and end.token_ids == []
         assert delta.text + end.text == tok.decode(ids)
         assert d.completion_tokens == len(ids)
@@ -52,7 +54,8 @@ def test_a_stop_string_cuts_the_tokens_after_it(demo_dir: Path) -> None:
         s = TokenStream()
         d = Detokenized(tok, [5], SamplingParams(max_new_tokens=64, stop=("three",)), s)
         feed(s, ids)
-        delta, finish = await d.next()
+        assert d.ready()
+        delta, finish = d.take()
         assert finish is not None and finish.reason == "stop"
         assert "three" not in delta.text and delta.text.strip().startswith("one two")
         # The token that completed the stop string is the last one sent, as in the engine.
@@ -70,7 +73,8 @@ def test_an_error_end_flushes_no_text(demo_dir: Path) -> None:
         d = Detokenized(tok, [5], SamplingParams(max_new_tokens=64, stop=("zzzz",)), s)
         feed(s, tok.encode(" zz"))  # held back: it could grow into the stop string
         s.finish = m.Finish(1, "error", "the engine core exited", "UNAVAILABLE")
-        delta, finish = await d.next()
+        assert d.ready()
+        delta, finish = d.take()
         assert finish is not None and finish.code == "UNAVAILABLE"
         assert "zz" not in delta.text
 
