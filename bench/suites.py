@@ -679,11 +679,13 @@ SUITES["service-path-admission-trace-core"] = (
                leads="1", stem="service-overhead-7b-gw4-admission-spread32-untraced-1ms-c256",
                extra=("--new-tokens-spread", "32")))
 # The worker front's mux writer: streams pumped in one pass, a frame written every ~0.5 ms of
-# pumping (--mux-pump-ms, the default since this suite) against one frame for a step's every
-# stream (0), the worker restarted between them, lead off, untraced. On a 2-core CPU a new
-# request's wait for the front's loop went from ~10 ms to ~2 ms p50 at 256 streams
-# (python -m bench.front_mux_cost); here: what the gateway adds to TTFT at 64 and 256.
+# pumping (--mux-pump-ms, the default since f33e615) against one frame for a step's every
+# stream (0), each with the late-admission lead off and at 1 ms, the worker restarted between
+# them, untraced, 256 streams (~370 s on a fast host). On a 2-core CPU a new request's wait
+# for the front's loop went from ~10 ms to ~2 ms p50 at 256 streams (python -m
+# bench.front_mux_cost); here: what the gateway adds to TTFT, and whether a shorter hop lets
+# the lead's window catch the successors untraced.
 SUITES["service-path-front-pump"] = (
-    _admission("service-front-pump", 420, 1, levels="64,256", per_stream=8, leads="0",
-               stem="service-overhead-7b-gw4-front-pump",
+    _admission("service-front-pump", 540, 1, levels="256", per_stream=8, leads="0,1",
+               stem="service-overhead-7b-gw4-front-pump-c256",
                extra=("--new-tokens-spread", "32", "--worker-mux-pump-ms", "0,0.5")),)
