@@ -353,8 +353,14 @@ class Served:
 
     async def wait(self) -> None:
         """Until `pump` has something (returns at once when it has)."""
-        if not self.has_news() and self._stream is not None:
-            await self._stream.tokens.event.wait()
+        if self._stream is None or self.has_news():
+            return
+        # A wake may come after a pump took its tokens (CoreClient._deliver wakes the running
+        # streams a loop turn after the first tokens): left set, it would return at once,
+        # again and again, and the loop would never turn.
+        event = self._stream.tokens.event
+        event.clear()
+        await event.wait()
 
     def listen(self, wake: Callable[[], None]) -> None:
         """Call `wake` whenever `pump` has news (now, if it has some already); the test hook's

@@ -231,3 +231,31 @@ def test_the_writers_budget_splits_a_steps_delivery_into_frames(demo_dir: Path) 
 
     assert asyncio.run(run(0.0)) == [40]
     assert asyncio.run(run(1e-9)) == [1] * 40
+
+
+def test_a_wake_after_its_tokens_were_taken_does_not_end_the_next_wait(demo_dir: Path) -> None:
+    """CoreClient._deliver wakes the running streams a loop turn after the first tokens; a
+    per-call stream may pump its tokens within that turn. The late wake then finds nothing,
+    and `wait` must still wait: returning at once, `serve` would loop without yielding and
+    the worker's loop would never turn again (a hang seen under load)."""
+    async def run() -> None:
+        s = Session(demo_dir)
+        served = await s.servicer.open(request(1, 5).request, "t", None)
+        await s.core.step()
+        assert served.pump()  # the first token's chunk
+        assert served._stream is not None
+        served._stream.tokens.wake()  # the late wake: its token is already taken
+        try:
+            await asyncio.wait_for(served.wait(), 0.05)
+            raise AssertionError("wait returned with nothing to pump")
+        except TimeoutError:
+            pass
+        waiting = asyncio.create_task(served.wait())
+        await s.core.step()
+        await asyncio.wait_for(waiting, 1)  # a real token ends it
+        assert served.pump()
+        served.close()
+        await s.cancel()
+        assert s.servicer.inflight == 0
+
+    asyncio.run(run())
