@@ -23,14 +23,19 @@ from bench.grpc_stream_cost import cpu_s
 
 
 def children(pid: int) -> list[int]:
-    """The live children of `pid` (every thread's), [] once it is gone."""
+    """The live children of `pid`, [] once it is gone. Read from every process's stat (its
+    parent's pid): /proc/PID/task/*/children is reliable only for stopped tasks (proc(5)),
+    and under load it missed a spawned engine core."""
     found: list[int] = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            found += [int(c) for c in (task / "children").read_text().split()]
-    except OSError:
-        return []
-    return found
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
 
 
 def spawned(pid: int) -> list[int]:

@@ -37,6 +37,12 @@ def test_roles_get_their_processes_and_their_shares(tmp_path: Path) -> None:
         assert front.stdout is not None and gateway.stdout is not None
         core_pid = int(front.stdout.readline())
         gateway.stdout.readline()
+        # multiprocessing's start() returns once the core is forked, maybe before its exec
+        # (a fork still runs the front's command line): a stack is measured once it is up.
+        deadline = time.monotonic() + 10
+        while b"spawn_main" not in Path(f"/proc/{core_pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the core never ran spawn_main"
+            time.sleep(0.01)
         cpu = StackCpu.of(front.pid, gateway.pid)
         assert cpu.roles == {"worker_front": [front.pid], "engine_core": [core_pid],
                              "gateway": [gateway.pid]}
