@@ -259,3 +259,33 @@ def test_a_wake_after_its_tokens_were_taken_does_not_end_the_next_wait(demo_dir:
         assert s.servicer.inflight == 0
 
     asyncio.run(run())
+
+
+def test_a_stream_resumed_past_its_end_gets_its_end_without_the_core(demo_dir: Path) -> None:
+    """A resumed request whose client already holds every token (the first worker finished,
+    only its end was lost): the end is pumped at once, and nothing reaches the core."""
+    async def run() -> None:
+        s = Session(demo_dir)
+        req = request(1, 3)
+        req.request.resume_token_ids.extend([9, 10, 11])
+        await s.send(req)
+        await s.steps(1)
+        assert not s.ends()[1].code
+        (complete,) = [r for r in s.items(1) if r.HasField("complete")]
+        assert complete.complete.finish_reason == "length"
+        assert complete.complete.usage.completion_tokens == 3
+        assert not s.core.left and not s.core.aborted
+        await s.close()
+        assert s.servicer.inflight == 0
+
+    asyncio.run(run())
+
+
+def test_the_worker_refuses_a_pump_time_out_of_range() -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--model", "/none",
+                          "--control-plane", "127.0.0.1:1", "--mux-pump-ms", "-1"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "--mux-pump-ms must be in [0, 1000]" in res.stderr
