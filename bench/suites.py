@@ -689,3 +689,10 @@ SUITES["service-path-front-pump"] = (
     _admission("service-front-pump", 540, 1, levels="256", per_stream=8, leads="0,1",
                stem="service-overhead-7b-gw4-front-pump-c256",
                extra=("--new-tokens-spread", "32", "--worker-mux-pump-ms", "0,0.5")),)
+# The 1 ms lead with the pump gave +15.0 ms against +19.5 off at 256 streams, one repeat each
+# (service-overhead-7b-gw4-front-pump-c256-3b33b95-h100.json): three repeats of both, the
+# pump at its default, before the lead becomes a default (~380 s on a slow host).
+SUITES["service-path-front-pump-3r"] = (
+    _admission("service-front-pump-3r", 540, 3, levels="256", per_stream=8, leads="0,1",
+               stem="service-overhead-7b-gw4-front-pump-3r-c256",
+               extra=("--new-tokens-spread", "32")),)
