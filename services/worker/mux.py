@@ -2,11 +2,12 @@
 
 Each request is taken by the servicer's `open` (checks, tokenizing, the hand-over to the core)
 in a task of its own; from then on it has no task: its token stream calls the session when a
-step brings it news, and the writer pumps every stream with news in one pass into one
-`MuxDown` frame (`Pumped.pump`). While one frame is being written the next one's streams
-gather, so under load a frame carries an engine step's tokens for every stream, and the event
-loop pays one write a step and no task wake a stream. (A session given only `serve`, a
-per-request generator, runs each request in a task to its end: the test doubles' way.)
+step brings it news, and the writer pumps the streams with news (`Pumped.pump`) into `MuxDown`
+frames, writing one every `PUMP_BUDGET_S` of pumping: the event loop pays a few writes a step
+and no task wake a stream, and a request that arrives meanwhile waits one slice of the step's
+delivery, not all of it. While one frame is being written the next one's streams gather. (A
+session given only `serve`, a per-request generator, runs each request in a task to its end:
+the test doubles' way.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from slora.v1 import inference_pb2 as pb
 # None) -> its responses; raises ServiceError (anything else is a bug: INTERNAL).
 Serve = Callable[[pb.GenerateRequest, str, float | None],
                  AsyncGenerator[pb.GenerateResponse, None]]
-
 
 
 class Pumped(Protocol):
@@ -216,8 +216,7 @@ class MuxSession:
                         self._items.append(pb.MuxItem(stream_id=sid, response=r))
                         self._ready.set()
         except TimeoutError:
-            err = e.ServiceError("Deadline Exceeded")
-            err.code = grpc.StatusCode.DEADLINE_EXCEEDED
+            err = deadline_exceeded()
         except Exception as exc:  # noqa: BLE001 - the stream's own end, as per-call would say
             err = e.as_service_error(exc)
         if self._tasks.pop(sid, None) is None:
