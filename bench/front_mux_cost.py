@@ -4,17 +4,20 @@ the front's event loop spends delivering it, and how long a new request waits fo
 At 256 streams through the gateway a request's hop from the gateway's entry to the worker's
 took 5.1-5.2 ms p50 against 0.8-1.0 ms at 64 on an H100 host
 (service-overhead-7b-gw4-admission-spread32-8461c0f-h100.json's hops). Here the real front
-code runs in this one process with no gRPC and no engine: `WorkerServicer.serve` (prompt
-checks, detokenizing, chunks) under a real `MuxSession`, fed by a `CoreClient` whose core is
+code runs in this one process with no gRPC and no engine: the servicer's streams (prompt
+checks, detokenizing, chunks) under a real `MuxSession`, either pumped by its writer
+(`--deliveries pass`, the front today, a frame every `--pump-ms` of pumping) or a task a
+stream (`task`, the front before f33e615), fed by a `CoreClient` whose core is
 a stepper task (every `--step-ms` each running request gets one token, its first one step
 after it was added, and ends after its `max_new_tokens`), and a closed-loop "gateway" that
-sends each finished stream's successor in the next up-frame. Per run: the process's CPU
+sends each finished stream's successor in the next up-frame (each down frame costs its
+serialization and a loop turn, as gRPC's write does). Per run: the process's CPU
 seconds per step (user + system: the front's loop share at that step time is this over the
 step) and, per request, the wait from its up-frame's arrival to `CoreClient.add` (the
 front's part of that hop).
 
-    python -m bench.front_mux_cost --streams 64,256 --wake-slices 0,32 \
-        --out bench/results/front-mux-cost-<commit>-cpu.json
+    python -m bench.front_mux_cost --streams 64,256 --deliveries task,pass --pump-ms 0,0.5 \
+        --out bench/results/front-mux-pump-<commit>-cpu.json
 """
 
 from __future__ import annotations
