@@ -793,17 +793,17 @@ def pacing_report(worker_log: Path) -> None:
 
 def run_levels(args: argparse.Namespace, stack: Stack, engine: LLMEngine, token: str,
                pool: Any, names: list[str], levels: list[int],
-               worker: WorkerVariant = WorkerVariant(),
+               variant: WorkerVariant = WorkerVariant(),
                ) -> Iterator[dict[str, Any]]:
     """Each --rates level (open loop) or each concurrency (closed loop), measured."""
     if args.rates:
         for rate in args.rates:
             reqs = workload(names, max(1, round(rate * args.open_loop_s)), vocab=512)
-            yield measure(args, stack, engine, token, pool, reqs, max(levels), rate, worker)
+            yield measure(args, stack, engine, token, pool, reqs, max(levels), rate, variant)
     else:
         for c in levels:
             reqs = workload(names, c * args.requests_per_stream, vocab=512)
-            yield measure(args, stack, engine, token, pool, reqs, c, variant=worker)
+            yield measure(args, stack, engine, token, pool, reqs, c, variant=variant)
 
 
 def restart_worker(stack: Stack, variant: WorkerVariant, token: str, names: list[str]) -> None:

@@ -237,7 +237,8 @@ class CoreClient:
         if first and rest:
             await asyncio.sleep(0)
         for s in rest:
-            s.wake()
+            if s.token_ids:  # a consumer that ran in that turn took them: nothing to wake for
+                s.wake()
 
     def _dispatch(self, out: m.StepOutput) -> tuple[int, list[TokenStream]]:
         """Append a step's output to its streams and wake those whose first token it holds,

@@ -252,25 +252,6 @@ class WorkerServicer(pb_grpc.InferenceServiceServicer):
         ready = getattr(self.core, "ready", None)  # test doubles may lack it
         return ready.max_model_len if ready is not None else 2**31 - 1
 
-    def _record_finish(self, key: VersionKey, start: float, first: float | None,
-                       tokens: int, nonfinite: bool) -> None:
-        now = time.monotonic()
-        ttft = None if first is None else first - start
-        if ttft is not None:
-            self.metrics.ttft.observe(ttft)
-        self.metrics.record_finish(key, ttft, now - start, tokens, nonfinite)
-
-    def _complete(self, reason: str, prompt_tokens: int, completion_tokens: int,
-                  key: VersionKey, request_id: str, cached_tokens: int = 0,
-                  ) -> pb.GenerateResponse:
-        return pb.GenerateResponse(complete=pb.Complete(
-            request_id=request_id, finish_reason=reason,
-            usage=pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           cached_tokens=cached_tokens),
-            served_by=pb.ServedBy(adapter_id=key[0], adapter_version=key[1],
-                                  worker_id=self.worker_id),
-        ))
-
 
 class Served:
     """One request the worker has taken, from the hand-over to its end. `pump` turns what
@@ -336,9 +317,7 @@ class Served:
             held = stream.end_text()  # text the detokenizer still held back
             if held:
                 self._pending.append(pb.GenerateResponse(chunk=pb.Chunk(text=held)))
-            self._pending.append(front._complete(end or "length", len(ids),
-                                                 stream.completion_tokens, self.key,
-                                                 request.request_id))
+            self._pending.append(self._complete(end or "length"))
             return
         # Timed before the hand-over: the core may mark core_added before add returns.
         handed = time.time()
@@ -355,9 +334,8 @@ class Served:
         """Until `pump` has something (returns at once when it has)."""
         if self._stream is None or self.has_news():
             return
-        # A wake may come after a pump took its tokens (CoreClient._deliver wakes the running
-        # streams a loop turn after the first tokens): left set, it would return at once,
-        # again and again, and the loop would never turn.
+        # An event left set with nothing to pump (a wake whose tokens a pump took first)
+        # would return at once, again and again, and the loop would never turn.
         event = self._stream.tokens.event
         event.clear()
         await event.wait()
@@ -411,15 +389,34 @@ class Served:
             out.append(pb.GenerateResponse(chunk=chunk))
         if finish is not None:
             self.done = True
-            front._record_finish(self.key, self._start, self._first, stream.completion_tokens,
-                                 self._nonfinite)
+            self._record_finish()
             hop_trace.mark("worker_complete", request.request_id)
             # A resumed stream's engine prompt also held the tokens replayed after the
             # client's prompt: only the client's prompt counts as cached.
-            out.append(front._complete(finish.reason, len(self._ids), stream.completion_tokens,
-                                       self.key, request.request_id,
-                                       min(stream.tokens.cached_tokens, len(self._ids))))
+            out.append(self._complete(finish.reason,
+                                      min(stream.tokens.cached_tokens, len(self._ids))))
         return out
+
+    def _record_finish(self) -> None:
+        assert self._stream is not None
+        metrics, start = self.front.metrics, self._start
+        ttft = None if self._first is None else self._first - start
+        if ttft is not None:
+            metrics.ttft.observe(ttft)
+        metrics.record_finish(self.key, ttft, time.monotonic() - start,
+                              self._stream.completion_tokens, self._nonfinite)
+
+    def _complete(self, reason: str, cached_tokens: int = 0) -> pb.GenerateResponse:
+        """The request's last response: why it ended, its usage, who served it."""
+        assert self._stream is not None
+        return pb.GenerateResponse(complete=pb.Complete(
+            request_id=self.request.request_id, finish_reason=reason,
+            usage=pb.Usage(prompt_tokens=len(self._ids),
+                           completion_tokens=self._stream.completion_tokens,
+                           cached_tokens=cached_tokens),
+            served_by=pb.ServedBy(adapter_id=self.key[0], adapter_version=self.key[1],
+                                  worker_id=self.front.worker_id),
+        ))
 
     def failed(self, exc: Exception) -> e.ServiceError:
         """The ServiceError `exc` ends the request with, counted in the metrics."""

@@ -57,6 +57,23 @@ def test_a_first_token_is_woken_before_the_running_streams() -> None:
     assert sorted(woken) == [1, 2, 3, 4]
 
 
+def test_a_running_stream_whose_tokens_were_taken_in_the_turn_is_not_woken() -> None:
+    """The running streams are woken a loop turn after the first tokens; a consumer that ran
+    in that turn (it was not waiting) took its token already, and its event stays clear: a
+    set event with nothing in it would send `Served.wait` back at once."""
+    async def run() -> None:
+        client, streams = client_with((1, 2, 3), first=3)
+        delivered = asyncio.create_task(client._deliver(step([1, 2, 3])))
+        await asyncio.sleep(0)  # _deliver woke the first token and yields its turn
+        assert streams[3].event.is_set() and not streams[1].event.is_set()
+        streams[1].take()  # stream 1's consumer runs in that turn
+        await delivered
+        assert not streams[1].event.is_set() and streams[1].token_ids == []
+        assert streams[2].event.is_set() and streams[3].event.is_set()
+
+    asyncio.run(run())
+
+
 def test_a_step_without_first_tokens_wakes_every_stream_at_once() -> None:
     async def run() -> None:
         client, streams = client_with((1, 2), first=0)

@@ -7,11 +7,14 @@ step's delivery into frames; the worker's count of requests in flight returns to
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
 import grpc
+import pytest
 
 from services.worker import core_protocol as m
 from services.worker.core_client import CoreClient
@@ -234,22 +237,19 @@ def test_the_writers_budget_splits_a_steps_delivery_into_frames(demo_dir: Path) 
 
 
 def test_a_wake_after_its_tokens_were_taken_does_not_end_the_next_wait(demo_dir: Path) -> None:
-    """CoreClient._deliver wakes the running streams a loop turn after the first tokens; a
-    per-call stream may pump its tokens within that turn. The late wake then finds nothing,
-    and `wait` must still wait: returning at once, `serve` would loop without yielding and
-    the worker's loop would never turn again (a hang seen under load)."""
+    """A wake that finds nothing to pump (CoreClient._deliver used to wake running streams
+    whose consumers had taken their tokens in the turn before) must not end the next wait:
+    returning at once, `serve` would loop without yielding and the worker's loop would never
+    turn again (a hang seen under load)."""
     async def run() -> None:
         s = Session(demo_dir)
         served = await s.servicer.open(request(1, 5).request, "t", None)
         await s.core.step()
         assert served.pump()  # the first token's chunk
         assert served._stream is not None
-        served._stream.tokens.wake()  # the late wake: its token is already taken
-        try:
+        served._stream.tokens.wake()  # a stray wake: its token is already taken
+        with pytest.raises(TimeoutError):  # wait returning here would have nothing to pump
             await asyncio.wait_for(served.wait(), 0.05)
-            raise AssertionError("wait returned with nothing to pump")
-        except TimeoutError:
-            pass
         waiting = asyncio.create_task(served.wait())
         await s.core.step()
         await asyncio.wait_for(waiting, 1)  # a real token ends it
@@ -282,9 +282,6 @@ def test_a_stream_resumed_past_its_end_gets_its_end_without_the_core(demo_dir: P
 
 
 def test_the_worker_refuses_a_pump_time_out_of_range() -> None:
-    import subprocess
-    import sys
-
     res = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--model", "/none",
                           "--control-plane", "127.0.0.1:1", "--mux-pump-ms", "-1"],
                          capture_output=True, text=True, timeout=60)
