@@ -14,10 +14,13 @@ sends each finished stream's successor in the next up-frame (each down frame cos
 serialization and a loop turn, as gRPC's write does). Per run: the process's CPU
 seconds per step (user + system: the front's loop share at that step time is this over the
 step) and, per request, the wait from its up-frame's arrival to `CoreClient.add` (the
-front's part of that hop).
+front's part of that hop). `--detokenizers rust,python` sets the text window's decoder beside
+itself: tokenizers' DecodeStream (the front today) against the same window decoded in Python.
 
     python -m bench.front_mux_cost --streams 64,256 --deliveries task,pass --pump-ms 0,0.5 \
         --out bench/results/front-mux-pump-<commit>-cpu.json
+    python -m bench.front_mux_cost --streams 64,256 --pump-ms 0.5 --detokenizers python,rust \
+        --out bench/results/front-mux-detok-<commit>-cpu.json
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import pstats
 import sys
 import tempfile
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,6 +50,15 @@ from services.worker.servicer import WorkerServicer
 from slora.v1 import inference_pb2 as pb
 from slora_core.config import EngineConfig
 from slora_core.tokenizer import Tokenizer
+
+
+class PythonWindowTokenizer(Tokenizer):
+    """A Tokenizer without tokenizers' DecodeStream: TextStream decodes its window in Python
+    (the front before it used DecodeStream)."""
+
+    def decode_stream(self, context: Sequence[int], skip_special_tokens: bool = True,
+                      ) -> None:
+        return None
 
 
 class FakeCore(CoreClient):
@@ -160,6 +172,7 @@ async def run(tokenizer: Tokenizer, model_dir: Path, streams: int, step_s: float
     await cast(AsyncGenerator[pb.MuxDown, None], session).aclose()  # cancels the streams
     waits = [(core.added_at[p] - sent_at[p]) * 1e3 for p in core.added_at if p in sent_at]
     return {"streams": streams, "delivery": delivery, "wake_slice": wake_slice,
+            "detokenizer": "python" if isinstance(tokenizer, PythonWindowTokenizer) else "rust",
             "pump_ms": pump_ms, "step_ms": step_s * 1e3,
             "steps": steps, "tokens": tokens,
             "wall_s": wall, "cpu_s": cpu, "cpu_ms_per_step": cpu / steps * 1e3,
@@ -185,6 +198,9 @@ def main() -> int:
     ap.add_argument("--pump-ms", default="0",
                     help="comma-separated variants of pass: the writer's time a frame "
                          "(MuxSession.pump_budget_s; 0: every stream with news in one frame)")
+    ap.add_argument("--detokenizers", default="rust",
+                    help="comma-separated variants: rust (tokenizers' DecodeStream decodes the "
+                         "text window: the front today), python (the window decoded in Python)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     try:
@@ -197,6 +213,9 @@ def main() -> int:
     deliveries = args.deliveries.split(",")
     if not set(deliveries) <= {"pass", "task"}:
         ap.error(f"--deliveries takes pass and/or task, got {args.deliveries!r}")
+    detoks = args.detokenizers.split(",")
+    if not set(detoks) <= {"rust", "python"}:
+        ap.error(f"--detokenizers takes rust and/or python, got {args.detokenizers!r}")
     if min(streams) < 1 or min(slices) < 0 or min(pumps) < 0:
         ap.error(f"--streams must be 1 or more, --wake-slices and --pump-ms 0 or more, got "
                  f"{args.streams!r}, {args.wake_slices!r} and {args.pump_ms!r}")
@@ -205,23 +224,24 @@ def main() -> int:
             ap.error(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     root = Path(tempfile.mkdtemp(prefix="slora-front-mux-"))
     demo = write_demo_assets(root, seed=0, adapters=())
-    tokenizer = Tokenizer.from_dir(demo.model_dir)
+    tokenizers = {"rust": Tokenizer.from_dir(demo.model_dir),
+                  "python": PythonWindowTokenizer.from_dir(demo.model_dir)}
     result: dict[str, Any] = {**run_record(["bench.front_mux_cost", *sys.argv[1:]]),
                               "host_cpu": host_cpu(), "levels": []}
     # Slices are the task variant's, pump budgets the pass variant's.
-    variants = [(n, w, d, p) for n in streams for d in deliveries
+    variants = [(n, w, d, p, t) for n in streams for d in deliveries
                 for w in (slices if d == "task" else [0])
-                for p in (pumps if d == "pass" else [0.0])]
-    for n, wake_slice, delivery, pump_ms in variants:
+                for p in (pumps if d == "pass" else [0.0]) for t in detoks]
+    for n, wake_slice, delivery, pump_ms, detok in variants:
         prof = cProfile.Profile() if args.profile else None
-        level = asyncio.run(run(tokenizer, demo.model_dir, n, args.step_ms / 1e3,
+        level = asyncio.run(run(tokenizers[detok], demo.model_dir, n, args.step_ms / 1e3,
                                 args.new_tokens, args.seconds, prof, wake_slice, delivery,
                                 pump_ms))
         result["levels"].append(level)
         how = (f"pumped {pump_ms:g} ms a frame" if delivery == "pass" else
                f"a task each, woken {wake_slice} a turn" if wake_slice else
                "a task each, woken at once")
-        print(f"{n} streams {how}, {args.step_ms:g} ms steps: "
+        print(f"{n} streams {how}, {detok} text window, {args.step_ms:g} ms steps: "
               f"{level['cpu_ms_per_step']:.2f} "
               f"ms CPU a step ({level['loop_share']:.0%} of the loop), up-frame -> add "
               f"p50 {level['to_add_ms']['p50']:.2f} / p90 {level['to_add_ms']['p90']:.2f} ms "

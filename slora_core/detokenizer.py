@@ -5,11 +5,13 @@ may span several tokens, and decoding a prefix of them yields U+FFFD. `TextStrea
 window of ids (the offsets scheme of TGI and vLLM) and releases new text only when it does not end
 in U+FFFD, i.e. when the decoder has no incomplete character pending. It also holds back any
 suffix of the text that could grow into a stop string, so a stop string never reaches a client.
+When the tokenizer offers one (`Tokenizer.decode_stream`), the window is decoded by the tokenizers
+library's own incremental decoder, the same scheme in Rust (~0.8 against ~4.5 us a token).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -50,6 +52,10 @@ class TextStream:
         # context's U+FFFD; the context would then not be a prefix of the window's text.
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []
+        # The Rust decoder when the tokenizer has one; the offsets below follow its window.
+        make_step = getattr(tokenizer, "decode_stream", None)
+        self._step: Callable[[int], str | None] | None = (
+            make_step(context, skip_special_tokens) if make_step is not None else None)
         self._ids = context
         self._num_context = len(context)
         self._prefix_offset = 0  # the window decoded each step starts here
@@ -79,6 +85,18 @@ class TextStream:
         if self.stopped or self._finished:
             return ""
         self._ids.append(token_id)
+        if self._step is not None:
+            try:
+                delta = self._step(token_id)
+            except Exception:  # noqa: BLE001 - a window whose text no longer extends its prefix
+                self._step = None  # decoded here from now on, from the same window
+                self._prefix_text = self._decode(
+                    self._ids[self._prefix_offset:self._read_offset])
+            else:
+                if delta is None:
+                    return ""
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                return self._accept(delta)
         new_text = self._decode(self._ids[self._prefix_offset:])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""
@@ -95,6 +113,8 @@ class TextStream:
         self._finished = True
         if self.stopped:
             return ""
+        if self._step is not None:  # the Rust decoder's window, decoded here
+            self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
         out = self._accept(new_text[len(self._prefix_text):])
         if not self.stopped:

@@ -9,13 +9,28 @@ comes from `chat_template.jinja` or tokenizer_config.json (see `slora_core.chat_
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import tokenizers
 
 from slora_core.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+
+
+def _decode_stream_class() -> Any:
+    """tokenizers' incremental decoder when it can be primed with context ids (0.22 on), else
+    None."""
+    try:
+        from tokenizers.decoders import DecodeStream
+        DecodeStream(ids=[], skip_special_tokens=True)
+    except (ImportError, TypeError):
+        return None
+    return DecodeStream
+
+
+_DECODE_STREAM = _decode_stream_class()
 
 
 class TokenizerError(ValueError):
@@ -154,6 +169,18 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form complete UTF-8 characters become U+FFFD."""
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def decode_stream(self, context: Sequence[int], skip_special_tokens: bool = True,
+                      ) -> Callable[[int], str | None] | None:
+        """An incremental decoder in the tokenizers library (Rust), primed with `context` ids
+        whose text it does not return: `step(id)` appends one id and returns the new text once
+        it ends in a complete character (None until then), decoding a window of ids as
+        `TextStream` does. Raises when a window's text stops extending its prefix. None when
+        the installed tokenizers has no primed DecodeStream."""
+        if _DECODE_STREAM is None:
+            return None
+        stream = _DECODE_STREAM(ids=list(context), skip_special_tokens=skip_special_tokens)
+        return cast(Callable[[int], str | None], partial(stream.step, self._backend))
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry (e.g. a special token string), None if absent."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -188,6 +190,69 @@ def test_stop_strings_wait_for_min_tokens(tok: Tokenizer) -> None:
 def test_empty_stop_string_is_rejected(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="stop"):
         TextStream(tok, [], ("",))
+
+
+# The window decoded by tokenizers' DecodeStream (Rust) against the same scheme in Python.
+
+
+class _PythonDecode:
+    """A tokenizer with `decode` alone: TextStream decodes its window in Python."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.decode = tok.decode
+
+
+class _FailingStep:
+    """The real tokenizer whose Rust decoder raises from the `fail_at`-th step on, as
+    DecodeStream does when a window's text stops extending its prefix."""
+
+    def __init__(self, tok: Tokenizer, fail_at: int) -> None:
+        self.decode, self._tok, self._fail_at = tok.decode, tok, fail_at
+
+    def decode_stream(self, context: list[int], skip_special_tokens: bool = True,
+                      ) -> Callable[[int], str | None]:
+        step = self._tok.decode_stream(context, skip_special_tokens)
+        assert step is not None
+        calls = 0
+
+        def failing(token_id: int) -> str | None:
+            nonlocal calls
+            calls += 1
+            if calls >= self._fail_at:
+                raise RuntimeError("invalid prefix")
+            return step(token_id)
+        return failing
+
+
+def _pieces(decoder: Any, ids: list[int], prompt: list[int], stop: tuple[str, ...],
+            min_tokens: int, skip_special: bool) -> tuple[list[str], str, bool, str]:
+    stream = TextStream(decoder, prompt, stop, skip_special_tokens=skip_special,
+                        min_tokens=min_tokens)
+    pieces = [stream.append(t) for t in ids] + [stream.flush()]
+    return pieces, stream.text, stream.stopped, stream.stop_string
+
+
+@pytest.mark.parametrize("style", ["byte-level", "sentencepiece"])
+@pytest.mark.parametrize("seed", range(12))
+def test_rust_window_releases_what_the_python_window_does(tok: Tokenizer, style: str,
+                                                          seed: int) -> None:
+    # Piece by piece, with partial characters, special tokens, stop strings (taken from the
+    # output's own text, so some match and some only start to) and min_tokens.
+    t = tok if style == "byte-level" else _sentencepiece_style()
+    assert t.decode_stream([]) is not None  # this environment's tokenizers has it
+    rng = random.Random(seed)
+    text = SAMPLES[seed % len(SAMPLES)] * 2
+    ids = t.encode(text, add_special_tokens=False)
+    ids[rng.randrange(len(ids)):rng.randrange(len(ids))] = [
+        rng.randrange(t.vocab_size) for _ in range(rng.randrange(8))]
+    prompt = [rng.randrange(t.vocab_size) for _ in range(rng.randrange(0, 8))]
+    at = rng.randrange(len(text) - 3)
+    stop = (text[at:at + rng.randrange(1, 4)], "never") if seed % 3 else ()
+    args = (ids, prompt, stop, rng.randrange(4) * (seed % 2), bool(seed % 4))
+    python = _pieces(_PythonDecode(t), *args)
+    assert _pieces(t, *args) == python
+    # A Rust decoder that gives up midway hands its window to Python: the same pieces.
+    assert _pieces(_FailingStep(t, 1 + seed % 5), *args) == python
 
 
 # Tokenizer: special ids from the directory's config files, and clear errors.
