@@ -127,6 +127,10 @@ class TextStream:
 
     def _accept(self, delta: str) -> str:
         """Append decoded characters; return what can be released now."""
+        if not self._stop:  # nothing to hold back
+            self._text += delta
+            self._released = len(self._text)
+            return delta
         # Only the new characters and the few before them can complete a stop string.
         scan_from = max(0, len(self._text) - self._max_stop + 1)
         self._text += delta
