@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from services.common import errors as e
 from services.common.structured import template_tool_calls, template_tools
@@ -126,24 +127,28 @@ def first_chunk(chunk: pb.Chunk, request: pb.GenerateRequest, prompt_ids: Sequen
         ids = [prompt_ids[0], *(t for t, _, _ in scores)]
         lps = [math.nan, *(lp for _, lp, _ in scores)]
         tops: list[Sequence[tuple[int, float]]] = [(), *(top for _, _, top in scores)]
-        chunk.prompt_logprobs.extend(token_logprobs(text_of, ids, lps, tops))
+        add_token_logprobs(chunk.prompt_logprobs, text_of, ids, lps, tops)
     return chunk
 
 
-def token_logprobs(text_of: Callable[[int], tuple[str, bytes]], token_ids: Sequence[int],
-                   logprobs: Sequence[float], tops: Sequence[Sequence[tuple[int, float]]],
-                   ) -> list[pb.TokenLogprob]:
-    """TokenLogprob messages with each token's text and bytes (`text_of(id)`)."""
-    out = []
+def add_token_logprobs(into: RepeatedCompositeFieldContainer[pb.TokenLogprob],
+                       text_of: Callable[[int], tuple[str, bytes]],
+                       token_ids: Sequence[int], logprobs: Sequence[float],
+                       tops: Sequence[Sequence[tuple[int, float]]] | None = None) -> None:
+    """Add a TokenLogprob a token, with its text and bytes (`text_of(id)`) and those of its
+    alternatives (`tops`, none when None), to the repeated field `into`. Built in place: a
+    message built apart and then added would be copied in (a few us a token)."""
+    if tops is None:
+        for tok, lp in zip(token_ids, logprobs, strict=True):
+            text, raw = text_of(tok)
+            into.add(token_id=tok, logprob=lp, token=text, token_bytes=raw)
+        return
     for tok, lp, top in zip(token_ids, logprobs, tops, strict=True):
         text, raw = text_of(tok)
-        alts = []
+        entry = into.add(token_id=tok, logprob=lp, token=text, token_bytes=raw)
         for i, v in top:
             t, b = text_of(i)
-            alts.append(pb.TopLogprob(token_id=i, logprob=v, token=t, token_bytes=b))
-        out.append(pb.TokenLogprob(token_id=tok, logprob=lp, token=text, token_bytes=raw,
-                                   top_logprobs=alts))
-    return out
+            entry.top_logprobs.add(token_id=i, logprob=v, token=t, token_bytes=b)
 
 
 def prompt_of(req: pb.GenerateRequest) -> str | list[int] | None:

@@ -36,7 +36,8 @@ class Pumped(Protocol):
 
     done: bool
 
-    def pump(self) -> list[pb.GenerateResponse]: ...  # raises the stream's ServiceError
+    # Writes its responses into the messages `new()` gives; raises the stream's ServiceError.
+    def pump_into(self, new: Callable[[], pb.GenerateResponse]) -> None: ...
     def listen(self, wake: Callable[[], None]) -> None: ...
     def close(self) -> None: ...
 
@@ -83,8 +84,8 @@ class MuxSession:
         self._pumped: dict[int, Pumped] = {}  # requests taken, by stream id
         self._timers: dict[int, asyncio.TimerHandle] = {}  # their deadlines
         self._due: dict[int, Pumped] = {}  # streams with news, in the order they had it
-        self._items: list[pb.MuxItem] = []
-        self._ends: list[pb.MuxEnd] = []
+        # The next down frame, its items written in place as streams are pumped.
+        self._frame = pb.MuxDown()
         self._ready = asyncio.Event()
         self._up_closed = False
         self.pump_budget_s = PUMP_BUDGET_S
@@ -97,7 +98,7 @@ class MuxSession:
                 self._ready.clear()
                 while True:
                     self._pump_due(self.pump_budget_s)
-                    if not (self._items or self._ends):
+                    if not (self._frame.items or self._frame.ends):
                         break
                     yield self._take()
                 if reader.done():
@@ -162,7 +163,7 @@ class MuxSession:
         """Streams with news into the pending items, and the end of each that has ended: as
         many as `budget_s` of the loop's time allows (at least one; 0: all), the rest after
         this frame's write."""
-        due = self._due
+        due, items = self._due, self._frame.items
         until = time.perf_counter() + budget_s if budget_s else math.inf
         while due:
             sid = next(iter(due))
@@ -170,15 +171,15 @@ class MuxSession:
             if self._pumped.get(sid) is not served:
                 continue  # cancelled or expired since
             try:
-                responses = served.pump()
+                # Called within this turn of the loop, so `sid` is this stream's.
+                served.pump_into(lambda: items.add(stream_id=sid).response)  # noqa: B023
             except Exception as exc:  # noqa: BLE001 - the stream's own end
                 self._drop(sid)
-                self._ends.append(end_of(sid, e.as_service_error(exc)))
+                self._frame.ends.append(end_of(sid, e.as_service_error(exc)))
                 continue
-            self._items.extend(pb.MuxItem(stream_id=sid, response=r) for r in responses)
             if served.done:
                 self._drop(sid)
-                self._ends.append(end_of(sid, None))
+                self._frame.ends.append(end_of(sid, None))
             if due and time.perf_counter() > until:
                 self._ready.set()
                 return
@@ -187,7 +188,7 @@ class MuxSession:
         self._timers.pop(sid, None)
         if sid in self._pumped:
             self._drop(sid)
-            self._ends.append(end_of(sid, deadline_exceeded()))
+            self._frame.ends.append(end_of(sid, deadline_exceeded()))
             self._ready.set()
 
     def _drop(self, sid: int) -> None:
@@ -202,7 +203,7 @@ class MuxSession:
     def _end(self, sid: int, err: e.ServiceError | None) -> None:
         """A stream's end, unless the gateway cancelled it meanwhile (it wants none)."""
         if self._tasks.pop(sid, None) is not None:
-            self._ends.append(end_of(sid, err))
+            self._frame.ends.append(end_of(sid, err))
             self._ready.set()
 
     async def _run(self, req: pb.MuxRequest) -> None:
@@ -213,7 +214,7 @@ class MuxSession:
             async with contextlib.aclosing(self._serve(req.request, req.tenant, timeout)) as rs:
                 async with asyncio.timeout(timeout):
                     async for r in rs:
-                        self._items.append(pb.MuxItem(stream_id=sid, response=r))
+                        self._frame.items.add(stream_id=sid).response.CopyFrom(r)
                         self._ready.set()
         except TimeoutError:
             err = deadline_exceeded()
@@ -221,16 +222,16 @@ class MuxSession:
             err = e.as_service_error(exc)
         if self._tasks.pop(sid, None) is None:
             return  # cancelled by the gateway meanwhile: it wants no end
-        self._ends.append(end_of(sid, err))
+        self._frame.ends.append(end_of(sid, err))
         self._ready.set()
 
     def _take(self) -> pb.MuxDown:
         """The next frame: every pending item and end, or, past MAX_DOWN_FRAME_BYTES (large
         prompt logprobs), the first half of the items (the rest, and the ends, follow)."""
-        frame = pb.MuxDown(items=self._items, ends=self._ends)
-        if len(self._items) < 2 or frame.ByteSize() <= MAX_DOWN_FRAME_BYTES:
-            self._items, self._ends = [], []
+        frame = self._frame
+        if len(frame.items) < 2 or frame.ByteSize() <= MAX_DOWN_FRAME_BYTES:
+            self._frame = pb.MuxDown()
             return frame
-        half = len(self._items) // 2
-        first, self._items = self._items[:half], self._items[half:]
-        return pb.MuxDown(items=first)
+        half = len(frame.items) // 2
+        self._frame = pb.MuxDown(items=frame.items[half:], ends=frame.ends)
+        return pb.MuxDown(items=frame.items[:half])

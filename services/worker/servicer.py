@@ -19,12 +19,12 @@ import grpc
 from services.common import errors as e
 from services.common import hop_trace
 from services.common.convert import (
+    add_token_logprobs,
     chat_prompt_ids,
     first_chunk,
     fit_to_prompt,
     prompt_of,
     sampling_kwargs,
-    token_logprobs,
 )
 from services.common.hop_auth import TENANT_HEADER
 from services.common.limits import check_generate, check_token_ids
@@ -75,10 +75,11 @@ class Delta:
     text: str
 
 
-def chunk_of(d: Delta, text_of: TokenText) -> pb.Chunk:
-    tops = d.top or [[] for _ in d.token_ids]
-    logprobs = token_logprobs(text_of.of, d.token_ids, d.logprobs, tops)
-    return pb.Chunk(token_ids=d.token_ids, text=d.text, logprobs=logprobs)
+def fill_chunk(chunk: pb.Chunk, d: Delta, text_of: TokenText) -> None:
+    """Write `d` into an empty chunk, in place (see `Served.pump_into`)."""
+    chunk.token_ids.extend(d.token_ids)
+    chunk.text = d.text
+    add_token_logprobs(chunk.logprobs, text_of.of, d.token_ids, d.logprobs, d.top or None)
 
 
 class Detokenized:
@@ -357,45 +358,56 @@ class Served:
         """The responses for what arrived since the last pump (often one chunk); the last is
         the `complete`, after which `done` is set. Raises the ServiceError the request ends
         with (counted in the metrics)."""
+        out: list[pb.GenerateResponse] = []
+
+        def new() -> pb.GenerateResponse:
+            out.append(pb.GenerateResponse())
+            return out[-1]
+        self.pump_into(new)
+        return out
+
+    def pump_into(self, new: Callable[[], pb.GenerateResponse]) -> None:
+        """`pump`, each response written in place into the empty message `new()` gives (a mux
+        frame's next item: no copy is made). Raises as `pump` does."""
         try:
-            return self._pump()
+            self._pump(new)
         except Exception as exc:
             self.done = True
             raise self.failed(exc) from None
 
-    def _pump(self) -> list[pb.GenerateResponse]:
+    def _pump(self, new: Callable[[], pb.GenerateResponse]) -> None:
         if self._pending:
-            out, self._pending = self._pending, []
+            pending, self._pending = self._pending, []
             self.done = True
-            return out
+            for r in pending:
+                new().CopyFrom(r)
+            return
         stream, front, request = self._stream, self.front, self.request
         if stream is None or self.done or not stream.ready():
-            return []
+            return
         delta, finish = stream.take()
         if finish is not None and finish.code:
             if finish.kind == NONFINITE:
                 raise NonfiniteFailure(finish.error)
             raise error_of(finish.code, finish.error, finish.adapter_error)
-        out = []
         if delta.token_ids or delta.text:
             self._nonfinite = self._nonfinite or not all(map(math.isfinite, delta.logprobs))
-            chunk = chunk_of(delta, front.token_text)
+            chunk = new().chunk
+            fill_chunk(chunk, delta, front.token_text)
             if self._first is None and not self._resumed:  # a resumed client has it
-                chunk = first_chunk(chunk, request, self._ids, front.tokenizer.decode,
-                                    stream.tokens.prompt, front.token_text.of)
+                first_chunk(chunk, request, self._ids, front.tokenizer.decode,
+                            stream.tokens.prompt, front.token_text.of)
             if self._first is None:
                 hop_trace.mark("worker_first_out", request.request_id)
                 self._first = time.monotonic()
-            out.append(pb.GenerateResponse(chunk=chunk))
         if finish is not None:
             self.done = True
             self._record_finish()
             hop_trace.mark("worker_complete", request.request_id)
             # A resumed stream's engine prompt also held the tokens replayed after the
             # client's prompt: only the client's prompt counts as cached.
-            out.append(self._complete(finish.reason,
-                                      min(stream.tokens.cached_tokens, len(self._ids))))
-        return out
+            new().CopyFrom(self._complete(finish.reason,
+                                          min(stream.tokens.cached_tokens, len(self._ids))))
 
     def _record_finish(self) -> None:
         assert self._stream is not None

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from services.worker import core_protocol as m
+from services.worker import mux
 from services.worker.core_client import CoreClient
 from services.worker.metrics import WorkerMetrics
 from services.worker.mux import MuxSession
@@ -155,9 +156,9 @@ def test_pumped_streams_answer_as_per_call_and_leave_nothing_in_flight(demo_dir:
             want = await per_call(s.servicer, s.core, request(sid, 3 + sid))
             got = s.items(sid)
             assert [r.WhichOneof("event") for r in got] == [r.WhichOneof("event") for r in want]
-            assert [list(r.chunk.token_ids) for r in got] == [
-                list(r.chunk.token_ids) for r in want]
-            assert "".join(r.chunk.text for r in got) == "".join(r.chunk.text for r in want)
+            assert got == want  # chunks written in place: ids, text, logprobs, the complete
+            assert [lp.token_id for r in got for lp in r.chunk.logprobs] == [
+                t for r in got for t in r.chunk.token_ids] and got[0].chunk.logprobs[0].token
             assert got[-1].complete.usage.completion_tokens == 3 + sid
             assert got[0].chunk.prompt_tokens == 4  # the first chunk's prompt fields
 
@@ -234,6 +235,31 @@ def test_the_writers_budget_splits_a_steps_delivery_into_frames(demo_dir: Path) 
 
     assert asyncio.run(run(0.0)) == [40]
     assert asyncio.run(run(1e-9)) == [1] * 40
+
+
+def test_a_frame_past_the_size_cap_is_cut_in_halves_and_loses_nothing(
+        demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's 16 chunks past MAX_DOWN_FRAME_BYTES go out as 8 and then 4, 2, 1, 1: the ends
+    after every item, each stream's items in order."""
+    monkeypatch.setattr(mux, "MAX_DOWN_FRAME_BYTES", 1)
+
+    async def run() -> None:
+        s = Session(demo_dir)
+        await s.send(*(request(sid, 3) for sid in range(1, 17)))
+        await s.steps(1)
+        before = len(s.frames)
+        await s.steps(1)
+        assert [len(f.items) for f in s.frames[before:]] == [8, 4, 2, 1, 1]
+        await s.steps(2)
+        await s.close()
+        for sid in range(1, 17):
+            got = s.items(sid)
+            assert [len(r.chunk.token_ids) for r in got[:-1]] == [1, 1, 1]
+            assert got[-1].complete.usage.completion_tokens == 3
+        last_item = max(i for i, f in enumerate(s.frames) if f.items)
+        assert all(not f.ends for f in s.frames[:last_item]) and len(s.ends()) == 16
+
+    asyncio.run(run())
 
 
 def test_a_wake_after_its_tokens_were_taken_does_not_end_the_next_wait(demo_dir: Path) -> None:
