@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import tokenizers
 import torch
 
 V = TypeVar("V")
@@ -46,7 +47,8 @@ def run_record(argv: list[str]) -> dict[str, object]:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"command": " ".join(["python", "-m", *argv]), "commit": commit_id(),
             "hardware": gpu, "host_cpu": host_cpu(), "torch": torch.__version__,
-            "python": sys.version.split()[0]}
+            # The worker front's text window runs in Rust from tokenizers 0.22 on.
+            "tokenizers": tokenizers.__version__, "python": sys.version.split()[0]}
 
 
 def save_rows(out: str | None, result: dict[str, Any], rows: list[Any], total: int) -> None:

@@ -168,4 +168,6 @@ def test_a_run_record_names_the_hosts_cpu() -> None:
         info = f.read()
     if "model name" in info:  # x86 hosts (ARM's cpuinfo names no model)
         assert f"model name\t: {cpu['model']}" in info
-    assert run_record(["bench.x"])["host_cpu"] == cpu
+    record = run_record(["bench.x"])
+    assert record["host_cpu"] == cpu
+    assert record["tokenizers"] == __import__("tokenizers").__version__
