@@ -62,6 +62,9 @@ class AdmissionPacer:
     waited: bool = False  # wait_s gave a wait since the last launch
     paced_steps: int = 0  # steps launched after a wait, and their GPU idle gaps in all (s)
     idle_s: float = 0.0
+    waits: int = 0  # the serving loop's waits, their time in all (s), the requests they took
+    waited_s: float = 0.0
+    taken: int = 0
 
     def launched(self, host_s: float, tokens: int) -> bool:
         """A step of `tokens` was launched `host_s` after step() was entered; True when it
@@ -79,13 +82,21 @@ class AdmissionPacer:
             self.idle_s += gap_s
             self.slack_s += min(gap_s, GAP_MAX_S)
 
+    def took(self, waited_s: float, requests: int) -> None:
+        """The serving loop waited `waited_s` before calling step() and took `requests` new
+        requests meanwhile (each joins the next step instead of the one after it)."""
+        self.waits += 1
+        self.waited_s += waited_s
+        self.taken += requests
+
     def summary(self) -> str:
         """One line for the log: what pacing cost the GPU so far."""
         per = self.idle_s / self.paced_steps * 1e6 if self.paced_steps else 0.0
         return (f"{SUMMARY_PREFIX} {self.lead_s * 1e3:g} ms): {self.paced_steps} paced "
                 f"steps, GPU idle before them {self.idle_s * 1e3:.1f} ms in all ({per:.0f} us "
                 f"a step), slack now {self.slack_s * 1e6:.0f} us, host launch "
-                f"{self.host_launch_s * 1e6:.0f} us")
+                f"{self.host_launch_s * 1e6:.0f} us; {self.waits} waits, "
+                f"{self.waited_s * 1e3:.1f} ms in all, took {self.taken} requests")
 
     def trace_key(self, now: float) -> str:
         """Hop traces' `loop_wait` key: what a wait was made of, in us (the step under way's

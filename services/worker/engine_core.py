@@ -109,6 +109,7 @@ class EngineCore:
         self.commands = Commands(engine)
         self._failed: list[m.Finish] = []     # refused requests, sent with the next output
         self._unstarted: set[int] = set()     # rids not yet scheduled
+        self._added = 0  # requests the engine took, in all (late admission counts its own)
         self._last_state: m.EngineState | None = None
         self._warm_at = -WARM_EVERY_S  # when warm_adapters was last sent
         self._active_at = time.monotonic()  # last step or keepalive
@@ -172,10 +173,13 @@ class EngineCore:
             hop_trace.mark("loop_wait", f"{wait * 1e6:.0f}:{pacer.trace_key(time.monotonic())}")
         if wait <= 0.0:
             return True
-        deadline = time.monotonic() + wait
+        start, added = time.monotonic(), self._added
+        deadline = start + wait
         while (left_ms := int((deadline - time.monotonic()) * 1e3)) > 0:
             if inputs.poll(left_ms) and not self._drain(inputs):
                 return False
+        if pacer is not None:
+            pacer.took(time.monotonic() - start, self._added - added)
         return True
 
     def _drain(self, inputs: zmq.Socket) -> bool:
@@ -210,6 +214,7 @@ class EngineCore:
                                          err.adapter_error))
             return
         self._unstarted.add(msg.rid)
+        self._added += 1
         hop_trace.mark("core_added", msg.rid)
 
     def _step(self) -> None:

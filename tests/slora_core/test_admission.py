@@ -24,6 +24,7 @@ from slora_core.admission import (
     size_class,
 )
 from slora_core.config import ConfigError, EngineConfig
+from slora_core.sampling_params import SamplingParams
 
 
 def test_the_wait_runs_to_the_steps_end_less_launch_and_lead() -> None:
@@ -94,6 +95,9 @@ def test_an_idle_gpu_before_a_paced_step_shortens_later_waits_until_probed_back(
     assert pacer.slack_s == pytest.approx(0.0003 - 2 * PROBE_S + GAP_MAX_S)
     assert "3 paced steps, GPU idle before them 5.3 ms in all (1767 us a step)" in (
         pacer.summary())
+    pacer.took(0.004, requests=3)  # the serving loop's waits and what they took
+    pacer.took(0.0025, requests=0)
+    assert pacer.summary().endswith("; 2 waits, 6.5 ms in all, took 3 requests")
     for _ in range(40):  # unpaced launches probe it back to none, never below
         pacer.launched(0.0, tokens=64)
     assert pacer.slack_s == 0.0
@@ -112,10 +116,11 @@ class WaitingEngine:
     """What EngineCore's late admission uses of an engine (its loop's wait; the engine stands
     for its loop here), and the aborts a test sends as the messages to drain."""
 
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, pacer: AdmissionPacer | None = None) -> None:
         self.wait_s = wait_s
-        self.pacer = None  # its log line comes from a real pacer only
+        self.pacer = pacer  # counts the waits and what they took
         self.aborted: list[tuple[str, float]] = []
+        self.added: list[str] = []
 
     @property
     def loop(self) -> WaitingEngine:
@@ -126,6 +131,9 @@ class WaitingEngine:
 
     def abort_request(self, rid: str) -> Any:
         self.aborted.append((rid, time.monotonic()))
+
+    def add_request(self, rid: str, *args: Any, **kwargs: Any) -> None:
+        self.added.append(rid)
 
 
 @pytest.fixture
@@ -161,6 +169,21 @@ def test_the_core_takes_requests_that_arrive_within_the_wait(sockets: Any) -> No
     took = time.monotonic() - began
     assert [rid for rid, _ in engine.aborted] == ["7"]  # drained inside the window
     assert 0.29 <= took < 1.0  # it waited the window out, not just until the first message
+
+
+def test_the_pacer_counts_the_waits_and_the_requests_they_took(sockets: Any) -> None:
+    push, pull = sockets
+    pacer = AdmissionPacer(lead_s=0.001)
+    engine = WaitingEngine(wait_s=0.2, pacer=pacer)
+    core = EngineCore(engine, outputs=None, parent_pid=0)  # type: ignore[arg-type]
+    sampling = m.SamplingMsg.of(SamplingParams(max_new_tokens=3))
+    thread = send_later(push, m.AddRequest(5, [1, 2, 3], sampling), after_s=0.05)
+    assert core._admit_late(pull)
+    thread.join()
+    assert engine.added == ["5"] and (pacer.waits, pacer.taken) == (1, 1)
+    assert 0.19 <= pacer.waited_s < 1.0
+    engine.wait_s = 0.0  # no wait: nothing counted
+    assert core._admit_late(pull) and pacer.waits == 1
 
 
 def test_without_a_wait_the_core_goes_straight_to_the_next_step(sockets: Any) -> None:
