@@ -6,7 +6,8 @@ window of ids (the offsets scheme of TGI and vLLM) and releases new text only wh
 in U+FFFD, i.e. when the decoder has no incomplete character pending. It also holds back any
 suffix of the text that could grow into a stop string, so a stop string never reaches a client.
 When the tokenizer offers one (`Tokenizer.decode_stream`), the window is decoded by the tokenizers
-library's own incremental decoder, the same scheme in Rust (~0.8 against ~4.5 us a token).
+library's own incremental decoder, the same scheme in Rust (on a 2-core CPU an `append` with no
+stop strings costs ~1.15 us with it, ~2.2 us without).
 """
 
 from __future__ import annotations
