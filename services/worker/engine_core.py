@@ -175,8 +175,10 @@ class EngineCore:
             return True
         start, added = time.monotonic(), self._added
         deadline = start + wait
-        while (left_ms := int((deadline - time.monotonic()) * 1e3)) > 0:
-            if inputs.poll(left_ms) and not self._drain(inputs):
+        # zmq polls whole milliseconds: the last fraction of one is polled without blocking,
+        # so the wait ends where the pacer put its end (not up to 1 ms before it).
+        while (left := deadline - time.monotonic()) > 0:
+            if inputs.poll(int(left * 1e3)) and not self._drain(inputs):
                 return False
         if pacer is not None:
             pacer.took(time.monotonic() - start, self._added - added)

@@ -186,6 +186,17 @@ def test_the_pacer_counts_the_waits_and_the_requests_they_took(sockets: Any) -> 
     assert core._admit_late(pull) and pacer.waits == 1
 
 
+def test_the_wait_runs_to_its_end_below_a_millisecond(sockets: Any) -> None:
+    # zmq polls whole milliseconds; the pacer's waits are not whole milliseconds.
+    _, pull = sockets
+    for wait_s in (0.0025, 0.0004):
+        engine = WaitingEngine(wait_s=wait_s)
+        core = EngineCore(engine, outputs=None, parent_pid=0)  # type: ignore[arg-type]
+        began = time.monotonic()
+        assert core._admit_late(pull)
+        assert time.monotonic() - began >= wait_s
+
+
 def test_without_a_wait_the_core_goes_straight_to_the_next_step(sockets: Any) -> None:
     push, pull = sockets
     engine = WaitingEngine(wait_s=0.0)
