@@ -31,6 +31,9 @@ def _decode_stream_class() -> Any:
 
 
 _DECODE_STREAM = _decode_stream_class()
+# Text whose tokens a primed DecodeStream must stream back exactly (multi-byte characters
+# included), once per tokenizer.
+_STREAM_PROBE = "Hello, wörld! 你好 😀 done."
 
 
 class TokenizerError(ValueError):
@@ -90,6 +93,7 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.add_eos_token = add_eos_token
         self.chat_template = chat_template
+        self._primes: bool | None = None  # see _decode_stream_primes
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -177,10 +181,25 @@ class Tokenizer:
         it ends in a complete character (None until then), decoding a window of ids as
         `TextStream` does. Raises when a window's text stops extending its prefix. None when
         the installed tokenizers has no primed DecodeStream."""
-        if _DECODE_STREAM is None:
+        if _DECODE_STREAM is None or not self._decode_stream_primes():
             return None
         stream = _DECODE_STREAM(ids=list(context), skip_special_tokens=skip_special_tokens)
         return cast(Callable[[int], str | None], partial(stream.step, self._backend))
+
+    def _decode_stream_primes(self) -> bool:
+        """Whether a DecodeStream primed with context ids returns the text after them and only
+        that, checked once on a probe: priming came late to tokenizers and its versions need
+        not agree (a stream that also returned the context's text would repeat the prompt)."""
+        if self._primes is None:
+            ids = self.encode(_STREAM_PROBE, add_special_tokens=False)
+            context, head, full = ids[:2], self.decode(ids[:2]), self.decode(ids)
+            try:
+                stream = _DECODE_STREAM(ids=context, skip_special_tokens=True)
+                got = "".join(stream.step(self._backend, t) or "" for t in ids[2:])
+            except Exception:  # noqa: BLE001 - any failure: the Python window instead
+                got = None
+            self._primes = full.startswith(head) and got == full[len(head):]
+        return self._primes
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry (e.g. a special token string), None if absent."""

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers.decoders import DecodeStream
 
+import slora_core.tokenizer as tokenizer_module
 from slora_core.detokenizer import REPLACEMENT_CHAR, TextStream
 from slora_core.tokenizer import Tokenizer, TokenizerError
 
@@ -253,6 +255,28 @@ def test_rust_window_releases_what_the_python_window_does(tok: Tokenizer, style:
     assert _pieces(t, *args) == python
     # A Rust decoder that gives up midway hands its window to Python: the same pieces.
     assert _pieces(_FailingStep(t, 1 + seed % 5), *args) == python
+
+
+def test_a_decode_stream_that_returns_its_context_is_not_used(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tokenizers version whose priming differed (here: the context's text returned on the
+    # first step) would repeat the prompt; the probe finds it and the Python window is used.
+    class Unprimed:
+        def __init__(self, ids: list[int], skip_special_tokens: bool) -> None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            self._context = list(ids)
+
+        def step(self, backend: HFTokenizer, token_id: int) -> str | None:
+            out = "".join(self._stream.step(backend, t) or "" for t in self._context)
+            self._context = []
+            return out + (self._stream.step(backend, token_id) or "") or None
+
+    monkeypatch.setattr(tokenizer_module, "_DECODE_STREAM", Unprimed)
+    tok = Tokenizer.from_dir(model_dir)
+    assert tok.decode_stream([5, 6]) is None
+    ids = tok.encode("Hello 世界! 😀 ok", add_special_tokens=False)
+    stream, deltas = _stream(tok, ids, tok.encode("Prompt: 你"))
+    assert "".join(deltas) == tok.decode(ids)
 
 
 # Tokenizer: special ids from the directory's config files, and clear errors.
