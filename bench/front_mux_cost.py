@@ -172,7 +172,8 @@ async def run(tokenizer: Tokenizer, model_dir: Path, streams: int, step_s: float
     await cast(AsyncGenerator[pb.MuxDown, None], session).aclose()  # cancels the streams
     waits = [(core.added_at[p] - sent_at[p]) * 1e3 for p in core.added_at if p in sent_at]
     return {"streams": streams, "delivery": delivery, "wake_slice": wake_slice,
-            "detokenizer": "python" if isinstance(tokenizer, PythonWindowTokenizer) else "rust",
+            # What TextStream runs on: Rust only where this tokenizers' DecodeStream primes.
+            "detokenizer": "python" if tokenizer.decode_stream([]) is None else "rust",
             "pump_ms": pump_ms, "step_ms": step_s * 1e3,
             "steps": steps, "tokens": tokens,
             "wall_s": wall, "cpu_s": cpu, "cpu_ms_per_step": cpu / steps * 1e3,
