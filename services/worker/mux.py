@@ -101,6 +101,10 @@ class MuxSession:
                     if not (self._frame.items or self._frame.ends):
                         break
                     yield self._take()
+                    if self._tasks:
+                        # Requests being taken (closed-loop successors, often): their
+                        # hand-over to the core runs before the next slice is pumped.
+                        await asyncio.sleep(0)
                 if reader.done():
                     reader.result()  # a broken up-stream raises here
                     if not self._tasks and not self._pumped:

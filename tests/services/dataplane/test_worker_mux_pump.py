@@ -312,3 +312,28 @@ def test_the_worker_refuses_a_pump_time_out_of_range() -> None:
                           "--control-plane", "127.0.0.1:1", "--mux-pump-ms", "-1"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and "--mux-pump-ms must be in [0, 1000]" in res.stderr
+
+
+def test_a_request_arriving_mid_delivery_is_handed_over_before_the_next_slice(
+        demo_dir: Path) -> None:
+    """A successor that arrives while the writer works through a step's slices reaches the
+    core after the frame being written, not after more slices."""
+    async def run() -> int:
+        s = Session(demo_dir, pump_s=1e-9)  # one stream a frame
+        await s.send(*(request(sid, 8) for sid in range(1, 41)))
+        await s.steps(2)
+        await s.core.step()  # a step's tokens for 40 streams: 40 slices
+        for _ in range(3):
+            await asyncio.sleep(0)
+        written = len(s.frames)
+        rids = set(s.core.left)
+        s.up.put_nowait(pb.MuxUp(requests=[request(99, 2)]))
+        while set(s.core.left) == rids:
+            await asyncio.sleep(0)
+        slices = len(s.frames) - written
+        await s.steps(8)
+        await s.close()
+        assert s.items(99)[-1].complete.usage.completion_tokens == 2
+        return slices
+
+    assert asyncio.run(run()) <= 1
