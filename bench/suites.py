@@ -704,3 +704,12 @@ SUITES["service-path-front-pump-lead1"] = (
     _admission("service-front-pump-lead1", 260, 1, levels="256", per_stream=8, leads="1",
                stem="service-overhead-7b-gw4-front-pump-lead1-c256",
                extra=("--new-tokens-spread", "32")),)
+# The writer's slice at 0.25 ms against the default 0.5 ms, both with the 1 ms lead (one
+# repeat, ~300 s on a slow host). On a 2-core CPU, once requests being taken go before the next
+# slice (36419fc), a new request's wait for the front tracks the slice: 0.37-0.40 ms p50 at
+# 0.25, 0.65-0.67 at 0.5, 1.25-1.29 at 1, the front's CPU a step the same
+# (front-mux-budgets-4839bca-cpu.json); on a GPU host every frame is one gRPC write more.
+SUITES["service-path-front-budget"] = (
+    _admission("service-front-budget", 330, 1, levels="256", per_stream=8, leads="1",
+               stem="service-overhead-7b-gw4-front-budget-c256",
+               extra=("--new-tokens-spread", "32", "--worker-mux-pump-ms", "0.25,0.5")),)
