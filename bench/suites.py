@@ -713,3 +713,12 @@ SUITES["service-path-front-budget"] = (
     _admission("service-front-budget", 330, 1, levels="256", per_stream=8, leads="1",
                stem="service-overhead-7b-gw4-front-budget-c256",
                extra=("--new-tokens-spread", "32", "--worker-mux-pump-ms", "0.25,0.5")),)
+# At 64 streams each of 4 gateway processes holds 16 streams of the worker, under the auto
+# upstream's 32, so it calls per request; once the front pumps its mux streams and writes them
+# in place (a 64-stream step's delivery 1.8 ms of front CPU on a 2-core CPU,
+# front-mux-inplace-99ef60b-r1-cpu.json) the mux may win there too: the auto gateway beside one
+# that always takes the mux (`--also-upstream mux`), lead off, three repeats (~330 s).
+SUITES["service-path-mux-c64"] = (
+    _admission("service-mux-c64", 420, 3, levels="64", per_stream=8, leads="0",
+               stem="service-overhead-7b-gw4-mux-c64",
+               extra=("--new-tokens-spread", "32", "--also-upstream", "mux")),)
