@@ -678,6 +678,13 @@ SUITES["service-path-admission-trace-core"] = (
     _admission("service-admission-untraced-1ms", 240, 1, levels="256", per_stream=8,
                leads="1", stem="service-overhead-7b-gw4-admission-spread32-untraced-1ms-c256",
                extra=("--new-tokens-spread", "32")))
+def _front(name: str, limit_s: int, repeats: int, leads: str, stem: str,
+           *extra: str, levels: str = "256") -> Step:
+    """The worker front's runs: output lengths 32-96, 8 requests a stream, untraced."""
+    return _admission(name, limit_s, repeats, levels=levels, per_stream=8, leads=leads,
+                      stem=stem, extra=("--new-tokens-spread", "32", *extra))
+
+
 # The worker front's mux writer: streams pumped in one pass, a frame written every ~0.5 ms of
 # pumping (--mux-pump-ms, the default since f33e615) against one frame for a step's every
 # stream (0), each with the late-admission lead off and at 1 ms, the worker restarted between
@@ -686,39 +693,33 @@ SUITES["service-path-admission-trace-core"] = (
 # bench.front_mux_cost); here: what the gateway adds to TTFT, and whether a shorter hop lets
 # the lead's window catch the successors untraced.
 SUITES["service-path-front-pump"] = (
-    _admission("service-front-pump", 540, 1, levels="256", per_stream=8, leads="0,1",
-               stem="service-overhead-7b-gw4-front-pump-c256",
-               extra=("--new-tokens-spread", "32", "--worker-mux-pump-ms", "0,0.5")),)
+    _front("service-front-pump", 540, 1, "0,1", "service-overhead-7b-gw4-front-pump-c256",
+           "--worker-mux-pump-ms", "0,0.5"),)
 # The 1 ms lead with the pump gave +15.0 ms against +19.5 off at 256 streams, one repeat each
 # (service-overhead-7b-gw4-front-pump-c256-3b33b95-h100.json): three repeats of both, the
 # pump at its default, before the lead becomes a default (~380 s on a slow host).
 SUITES["service-path-front-pump-3r"] = (
-    _admission("service-front-pump-3r", 540, 3, levels="256", per_stream=8, leads="0,1",
-               stem="service-overhead-7b-gw4-front-pump-3r-c256",
-               extra=("--new-tokens-spread", "32")),)
+    _front("service-front-pump-3r", 540, 3, "0,1", "service-overhead-7b-gw4-front-pump-3r-c256"),)
 # The 1 ms lead with the pump once more on another host (one repeat; the lead-off figure at
 # 256 streams was 19.2-20.5 ms on every host). Not for a call with ~300 s left: on a slow host
 # it was cut at 189 s before it measured (the stack routable at 121.5 s, then the in-process
 # engine's warm-up; ed5e48c); give it ~260 s.
 SUITES["service-path-front-pump-lead1"] = (
-    _admission("service-front-pump-lead1", 260, 1, levels="256", per_stream=8, leads="1",
-               stem="service-overhead-7b-gw4-front-pump-lead1-c256",
-               extra=("--new-tokens-spread", "32")),)
+    _front("service-front-pump-lead1", 260, 1, "1",
+           "service-overhead-7b-gw4-front-pump-lead1-c256"),)
 # The writer's slice at 0.25 ms against the default 0.5 ms, both with the 1 ms lead (one
 # repeat, ~300 s on a slow host). On a 2-core CPU, once requests being taken go before the next
 # slice (36419fc), a new request's wait for the front tracks the slice: 0.37-0.40 ms p50 at
 # 0.25, 0.65-0.67 at 0.5, 1.25-1.29 at 1, the front's CPU a step the same
 # (front-mux-budgets-4839bca-cpu.json); on a GPU host every frame is one gRPC write more.
 SUITES["service-path-front-budget"] = (
-    _admission("service-front-budget", 330, 1, levels="256", per_stream=8, leads="1",
-               stem="service-overhead-7b-gw4-front-budget-c256",
-               extra=("--new-tokens-spread", "32", "--worker-mux-pump-ms", "0.25,0.5")),)
+    _front("service-front-budget", 330, 1, "1", "service-overhead-7b-gw4-front-budget-c256",
+           "--worker-mux-pump-ms", "0.25,0.5"),)
 # At 64 streams each of 4 gateway processes holds 16 streams of the worker, under the auto
 # upstream's 32, so it calls per request; once the front pumps its mux streams and writes them
 # in place (a 64-stream step's delivery 1.8 ms of front CPU on a 2-core CPU,
 # front-mux-inplace-99ef60b-r1-cpu.json) the mux may win there too: the auto gateway beside one
 # that always takes the mux (`--also-upstream mux`), lead off, three repeats (~330 s).
 SUITES["service-path-mux-c64"] = (
-    _admission("service-mux-c64", 420, 3, levels="64", per_stream=8, leads="0",
-               stem="service-overhead-7b-gw4-mux-c64",
-               extra=("--new-tokens-spread", "32", "--also-upstream", "mux")),)
+    _front("service-mux-c64", 420, 3, "0", "service-overhead-7b-gw4-mux-c64",
+           "--also-upstream", "mux", levels="64"),)

@@ -18,19 +18,9 @@ import tokenizers
 
 from slora_core.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 
-
-def _decode_stream_class() -> Any:
-    """tokenizers' incremental decoder when it can be primed with context ids (0.22 on), else
-    None."""
-    try:
-        from tokenizers.decoders import DecodeStream
-        DecodeStream(ids=[], skip_special_tokens=True)
-    except (ImportError, TypeError):
-        return None
-    return DecodeStream
-
-
-_DECODE_STREAM = _decode_stream_class()
+# tokenizers' incremental decoder (0.21 on; None before). Whether it can be primed with context
+# ids, and primes as TextStream's window needs, is checked on a probe (`_decode_stream_primes`).
+_DECODE_STREAM: Any = getattr(tokenizers.decoders, "DecodeStream", None)
 # Text whose tokens a primed DecodeStream must stream back exactly (multi-byte characters
 # included), once per tokenizer.
 _STREAM_PROBE = "Hello, wörld! 你好 😀 done."
@@ -180,7 +170,7 @@ class Tokenizer:
         whose text it does not return: `step(id)` appends one id and returns the new text once
         it ends in a complete character (None until then), decoding a window of ids as
         `TextStream` does. Raises when a window's text stops extending its prefix. None when
-        the installed tokenizers has no primed DecodeStream."""
+        the installed tokenizers has no DecodeStream that primes so."""
         if _DECODE_STREAM is None or not self._decode_stream_primes():
             return None
         stream = _DECODE_STREAM(ids=list(context), skip_special_tokens=skip_special_tokens)

@@ -2,7 +2,7 @@
 
 Each request is taken by the servicer's `open` (checks, tokenizing, the hand-over to the core)
 in a task of its own; from then on it has no task: its token stream calls the session when a
-step brings it news, and the writer pumps the streams with news (`Pumped.pump`) into `MuxDown`
+step brings it news, and the writer pumps the streams with news (`Pumped.pump_into`) into `MuxDown`
 frames, writing one every `PUMP_BUDGET_S` of pumping: the event loop pays a few writes a step
 and no task wake a stream, and a request that arrives meanwhile waits one slice of the step's
 delivery, not all of it. While one frame is being written the next one's streams gather. (A
@@ -224,10 +224,7 @@ class MuxSession:
             err = deadline_exceeded()
         except Exception as exc:  # noqa: BLE001 - the stream's own end, as per-call would say
             err = e.as_service_error(exc)
-        if self._tasks.pop(sid, None) is None:
-            return  # cancelled by the gateway meanwhile: it wants no end
-        self._frame.ends.append(end_of(sid, err))
-        self._ready.set()
+        self._end(sid, err)
 
     def _take(self) -> pb.MuxDown:
         """The next frame: every pending item and end, or, past MAX_DOWN_FRAME_BYTES (large

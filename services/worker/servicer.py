@@ -318,7 +318,8 @@ class Served:
             held = stream.end_text()  # text the detokenizer still held back
             if held:
                 self._pending.append(pb.GenerateResponse(chunk=pb.Chunk(text=held)))
-            self._pending.append(self._complete(end or "length"))
+            self._pending.append(pb.GenerateResponse())
+            self._complete(self._pending[-1], end or "length")
             return
         # Timed before the hand-over: the core may mark core_added before add returns.
         handed = time.time()
@@ -406,8 +407,7 @@ class Served:
             hop_trace.mark("worker_complete", request.request_id)
             # A resumed stream's engine prompt also held the tokens replayed after the
             # client's prompt: only the client's prompt counts as cached.
-            new().CopyFrom(self._complete(finish.reason,
-                                          min(stream.tokens.cached_tokens, len(self._ids))))
+            self._complete(new(), finish.reason, min(stream.tokens.cached_tokens, len(self._ids)))
 
     def _record_finish(self) -> None:
         assert self._stream is not None
@@ -418,17 +418,17 @@ class Served:
         metrics.record_finish(self.key, ttft, time.monotonic() - start,
                               self._stream.completion_tokens, self._nonfinite)
 
-    def _complete(self, reason: str, cached_tokens: int = 0) -> pb.GenerateResponse:
-        """The request's last response: why it ended, its usage, who served it."""
+    def _complete(self, into: pb.GenerateResponse, reason: str, cached_tokens: int = 0) -> None:
+        """Write the request's last response into `into`: why it ended, its usage, who served
+        it."""
         assert self._stream is not None
-        return pb.GenerateResponse(complete=pb.Complete(
-            request_id=self.request.request_id, finish_reason=reason,
-            usage=pb.Usage(prompt_tokens=len(self._ids),
-                           completion_tokens=self._stream.completion_tokens,
-                           cached_tokens=cached_tokens),
-            served_by=pb.ServedBy(adapter_id=self.key[0], adapter_version=self.key[1],
-                                  worker_id=self.front.worker_id),
-        ))
+        done = into.complete
+        done.request_id, done.finish_reason = self.request.request_id, reason
+        done.usage.prompt_tokens = len(self._ids)
+        done.usage.completion_tokens = self._stream.completion_tokens
+        done.usage.cached_tokens = cached_tokens
+        done.served_by.adapter_id, done.served_by.adapter_version = self.key
+        done.served_by.worker_id = self.front.worker_id
 
     def failed(self, exc: Exception) -> e.ServiceError:
         """The ServiceError `exc` ends the request with, counted in the metrics."""
