@@ -27,13 +27,16 @@ import multiprocessing
 import os
 import sys
 import tempfile
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from functools import partial
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 
 from bench.grpc_stream_cost import cpu_s
 from services.commands.gateway import MUX_FROM_DEFAULT, UPSTREAM_ENV
@@ -68,11 +71,27 @@ class _Stream:
 
 
 class FakeWorker(pb_grpc.InferenceServiceServicer):
-    """Every `step_s` (one engine step) each running stream is given one token."""
+    """Every `step_s` (one engine step) each running stream is given one token.
+
+    It also times the closed loop's hand-over, what the engine's late-admission lead waits
+    for: a stream's last token is given at a step (its tick); a request that arrives is paired
+    with the earliest unpaired last-token tick (first in, first out) and its lag is the time
+    from that tick to its arrival. A client's next request is sent once its previous one has
+    ended, so the lag is the way down (worker -> gateway -> client) and back up."""
 
     def __init__(self, step_s: float) -> None:
         self.step_s = step_s
         self.streams: set[_Stream] = set()
+        self.tick = 0.0  # loop.time() of the latest step
+        self.ended_at: deque[float] = deque()  # ticks that gave a stream its last token
+        self.lags: list[float] = []  # seconds, since the lags were last taken
+
+    def take_lags(self) -> list[float]:
+        """The lags since the last call; the unpaired ticks are dropped (a run's last
+        requests have no successor)."""
+        lags, self.lags = self.lags, []
+        self.ended_at.clear()
+        return lags
 
     async def step_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -80,6 +99,7 @@ class FakeWorker(pb_grpc.InferenceServiceServicer):
         while True:
             due = max(due + self.step_s, loop.time())
             await asyncio.sleep(due - loop.time())
+            self.tick = loop.time()
             for s in self.streams:
                 s.pending += 1
                 s.ready.set()
@@ -97,6 +117,8 @@ class FakeWorker(pb_grpc.InferenceServiceServicer):
     async def serve(self, request: pb.GenerateRequest, _tenant: str, _timeout: float | None,
                     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """One request, per call or on a mux (as the worker's own `serve`)."""
+        if self.ended_at:
+            self.lags.append(asyncio.get_running_loop().time() - self.ended_at.popleft())
         n = request.sampling.max_new_tokens or 16
         stream = _Stream()
         self.streams.add(stream)
@@ -107,6 +129,8 @@ class FakeWorker(pb_grpc.InferenceServiceServicer):
                 stream.ready.clear()
                 k = min(stream.pending, n - sent)  # a front that fell behind sends them as one
                 stream.pending = 0
+                if sent + k == n:
+                    self.ended_at.append(self.tick)
                 yield pb.GenerateResponse(chunk=pb.Chunk(
                     token_ids=range(1000 + sent, 1000 + sent + k), text=" tok" * k))
                 sent += k
@@ -121,9 +145,17 @@ class FakeWorker(pb_grpc.InferenceServiceServicer):
                                   worker_id=WORKER_ID)))
 
 
-def serve_fake_worker(listen: str, step_s: float) -> None:
+def serve_fake_worker(listen: str, step_s: float, lags: Connection) -> None:
+    """The fake worker's process; each message on `lags` is answered with the lags since the
+    previous one (FakeWorker.take_lags)."""
     async def run() -> None:
         worker = FakeWorker(step_s)
+
+        def answer() -> None:
+            lags.recv()
+            lags.send(worker.take_lags())
+
+        asyncio.get_running_loop().add_reader(lags.fileno(), answer)
         handle = await start_server(
             listen, lambda s: pb_grpc.add_InferenceServiceServicer_to_server(worker, s),
             ["slora.v1.InferenceService"], interceptors=[GatewayOnlyInterceptor(GATEWAY_TOKEN)])
@@ -165,13 +197,25 @@ def serve_control_plane(listen: str, worker_address: str) -> None:
 
 
 # ---- measuring ----------------------------------------------------------------------------
-def measured(run: Any, pids: dict[str, int | list[int]]) -> dict[str, Any]:
-    """`run()`'s summary plus each process's (or group's) CPU seconds per 1,000 tokens."""
+def lags_ms(conn: Connection) -> list[float]:
+    """The fake worker's hand-over lags since the last call, in ms (serve_fake_worker)."""
+    conn.send("take")
+    return [x * 1e3 for x in conn.recv()]
+
+
+def measured(run: Any, pids: dict[str, int | list[int]], lags: Connection) -> dict[str, Any]:
+    """`run()`'s summary, each process's (or group's) CPU seconds per 1,000 tokens, and the
+    hand-over lag's p50 and p90 (FakeWorker)."""
     def spent(p: int | list[int]) -> float:
         return sum(cpu_s(x) for x in ([p] if isinstance(p, int) else p))
 
     before = {k: spent(p) for k, p in pids.items()}
+    lags_ms(lags)
     out: dict[str, Any] = run()
+    lag = lags_ms(lags)
+    out["handover_lags"] = len(lag)
+    out["handover_lag_p50_ms"], out["handover_lag_p90_ms"] = (
+        (float(np.percentile(lag, 50)), float(np.percentile(lag, 90))) if lag else (0.0, 0.0))
     tokens = max(out["output_tokens"], 1)
     for k, p in pids.items():
         used = spent(p) - before[k]
@@ -196,7 +240,7 @@ class Gateway:
     child: Child
 
 
-def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
+def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int, Connection],
             gateways: list[Gateway], c: int, repeats: int) -> dict[str, Any]:
     """Interleaved repeats: the worker direct, then each gateway over gRPC and HTTP (the
     gateways' order rotates each repeat); CPU is charged to the gateway the run went through."""
@@ -212,32 +256,36 @@ def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int],
     )
 
     reqs = workload([], c * args.requests_per_stream, vocab=512)
-    n, procs = Lengths(args.new_tokens), args.client_procs
+    n, procs = Lengths(args.new_tokens, args.new_tokens_spread), args.client_procs
     runs: dict[str, list[dict[str, Any]]] = {"direct": []}
     for r in range(repeats):
         direct: dict[str, int | list[int]] = {
             "gateway": gateways[0].child.popen.pid, "worker": worker[1], "client": pool_pids(pool)}
         runs["direct"].append(measured(partial(
             run_grpc, pool, procs, worker[0], ((GATEWAY_HEADER, GATEWAY_TOKEN),), reqs, n, c,
-            direct=True), direct))
+            direct=True), direct, worker[2]))
         for g in gateways[r % len(gateways):] + gateways[:r % len(gateways)]:
             pids: dict[str, int | list[int]] = {
                 "gateway": g.child.popen.pid, "worker": worker[1], "client": pool_pids(pool)}
             runs.setdefault(f"{g.name}/grpc", []).append(measured(partial(
-                run_grpc, pool, procs, g.grpc, bearer(TENANT_KEY), reqs, n, c), pids))
+                run_grpc, pool, procs, g.grpc, bearer(TENANT_KEY), reqs, n, c), pids, worker[2]))
             for lib in args.http_clients:
                 runs.setdefault(f"{g.name}/{http_path(lib)}", []).append(measured(partial(
-                    run_http, pool, procs, g.http, TENANT_KEY, reqs, n, c, lib), pids))
+                    run_http, pool, procs, g.http, TENANT_KEY, reqs, n, c, lib), pids, worker[2]))
         line = {k: (round(v[-1]["output_tok_per_s"]),
-                    round(v[-1]["gateway_cpu_s_per_1k_tokens"], 3)) for k, v in runs.items()}
+                    round(v[-1]["gateway_cpu_s_per_1k_tokens"], 3),
+                    round(v[-1]["handover_lag_p50_ms"], 2)) for k, v in runs.items()}
         errors = {k: v[-1]["errors"][:2] for k, v in runs.items() if v[-1]["errors"]}
-        print(f"c={c} repeat {r + 1}: (tok/s, gateway cpu s/1k tok) {line} {errors}", flush=True)
+        print(f"c={c} repeat {r + 1}: (tok/s, gateway cpu s/1k tok, hand-over lag p50 ms) "
+              f"{line} {errors}", flush=True)
     vs_direct = {k: spread([compare(d, o) for d, o in zip(runs["direct"], v, strict=True)])
                  for k, v in runs.items() if k != "direct"}
     cpu = {k: spread([{"gateway_cpu_s_per_1k_tokens": x["gateway_cpu_s_per_1k_tokens"],
                        "worker_cpu_s_per_1k_tokens": x["worker_cpu_s_per_1k_tokens"],
                        "client_cpu_s_per_1k_tokens": x["client_cpu_s_per_1k_tokens"],
-                       "output_tok_per_s": x["output_tok_per_s"]} for x in v])
+                       "output_tok_per_s": x["output_tok_per_s"],
+                       "handover_lag_p50_ms": x["handover_lag_p50_ms"],
+                       "handover_lag_p90_ms": x["handover_lag_p90_ms"]} for x in v])
            for k, v in runs.items()}
     return {"concurrency": c, "requests": len(reqs), "vs_direct": vs_direct, "per_path": cpu,
             "runs": runs}
@@ -269,6 +317,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrency", default="64,256", help="comma-separated streams in flight")
     ap.add_argument("--requests-per-stream", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens-spread", type=int, default=0,
+                    help="lengths new_tokens +- this, fixed by the prompt (0: all equal, so the "
+                         "closed loop runs in waves)")
     ap.add_argument("--step-ms", type=float, default=15.0, help="the fake engine's step time")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--client-procs", type=int, default=4)
@@ -281,8 +332,10 @@ def parse_args() -> argparse.Namespace:
                          "mux (GenerateMux), call (one Generate call a request) and auto (per "
                          f"call, then the mux from {MUX_FROM_DEFAULT} streams in flight on the "
                          "worker on)")
-    ap.add_argument("--http-clients", default=["httpx"], type=http_clients_arg,
-                    help="comma-separated HTTP client libraries (httpx, aiohttp), a path each")
+    ap.add_argument("--http-clients", default=["httpx"],
+                    type=lambda t: [] if t == "none" else http_clients_arg(t),
+                    help="comma-separated HTTP client libraries (httpx, aiohttp), a path each; "
+                         "none: gRPC only")
     ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")
     ap.add_argument("--out", default=None)
     return ap.parse_args()
@@ -296,7 +349,8 @@ def main() -> int:
     variants = [v.split("=", 1) for v in args.variant or ["this=."]]
     ctx = multiprocessing.get_context("spawn")
     worker_at, cp_at = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    worker = ctx.Process(target=serve_fake_worker, args=(worker_at, args.step_ms / 1e3),
+    lags, worker_lags = ctx.Pipe()
+    worker = ctx.Process(target=serve_fake_worker, args=(worker_at, args.step_ms / 1e3, worker_lags),
                          daemon=True)
     cp = ctx.Process(target=serve_control_plane, args=(cp_at, worker_at), daemon=True)
     worker.start()
@@ -313,11 +367,11 @@ def main() -> int:
         result: dict[str, Any] = {
             **run_record(["bench.gateway_hop", *sys.argv[1:]]), "hardware": hardware(),
             "variants": {g.name: str(g.tree) for g in gateways}, "note": args.note,
-            "new_tokens": args.new_tokens, "step_ms": args.step_ms, "repeats": args.repeats,
+            "new_tokens": args.new_tokens, "new_tokens_spread": args.new_tokens_spread, "step_ms": args.step_ms, "repeats": args.repeats,
             "client_procs": args.client_procs, "levels": []}
-        measure(args, pool, (worker_at, worker.pid), gateways, 8, 1)  # warm-up
+        measure(args, pool, (worker_at, worker.pid, lags), gateways, 8, 1)  # warm-up
         for c in [int(x) for x in args.concurrency.split(",")]:
-            result["levels"].append(measure(args, pool, (worker_at, worker.pid), gateways, c,
+            result["levels"].append(measure(args, pool, (worker_at, worker.pid, lags), gateways, c,
                                             args.repeats))
             if args.out:  # what is measured so far survives a later failure
                 Path(args.out).write_text(json.dumps(result, indent=1))

@@ -431,3 +431,67 @@ def test_an_idle_mux_is_closed_and_the_next_request_opens_another(
             await stop_all(router, workers)
 
     asyncio.run(scenario())
+
+
+class _FramesCall:
+    """A GenerateMux call whose down-frames the test hands in (WorkerMux reads it)."""
+
+    def __init__(self) -> None:
+        self.down: asyncio.Queue[pb.MuxDown | None] = asyncio.Queue()
+
+    def __aiter__(self) -> _FramesCall:
+        return self
+
+    async def __anext__(self) -> pb.MuxDown:
+        frame = await self.down.get()
+        if frame is None:
+            raise StopAsyncIteration
+        return frame
+
+    async def write(self, _frame: pb.MuxUp) -> None:
+        pass
+
+    def done(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_streams_a_frame_ends_are_handed_their_answer_before_the_frames_other_streams() -> None:
+    """Once a frame ends a stream, its caller has its last response and its end before this
+    process relays the frame's other streams: a closed-loop client sends its next request the
+    sooner (WorkerMux._hand_out_ending_first). Every stream still gets each of its responses."""
+    async def scenario() -> None:
+        call = _FramesCall()
+        channels = type("Channels", (), {"stub": lambda _self, _addr: type(
+            "Stub", (), {"GenerateMux": lambda _s: call})()})()
+        mux = mux_module.WorkerMux(channels, "w1")  # type: ignore[arg-type]
+        streams = [mux.open(ids_request([i], 4), "t", None, lambda: None)  # type: ignore[arg-type,return-value]
+                   for i in range(4)]
+        events: list[tuple[str, int, list[int]]] = []
+
+        async def consume(i: int) -> None:
+            async for batch in streams[i].batches():
+                events.append(("batch", i, [t for r in batch for t in r.chunk.token_ids]))
+            events.append(("end", i, []))
+
+        tasks = [asyncio.create_task(consume(i)) for i in range(4)]
+        await asyncio.sleep(0)
+        down = pb.MuxDown()
+        for i, s in enumerate(streams):
+            down.items.add(stream_id=s.stream_id).response.chunk.token_ids.append(10 + i)
+        down.ends.add(stream_id=streams[2].stream_id)
+        await call.down.put(down)
+        await until(lambda: len(events) == 5)
+        assert events[:2] == [("batch", 2, [12]), ("end", 2, [])]
+        assert sorted(events[2:]) == [("batch", 0, [10]), ("batch", 1, [11]), ("batch", 3, [13])]
+        final = pb.MuxDown()
+        for i in (0, 1, 3):
+            final.ends.add(stream_id=streams[i].stream_id)
+        await call.down.put(final)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert sorted(e[:2] for e in events[5:]) == [("end", 0), ("end", 1), ("end", 3)]
+        mux.close()
+
+    asyncio.run(scenario())
