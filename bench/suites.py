@@ -719,7 +719,16 @@ SUITES["service-path-front-budget"] = (
 # upstream's 32, so it calls per request; once the front pumps its mux streams and writes them
 # in place (a 64-stream step's delivery 1.8 ms of front CPU on a 2-core CPU,
 # front-mux-inplace-99ef60b-r1-cpu.json) the mux may win there too: the auto gateway beside one
-# that always takes the mux (`--also-upstream mux`), lead off, three repeats (~330 s).
+# that always takes the mux (`--also-upstream mux`), the lead at its 1 ms default, three
+# repeats (~330 s).
 SUITES["service-path-mux-c64"] = (
-    _front("service-mux-c64", 420, 3, "0", "service-overhead-7b-gw4-mux-c64",
+    _front("service-mux-c64", 420, 3, "1", "service-overhead-7b-gw4-mux-c64",
            "--also-upstream", "mux", levels="64"),)
+# The 1 ms lead became the default on its 256-stream figures with the new front (0.25 ms
+# [0.24, 0.54] added against 19.2 off, three repeats;
+# service-overhead-7b-gw4-front-pump-3r-c256-f65c29b-h100.json); at 64 streams it was last
+# measured before the front's changes (6.0 against 7.2 ms off, c123b76): off against 1 ms,
+# three repeats (~330 s).
+SUITES["service-path-lead-c64-3r"] = (
+    _front("service-lead-c64-3r", 420, 3, "0,1", "service-overhead-7b-gw4-lead-c64-3r",
+           levels="64"),)

@@ -222,24 +222,18 @@ class EngineConfig:
         None, "launch each step before reading the previous one's tokens, which feed it on "
               "the device (overlaps host work with the GPU; outputs come one step() later; "
               "default: on for one CUDA device, off otherwise)")
-    # Off: measured three times at 1 ms on an H100 (gRPC, 256 streams, the gateway path
-    # against the worker with it off), it did not hold: 1.037x the tokens/s and 9.5 ms less
-    # request TTFT p50, then 0.990x and +12.1 ms, then in a run three times as long 0.989x
-    # and -0.5 ms. Direct to the worker it cut TTFT p50 every time (25, 91 and 17 ms); its GPU
-    # idled 264-433 us before each paced step in the long run (docs/performance.md, "Late
-    # admission"). Those runs had step() wait for its launched step; after that fix (57ee3f6)
-    # the pacer held its windows and still cut no TTFT through the gateway (docs/performance.md,
-    # "After the host-copy fix"): every request there asked for 64 tokens, so successors came
-    # in waves. With output lengths spread 32-96 (3df18d9, one repeat) 1 ms cut the request
-    # TTFT p50 the gateway adds from 6.8 to 3.9 ms at 64 streams and from 20.5 to 1.6 ms at
-    # 256, at 0.969x and 1.009x of in-process throughput (0.976x and 1.020x off). Three
-    # repeats (c123b76, bench suite service-path-admission-spread-3r) kept 1.2 ms of it at 64
-    # streams (7.2 -> 6.0 ms) and none at 256 (19.4 -> 19.3 ms): it stays off by default.
-    # Traced again (8461c0f) it gained at 256 (20.0 -> 1.0 ms): suite
-    # service-path-admission-trace-ab asks whether the hop trace (or the traced runs' faster
-    # host) is what makes it win.
+    # On at 1 ms since the worker front pumps its mux streams, writes them in place and hands
+    # arriving requests to the core before its next slice (f33e615..36419fc): on an H100 at
+    # f65c29b, 256 streams, output lengths 32-96, untraced, it cut the request TTFT p50 the
+    # gateway adds from 19.2 ms [19.2, 19.3] to 0.25 ms [0.24, 0.54] over three repeats, at
+    # 1.016x of in-process throughput (1.031x off), and in four more runs on that host
+    # (traced or not, writer slices of 0.25 and 0.5 ms) to 0.05-0.81 ms (docs/performance.md,
+    # "Late admission wins"). Its GPU idles ~150-250 us before each paced step. Before those
+    # front changes it had held only when traced (c123b76: 64 streams 7.2 -> 6.0 ms, 256
+    # streams 19.4 -> 19.3, three repeats). Direct to the worker (not the gateway's path) it
+    # moved both ways at 256 streams (13.5 -> 22.1 ms, 101.7 -> 17.6). 0 turns it off.
     admission_lead_ms: float = knob(
-        0.0, "with asynchronous steps, the serving loop takes new requests after a step "
+        1.0, "with asynchronous steps, the serving loop takes new requests after a step "
              "returns until the step under way on the GPU is about to end, less the host's "
              "launch time and this many ms, so that they join the next step (0: off)")
     # The batch-64 decode step with 64 adapters gains 0.5-0.8 ms (1.27-1.33x its floor vs

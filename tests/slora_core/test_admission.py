@@ -109,7 +109,7 @@ def test_a_negative_or_nan_lead_is_refused() -> None:
     for bad in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="admission_lead_ms"):
             EngineConfig(admission_lead_ms=bad)
-    assert EngineConfig().admission_lead_ms == 0.0  # off by default
+    assert EngineConfig().admission_lead_ms == 1.0  # on by default (slora_core/config.py)
 
 
 class WaitingEngine:
