@@ -110,6 +110,14 @@ class EngineState(msgspec.Struct, array_like=True):
     # and _hits): tokens looked up when requests were admitted, and those found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Late admission since the core started (EngineConfig.admission_lead_ms; all 0 without a
+    # pacer): the serving loop's waits for new requests, their time in all, the requests taken
+    # inside them, the steps launched after one, and the GPU's idle time before those steps.
+    admission_waits: int = 0
+    admission_wait_s: float = 0.0
+    admission_taken: int = 0
+    admission_paced_steps: int = 0
+    admission_gpu_idle_s: float = 0.0
 
 
 class PromptScores(msgspec.Struct, array_like=True):

@@ -298,11 +298,16 @@ class EngineCore:
         return stale or now != self._last_state
 
     def _snapshot(self) -> m.EngineState:
-        stats = self.engine.stats
+        stats, pacer = self.engine.stats, self.engine.loop.pacer
         # vars(): a shallow view of the snapshot (asdict would deep-copy its lists every step).
-        return m.EngineState(**vars(self.engine.state_snapshot()),
-                             prefix_cache_queries=stats.prefix_cache_queries,
-                             prefix_cache_hits=stats.prefix_cache_hits)
+        state = m.EngineState(**vars(self.engine.state_snapshot()),
+                              prefix_cache_queries=stats.prefix_cache_queries,
+                              prefix_cache_hits=stats.prefix_cache_hits)
+        if pacer is not None:
+            state.admission_waits, state.admission_wait_s = pacer.waits, pacer.waited_s
+            state.admission_taken, state.admission_paced_steps = pacer.taken, pacer.paced_steps
+            state.admission_gpu_idle_s = pacer.idle_s
+        return state
 
 
 def prompt_scores(engine: object) -> list[m.PromptScores]:

@@ -84,6 +84,12 @@ def publish_state(metrics: WorkerMetrics, out: m.StepOutput) -> None:
                              merges=st.adapter_merges, merged_steps=st.merged_steps,
                              prefix_queries=st.prefix_cache_queries,
                              prefix_hits=st.prefix_cache_hits)
+    for counter, total in ((metrics.admission_waits, st.admission_waits),
+                           (metrics.admission_wait_seconds, st.admission_wait_s),
+                           (metrics.admission_taken, st.admission_taken),
+                           (metrics.admission_paced_steps, st.admission_paced_steps),
+                           (metrics.admission_gpu_idle, st.admission_gpu_idle_s)):
+        metrics.advance(counter, total)
 
 
 async def serve_worker(opts: WorkerOptions) -> int:

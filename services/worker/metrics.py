@@ -73,12 +73,24 @@ class WorkerMetrics:
         # Per-version evidence, cumulative since the worker started (the control plane takes
         # differences); ("", "") is the base model.
         self.counters: dict[VersionKey, Evidence] = {}
-        self._last_loads = 0
-        self._last_evictions = 0
-        self._last_merges = 0
-        self._last_merged_steps = 0
-        self._last_prefix_queries = 0
-        self._last_prefix_hits = 0
+        # Late admission (EngineConfig.admission_lead_ms, on by default): what pacing the
+        # engine's steps costs the GPU, and what it takes.
+        self.admission_waits = Counter(
+            "slora_admission_waits", "Waits of the serving loop for new requests before a "
+            "step (late admission)", registry=r)
+        self.admission_wait_seconds = Counter(
+            "slora_admission_wait_seconds", "Time the serving loop waited for new requests "
+            "while the GPU ran a step", registry=r)
+        self.admission_taken = Counter(
+            "slora_admission_requests_taken", "Requests taken inside a wait: each joins the "
+            "next step instead of the one after", registry=r)
+        self.admission_paced_steps = Counter(
+            "slora_admission_paced_steps", "Steps launched after a wait", registry=r)
+        self.admission_gpu_idle = Counter(
+            "slora_admission_gpu_idle_seconds", "GPU idle time before paced steps (a wait "
+            "that overran the step under way)", registry=r)
+        # The core's totals last seen, per counter: a counter takes what is new each step.
+        self._totals: dict[Counter, float] = {}
 
     def add_vllm_gauges(self, collector: Collector) -> None:
         """Serve vLLM's router-facing gauges (`vllm_metrics.VllmCollector`) here too."""
@@ -135,13 +147,14 @@ class WorkerMetrics:
         self.pages.labels("kv").set(kv_pages)
         self.pages.labels("adapter").set(adapter_pages)
         self.pages.labels("free").set(free_pages)
-        self.adapter_loads.inc(loads - self._last_loads)
-        self.adapter_evictions.inc(evictions - self._last_evictions)
-        self.adapter_merges.inc(merges - self._last_merges)
-        self.merged_steps.inc(merged_steps - self._last_merged_steps)
-        self._last_loads, self._last_evictions = loads, evictions
-        self._last_merges, self._last_merged_steps = merges, merged_steps
-        # The core's totals since it started; a counter takes what is new since the last step.
-        self.vllm_prefix_queries.inc(prefix_queries - self._last_prefix_queries)
-        self.vllm_prefix_hits.inc(prefix_hits - self._last_prefix_hits)
-        self._last_prefix_queries, self._last_prefix_hits = prefix_queries, prefix_hits
+        self.advance(self.adapter_loads, loads)
+        self.advance(self.adapter_evictions, evictions)
+        self.advance(self.adapter_merges, merges)
+        self.advance(self.merged_steps, merged_steps)
+        self.advance(self.vllm_prefix_queries, prefix_queries)
+        self.advance(self.vllm_prefix_hits, prefix_hits)
+
+    def advance(self, counter: Counter, total: float) -> None:
+        """`counter` follows `total`, the core's count since it started."""
+        counter.inc(total - self._totals.get(counter, 0))
+        self._totals[counter] = total
