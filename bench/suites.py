@@ -732,6 +732,15 @@ SUITES["service-path-mux-c64"] = (
 SUITES["service-path-lead-c64-3r"] = (
     _front("service-lead-c64-3r", 420, 3, "0,1", "service-overhead-7b-gw4-lead-c64-3r",
            levels="64"),)
+# Where the rest goes at 64 streams, hops traced at the 1 ms default (one repeat, ~250 s). At
+# 3df18d9 (64 streams, per call below the auto upstream's 32 streams a gateway process) a
+# finished request's end took 2.8-2.9 ms p50 from the core's send to the front's pump
+# (`core_finish -> worker_complete`) against 0.5 ms for a first token (`core_first ->
+# worker_first_out`), though both are woken a loop turn ahead
+# (service-overhead-7b-gw4-admission-spread32-3df18d9-h100.json's hop_trace).
+SUITES["service-path-lead-c64-traced"] = (
+    _front("service-lead-c64-traced", 300, 1, "1", "service-overhead-7b-gw4-lead-c64-traced",
+           "--trace-hops", "{out}/hops-c64", levels="64"),)
 # The HTTP target (<= 20 ms TTFT p50 added and >= 0.95x throughput at 256 streams) was last
 # measured with the lead off (aiohttp 19.5 ms, 1.028x; service-overhead-7b-gw4-378382f-h200.json):
 # aiohttp clients beside gRPC, off against 1 ms, one repeat (~400 s).
