@@ -13,8 +13,10 @@ gateway is the real `slora gateway` process (one per variant and upstream path).
 interleaved per repeat: client -> worker (the gateway token presented), client -> gateway
 (gRPC), client -> gateway (HTTP SSE).
 Clients are bench.service_overhead's, in several processes. For each run: delivered tokens/s,
-TTFT (from the run's start, as service_overhead counts it), and the CPU seconds (user + system,
-from /proc/<pid>/stat) the gateway and the worker spent per 1,000 tokens delivered.
+TTFT (from the run's start, as service_overhead counts it), the CPU seconds (user + system,
+from /proc/<pid>/stat) the gateway and the worker spent per 1,000 tokens delivered, and the
+closed loop's hand-over lag (`FakeWorker`: from the step that gave a stream its last token to
+its successor's arrival at the worker, what the engine's late-admission window must catch).
 """
 
 from __future__ import annotations
