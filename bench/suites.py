@@ -732,6 +732,12 @@ SUITES["service-path-mux-c64"] = (
 SUITES["service-path-lead-c64-3r"] = (
     _front("service-lead-c64-3r", 420, 3, "0,1", "service-overhead-7b-gw4-lead-c64-3r",
            levels="64"),)
+# Both questions at 64 streams in one call (one stack start, ~100 s, instead of two): the
+# lead off and at 1 ms, each through the auto gateway (per call at 64) and one always on the
+# mux, three repeats (~380 s on a slow host).
+SUITES["service-path-c64-next"] = (
+    _front("service-c64-next", 500, 3, "0,1", "service-overhead-7b-gw4-c64-next",
+           "--also-upstream", "mux", levels="64"),)
 # Where the rest goes at 64 streams, hops traced at the 1 ms default (one repeat, ~250 s). At
 # 3df18d9 (64 streams, per call below the auto upstream's 32 streams a gateway process) a
 # finished request's end took 2.8-2.9 ms p50 from the core's send to the front's pump
