@@ -155,6 +155,9 @@ class WorkerMetrics:
         self.advance(self.vllm_prefix_hits, prefix_hits)
 
     def advance(self, counter: Counter, total: float) -> None:
-        """`counter` follows `total`, the core's count since it started."""
-        counter.inc(total - self._totals.get(counter, 0))
+        """`counter` follows `total`, the core's count since it started (a total below the
+        last one seen counts from 0 again: a counter never goes down, and a step's state must
+        never fail its delivery)."""
+        last = self._totals.get(counter, 0)
+        counter.inc(total - last if total >= last else total)
         self._totals[counter] = total

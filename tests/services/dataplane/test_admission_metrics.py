@@ -55,3 +55,11 @@ def test_the_pacers_counts_reach_the_workers_counters(demo_dir: Path) -> None:
         "slora_admission_requests_taken_total": 5, "slora_admission_paced_steps_total": 2,
         "slora_admission_gpu_idle_seconds_total": 0.0003})
     engine.close()
+
+
+def test_a_total_that_starts_again_counts_on_and_fails_nothing() -> None:
+    metrics = WorkerMetrics()
+    metrics.advance(metrics.admission_waits, 5)
+    metrics.advance(metrics.admission_waits, 2)  # a core whose counts began again
+    metrics.advance(metrics.admission_waits, 3)
+    assert totals(metrics)["slora_admission_waits_total"] == 8
