@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import tokenizers
+
+from slora_core.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # The default gateway makes one worker call a request; gateway_mux is a second gateway
@@ -151,6 +154,8 @@ def test_worker_variants_restart_the_worker_and_measure_every_level_at_each(
                                   for c in (2, 4)]
     # Which host it ran on, and how fast that host started the stack.
     assert result["host_cpu"]["cores"] >= 1 and result["host_cpu"]["model"]
+    assert result["tokenizers"] == tokenizers.__version__  # the front's text window's library
+    assert result["worker_admission_lead_ms_default"] == EngineConfig().admission_lead_ms
     assert 0 < result["startup_s"]["assets_s"] < result["startup_s"]["stack_routable_s"]
     # No pacer without a lead, so no pacer summary either.
     assert not any("pacer_latest" in lv for lv in levels if lv["worker_admission_lead_ms"] == 0)
