@@ -159,6 +159,7 @@ def test_worker_variants_restart_the_worker_and_measure_every_level_at_each(
     assert 0 < result["startup_s"]["assets_s"] < result["startup_s"]["stack_routable_s"]
     # No pacer without a lead, so no pacer summary either.
     assert not any("pacer_latest" in lv for lv in levels if lv["worker_admission_lead_ms"] == 0)
+    fronts: dict[tuple[float, float], float] = {}  # each worker variant's front, in all
     for level in levels:  # the restarted worker serves every path, through the gateway too
         for path in ("worker", "gateway"):
             (run,) = level["runs"][path]
@@ -168,7 +169,12 @@ def test_worker_variants_restart_the_worker_and_measure_every_level_at_each(
             busy = run["cpu_busy"]
             assert set(busy) == {"worker_front", "engine_core", "gateway_busiest",
                                  "gateway_mean"}, busy
-            assert 0 < busy["worker_front"] < 2 and 0 < busy["engine_core"] < 2, busy
+            assert 0 <= busy["worker_front"] < 2 and 0 < busy["engine_core"] < 2, busy
+            variant = (level["worker_admission_lead_ms"], level["worker_mux_pump_ms"])
+            fronts[variant] = fronts.get(variant, 0.0) + busy["worker_front"]
+    # /proc counts CPU in 10 ms ticks, and one of these ~40 ms runs may cost the front less
+    # than one: each restarted front must show its CPU over its four runs.
+    assert len(fronts) == 4 and all(v > 0 for v in fronts.values()), fronts
 
 
 def test_the_pacing_report_prints_the_workers_pacer_lines_only(
