@@ -270,10 +270,12 @@ def measure(args: argparse.Namespace, pool: Any, worker: tuple[str, int, Connect
             pids: dict[str, int | list[int]] = {
                 "gateway": g.child.popen.pid, "worker": worker[1], "client": pool_pids(pool)}
             runs.setdefault(f"{g.name}/grpc", []).append(measured(partial(
-                run_grpc, pool, procs, g.grpc, bearer(TENANT_KEY), reqs, n, c), pids, worker[2]))
+                run_grpc, pool, procs, g.grpc, bearer(TENANT_KEY), reqs, n, c), pids,
+                worker[2]))
             for lib in args.http_clients:
                 runs.setdefault(f"{g.name}/{http_path(lib)}", []).append(measured(partial(
-                    run_http, pool, procs, g.http, TENANT_KEY, reqs, n, c, lib), pids, worker[2]))
+                    run_http, pool, procs, g.http, TENANT_KEY, reqs, n, c, lib), pids,
+                    worker[2]))
         line = {k: (round(v[-1]["output_tok_per_s"]),
                     round(v[-1]["gateway_cpu_s_per_1k_tokens"], 3),
                     round(v[-1]["handover_lag_p50_ms"], 2)) for k, v in runs.items()}
@@ -352,8 +354,8 @@ def main() -> int:
     ctx = multiprocessing.get_context("spawn")
     worker_at, cp_at = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     lags, worker_lags = ctx.Pipe()
-    worker = ctx.Process(target=serve_fake_worker, args=(worker_at, args.step_ms / 1e3, worker_lags),
-                         daemon=True)
+    worker = ctx.Process(target=serve_fake_worker,
+                         args=(worker_at, args.step_ms / 1e3, worker_lags), daemon=True)
     cp = ctx.Process(target=serve_control_plane, args=(cp_at, worker_at), daemon=True)
     worker.start()
     cp.start()
@@ -369,12 +371,13 @@ def main() -> int:
         result: dict[str, Any] = {
             **run_record(["bench.gateway_hop", *sys.argv[1:]]), "hardware": hardware(),
             "variants": {g.name: str(g.tree) for g in gateways}, "note": args.note,
-            "new_tokens": args.new_tokens, "new_tokens_spread": args.new_tokens_spread, "step_ms": args.step_ms, "repeats": args.repeats,
+            "new_tokens": args.new_tokens, "new_tokens_spread": args.new_tokens_spread,
+            "step_ms": args.step_ms, "repeats": args.repeats,
             "client_procs": args.client_procs, "levels": []}
-        measure(args, pool, (worker_at, worker.pid, lags), gateways, 8, 1)  # warm-up
+        fake = (worker_at, worker.pid, lags)
+        measure(args, pool, fake, gateways, 8, 1)  # warm-up
         for c in [int(x) for x in args.concurrency.split(",")]:
-            result["levels"].append(measure(args, pool, (worker_at, worker.pid, lags), gateways, c,
-                                            args.repeats))
+            result["levels"].append(measure(args, pool, fake, gateways, c, args.repeats))
             if args.out:  # what is measured so far survives a later failure
                 Path(args.out).write_text(json.dumps(result, indent=1))
         for level in result["levels"]:

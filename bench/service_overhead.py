@@ -47,7 +47,7 @@ from bench.hop_trace import (
     table,
 )
 from bench.process_cpu import StackCpu
-from bench.run_record import commit_id, host_cpu, run_record
+from bench.run_record import run_record
 from bench.serving import SHAPES
 from devtools.demo_assets import write_demo_assets
 from devtools.demo_stack import (
@@ -821,13 +821,12 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]],
                  startup: dict[str, float]) -> None:
     """The result so far; `startup`: the host's start-up times."""
     result = {
-        "command": "python -m bench.service_overhead " + " ".join(sys.argv[1:]),
-        "commit": commit_id(),
+        # The command, commit, host CPU and library versions (tokenizers: the front's text
+        # window runs in Rust from 0.22 on).
+        **run_record(["bench.service_overhead", *sys.argv[1:]]),
         "hardware": torch.cuda.get_device_name() if args.device.startswith("cuda")
         else f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
-        "host_cpu": host_cpu(), "startup_s": startup,
-        # The libraries' versions (the front's text window runs in Rust from tokenizers 0.22).
-        **{k: v for k, v in run_record([]).items() if k in ("torch", "tokenizers", "python")},
+        "startup_s": startup,
         # What the worker runs with where --worker-admission-leads names no lead.
         "worker_admission_lead_ms_default": EngineConfig().admission_lead_ms,
         "shape": args.shape, "new_tokens": args.new_tokens,

@@ -20,7 +20,6 @@ def test_a_successor_is_timed_from_its_predecessors_last_step() -> None:
             first = [r async for r in worker.serve(request, "", None)]
             assert [len(r.chunk.token_ids) for r in first[:-1]] == [1, 1, 1]
             assert first[-1].complete.usage.completion_tokens == 3
-            ended = worker.tick  # the step that gave it its last token
             await asyncio.sleep(0.03)
             second = worker.serve(request, "", None)
             await anext(second)  # arrived: paired with the first one's last step
@@ -31,7 +30,6 @@ def test_a_successor_is_timed_from_its_predecessors_last_step() -> None:
             await anext(third)  # the second never ended: no step to pair it with
             taken.append(worker.take_lags())
             await third.aclose()
-            assert ended > 0.0
         finally:
             ticking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
