@@ -31,8 +31,8 @@ CORPUS = json.loads((Path(__file__).resolve().parents[2] / "data" / "json_schema
 MODELS = (BASE_MODEL, ADAPTERS[0])
 CHAT = [{"role": "user", "content": "File a ticket for the login bug."}]
 # Compiles in seconds (xgrammar expands optional properties pairwise): past the stack's limit.
-# 1,200 properties took 2.8-4.1 s on the 2-core machine alone, and once in a CI run compiled
-# inside the 2 s limit; 1,500 take 6.8 s (the time grows ~n^3).
+# 1,200 properties took 1.9-4.3 s on the 2-core machine alone and once in a CI run compiled
+# inside the 2 s limit; 1,500 took 6.8 s (the time grows ~n^3).
 SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "integer"}
                                                 for i in range(1500)}}
 TIMEOUT_S = GRAMMAR_TIMEOUT_S  # the shared stack's limit (tests/services/conftest.py)
