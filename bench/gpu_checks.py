@@ -11,7 +11,7 @@
 
 Every process writes its JSON as it goes (a process stopped at --limit-s keeps what it finished;
 the scripts also skip, and record, a mode that would not end before the limit). Each part then
-writes OUT/gpu-part-<A|B>-h200.json: commit, command, hardware, limits, each process's exit
+writes OUT/gpu-part-<A|B>-<card>.json (h100, h200, ..., cpu): commit, command, hardware, limits, each process's exit
 status and seconds, the pytest counts, failures and slowest tests, and the verdicts of the
 scripts' JSONs; and OUT/gpu-part-<A|B>.tgz holding everything the part wrote (the device returns
 a limited number of files; the loose copies are removed).
@@ -41,6 +41,7 @@ from typing import Any
 
 import pytest
 
+from bench.__main__ import card
 from bench.run_record import commit_id
 
 # Every test a CPU skips for want of a GPU is here, as its file or its node
@@ -207,6 +208,7 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
         "SLORA_COMMIT": commit_id()}
     budget = str(a.limit_s - 45)  # the scripts start no mode that would end past this
     py = sys.executable
+    tag = card([hardware()[0]])  # files named for the card they ran on
     device_args = shlex.split(a.device_args)
     if part == "A":
         env.setdefault("TRITON_INTERPRET", "0")
@@ -234,12 +236,12 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
                 jobs[f"numerics-{name}"] = [
                     py, "-m", "bench.gpu_numerics", *device_args, *shlex.split(a.numerics_args),
                     "--dtypes", dt, *part_args,
-                    "--budget-s", budget, "--out", str(out / f"gpu-numerics-{name}-h200.json")]
+                    "--budget-s", budget, "--out", str(out / f"gpu-numerics-{name}-{tag}.json")]
     else:
         jobs = {f"suite-{shape}": [py, "-m", "bench.gpu_suite", *device_args,
                                    *shlex.split(a.suite_args), "--shapes", shape,
                                    "--budget-s", budget,
-                                   "--out", str(out / f"gpu-suite-{shape}-h200.json")]
+                                   "--out", str(out / f"gpu-suite-{shape}-{tag}.json")]
                 for shape in a.shapes}
     env["OMP_NUM_THREADS"] = threads(len(jobs))
     procs = run_all(jobs, out, a.limit_s, env)
@@ -249,14 +251,14 @@ def run_part(part: str, a: argparse.Namespace, out: Path) -> bool:
         "command": "python -m bench.gpu_checks " + " ".join(sys.argv[1:]), "hardware": gpu,
         "torch": torch_version, "limit_s": a.limit_s,
         "seconds": int(time.monotonic() - start), "processes": procs}
-    written = sorted(glob.glob(f"{out}/gpu-numerics-*-h200.json" if part == "A"
-                               else f"{out}/gpu-suite-*-h200.json"))
+    written = sorted(glob.glob(f"{out}/gpu-numerics-*-{tag}.json" if part == "A"
+                               else f"{out}/gpu-suite-*-{tag}.json"))
     if part == "A":
         report["pytest"] = pytest_counts(out)
     report["results"] = script_verdicts(written)
     report["ok"] = (bool(procs) and all(p["exit_status"] == 0 for p in procs.values())
                     and all(s.get("ok") for s in report["results"].values()))
-    summary = out / f"gpu-part-{part}-h200.json"
+    summary = out / f"gpu-part-{part}-{tag}.json"
     summary.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1), flush=True)
     files = [summary, *(out / f"gpu-{name}.log" for name in jobs), *map(Path, written)]

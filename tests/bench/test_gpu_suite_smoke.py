@@ -59,40 +59,45 @@ def test_the_gpu_part_runs_every_test_a_cpu_skips_for_want_of_a_gpu() -> None:
 
 @pytest.mark.slow  # ~30 s: four processes at toy sizes
 def test_both_parts_write_their_json_on_the_cpu(tmp_path: Path) -> None:
+    import torch
+
+    from bench.__main__ import card
+
     env = os.environ | {"SLORA_COMMIT": "smoke-commit", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "bench.gpu_checks", "A", "B", "--out", str(tmp_path),
             "--device-args", "--device cpu --tiny", "--shards", "1",
             "--pytest-paths", "tests/slora_core/test_nonfinite_guard.py",
             "--numerics-dtypes", "float16", "--numerics-modes", "eager", "--shapes", "tiny-gqa"]
     res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    tag = card([torch.cuda.get_device_name()]) if torch.cuda.is_available() else "cpu"
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "gpu-part-A-h200.json", "gpu-part-A.tgz", "gpu-part-B-h200.json", "gpu-part-B.tgz"]
-    for part, names in (("A", {"gpu-numerics-float16-eager-h200.json",
+        f"gpu-part-A-{tag}.json", "gpu-part-A.tgz", f"gpu-part-B-{tag}.json", "gpu-part-B.tgz"]
+    for part, names in (("A", {f"gpu-numerics-float16-eager-{tag}.json",
                                "gpu-numerics-float16-eager.log",
-                               "gpu-numerics-float16-guard-h200.json",
+                               f"gpu-numerics-float16-guard-{tag}.json",
                                "gpu-numerics-float16-guard.log",
                                "gpu-pytest-0.xml", "gpu-pytest-0.log"}),
-                        ("B", {"gpu-suite-tiny-gqa-h200.json", "gpu-suite-tiny-gqa.log"})):
+                        ("B", {f"gpu-suite-tiny-gqa-{tag}.json", "gpu-suite-tiny-gqa.log"})):
         with tarfile.open(tmp_path / f"gpu-part-{part}.tgz") as tar:
-            assert set(tar.getnames()) == names | {f"gpu-part-{part}-h200.json"}
+            assert set(tar.getnames()) == names | {f"gpu-part-{part}-{tag}.json"}
             tar.extractall(tmp_path, filter="data")
-    part_a = json.loads((tmp_path / "gpu-part-A-h200.json").read_text())
+    part_a = json.loads((tmp_path / f"gpu-part-A-{tag}.json").read_text())
     assert part_a["ok"] and part_a["commit"] == "smoke-commit"
     assert part_a["pytest"]["passed"] > 0 and not part_a["pytest"]["failed"]
     assert set(part_a["processes"]) == {"numerics-float16-eager", "numerics-float16-guard",
                                         "pytest-0"}
-    numerics = json.loads((tmp_path / "gpu-numerics-float16-eager-h200.json").read_text())
+    numerics = json.loads((tmp_path / f"gpu-numerics-float16-eager-{tag}.json").read_text())
     assert numerics["ok"] and numerics["tokens_from_nonfinite_rows_total"] == 0
     assert numerics["commit"] == "smoke-commit" and numerics["pieces"] == ["modes", "ops"]
     assert set(numerics["strengths"][0]["dtypes"]["float16"]) == {"eager", "ops"}
     # The guard in a process of its own: it alone ran there, and held.
-    guard = json.loads((tmp_path / "gpu-numerics-float16-guard-h200.json").read_text())
+    guard = json.loads((tmp_path / f"gpu-numerics-float16-guard-{tag}.json").read_text())
     assert guard["ok"] and guard["guard_ok"] and guard["pieces"] == ["guard"]
     assert set(guard["strengths"][0]["dtypes"]["float16"]) == {"guard"}
-    part_b = json.loads((tmp_path / "gpu-part-B-h200.json").read_text())
+    part_b = json.loads((tmp_path / f"gpu-part-B-{tag}.json").read_text())
     assert part_b["ok"] and set(part_b["processes"]) == {"suite-tiny-gqa"}
-    suite = json.loads((tmp_path / "gpu-suite-tiny-gqa-h200.json").read_text())
+    suite = json.loads((tmp_path / f"gpu-suite-tiny-gqa-{tag}.json").read_text())
     eager = suite["shapes"][0]["modes"]["eager"]
     assert eager["churn_counts_positive"] and eager["logits_within_tolerance"]
     # The arena was sized by simulating the scheduler: the engine met the counts planned.
