@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=SHAPES, help="part B: one process each")
     p.add_argument("--device-args", default="", help="for both scripts, e.g. '--device cpu --tiny'")
     p.add_argument("--numerics-args", default="", help="for bench.gpu_numerics")
-    p.add_argument("--numerics-dtypes", nargs="+", default=["float16", "bfloat16"],
-                   help="part A: one bench.gpu_numerics process each")
+    p.add_argument("--numerics-dtypes", nargs="*", default=["float16", "bfloat16"],
+                   help="part A: one bench.gpu_numerics process each (none: pytest alone)")
     p.add_argument("--numerics-modes", nargs="*", default=[],
                    help="part A: one process per dtype and mode (default: all modes in one)")
     p.add_argument("--suite-args", default="", help="for bench.gpu_suite")
