@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.commands.gateway import MUX_FROM_DEFAULT
 from slora_core.config import EngineConfig
 from slora_core.cuda_graphs import ROW_KERNELS_MAX_ROWS_PER_ADAPTER
 from slora_kernels.lora_meta import DECODE_BLOCK_M
@@ -33,8 +32,8 @@ HEADLINES = (
     ("| 2,000 adapters vs 5, alpha 1.0, 50 arrivals/s", "churn-rate50-tiles16-8a69460-h200.json"),
     ("| 2,000 adapters vs 5, alpha 0.5, 50 arrivals/s", "churn-rate50-tiles16-8a69460-h200.json"),
     ("| client -> gateway -> worker, gRPC", "service-overhead-7b-gw4-378382f-h200.json"),
-    (f"| client -> gateway -> worker, gRPC, per call, then over GenerateMux from "
-     f"{MUX_FROM_DEFAULT} streams in flight on a worker on (4 gateway processes), 256 streams",
+    ("| client -> gateway -> worker, gRPC, per call, then over GenerateMux from "
+     "32 streams in flight on a worker on (4 gateway processes), 256 streams",
      "service-overhead-7b-gw4-378382f-h200.json"),
     ("| client -> gateway -> worker, HTTP", "service-overhead-7b-gw4-378382f-h200.json"),
     ("| client -> gateway -> worker, HTTP (OpenAI SSE) read by aiohttp (4 gateway processes), "
@@ -52,7 +51,7 @@ PATHS = {"worker": "client -> worker (the worker hop alone)",
          "gateway_call": "client -> gateway -> worker, gRPC, one worker call a request",
          "gateway_mux": "client -> gateway -> worker, gRPC, over one GenerateMux stream",
          "gateway_auto": "client -> gateway -> worker, gRPC, per call, then over GenerateMux "
-                         f"from {MUX_FROM_DEFAULT} streams in flight on a worker on",
+                         "from {mux_from} streams in flight on a worker on",
          "gateway_warm": "client -> gateway -> worker, gRPC, one worker call a request on "
                          "idle calls opened ahead",
          "http": "client -> gateway -> worker, HTTP (OpenAI SSE) read by httpx",
@@ -81,6 +80,8 @@ def service_rows(result: dict[str, Any], source: str, upstream: str = "call") ->
         c = level["concurrency"]
         load = (f"{c} streams x {tokens} tokens" if "rate" not in level else
                 f"{level['rate']:g} requests/s arriving open-loop x {tokens} tokens") + load_by
+        if level.get("worker_admission_lead_ms") is not None:  # --worker-admission-leads
+            load += f", the worker's late-admission lead {level['worker_admission_lead_ms']:g} ms"
         for path, figs in level["ratios"].items():
             ttft = (f"TTFT added p50 {_fig(figs['ttft_p50_added_ms'], 1, ' ms')}, p99 "
                     f"{_fig(figs['ttft_p99_added_ms'], 1, ' ms')}")
@@ -101,6 +102,8 @@ def service_rows(result: dict[str, Any], source: str, upstream: str = "call") ->
                         f"ended the one before (added at the next step)")
             if path == "gateway" and upstream != "call":
                 what = PATHS[f"gateway_{upstream}"]
+            # auto's threshold as the run had it (32 until the JSONs recorded it, f02af64)
+            what = what.format(mux_from=result.get("gateway_mux_from", 32))
             rows.append(
                 f"| {what}{gw if path.startswith(('gateway', 'http')) else ''}, {load}"
                 f"{on_card(result)} "
@@ -580,6 +583,11 @@ def rows() -> list[str]:
             # and 1 ms plus up to 6 more (an H100; the H200 did not come).
             ("service-overhead-7b-gw4-late-78a7fae-h100.json",
              traced_service_rows),
+            # 64 streams, the worker's lead off and at 1 ms (the default since df81609), the
+            # auto gateway (per call there, at 32) beside the mux: the mux won with the lead,
+            # and auto takes it from 8 since. Then HTTP at 256 with both leads (an H100).
+            ("service-overhead-7b-gw4-c64-next-f02af64-h100.json", service_rows),
+            ("service-overhead-7b-gw4-http-lead-c256-f02af64-h100.json", service_rows),
             ("lora-layer-fusion-h200.json", fusion_rows),
             ("lora-layer-fusion-ops-3b09231-h100.json", fusion_ops_rows),
             ("lora-layer-fusion-ops-5be1284-h100.json", fusion_ops_rows),

@@ -57,7 +57,12 @@ from devtools.demo_stack import (
     publish_demo_adapters,
     wait_until_routable,
 )
-from services.commands.gateway import MUX_FROM_DEFAULT, UPSTREAM_DEFAULT, UPSTREAM_ENV
+from services.commands.gateway import (
+    MUX_FROM_DEFAULT,
+    MUX_FROM_ENV,
+    UPSTREAM_DEFAULT,
+    UPSTREAM_ENV,
+)
 from services.common import hop_trace
 from services.common.hop_auth import GATEWAY_HEADER
 from services.common.processes import exit_on_sigterm
@@ -837,6 +842,8 @@ def write_result(args: argparse.Namespace, results: list[dict[str, Any]],
         "upstreams": {"gateway": os.environ.get(UPSTREAM_ENV, UPSTREAM_DEFAULT),
                       **({f"gateway_{args.also_upstream}": args.also_upstream}
                          if args.also_upstream else {})},
+        # auto's threshold (streams in flight a gateway process), which moved (32 -> 8).
+        "gateway_mux_from": int(os.environ.get(MUX_FROM_ENV, MUX_FROM_DEFAULT)),
         # Issue 37's: the gRPC hop's TTFT at 64 and 256 streams, HTTP's at 256.
         "targets": {"gateway request_ttft_p50_added_ms": {"64": "<= 3", "256": "<= 10"},
                     "http throughput_ratio": {"256": ">= 0.95"},

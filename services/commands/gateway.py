@@ -21,9 +21,12 @@ UPSTREAM_DEFAULT = "auto"
 MUX_FROM_ENV = "SLORA_GATEWAY_MUX_FROM"
 # --upstream auto (the default): streams in flight on a worker (per gateway process) from which
 # requests go over the mux. On an H100 host at 256 streams (4 gateway processes: 64 each) it
-# cut gRPC TTFT added from 195 to 35 ms p50; at 64 (16 each, per call) it matched per call
-# (docs/performance.md, "The gateway's upstream: auto by default").
-MUX_FROM_DEFAULT = 32
+# cut gRPC TTFT added from 195 to 35 ms p50 (docs/performance.md, "The gateway's upstream:
+# auto by default"). At 64 streams (~16 each) with the worker's 1 ms late-admission lead the
+# mux added 1.3 ms p50 against 5.5 per call (3 repeats, f02af64; it was 32 until then, and
+# per call won there with the lead off: "The mux at 64 streams with the lead"); 8 takes that
+# level over the mux however the streams fall across the processes.
+MUX_FROM_DEFAULT = 8
 
 
 def positive_int(text: str) -> int:
