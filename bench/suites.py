@@ -763,3 +763,17 @@ SUITES["service-path-lead-c64-traced"] = (
 SUITES["service-path-http-lead"] = (
     _front("service-http-lead", 480, 1, "0,1", "service-overhead-7b-gw4-http-lead-c256",
            "--http", "--http-clients", "aiohttp"),)
+# The gateway's auto upstream takes the mux from 8 streams in flight a process since 96c5224
+# (at 64 streams with the 1 ms lead the mux added 1.28 ms [1.07, 5.70] against 5.53 per call,
+# service-overhead-7b-gw4-c64-next-f02af64-h100.json): the new default through the auto
+# gateway beside one call a request, at 64 streams and at 32 (8 a process, the threshold),
+# the lead at its default, three repeats (~300 s).
+SUITES["service-path-auto8"] = (
+    _front("service-auto8", 500, 3, "1", "service-overhead-7b-gw4-auto8",
+           "--also-upstream", "call", levels="32,64"),)
+# HTTP at 256 streams with the lead, three repeats: one repeat gave aiohttp 19.6 ms at 1.041x,
+# at the target's edge, on a host where the lead did not catch over gRPC either
+# (service-overhead-7b-gw4-http-lead-c256-f02af64-h100.json; ~330 s).
+SUITES["service-path-http-lead-3r"] = (
+    _front("service-http-lead-3r", 480, 3, "1", "service-overhead-7b-gw4-http-lead-3r-c256",
+           "--http", "--http-clients", "aiohttp"),)
