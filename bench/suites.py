@@ -239,8 +239,9 @@ SUITES: dict[str, tuple[Step, ...]] = {
     "numerics": (step("numerics", 330, "bench.gpu_numerics", "--budget-s", "300", "--out",
                       OUT("gpu-numerics")),),
     "gpu-tests": (step("gpu-tests", 420, *GPU_TESTS, "--limit-s", "380", OMP_NUM_THREADS="4"),),
-    # The GPU tests a serving loop's defaults reach, pytest alone (~2 min): the 1 ms
-    # late-admission lead is on by default since df81609, and they last ran with it off.
+    # The GPU tests a serving loop's defaults reach, pytest alone: the 1 ms late-admission
+    # lead is on by default since df81609 (22 passed in 44 s on an H100 at f02af64,
+    # gpu-part-A-serving-f02af64-h100.json).
     "gpu-tests-serving": (step("gpu-tests-serving", 200, "bench.gpu_checks", "A", "--out", "{out}",
                                "--shards", "2", "--numerics-dtypes", "--limit-s", "180",
                                "--pytest-paths", "tests/slora_core/test_host_copy.py",

@@ -31,3 +31,23 @@ def test_a_grid_cut_short_says_so_and_names_the_earlier_run_of_each_missing_cell
                for row in rows[3:])
     whole = grid_rows({"complete": True, "rows": cells}, "`whole.json` @ 1111111")
     assert len(whole) == len(cells) and "cut at" not in whole[0]
+
+
+def test_a_service_row_names_its_runs_own_mux_threshold_and_worker_lead():
+    """The auto gateway's threshold moved (32 -> 8): each row says the one its JSON ran with
+    (32 where the JSON predates the field), and a level run at a worker lead says which."""
+    from bench.readme_table import service_rows
+
+    fig = {"median": 1.0, "min": 1.0, "max": 1.0}
+    level = {"concurrency": 64, "worker_admission_lead_ms": 0.5,
+             "ratios": {"gateway": {"throughput_ratio": fig, "ttft_p50_added_ms": fig,
+                                    "ttft_p99_added_ms": fig}}}
+    old = {"gateway_procs": 4, "upstreams": {"gateway": "auto"}, "new_tokens": 64,
+           "levels": [level], "hardware": "NVIDIA H100 80GB HBM3"}
+    new = old | {"gateway_mux_from": 8}
+    (old_row,), (new_row,) = service_rows(old, "`old.json`"), service_rows(new, "`new.json`")
+    assert "over GenerateMux from 32 streams in flight" in old_row
+    assert "over GenerateMux from 8 streams in flight" in new_row
+    assert "the worker's late-admission lead 0.5 ms, on an H100" in new_row
+    assert "lead" not in service_rows(old | {"levels": [level | {
+        "worker_admission_lead_ms": None}]}, "`x.json`")[0]
