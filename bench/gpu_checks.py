@@ -12,9 +12,10 @@
 Every process writes its JSON as it goes (a process stopped at --limit-s keeps what it finished;
 the scripts also skip, and record, a mode that would not end before the limit). Each part then
 writes OUT/gpu-part-<A|B>-<card>.json (named for the card: h100, h200, ..., cpu): commit,
-command, hardware, limits, each process's exit status and seconds, the pytest counts, failures and slowest tests, and the verdicts of the
-scripts' JSONs; and OUT/gpu-part-<A|B>.tgz holding everything the part wrote (the device returns
-a limited number of files; the loose copies are removed).
+command, hardware, limits, each process's exit status and seconds, the pytest counts, failures
+and slowest tests, and the verdicts of the scripts' JSONs; and OUT/gpu-part-<A|B>.tgz holding
+everything the part wrote (the device returns a limited number of files; the loose copies are
+removed).
 
 CPU smoke run (toy sizes; kernel tests in the Triton interpreter):
     TRITON_INTERPRET=1 python -m bench.gpu_checks A B --out /tmp/out --shards 2 \\
