@@ -3,10 +3,13 @@ step inputs, launch, sample (synchronous steps on a GPU: this includes waiting f
 results), read_wait (asynchronous steps: waiting for the previous step's ids), booking
 (scheduler postprocess, outputs) and the output message (encode + ZeroMQ send), timed inside the
 real `EngineCore` loop (its phases in the engine's StepLoop) with a real socket, for a batch of
-decoding requests.
+decoding requests. With asynchronous steps also `read_to_send`: from the read of a step's ids
+to the start of the send that takes them to the front, with the core's early outputs (sent
+before the next sampling, the default) and without (`--early-outputs on,off`).
 
     python -m bench.profile_core --shape llama2-7b --device cuda --dtype float16 --batch 64 \
-        [--async-steps] --out bench/results/profile-core-h200.json
+        [--async-steps] [--early-outputs on,off --repeats 3] \
+        --out bench/results/profile-core-h200.json
 """
 
 from __future__ import annotations
@@ -44,6 +47,23 @@ class PhaseTimer:
     def __init__(self, sync: bool) -> None:
         self.sync = sync
         self.step: dict[str, float] = defaultdict(float)
+        self.stamps: dict[str, float] = {}
+
+    def stamp(self, owner: Any, name: str, key: str, at_end: bool) -> None:
+        """The current step's first call of `name` (its start, or with `at_end` its end) on
+        the step's clock: `read_to_send` is a send's start less the read's end."""
+        fn: Callable[..., Any] = getattr(owner, name)
+
+        def stamped(*args: Any, **kwargs: Any) -> Any:
+            if not at_end:
+                self.stamps.setdefault(key, time.perf_counter())
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if at_end:
+                    self.stamps.setdefault(key, time.perf_counter())
+
+        setattr(owner, name, stamped)
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         fn: Callable[..., Any] = getattr(owner, name)
@@ -100,6 +120,8 @@ def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
     out = ctx.socket(zmq.PUSH)
     out.connect(address)
     core = EngineCore(engine, out, os.getppid())
+    if not args.early:  # the sends as before: after the step returns
+        engine.loop.early_outputs = None
     timer = PhaseTimer(sync=args.device.startswith("cuda"))
     loop = engine.loop  # the step's phases run in its StepLoop
     timer.wrap(loop.scheduler, "schedule", "schedule")
@@ -114,6 +136,10 @@ def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
     timer.wrap(loop.scheduler, "postprocess", "book")
     timer.wrap(loop, "_append_token", "book")
     timer.wrap(core, "_send", "output_send")
+    # From the read of a step's ids (asynchronous steps) to the start of the send that takes
+    # them to the front: what a closed-loop client's next request waits for on the core.
+    timer.stamp(PendingSample, "result", "read", at_end=True)
+    timer.stamp(core, "_send", "send", at_end=False)
     rng = np.random.default_rng(0)
     params = SamplingParams(temperature=0, max_new_tokens=args.warm_steps + args.steps + 4,
                             ignore_eos=True)
@@ -132,7 +158,7 @@ def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
                 if timer.sync:
                     torch.cuda.synchronize()
                 t_first = time.perf_counter()
-            timer.step = defaultdict(float)
+            timer.step, timer.stamps = defaultdict(float), {}
             t0 = time.perf_counter()
             core._step()
             if sync_each or (timer.sync and n < args.warm_steps):
@@ -142,6 +168,8 @@ def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
                 row = dict(timer.step)
                 row["forward_launch"] -= row.get("inputs", 0.0)  # run() builds the inputs
                 row["step_total"] = total
+                if {"read", "send"} <= timer.stamps.keys():
+                    row["read_to_send"] = (timer.stamps["send"] - timer.stamps["read"]) * 1e3
                 rows.append(row)
         if timer.sync:
             torch.cuda.synchronize()
@@ -166,23 +194,40 @@ def main() -> int:
     ap.add_argument("--async-steps", action="store_true")
     ap.add_argument("--warm-steps", type=int, default=20, help="prefill and first decode steps")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--early-outputs", default="on", type=lambda t: t.split(","),
+                    help="on: a read step's tokens are sent before the next sampling "
+                         "(StepLoop.early_outputs, the core's default); off: after the step "
+                         "returns; on,off: both, a fresh engine each, alternating --repeats "
+                         "times")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    engine, names = build_engine(args, Path(tempfile.mkdtemp(prefix="slora-profile-core-")))
-    rows, window_ms = profile(engine, names, args)
-    phases = sorted({k for r in rows for k in r})
-    median = {k: float(np.median([r.get(k, 0.0) for r in rows])) for k in phases}
-    result = {**run_record(["bench.profile_core", *sys.argv[1:]]), "batch": args.batch,
-              "context": args.context, "async_steps": args.async_steps,
-              "median_ms": median, "mean_step_ms_window": window_ms, "steps": rows,
-              "note": "sample includes waiting for the device (the tokens' copy to the host); "
-                      "with async steps it waits for the previous step instead, and steps "
-                      "are not synced one by one (mean_step_ms_window: wall time of the "
-                      "measured steps / their count)"}
-    print("median ms per decode step: " + "  ".join(f"{k} {v:.3f}" for k, v in median.items())
-          + f"  | window mean {window_ms:.3f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    if not args.early_outputs or set(args.early_outputs) - {"on", "off"} or args.repeats < 1:
+        ap.error("--early-outputs: on, off or on,off; --repeats at least 1")
+    result: dict[str, Any] = {
+        **run_record(["bench.profile_core", *sys.argv[1:]]), "batch": args.batch,
+        "context": args.context, "async_steps": args.async_steps,
+        "note": "sample includes waiting for the device (the tokens' copy to the host); with "
+                "async steps it waits for the previous step instead, and steps are not synced "
+                "one by one (mean_step_ms_window: wall time of the measured steps / their "
+                "count); read_to_send: from the read of a step's ids to the start of the send "
+                "that carries them",
+        "arms": {arm: [] for arm in args.early_outputs}}
+    for r in range(args.repeats):
+        for arm in args.early_outputs:
+            args.early = arm == "on"
+            engine, names = build_engine(args, Path(tempfile.mkdtemp(prefix="slora-profile-")))
+            rows, window_ms = profile(engine, names, args)
+            engine.close()
+            phases = sorted({k for row in rows for k in row})
+            median = {k: float(np.median([row.get(k, 0.0) for row in rows])) for k in phases}
+            result["arms"][arm].append({"repeat": r + 1, "median_ms": median,
+                                        "mean_step_ms_window": window_ms, "steps": rows})
+            print(f"early outputs {arm}, repeat {r + 1}: median ms per decode step: "
+                  + "  ".join(f"{k} {v:.3f}" for k, v in median.items())
+                  + f"  | window mean {window_ms:.3f}", flush=True)
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -9,6 +9,7 @@ ids arrive computed one token too many; it is dropped before sampling."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,10 @@ class StepLoop:
         self.steps_async = steps_async
         self.inflight: Inflight | None = None  # async steps: the sampled batch not yet read
         self.grammars: GrammarRequests | None = None  # structured output (engine sets it)
+        # A serving loop's hook (the engine core sets it): a read step's outputs as soon as
+        # they are known, before the next step's sampling is launched and booked, so that
+        # they travel meanwhile; step() then returns only what came after them.
+        self.early_outputs: Callable[[list[RequestOutput]], None] | None = None
         # Late admission (EngineConfig.admission_lead_ms): how long the serving loop may take
         # requests after a step returns (`admission_wait_s`). Asynchronous steps on CUDA only:
         # on the CPU nothing runs beside the host.
@@ -123,6 +128,9 @@ class StepLoop:
                 inflight.pending.wait()
                 self._paced(inflight, running=bool(sched.scheduled))
             outputs += self._complete(inflight)
+            if self.early_outputs is not None:
+                self.early_outputs(outputs)
+                outputs = []
             logits, sampling = self._drop_finished(logits, sampling)
         if not self.steps_async:
             return outputs + self.sample(sched, logits, sampling)

@@ -12,17 +12,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_phase_of_a_cpu_decode_step_is_timed(tmp_path: Path) -> None:
+def run(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "profile.json"
     res = subprocess.run(
         [sys.executable, "-m", "bench.profile_core", "--batch", "4", "--context", "8",
-         "--warm-steps", "2", "--steps", "3", "--num-pages", "64", "--out", str(out)],
+         "--warm-steps", "2", "--steps", "3", "--num-pages", "64", *extra, "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert len(result["steps"]) == 3 and result["batch"] == 4
-    median = result["median_ms"]
+    return json.loads(out.read_text())
+
+
+def test_every_phase_of_a_cpu_decode_step_is_timed(tmp_path: Path) -> None:
+    result = run(tmp_path)
+    assert result["batch"] == 4 and list(result["arms"]) == ["on"]
+    (only,) = result["arms"]["on"]
+    assert len(only["steps"]) == 3
+    median = only["median_ms"]
     # Synchronous steps on the CPU: the sampled ids are read at once, so no read wait.
     for phase in ("schedule", "inputs", "forward_launch", "sample", "book", "output_send"):
         assert median[phase] > 0.0, phase
     assert median["step_total"] >= median["forward_launch"] + median["book"]
+    assert "read_to_send" not in median  # synchronous steps read no earlier step's ids
+
+
+def test_async_steps_time_the_read_to_the_send_with_early_outputs_and_without(
+        tmp_path: Path) -> None:
+    result = run(tmp_path, "--async-steps", "--early-outputs", "on,off", "--steps", "8")
+    early, late = (result["arms"][arm][0]["median_ms"] for arm in ("on", "off"))
+    assert early["read_to_send"] > 0 and late["read_to_send"] > 0
+    # Without early outputs the send waits for the next step's sampling and its booking.
+    assert late["read_to_send"] > early["read_to_send"]
