@@ -5,7 +5,7 @@ results), read_wait (asynchronous steps: waiting for the previous step's ids), b
 real `EngineCore` loop (its phases in the engine's StepLoop) with a real socket, for a batch of
 decoding requests. With asynchronous steps also `read_to_send`: from the read of a step's ids
 to the start of the send that takes them to the front, with the core's early outputs (sent
-before the next sampling, the default) and without (`--early-outputs on,off`).
+before the next sampling, the default) and without (`--early-outputs on,off`, both on one engine, alternating).
 
     python -m bench.profile_core --shape llama2-7b --device cuda --dtype float16 --batch 64 \
         [--async-steps] [--early-outputs on,off --repeats 3] \
@@ -174,6 +174,10 @@ def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
         if timer.sync:
             torch.cuda.synchronize()
         window_ms = (time.perf_counter() - t_first) * 1e3 / args.steps
+        for i in range(args.batch):  # the engine serves the next arm from empty
+            engine.abort_request(str(i))
+        while engine.has_unfinished():
+            engine.step()
     finally:
         stop.set()
         drainer.join()
@@ -197,8 +201,7 @@ def main() -> int:
     ap.add_argument("--early-outputs", default="on", type=lambda t: t.split(","),
                     help="on: a read step's tokens are sent before the next sampling "
                          "(StepLoop.early_outputs, the core's default); off: after the step "
-                         "returns; on,off: both, a fresh engine each, alternating --repeats "
-                         "times")
+                         "returns; on,off: both on one engine, alternating --repeats times")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -213,12 +216,11 @@ def main() -> int:
                 "count); read_to_send: from the read of a step's ids to the start of the send "
                 "that carries them",
         "arms": {arm: [] for arm in args.early_outputs}}
+    engine, names = build_engine(args, Path(tempfile.mkdtemp(prefix="slora-profile-core-")))
     for r in range(args.repeats):
         for arm in args.early_outputs:
             args.early = arm == "on"
-            engine, names = build_engine(args, Path(tempfile.mkdtemp(prefix="slora-profile-")))
             rows, window_ms = profile(engine, names, args)
-            engine.close()
             phases = sorted({k for row in rows for k in row})
             median = {k: float(np.median([row.get(k, 0.0) for row in rows])) for k in phases}
             result["arms"][arm].append({"repeat": r + 1, "median_ms": median,
