@@ -5,7 +5,8 @@ results), read_wait (asynchronous steps: waiting for the previous step's ids), b
 real `EngineCore` loop (its phases in the engine's StepLoop) with a real socket, for a batch of
 decoding requests. With asynchronous steps also `read_to_send`: from the read of a step's ids
 to the start of the send that takes them to the front, with the core's early outputs (sent
-before the next sampling, the default) and without (`--early-outputs on,off`, both on one engine, alternating).
+before the next sampling, the default) and without (`--early-outputs on,off`: both on one
+engine, alternating).
 
     python -m bench.profile_core --shape llama2-7b --device cuda --dtype float16 --batch 64 \
         [--async-steps] [--early-outputs on,off --repeats 3] \
@@ -48,6 +49,21 @@ class PhaseTimer:
         self.sync = sync
         self.step: dict[str, float] = defaultdict(float)
         self.stamps: dict[str, float] = {}
+        # What each wrap replaced (an owner's own attribute, or None where the name came from
+        # its class), so that `restore` leaves nothing wrapped for the next arm.
+        self._replaced: list[tuple[Any, str, Any]] = []
+
+    def _replace(self, owner: Any, name: str, new: Callable[..., Any]) -> None:
+        self._replaced.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, new)
+
+    def restore(self) -> None:
+        for owner, name, old in reversed(self._replaced):
+            if old is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+        self._replaced.clear()
 
     def stamp(self, owner: Any, name: str, key: str, at_end: bool) -> None:
         """The current step's first call of `name` (its start, or with `at_end` its end) on
@@ -63,7 +79,7 @@ class PhaseTimer:
                 if at_end:
                     self.stamps.setdefault(key, time.perf_counter())
 
-        setattr(owner, name, stamped)
+        self._replace(owner, name, stamped)
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         fn: Callable[..., Any] = getattr(owner, name)
@@ -75,7 +91,7 @@ class PhaseTimer:
             finally:
                 self.step[phase] += (time.perf_counter() - t0) * 1e3
 
-        setattr(owner, name, timed)
+        self._replace(owner, name, timed)
 
 
 def drain(address: str, stop: threading.Event, ctx: zmq.Context) -> None:
@@ -179,6 +195,7 @@ def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
         while engine.has_unfinished():
             engine.step()
     finally:
+        timer.restore()
         stop.set()
         drainer.join()
         out.close(linger=0)
