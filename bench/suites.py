@@ -788,8 +788,8 @@ SUITES["service-path-lead-half"] = (
            levels="64,256"),)
 # The engine core's early outputs on the GPU: from the read of a step's ids to the send that
 # carries them, with them (the default since b140f8c) and without, one engine, alternating, 3
-# repeats, batches of 64 and 256 decoding requests (on this 2-core CPU 0.32 against 0.80 ms
-# and 1.25 against 2.20; profile-core-early-b64-5d6ed76-cpu.json; ~2 x 150 s).
+# repeats, batches of 64 and 256 decoding requests (on this 2-core CPU 0.29 against 0.73 ms
+# and 1.16 against 2.23; profile-core-early-b64-4689ba1-cpu.json; ~2 x 150 s).
 # Batch 256 at 128-token prompts in 4,000 pages (32 GB of KV; 512-token ones would not fit).
 SUITES["core-profile-early"] = tuple(
     step(f"core-early-b{b}", 200, "bench.profile_core", *GPU_7B, "--batch", str(b),
