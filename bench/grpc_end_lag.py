@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from bench.grpc_stream_cost import serve_ticking
+from bench.grpc_stream_cost import Steps, serve_ticking
 from services.common.processes import free_port
 from slora.v1 import inference_pb2 as pb
 from slora.v1 import inference_pb2_grpc as pb_grpc
@@ -47,20 +47,14 @@ def serve(port: int, step_s: float) -> None:
     """The server process: each call's chunks, one a step, until terminated."""
 
     async def main() -> None:
-        step = [asyncio.Event()]
-
-        async def ticker() -> None:
-            while True:
-                await asyncio.sleep(step_s)
-                step[0].set()
-                step[0] = asyncio.Event()
+        steps = Steps(step_s)
 
         class Ending(pb_grpc.InferenceServiceServicer):
             async def Generate(self, request: pb.GenerateRequest, context: Any
                                ) -> AsyncIterator[pb.GenerateResponse]:
                 n = chunks_of(request.request_id)
                 for i in range(n):
-                    await step[0].wait()
+                    await steps.next()
                     built = repr(time.monotonic())  # the machine's clock: both processes'
                     out = [pb.GenerateResponse(chunk=pb.Chunk(token_ids=[i], text=built))]
                     if i == n - 1:  # as the worker's pump: the last chunk and the end at once
@@ -68,7 +62,7 @@ def serve(port: int, step_s: float) -> None:
                     for response in out:
                         yield response
 
-        await serve_ticking(Ending(), port, ticker())
+        await serve_ticking(Ending(), port, steps.tick())
 
     asyncio.run(main())
 

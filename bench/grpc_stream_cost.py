@@ -73,30 +73,42 @@ def serve(kind: str, port: int, messages: int, step_s: float, streams: int) -> N
         return
 
     async def main() -> None:
-        step = [asyncio.Event()]
-
-        async def ticker() -> None:
-            while True:
-                await asyncio.sleep(step_s)
-                step[0].set()
-                step[0] = asyncio.Event()
+        steps = Steps(step_s)
 
         class Yield(pb_grpc.InferenceServiceServicer):
             async def Generate(self, request: pb.GenerateRequest, context: Any
                                ) -> AsyncIterator[pb.GenerateResponse]:
                 for i in range(messages):
-                    await step[0].wait()
+                    await steps.next()
                     yield message(i)
 
         class Write(pb_grpc.InferenceServiceServicer):
             async def Generate(self, request: pb.GenerateRequest, context: Any) -> None:
                 for i in range(messages):
-                    await step[0].wait()
+                    await steps.next()
                     await context.write(message(i))
 
-        await serve_ticking(Yield() if kind == "aio_yield" else Write(), port, ticker())
+        await serve_ticking(Yield() if kind == "aio_yield" else Write(), port, steps.tick())
 
     asyncio.run(main())
+
+
+class Steps:
+    """An engine's steps for a test server: `next()` returns at the next of `tick()`'s ticks,
+    every `step_s` (run beside the server)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self._event = asyncio.Event()
+
+    async def tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            self._event.set()
+            self._event = asyncio.Event()
+
+    async def next(self) -> None:
+        await self._event.wait()
 
 
 async def serve_ticking(servicer: pb_grpc.InferenceServiceServicer, port: int,
