@@ -778,11 +778,11 @@ SUITES["service-path-auto8"] = (
 SUITES["service-path-http-lead-3r"] = (
     _front("service-http-lead-3r", 480, 3, "1", "service-overhead-7b-gw4-http-lead-3r-c256",
            "--http", "--http-clients", "aiohttp"),)
-# A shorter lead widens the window a successor must reach the core in (at 64 streams ~7 ms
-# after the read that ended its predecessor, against 8.4-9.6 ms per call and ~6-7 over the
-# mux: docs/performance.md, "The mux at 64 streams with the lead"), at the risk of the GPU
-# idling where a wait overruns: 0.5 ms against the 1 ms default, 64 and 256 streams, the auto
-# gateway (the mux at both since 96c5224), two repeats (~420 s).
+# A shorter lead widens the window a successor must reach the core in (at 64 streams ~4 ms
+# from the core's send, against 8.4-9.6 ms back per call: docs/performance.md, "The mux at 64
+# streams with the lead"), at the risk of the GPU idling where a wait overruns: 0.5 ms
+# against the 1 ms default, 64 and 256 streams, the auto gateway (the mux at both since
+# 96c5224), two repeats (~420 s).
 SUITES["service-path-lead-half"] = (
     _front("service-lead-half", 540, 2, "0.5,1", "service-overhead-7b-gw4-lead-half",
            levels="64,256"),)
