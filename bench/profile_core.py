@@ -124,10 +124,11 @@ def build_engine(args: argparse.Namespace, root: Path) -> tuple[LLMEngine, list[
     return engine, names
 
 
-def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
+def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace, early: bool = True
             ) -> tuple[list[dict], float]:
     """Per-step phase times, and the measured steps' mean wall time (ms) from one clock read
-    before the first to one after the last (the device synced at both ends only)."""
+    before the first to one after the last (the device synced at both ends only); `early`:
+    the core's early outputs on (its default) or off."""
     ctx = zmq.Context()
     address = f"ipc://{tempfile.mkdtemp()}/out"
     stop = threading.Event()
@@ -136,7 +137,7 @@ def profile(engine: LLMEngine, names: list[str], args: argparse.Namespace
     out = ctx.socket(zmq.PUSH)
     out.connect(address)
     core = EngineCore(engine, out, os.getppid())
-    if not args.early:  # the sends as before: after the step returns
+    if not early:  # the sends as before: after the step returns
         engine.loop.early_outputs = None
     timer = PhaseTimer(sync=args.device.startswith("cuda"))
     loop = engine.loop  # the step's phases run in its StepLoop
@@ -236,8 +237,7 @@ def main() -> int:
     engine, names = build_engine(args, Path(tempfile.mkdtemp(prefix="slora-profile-core-")))
     for r in range(args.repeats):
         for arm in args.early_outputs:
-            args.early = arm == "on"
-            rows, window_ms = profile(engine, names, args)
+            rows, window_ms = profile(engine, names, args, early=arm == "on")
             phases = sorted({k for row in rows for k in row})
             median = {k: float(np.median([row.get(k, 0.0) for row in rows])) for k in phases}
             result["arms"][arm].append({"repeat": r + 1, "median_ms": median,

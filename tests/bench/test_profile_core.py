@@ -38,7 +38,9 @@ def test_every_phase_of_a_cpu_decode_step_is_timed(tmp_path: Path) -> None:
 def test_async_steps_time_the_read_to_the_send_with_early_outputs_and_without(
         tmp_path: Path) -> None:
     result = run(tmp_path, "--async-steps", "--early-outputs", "on,off", "--steps", "8")
-    early, late = (result["arms"][arm][0]["median_ms"] for arm in ("on", "off"))
-    assert early["read_to_send"] > 0 and late["read_to_send"] > 0
-    # Without early outputs the send waits for the next step's sampling and its booking.
-    assert late["read_to_send"] > early["read_to_send"]
+    early, late = (result["arms"][arm][0]["steps"] for arm in ("on", "off"))
+    assert len(early) == len(late) == 8
+    assert all(step["read_to_send"] > 0 for step in early + late)
+    # Without early outputs the next step's sampling runs between the read and the send, in
+    # every step (an order, not a speed: which arm is faster is the bench's to measure).
+    assert all(step["read_to_send"] >= step["sample"] for step in late)
