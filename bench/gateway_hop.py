@@ -314,7 +314,7 @@ def hardware() -> str:
     return f"{model}, {os.cpu_count()} cores (shared; load average at start {os.getloadavg()[0]:.1f})"
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from bench.service_overhead import http_clients_arg
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -342,7 +342,11 @@ def parse_args() -> argparse.Namespace:
                          "none: gRPC only")
     ap.add_argument("--note", default="", help="recorded in the JSON: what the variants differ in")
     ap.add_argument("--out", default=None)
-    return ap.parse_args()
+    args = ap.parse_args(argv)
+    if not 0 <= args.new_tokens_spread < args.new_tokens:  # as bench.service_overhead's
+        ap.error(f"--new-tokens-spread must be in [0, --new-tokens), got "
+                 f"{args.new_tokens_spread}")
+    return args
 
 
 def main() -> int:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
+from bench import gateway_hop
 from bench.gateway_hop import FakeWorker
 from slora.v1 import inference_pb2 as pb
 
@@ -39,3 +42,12 @@ def test_a_successor_is_timed_from_its_predecessors_last_step() -> None:
     (lag,), again, unpaired = asyncio.run(scenario())
     assert 0.03 <= lag < 0.2
     assert again == [] and unpaired == []
+
+
+@pytest.mark.parametrize("spread", ["-1", "64", "80"])
+def test_a_spread_outside_the_lengths_is_a_usage_error(spread: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        gateway_hop.parse_args(["--new-tokens", "64", "--new-tokens-spread", spread])
+    assert e.value.code == 2
+    assert gateway_hop.parse_args(["--new-tokens", "64", "--new-tokens-spread", "63"]) \
+        .new_tokens_spread == 63
